@@ -1,0 +1,234 @@
+"""The frozen-dataclass base of easykv's metadata classes: exact, versioned JSON round trips.
+
+A cache's metadata is saved beside checkpoints and shipped between hosts, so a round trip must
+give back an equal (and equally hashable) object, and a JSON from another class, a newer easykv
+or a hand edit with a typo must fail loudly with the fix rather than build a wrong cache.
+Deliberately free of jax: dtypes go through numpy (with ml_dtypes for bfloat16 / float8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, ClassVar, Mapping, TypeVar
+
+import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
+import numpy as np
+
+_T = TypeVar("_T", bound="Serializable")
+_SCHEMA_KEY = "__schema__"
+_VERSION_KEY = "__version__"
+_DTYPE_EXAMPLES = "float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4, uint8"
+
+
+class SerializationError(ValueError):
+    """A dict/JSON cannot become (or an object cannot be written as) a Serializable class."""
+
+
+def _to_lists(value: Any) -> Any:
+    """Tuples (at any depth) -> lists, numpy scalars -> Python scalars: what JSON can hold."""
+    if isinstance(value, (tuple, list)):
+        return [_to_lists(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_lists(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _to_tuples(value: Any) -> Any:
+    """Lists (at any depth) -> tuples, so decoded fields compare and hash like the originals."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_to_tuples(v) for v in value)
+    return value
+
+
+def _check_json_safe(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json_safe(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise SerializationError(f"{where} has a non-string key {k!r}; JSON needs str")
+            _check_json_safe(v, f"{where}[{k!r}]")
+        return
+    raise SerializationError(
+        f"{where} holds {value!r} of type {type(value).__name__}, which JSON cannot hold; "
+        "give the field metadata={'codec': 'dtype'} or {'codec': 'tuple'}, or store a "
+        "plain value")
+
+
+def encode_dtype(value: Any, field: str = "dtype") -> str:
+    """The canonical name of a numpy/jax dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return np.dtype(value).name
+    except (TypeError, ValueError) as e:
+        raise SerializationError(
+            f"field {field!r}: {value!r} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
+
+
+def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
+    """``np.dtype`` from its name; bfloat16 / float8 names resolve through ml_dtypes."""
+    if not isinstance(name, str):
+        raise SerializationError(
+            f"field {field!r}: a dtype must be written as its name, got {name!r}; "
+            f"e.g. one of {_DTYPE_EXAMPLES}")
+    try:
+        return np.dtype(name)
+    except (TypeError, ValueError):
+        raise SerializationError(
+            f"field {field!r}: unknown dtype name {name!r}; expected e.g. one of "
+            f"{_DTYPE_EXAMPLES}") from None
+
+
+def _encode(f: dataclasses.Field, value: Any) -> Any:
+    codec = f.metadata.get("codec")
+    if value is None:
+        return None
+    if codec == "dtype":
+        return encode_dtype(value, f.name)
+    if codec not in (None, "tuple"):
+        raise SerializationError(f"field {f.name!r} has unknown codec {codec!r}")
+    return _to_lists(value)
+
+
+def _decode(f: dataclasses.Field, value: Any) -> Any:
+    codec = f.metadata.get("codec")
+    if value is None:
+        return None
+    if codec == "dtype":
+        return decode_dtype(value, f.name)
+    if codec == "tuple":
+        return _to_tuples(value)
+    if codec is not None:
+        raise SerializationError(f"field {f.name!r} has unknown codec {codec!r}")
+    return value
+
+
+class Serializable:
+    """Mixin for ``@dataclass(frozen=True)`` classes: to/from dict and JSON, and ``replace``.
+
+    Subclasses set ``SCHEMA`` (e.g. ``"easykv.PagedAttentionCacheMetaData"``) and
+    ``SCHEMA_VERSION``; both are written into every dict so a JSON says what it is. Values are
+    validated by the subclass's own ``__post_init__``; this base only checks the shape (schema,
+    version, field names). Fields with ``init=False`` are derived and never written.
+    """
+
+    SCHEMA: ClassVar[str]
+    SCHEMA_VERSION: ClassVar[int]
+
+    @classmethod
+    def _init_fields(cls) -> dict[str, dataclasses.Field]:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} must be a @dataclass(frozen=True) to be Serializable")
+        schema, version = getattr(cls, "SCHEMA", None), getattr(cls, "SCHEMA_VERSION", None)
+        if not isinstance(schema, str) or not schema:
+            raise TypeError(f"{cls.__name__}.SCHEMA must be a non-empty str, got {schema!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise TypeError(
+                f"{cls.__name__}.SCHEMA_VERSION must be a positive int, got {version!r}")
+        return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+    @classmethod
+    def _upgrade(cls, data: dict) -> dict:
+        """Turn an older or foreign dict into this class's current format.
+
+        Called before any check. The default accepts only easykv JSON; a subclass overrides it
+        to read e.g. EasyDeL's metadata (no ``__schema__``) or migrate an older
+        ``__version__``, returning a dict of this class's fields (with or without the keys).
+        """
+        if _SCHEMA_KEY not in data:
+            raise SerializationError(
+                f"not an easykv JSON: missing {_SCHEMA_KEY!r} (expected {cls.SCHEMA!r}); "
+                f"keys were {sorted(data)[:20]}")
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict: schema and version first, then every init field, encoded."""
+        fields = self._init_fields()
+        out: dict[str, Any] = {_SCHEMA_KEY: self.SCHEMA, _VERSION_KEY: self.SCHEMA_VERSION}
+        for name, f in fields.items():
+            out[name] = _encode(f, getattr(self, name))
+            _check_json_safe(out[name], f"{type(self).__name__}.{name}")
+        return out
+
+    @classmethod
+    def from_dict(cls: type[_T], data: Mapping[str, Any]) -> _T:
+        """Rebuild from ``to_dict`` output; unknown, missing or foreign data is an error."""
+        fields = cls._init_fields()
+        if not isinstance(data, Mapping):
+            raise SerializationError(
+                f"{cls.__name__}.from_dict needs a dict, got {type(data).__name__}")
+        data = dict(cls._upgrade(dict(data)))
+        valid = sorted(fields)
+        if _SCHEMA_KEY in data:
+            schema = data.pop(_SCHEMA_KEY)
+            if schema != cls.SCHEMA:
+                raise SerializationError(
+                    f"JSON is a {schema!r}, not a {cls.SCHEMA!r}; load it with the class it "
+                    "was written from")
+            version = data.pop(_VERSION_KEY, None)
+            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                raise SerializationError(
+                    f"{cls.SCHEMA} JSON needs a positive int {_VERSION_KEY!r}, got {version!r}")
+            if version > cls.SCHEMA_VERSION:
+                raise SerializationError(
+                    f"{cls.SCHEMA} JSON is version {version}, but this easykv reads up to "
+                    f"version {cls.SCHEMA_VERSION}; upgrade easykv to load it")
+        else:
+            data.pop(_VERSION_KEY, None)
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise SerializationError(
+                f"unknown field(s) {unknown} for {cls.__name__}; valid fields: {valid}")
+        missing = sorted(
+            n for n, f in fields.items()
+            if n not in data and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise SerializationError(
+                f"missing required field(s) {missing} for {cls.__name__}; valid fields: {valid}")
+        return cls(**{n: _decode(fields[n], v) for n, v in data.items()})
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        """``json.dumps(self.to_dict(), **json_kwargs)``; e.g. ``indent=2`` for files."""
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_json(cls: type[_T], text: str | bytes) -> _T:
+        """Parse ``to_json`` output (or any JSON object ``_upgrade`` accepts)."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise SerializationError(
+                f"{cls.__name__}.from_json needs JSON text, got {type(text).__name__}; "
+                "use from_dict for a dict")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SerializationError(
+                f"invalid JSON for {cls.__name__} ({e.msg} at line {e.lineno} column "
+                f"{e.colno}); text starts {_head(text)}") from None
+        if not isinstance(data, dict):
+            raise SerializationError(
+                f"{cls.__name__} JSON must be an object, got {type(data).__name__}; "
+                f"text starts {_head(text)}")
+        return cls.from_dict(data)
+
+    def replace(self: _T, **changes: Any) -> _T:
+        """A copy with ``changes`` applied; ``__post_init__`` re-validates the result."""
+        fields = self._init_fields()
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise SerializationError(
+                f"cannot replace unknown field(s) {unknown} of {type(self).__name__}; "
+                f"valid fields: {sorted(fields)}")
+        return dataclasses.replace(self, **changes)
+
+
+def _head(text: str | bytes, n: int = 60) -> str:
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "replace")
+    return repr(text[:n] + ("..." if len(text) > n else ""))

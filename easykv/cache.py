@@ -1,0 +1,416 @@
+"""The paged cache: one view per layer holding that layer's key and value pages.
+
+``PagedAttentionCacheView`` and ``PagedAttentionCache`` keep EasyDeL's names and methods. Both
+are pytrees whose only leaves are the page arrays (metadata, layer index and placement are
+static), so jit can take and return them and donation reuses their buffers.
+
+Pages are ``(num_kv_heads, num_pages_per_layer, page_size, head_dim)``; on CPU the bf16/f16
+pages are stored as raw bits (see ``pages.py``) — use ``view.dtype`` for the logical dtype and
+``gather_kv`` to read tokens back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
+from easykv.pages import (
+    PageLayout,
+    allocate_pages,
+    copy_pages_local,
+    from_storage,
+    page_op,
+    storage_dtype,
+    zero_pages_local,
+)
+from easykv.quantization import Quantizer, get_quantizer
+from easykv.runtime import PagedAttentionMetadata
+from easykv.writes import (
+    check_new_tokens,
+    check_slots_on_host,
+    count_dropped,
+    scatter_kv,
+    token_slots,
+)
+from sharding import PartitionManager, ShardingAdjustedWarning
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["key_pages", "value_pages"],
+    meta_fields=["metadata", "layer_index", "layout"],
+)
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionCacheView:
+    """One layer's pages.
+
+    key_pages, value_pages: (num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size),
+    in the storage dtype of the platform. ``layout`` says how they are split over the mesh
+    (None: one device, no shard_map).
+    """
+
+    metadata: PagedAttentionCacheMetaData
+    layer_index: int
+    key_pages: Any
+    value_pages: Any
+    layout: PageLayout | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Logical dtype of the cached keys and values."""
+        return self.metadata.dtype
+
+    @classmethod
+    def init(
+        cls,
+        mesh: Mesh,
+        dtype: Any,
+        metadata: PagedAttentionCacheMetaData,
+        layer_index: int,
+        partition_manager: PartitionManager | None = None,
+        quantizer: str | Quantizer | None = None,
+    ) -> PagedAttentionCacheView:
+        """Allocate one layer's pages directly on the devices of ``mesh``."""
+        if not 0 <= layer_index < metadata.num_hidden_layers:
+            raise ValueError(
+                f"layer_index={layer_index} is outside 0..{metadata.num_hidden_layers - 1}"
+            )
+        layout, stored = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        shape = _page_shape(metadata)
+        k, v = allocate_pages((shape, shape), (stored, stored), layout.sharding)
+        return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
+
+    def replace(self, **changes: Any) -> PagedAttentionCacheView:
+        return dataclasses.replace(self, **changes)
+
+    def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "a paged cache has no contiguous buffer to concatenate into; use "
+            "write_prefill_to_cache / write_decodes_to_cache / write_tokens"
+        )
+
+    # ---- writes (functional: they return the updated view) --------------------------------
+    def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+        """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
+        if not isinstance(slots, (jax.Array, np.ndarray)):
+            slots = np.asarray(slots)  # a list is host data: check it like numpy
+        if np.ndim(slots) != 1:
+            raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
+        check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
+        check_slots_on_host(slots, self.metadata.tokens_per_layer)
+        k, v = _scatter(self.key_pages, self.value_pages, key, value, slots, layout=self.layout)
+        return dataclasses.replace(self, key_pages=k, value_pages=v)
+
+    def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position."""
+        if not metadata.is_prefill_mode():
+            raise ValueError("write_prefill_to_cache needs prefill metadata (PagedAttentionMetadata.for_prefill)")
+        return self.write_tokens(key, value, self._slots(metadata))
+
+    def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
+        if not metadata.is_decode_mode():
+            raise ValueError("write_decodes_to_cache needs decode metadata (PagedAttentionMetadata.for_decode)")
+        return self.write_tokens(key, value, self._slots(metadata))
+
+    def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
+        if not metadata.is_mixed_mode():
+            raise ValueError("write_mixed_to_cache needs mixed metadata (PagedAttentionMetadata.for_mixed)")
+        return self.write_tokens(key, value, metadata.slot_mapping)
+
+    def _slots(self, metadata: PagedAttentionMetadata) -> Any:
+        return _token_slots(metadata, self.metadata)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["views"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionCache:
+    """All layers' views (``views[i].layer_index == i``)."""
+
+    views: tuple[PagedAttentionCacheView, ...]
+
+    def __post_init__(self) -> None:
+        views = tuple(self.views)
+        object.__setattr__(self, "views", views)
+        if not views:
+            raise ValueError("PagedAttentionCache needs at least one view")
+        meta = views[0].metadata
+        for i, view in enumerate(views):
+            if not isinstance(view, PagedAttentionCacheView):
+                return  # jax rebuilds pytrees with placeholder leaves; nothing to check then
+            if view.layer_index != i or view.metadata != meta:
+                raise ValueError(
+                    f"views[{i}] has layer_index={view.layer_index} and "
+                    f"{'the same' if view.metadata == meta else 'different'} metadata; views must be "
+                    "layers 0..n-1 of one cache"
+                )
+        if len(views) != meta.num_hidden_layers:
+            raise ValueError(
+                f"{len(views)} views for metadata with num_hidden_layers={meta.num_hidden_layers}"
+            )
+
+    @property
+    def metadata(self) -> PagedAttentionCacheMetaData:
+        return self.views[0].metadata
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, layer: int) -> PagedAttentionCacheView:
+        return self.views[layer]
+
+    def __iter__(self):
+        return iter(self.views)
+
+    def replace(self, **changes: Any) -> PagedAttentionCache:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def init_empty(cls, *args: Any, **kwargs: Any) -> None:
+        """EasyDeL's placeholder: a paged cache is only made by init_cache."""
+        return None
+
+    @classmethod
+    def init_cache(
+        cls,
+        mesh: Mesh,
+        dtype: Any,
+        metadata: PagedAttentionCacheMetaData,
+        partition_manager: PartitionManager | None = None,
+        quantizer: str | Quantizer | None = None,
+    ) -> PagedAttentionCache:
+        """Allocate every layer's pages in one call; each device creates only its own shard."""
+        layout, stored = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        shape = _page_shape(metadata)
+        n = 2 * metadata.num_hidden_layers
+        arrays = allocate_pages((shape,) * n, (stored,) * n, layout.sharding)
+        views = tuple(
+            PagedAttentionCacheView(metadata, i, arrays[2 * i], arrays[2 * i + 1], layout)
+            for i in range(metadata.num_hidden_layers)
+        )
+        return cls(views)
+
+    # ---- all layers in one jit -----------------------------------------------------------
+    def write(self, keys: Any, values: Any, metadata: PagedAttentionMetadata) -> tuple[PagedAttentionCache, jax.Array]:
+        """Write every layer's new tokens in one jitted, donating call.
+
+        keys, values: (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of
+        per-layer (num_tokens, num_kv_heads, head_dim). Returns the updated cache (this cache's
+        buffers are donated: do not use it afterwards) and the number of real tokens dropped
+        because their slot lay outside the pool (0 when metadata came from the validated
+        constructors).
+        """
+        meta = self.metadata
+        slots = _token_slots(metadata, meta)
+        num_tokens = int(np.shape(slots)[0])
+        keys = _per_layer(keys, "keys", meta, num_tokens)
+        values = _per_layer(values, "values", meta, num_tokens)
+        check_slots_on_host(slots, meta.tokens_per_layer)
+        return _write_all(self, keys, values, slots)
+
+    def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
+        """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
+        One jitted, donating call; sources are read before destinations are written."""
+        meta = self.metadata
+        src, dst = _page_ids(src, "src", meta), _page_ids(dst, "dst", meta)
+        if src.shape != dst.shape:
+            raise ValueError(f"src has shape {src.shape} but dst has shape {dst.shape}; pair them 1:1")
+        if meta.page_shards > 1 and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+            # Each data-parallel replica owns a slice of the pool; a copy cannot cross slices.
+            real = (src >= 0) & (dst >= 0)
+            cross = real & (src // meta.pages_per_shard != dst // meta.pages_per_shard)
+            if np.any(cross):
+                i = int(np.argmax(cross))
+                raise ValueError(
+                    f"copy {int(src[i])} -> {int(dst[i])} crosses data-parallel replicas: pages are "
+                    f"split into {meta.page_shards} slices of {meta.pages_per_shard}; copy within a "
+                    "replica's slice"
+                )
+        return _copy_all(self, src, dst)
+
+    def zero_pages(self, pages: Any) -> PagedAttentionCache:
+        """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding."""
+        return _zero_all(self, _page_ids(pages, "pages", self.metadata))
+
+
+def _token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData) -> Any:
+    return token_slots(
+        metadata,
+        page_size=meta.page_size,
+        num_pages=meta.num_pages_per_layer,
+        pages_per_sequence=meta.num_pages_per_sequence,
+    )
+
+
+# One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.
+# Not donating: a view's writes are functional and the caller may keep the old view.
+_scatter = jax.jit(scatter_kv, static_argnames=("layout",))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
+    views = []
+    for i, view in enumerate(cache.views):
+        k, v = keys[i], values[i]
+        kp, vp = scatter_kv(view.key_pages, view.value_pages, k, v, slots, layout=view.layout)
+        views.append(dataclasses.replace(view, key_pages=kp, value_pages=vp))
+    return PagedAttentionCache(tuple(views)), count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer)
+
+
+def _apply_page_op(cache: PagedAttentionCache, *ids: jax.Array, op: Any) -> PagedAttentionCache:
+    layout = cache.views[0].layout
+    pages = tuple((v.key_pages, v.value_pages) for v in cache.views)
+    out = page_op(layout, op)(pages, *ids)
+    return PagedAttentionCache(
+        tuple(dataclasses.replace(v, key_pages=k, value_pages=p) for v, (k, p) in zip(cache.views, out))
+    )
+
+
+_copy_all = jax.jit(partial(_apply_page_op, op=copy_pages_local), donate_argnums=0)
+_zero_all = jax.jit(partial(_apply_page_op, op=zero_pages_local), donate_argnums=0)
+
+
+def gather_kv(
+    cache: PagedAttentionCache | PagedAttentionCacheView,
+    layer: int,
+    page_table_row: Any,
+    length: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The contiguous keys and values of one sequence, each (length, num_kv_heads, head_dim)
+    in the logical dtype. Reads only the ``ceil(length / page_size)`` pages it needs."""
+    view = cache if isinstance(cache, PagedAttentionCacheView) else cache[layer]
+    meta = view.metadata
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+        raise ValueError(f"length must be a non-negative int (static), got {length!r}")
+    row = page_table_row
+    if np.ndim(row) != 1:
+        raise ValueError(f"page_table_row must be 1-D, got shape {np.shape(row)}")
+    needed = math.ceil(length / meta.page_size)
+    if length > meta.num_pages_per_sequence * meta.page_size or needed > np.shape(row)[0]:
+        raise ValueError(
+            f"length={length} needs {needed} pages but page_table_row has {np.shape(row)[0]} "
+            f"(and a sequence holds at most {meta.num_pages_per_sequence * meta.page_size} tokens)"
+        )
+    if not isinstance(row, jax.core.Tracer):
+        ids = np.asarray(row)[:needed]
+        bad = (ids < 0) | (ids >= meta.num_pages_per_layer)
+        if np.any(bad):
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"page_table_row[{i}] = {int(ids[i])} is not a page of the pool "
+                f"(0..{meta.num_pages_per_layer - 1}) but is needed for length={length}"
+            )
+    return _gather(view, jnp.asarray(row, jnp.int32)[:needed], length)
+
+
+@partial(jax.jit, static_argnums=2)
+def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+    meta = view.metadata
+
+    def read(pages: jax.Array) -> jax.Array:
+        picked = jnp.take(pages, ids, axis=1)  # (heads, n, page_size, head_dim)
+        tokens = jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, meta.num_kv_heads, meta.kv_head_dim_size)
+        return from_storage(tokens[:length], meta.dtype)
+
+    return read(view.key_pages), read(view.value_pages)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+def _page_shape(meta: PagedAttentionCacheMetaData) -> tuple[int, int, int, int]:
+    return (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
+
+
+def _checked_layout(
+    mesh: Mesh,
+    dtype: Any,
+    metadata: PagedAttentionCacheMetaData,
+    partition_manager: PartitionManager | None,
+    quantizer: str | Quantizer | None,
+) -> tuple[PageLayout, np.dtype]:
+    """The placement and storage dtype for ``metadata`` on ``mesh``, refusing any mismatch with
+    what the pool was sized for (a different split would change the bytes per device)."""
+    if not isinstance(metadata, PagedAttentionCacheMetaData):
+        raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+    dt = canonical_dtype(dtype)
+    if dt != metadata.dtype:
+        raise ValueError(
+            f"dtype {dt.name} differs from metadata.dtype {metadata.dtype.name} that the pool was "
+            "sized for; pass metadata.dtype or create the metadata with this dtype"
+        )
+    q = get_quantizer(quantizer)
+    if q.name != metadata.quantization:
+        raise ValueError(
+            f"quantizer {q.name!r} differs from metadata.quantization {metadata.quantization!r}; "
+            "create the metadata with the same quantizer"
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShardingAdjustedWarning)
+        plan = plan_layout(
+            mesh, num_kv_heads=metadata.num_kv_heads, partition_manager=partition_manager, emit_warnings=True
+        )
+    for w in caught:
+        warnings.warn(str(w.message), ShardingAdjustedWarning, stacklevel=4)
+    got = (plan.kv_head_mesh_axes, plan.kv_head_shards, plan.page_mesh_axes, plan.page_shards)
+    want = (metadata.kv_head_mesh_axes, metadata.kv_head_shards, metadata.page_mesh_axes, metadata.page_shards)
+    if got != want:
+        raise ValueError(
+            "the mesh and partition manager split the pages as (kv_head axes, shards, page axes, "
+            f"shards) = {got}, but the metadata was sized for {want}; create the metadata with this "
+            "mesh and partition manager"
+        )
+    layout = PageLayout(mesh=mesh, head_axes=plan.kv_head_mesh_axes, page_axes=plan.page_mesh_axes)
+    return layout, storage_dtype(metadata.dtype, mesh.devices.flat[0].platform)
+
+
+def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int) -> Any:
+    """Check per-layer new tokens without slicing them on the host: a stacked array stays one
+    array (sliced inside the jit), a sequence stays a tuple."""
+    if isinstance(x, (list, tuple)):
+        layers = tuple(x)
+    elif np.ndim(x) == 4:
+        layers = (jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype),) * np.shape(x)[0]
+    else:
+        raise ValueError(
+            f"{name} must be (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of "
+            f"per-layer arrays, got shape {np.shape(x)}"
+        )
+    if len(layers) != meta.num_hidden_layers:
+        raise ValueError(
+            f"{name} holds {len(layers)} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
+        )
+    for layer in layers:
+        check_new_tokens(layer, layer, metadata=meta, num_tokens=num_tokens, name=name)
+    return tuple(x) if isinstance(x, (list, tuple)) else x
+
+
+def _page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> Any:
+    if np.ndim(ids) != 1:
+        raise ValueError(f"{name} must be a 1-D array of page ids, got shape {np.shape(ids)}")
+    if not isinstance(ids, jax.Array):
+        arr = np.asarray(ids)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{name} must hold integer page ids, got dtype {arr.dtype}: {arr.tolist()}")
+        arr = arr.astype(np.int64)
+        bad = (arr < -1) | (arr >= meta.num_pages_per_layer)
+        if np.any(bad):
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"{name}[{i}] = {int(arr[i])} is not a page of the pool (0..{meta.num_pages_per_layer - 1}, "
+                "-1 for padding)"
+            )
+        return np.asarray(arr, np.int32)
+    return ids.astype(jnp.int32)
+
+
+__all__ = ["PagedAttentionCache", "PagedAttentionCacheView", "gather_kv"]

@@ -1,0 +1,195 @@
+"""`easykv` command line: `easykv plan` prints how a cache would be laid out and sized.
+
+Bad flags give one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+# Open model shapes (layers, kv heads, head dim) from their public configs.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "llama-3.2-1b": (16, 8, 64),
+    "llama-3.2-3b": (28, 8, 128),
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (80, 8, 128),
+    "mistral-7b": (32, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "qwen2.5-72b": (80, 8, 128),
+    "gemma-2-9b": (42, 8, 256),
+}
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}  # fmt: skip
+
+
+class UsageError(Exception):
+    """A flag the user must fix; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '1.5G', '800MB' or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"--memory {text!r} is not a size; write e.g. 16GiB, 800MB or 1073741824")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise UsageError(f"--memory {text!r} must be positive")
+    return value
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'dp=2,tp=4' -> {'dp': 2, 'tp': 4} (order kept)."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(-?[0-9]+)\s*", part)
+        if not m:
+            raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE; write e.g. dp=1,tp=8")
+        if m.group(1) in axes:
+            raise UsageError(f"--mesh {text!r} names axis {m.group(1)!r} twice")
+        axes[m.group(1)] = int(m.group(2))
+    return axes
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="easykv", description="A sharded, paged KV cache for JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="print how a cache is sharded and sized")
+    plan.add_argument("--preset", choices=sorted(PRESETS), help="take layers / kv heads / head dim from a model")
+    plan.add_argument("--layers", type=int, help="num_hidden_layers")
+    plan.add_argument("--kv-heads", type=int, help="num_kv_heads")
+    plan.add_argument("--head-dim", type=int, help="kv_head_dim_size")
+    plan.add_argument("--max-seq", type=int, default=8192, help="longest sequence in tokens (max_sequences)")
+    plan.add_argument("--page-size", type=int, default=16)
+    plan.add_argument("--batch-size", type=int, default=32)
+    plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    plan.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
+    plan.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=1,tp=8 (default: tp=<local devices>)")
+    plan.add_argument("--kv-head-axis", default="tp", help="mesh axis (or a,b) for kv heads; 'none' to replicate")
+    plan.add_argument("--page-axis", default="none", help="mesh axis (or a,b) splitting the page pool, e.g. dp")
+    plan.add_argument("--utilization", type=float, default=0.9, help="hbm_utilization in (0, 1]")
+    plan.add_argument("--memory", default=None,
+                      help="per-device bytes for the cache (e.g. 16GiB); plans any mesh without its devices")  # fmt: skip
+    plan.add_argument("--cpu-devices", type=int, default=None,
+                      help="simulate this many CPU devices (for meshes larger than this machine)")  # fmt: skip
+    return parser
+
+
+def _axes_flag(text: str) -> str | tuple[str, ...] | None:
+    if text.lower() == "none":
+        return None
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _model_dims(args: argparse.Namespace) -> tuple[int, int, int, str]:
+    explicit = (args.layers, args.kv_heads, args.head_dim)
+    if args.preset:
+        layers, heads, dim = PRESETS[args.preset]
+        layers, heads, dim = (e if e is not None else p for e, p in zip(explicit, (layers, heads, dim)))
+        return layers, heads, dim, args.preset
+    if None in explicit:
+        raise UsageError("give --preset NAME or all of --layers, --kv-heads and --head-dim")
+    return *explicit, "custom"
+
+
+def _mesh(args: argparse.Namespace) -> Any:
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from sharding import create_mesh
+
+    if args.cpu_devices is not None:
+        if args.cpu_devices <= 0:
+            raise UsageError(f"--cpu-devices {args.cpu_devices} must be positive")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    axes = parse_mesh(args.mesh) if args.mesh else None
+    if args.memory is not None and axes is not None:
+        if any(size <= 0 for size in axes.values()):
+            raise UsageError(f"--mesh {args.mesh!r}: with --memory every axis needs an explicit positive size")
+        # With the budget given, no device needs to exist: plan a pod from a laptop.
+        return AbstractMesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+    return create_mesh(axes if axes is not None else {"tp": jax.device_count()})
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import warnings
+
+    from easykv.metadata import PagedAttentionCacheMetaData, plan_layout
+    from sharding import PartitionAxis, PartitionManager
+
+    layers, heads, dim, model = _model_dims(args)
+    memory = parse_bytes(args.memory) if args.memory is not None else None
+    mesh = _mesh(args)
+    pm = PartitionManager(PartitionAxis(kv_head_axis=_axes_flag(args.kv_head_axis), page_axis=_axes_flag(args.page_axis)))
+    layout = plan_layout(mesh, num_kv_heads=heads, partition_manager=pm, emit_warnings=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the same adjustments are printed in the table below
+        meta = PagedAttentionCacheMetaData.create(
+            mesh, args.batch_size, layers, args.max_seq, args.page_size, heads, dim, args.utilization,
+            args.dtype, partition_manager=pm, quantizer=args.quant, memory_bytes_per_device=memory,
+        )  # fmt: skip
+    if meta.kv_head_shards > 1:
+        head_line = f"{heads} split over {meta.kv_head_mesh_axes} -> {meta.kv_heads_per_device} per device"
+    else:
+        head_line = f"replicated: every device stores all {heads}"
+    mesh_line = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    rows = [
+        ("model", f"{model}: {layers} layers, {heads} kv heads, head_dim {dim}"),
+        ("mesh", f"{mesh_line} ({mesh.size} devices)"),
+        ("dtype / quantization", f"{meta.dtype.name} / {meta.quantization}"),
+        ("memory budget per device", _format_bytes(meta.memory_bytes_per_device or 0)),
+        ("kv heads", head_line),
+        ("page axis", f"split over {meta.page_mesh_axes} into {meta.page_shards} slices"
+                      if meta.page_shards > 1 else "not split (every device holds every page id)"),  # fmt: skip
+        ("page size", f"{meta.page_size} tokens"),
+        ("pages per layer", f"{meta.num_pages_per_layer} ({meta.pages_per_shard} per device)"),
+        ("tokens held per layer", f"{meta.tokens_per_layer:,}"),
+        ("bytes per token (all layers)", _format_bytes(meta.bytes_per_token)),
+        ("bytes per page per device (all layers)", _format_bytes(meta.page_bytes_per_device * layers)),
+        ("pool bytes per device", _format_bytes(meta.bytes_per_device)),
+        ("sequences of max length", f"{meta.max_full_sequences} x {meta.max_sequences} tokens "
+                                    f"({meta.num_pages_per_sequence} pages each)"),  # fmt: skip
+    ]
+    rows += [("adjustment", note) for note in layout.adjustments]
+    width = max(len(k) for k, _ in rows)
+    print(f"easykv plan ({'given --memory' if memory else 'measured device memory'})")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    command = ""
+    try:
+        args = parser.parse_args(argv)
+        command = args.command
+        return {"plan": cmd_plan}[command](args)
+    except (UsageError, ValueError) as err:
+        # The CLI is the user's boundary: a bad flag or value becomes one line and exit code 2.
+        message = " ".join(str(err).split())
+        print(f"easykv{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""The one write primitive: scatter new K/V tokens into pages by slot.
+
+A slot is ``page_id * page_size + offset``. ``PAD_SLOT`` (-1) marks padding and is dropped
+without notice; any other slot outside the pool is dropped and counted, never clipped into a
+neighbouring page. Prefill, decode and mixed writes only differ in how they derive the slots.
+
+Values of host-side (numpy) metadata are checked before anything is written; inside jit, where
+values are unknown until run time, the count of dropped tokens is returned instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.pages import PageLayout, run_local, to_storage
+from easykv.runtime import PAD_SLOT, PagedAttentionMetadata
+
+INVALID_SLOT = -2  # a real token whose destination is outside the pool: dropped and counted
+
+
+def _xp(*arrays: Any) -> Any:
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
+
+
+def _slots_from_table(
+    table: Any, positions: Any, page_size: int, num_pages: int, pages_per_sequence: int | None = None
+) -> Any:
+    """Slots for tokens at ``positions`` (-1: padding) read through per-token table rows.
+
+    A position whose logical page lies past the table or past ``pages_per_sequence`` (the
+    longest sequence the cache allows) gets ``INVALID_SLOT``, like an unassigned page."""
+    xp = _xp(table, positions)
+    logical = positions // page_size
+    width = table.shape[-1] if pages_per_sequence is None else min(table.shape[-1], pages_per_sequence)
+    in_table = (positions >= 0) & (logical < width)
+    page = xp.take_along_axis(table, xp.where(in_table, logical, 0)[..., None], axis=-1)[..., 0]
+    ok = in_table & (page >= 0) & (page < num_pages)
+    slot = xp.where(ok, page * page_size + positions % page_size, INVALID_SLOT)
+    return xp.where(positions == -1, PAD_SLOT, slot).astype(np.int32)
+
+
+def token_slots(
+    metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int, pages_per_sequence: int | None = None
+) -> Any:
+    """The slot of every token row a write with ``metadata`` receives, shape (num_tokens,)."""
+    if metadata.is_mixed_mode():
+        return metadata.slot_mapping
+    if metadata.is_decode_mode():
+        return _slots_from_table(
+            metadata.decodes_page_table, metadata.decodes_position, page_size, num_pages, pages_per_sequence
+        )
+    if metadata.is_prefill_mode():
+        xp = _xp(metadata.prefill_position, metadata.prefill_page_table, metadata.prefill_length)
+        pos = metadata.prefill_position
+        pos = xp.where(xp.arange(pos.shape[0]) < metadata.prefill_length, pos, -1)
+        table = xp.broadcast_to(metadata.prefill_page_table, (pos.shape[0],) + metadata.prefill_page_table.shape)
+        return _slots_from_table(table, pos, page_size, num_pages, pages_per_sequence)
+    raise ValueError("the PagedAttentionMetadata is empty (init_empty): it names no tokens to write")
+
+
+def count_dropped(slots: Any, capacity: int) -> Any:
+    """Real tokens (not padding) whose slot lies outside ``[0, capacity)``."""
+    xp = _xp(slots)
+    return xp.sum((slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))).astype(np.int32)
+
+
+def check_slots_on_host(slots: Any, capacity: int) -> None:
+    """Raise for out-of-pool slots when they are known on the host (numpy), before writing."""
+    if not isinstance(slots, np.ndarray):
+        return
+    bad = (slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"token {i} would be written to slot {int(slots[i])}, outside the pool's {capacity} "
+            "slots (its page is unassigned, outside the pool, or past the page table); "
+            "nothing was written — assign pages before writing"
+        )
+
+
+def check_new_tokens(
+    key: Any, value: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int, name: str | None = None
+) -> None:
+    """New K/V must be (num_tokens, num_kv_heads, head_dim) in the cache dtype."""
+    want = (num_tokens, metadata.num_kv_heads, metadata.kv_head_dim_size)
+    pairs = ((name, key),) if name is not None else (("key", key), ("value", value))
+    for name, x in pairs:
+        shape, dtype = tuple(getattr(x, "shape", np.shape(x))), getattr(x, "dtype", None)
+        if shape != want:
+            raise ValueError(
+                f"{name} has shape {shape}, expected (num_tokens, num_kv_heads, head_dim) = {want}"
+            )
+        if dtype is None or np.dtype(dtype) != metadata.dtype:
+            raise ValueError(
+                f"{name} has dtype {dtype}, but the cache stores {metadata.dtype.name}; "
+                f"cast with .astype({metadata.dtype.name}) first (a silent cast would hide a model bug)"
+            )
+
+
+def _scatter_local(pages: Any, new: Any, slots: jax.Array, *, layout: PageLayout | None) -> Any:
+    """One shard: put token row ``new[t]`` (heads, ...) at slot ``slots[t]`` for local slots."""
+
+    def one(leaf: jax.Array, upd: jax.Array) -> jax.Array:
+        h, p, s = leaf.shape[:3]
+        cap = p * s
+        offset = layout.local_page_offset(p) * s if layout is not None else 0
+        local = slots - offset
+        idx = jnp.where((slots >= 0) & (local >= 0) & (local < cap), local, cap)
+        flat = leaf.reshape((h, cap) + leaf.shape[3:])
+        # Updates stay token-major (num_tokens, heads, ...): the window dims map onto the
+        # operand's head and trailing dims, so no transpose of the new tokens is needed.
+        dims = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=tuple(range(1, flat.ndim)),
+            inserted_window_dims=(1,),
+            scatter_dims_to_operand_dims=(1,),
+        )
+        out = jax.lax.scatter(flat, idx[:, None], upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+        return out.reshape(leaf.shape)
+
+    return jax.tree.map(one, pages, new)
+
+
+def scatter_kv(
+    key_pages: Any,
+    value_pages: Any,
+    key: jax.Array,
+    value: jax.Array,
+    slots: Any,
+    *,
+    layout: PageLayout | None,
+) -> tuple[Any, Any]:
+    """Write token rows ``key[t]``/``value[t]`` (num_tokens, heads, head_dim) at ``slots[t]``.
+
+    Each device writes only into its own shard: the new tokens are split by kv head like the
+    pages, and each page slice keeps the slots that fall inside it.
+    """
+    new = (to_storage(jnp.asarray(key), key_pages.dtype), to_storage(jnp.asarray(value), value_pages.dtype))
+
+    def local(pages: Any, upd: Any, s: jax.Array) -> Any:
+        return _scatter_local(pages, upd, s, layout=layout)
+
+    return run_local(local, layout, (key_pages, value_pages), new, (jnp.asarray(slots, jnp.int32),), token_major=True)

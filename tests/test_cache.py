@@ -1,0 +1,281 @@
+"""PagedAttentionCache / PagedAttentionCacheView: allocation, placement on the mesh, storage
+dtype, pytree behaviour (jit, donation), page copies and zeroing, gather_kv and init errors."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import easykv
+from cache_helpers import (
+    HEAD_DIM, LAYERS, PAGE_SIZE, PAGES, PoolModel, assert_unchanged, mesh_for, new_cache,
+    random_tokens, setup, snapshot,
+)  # fmt: skip
+from easykv import PagedAttentionCache, PagedAttentionCacheView, PagedAttentionMetadata, gather_kv
+from easykv.pages import storage_dtype
+from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+
+# layout -> (spec of the pages, shape of each device's shard, number of shards)
+EXPECTED = {
+    "single": (P("tp", None, None, None), (8, PAGES, PAGE_SIZE, HEAD_DIM), 1),
+    "heads": (P("tp", None, None, None), (1, PAGES, PAGE_SIZE, HEAD_DIM), 8),
+    "replicated": (P(None, None, None, None), (4, PAGES, PAGE_SIZE, HEAD_DIM), 8),
+    "dp": (P("tp", "dp", None, None), (2, PAGES // 2, PAGE_SIZE, HEAD_DIM), 8),
+}
+
+
+# ---------------------------------------------------------------------------- placement
+@pytest.mark.parametrize("layout", list(EXPECTED))
+def test_init_cache_places_each_shard_on_its_device(layout):
+    spec, shard_shape, n_shards = EXPECTED[layout]
+    mesh, _, meta = setup(layout)
+    cache = new_cache(layout)
+    heads = meta.num_kv_heads
+    assert len(cache) == LAYERS and [v.layer_index for v in cache] == [0, 1]
+    for view in cache:
+        assert view.metadata == meta and view.dtype == np.dtype(jnp.bfloat16)
+        for pages in (view.key_pages, view.value_pages):
+            assert pages.shape == (heads, PAGES, PAGE_SIZE, HEAD_DIM)
+            assert pages.dtype == np.uint16  # bf16 stored as raw bits on CPU
+            assert pages.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+            assert pages.sharding.spec == spec or (layout == "replicated" and pages.sharding.is_fully_replicated)
+            shards = pages.addressable_shards
+            assert len(shards) == n_shards
+            assert {s.device for s in shards} == set(mesh.devices.flat)
+            assert all(s.data.shape == shard_shape for s in shards)
+            assert not np.any(np.asarray(pages))
+    # Which device holds which heads/pages follows the mesh coordinates.
+    if layout == "dp":
+        k = cache[0].key_pages
+        for s in k.addressable_shards:
+            dp, tp = (int(i[0]) for i in np.where(mesh.devices == s.device))
+            assert s.index[0] == slice(2 * tp, 2 * tp + 2) and s.index[1] == slice(12 * dp, 12 * dp + 12)
+
+
+def test_replicated_heads_warn_at_init():
+    mesh, pm, meta = setup("replicated")
+    with pytest.warns(ShardingAdjustedWarning, match=r"does not divide 4"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+
+
+def test_storage_dtype_policy():
+    assert storage_dtype(jnp.bfloat16, "cpu") == np.uint16
+    assert storage_dtype(np.float16, "cpu") == np.uint16
+    assert storage_dtype(np.float32, "cpu") == np.float32
+    assert storage_dtype(jnp.bfloat16, "gpu") == np.dtype(jnp.bfloat16)
+    assert storage_dtype(jnp.bfloat16, "tpu") == np.dtype(jnp.bfloat16)
+    f32 = new_cache("heads", "float32")
+    assert f32[0].key_pages.dtype == np.float32 and f32[1].value_pages.dtype == np.float32
+    f16 = new_cache("heads", "float16")
+    assert f16[0].key_pages.dtype == np.uint16 and f16[0].dtype == np.float16
+
+
+def test_view_init_allocates_one_layer():
+    mesh, pm, meta = setup("dp")
+    view = PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 1, pm)
+    assert view.layer_index == 1 and view.key_pages.shape == (8, PAGES, PAGE_SIZE, HEAD_DIM)
+    assert view.key_pages.sharding.spec == P("tp", "dp", None, None)
+    with pytest.raises(ValueError, match=r"layer_index=2 is outside 0..1"):
+        PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 2, pm)
+
+
+def test_init_cache_rejects_mismatches():
+    mesh, pm, meta = setup("heads")
+    with pytest.raises(ValueError, match=r"dtype float32 differs from metadata.dtype bfloat16"):
+        PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    with pytest.raises(ValueError, match=r"unknown dtype 'int7'"):
+        PagedAttentionCache.init_cache(mesh, "int7", meta, pm)
+    with pytest.raises(ValueError, match=r"unknown quantizer 'int8'"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer="int8")
+
+    class Fake:
+        name = "fp8"
+
+        def bytes_per_token_head(self, head_dim, dtype):
+            return head_dim
+
+        def validate(self, head_dim, dtype):
+            return None
+
+    with pytest.raises(ValueError, match=r"quantizer 'fp8' differs from metadata.quantization 'none'"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=Fake())
+    # Sized for heads over tp=8; this mesh splits heads over tp=4 and pages over dp=2.
+    with pytest.raises(ValueError, match=r"split the pages as .*\(\('tp',\), 4, \('dp',\), 2\).*sized for .*\(\('tp',\), 8, \(\), 1\)"):
+        PagedAttentionCache.init_cache(mesh_for("dp"), jnp.bfloat16, meta, PartitionManager(PartitionAxis(page_axis="dp")))
+    # Same mesh, but the partition manager replicates the heads.
+    with pytest.raises(ValueError, match=r"sized for"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, PartitionManager(PartitionAxis(kv_head_axis=None)))
+    with pytest.raises(ValueError, match=r"metadata must be a PagedAttentionCacheMetaData, got dict"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta.to_dict(), pm)
+
+
+def test_cache_constructor_checks_views():
+    cache = new_cache("single")
+    v0, v1 = cache.views
+    with pytest.raises(ValueError, match=r"views\[0\] has layer_index=1"):
+        PagedAttentionCache((v1, v0))
+    with pytest.raises(ValueError, match=r"1 views for metadata with num_hidden_layers=2"):
+        PagedAttentionCache((v0,))
+    with pytest.raises(ValueError, match=r"at least one view"):
+        PagedAttentionCache(())
+    other = v1.replace(metadata=v1.metadata.replace(batch_size=7))
+    with pytest.raises(ValueError, match=r"views\[1\] has layer_index=1 and different metadata"):
+        PagedAttentionCache((v0, other))
+
+
+def test_easydel_placeholders():
+    cache = new_cache("single")
+    with pytest.raises(NotImplementedError, match=r"no contiguous buffer"):
+        cache[0].concatenate_to_cache(jnp.zeros(3), jnp.zeros(3))
+    assert PagedAttentionCache.init_empty(4) is None
+
+
+# ---------------------------------------------------------------------------- pytree / jit
+def test_pytree_round_trip():
+    cache = new_cache("dp")
+    leaves, tree = jax.tree.flatten(cache)
+    assert len(leaves) == 2 * LAYERS
+    assert [l is x for l, x in zip(leaves, (cache[0].key_pages, cache[0].value_pages, cache[1].key_pages, cache[1].value_pages))] == [True] * 4
+    back = jax.tree.unflatten(tree, leaves)
+    assert isinstance(back, PagedAttentionCache) and back.metadata == cache.metadata
+    assert all(b.layout == c.layout and b.layer_index == c.layer_index for b, c in zip(back, cache))
+    view_leaves, view_tree = jax.tree.flatten(cache[1])
+    assert len(view_leaves) == 2
+    assert jax.tree.unflatten(view_tree, view_leaves).layer_index == 1
+
+
+def test_jit_takes_and_returns_the_cache():
+    cache = new_cache("heads")
+
+    @jax.jit
+    def bump(c):
+        return c.replace(views=tuple(v.replace(key_pages=v.key_pages + 1) for v in c.views))
+
+    out = bump(cache)
+    assert isinstance(out, PagedAttentionCache) and out.metadata == cache.metadata
+    assert out[1].key_pages.sharding.spec == P("tp", None, None, None)
+    assert np.all(np.asarray(out[1].key_pages) == 1) and not np.any(np.asarray(out[1].value_pages))
+    assert not np.any(np.asarray(cache[1].key_pages))  # not donated: the input is intact
+
+
+@pytest.mark.parametrize("layout", ["heads", "dp"])
+def test_write_copy_zero_donate_the_old_buffers(layout):
+    _, _, meta = setup(layout)
+    cache = new_cache(layout)
+    old = [a for v in cache for a in (v.key_pages, v.value_pages)]
+    md = PagedAttentionMetadata.for_decode([[3, -1, -1, -1]], [0], cache_metadata=meta)
+    keys = random_tokens(np.random.default_rng(0), (LAYERS, 1, meta.num_kv_heads, HEAD_DIM))
+    cache, dropped = cache.write(keys, keys, md)
+    assert int(dropped) == 0 and all(a.is_deleted() for a in old)
+    for op in (lambda c: c.copy_pages([3], [4]), lambda c: c.zero_pages([3])):
+        old = [a for v in cache for a in (v.key_pages, v.value_pages)]
+        new = op(cache)
+        assert all(a.is_deleted() for a in old)
+        assert all(not a.is_deleted() for v in new for a in (v.key_pages, v.value_pages))
+        cache = new
+    k = np.asarray(cache[0].key_pages)
+    assert not np.any(k[:, 3]) and np.array_equal(k[:, 4, 0], keys[0, 0].view(np.uint16))
+
+
+# ---------------------------------------------------------------------------- copy / zero
+def _fill(cache, meta, model, rng):
+    """Write random tokens into every slot of every page (one mixed write, slots permuted)."""
+    slots = rng.permutation(PAGES * PAGE_SIZE).astype(np.int32)
+    keys = random_tokens(rng, (LAYERS, slots.size, meta.num_kv_heads, HEAD_DIM))
+    values = random_tokens(rng, keys.shape)
+    cache, dropped = cache.write(keys, values, PagedAttentionMetadata(slot_mapping=slots))
+    assert int(dropped) == 0
+    for t, s in enumerate(slots):
+        model.put(keys, values, t, int(s))
+    return cache
+
+
+@pytest.mark.parametrize("layout", ["single", "heads", "replicated", "dp"])
+def test_copy_and_zero_pages_match_numpy(layout):
+    rng = np.random.default_rng(1)
+    _, _, meta = setup(layout)
+    model = PoolModel(meta)
+    cache = _fill(new_cache(layout), meta, model, rng)
+    model.check_pool(cache)
+    # Pages 0..11 and 12..23 are the two dp replicas' slices: pairs stay inside one slice.
+    # 3 -> 5 and 5 -> 7 in one call: 7 receives the old page 5 (sources read first).
+    src, dst = [3, 5, -1, 14, 20, 9], [5, 7, 9, 20, -1, 9]
+    cache = cache.copy_pages(src, dst)
+    model.copy(src, dst)
+    model.check_pool(cache)
+    assert not np.array_equal(model.k[:, :, 7], model.k[:, :, 3])  # the chain really differs
+    ids = [7, -1, 20, 0]
+    cache = cache.zero_pages(np.array(ids))
+    model.zero(ids)
+    model.check_pool(cache)
+    assert not model.k[:, :, [0, 7, 20]].any() and model.k[:, :, 1].any()
+    cache = cache.copy_pages([], [])  # nothing to do
+    model.check_pool(cache)
+
+
+def test_copy_and_zero_reject_bad_ids_and_change_nothing():
+    rng = np.random.default_rng(2)
+    _, _, meta = setup("dp")
+    model = PoolModel(meta)
+    cache = _fill(new_cache("dp"), meta, model, rng)
+    before = snapshot(cache)
+    cases = [
+        (lambda: cache.copy_pages([24], [0]), r"src\[0\] = 24 is not a page of the pool \(0..23, -1 for padding\)"),
+        (lambda: cache.copy_pages([0, 1], [2, -2]), r"dst\[1\] = -2 is not a page of the pool"),
+        (lambda: cache.copy_pages([0, 1], [2]), r"src has shape \(2,\) but dst has shape \(1,\)"),
+        (lambda: cache.copy_pages([[0]], [[1]]), r"src must be a 1-D array of page ids"),
+        (lambda: cache.copy_pages([1.7], [2]), r"src must hold integer page ids, got dtype float64"),
+        (lambda: cache.copy_pages([3, 4], [5, 15]), r"copy 4 -> 15 crosses data-parallel replicas"),
+        (lambda: cache.zero_pages([1, 99]), r"pages\[1\] = 99 is not a page of the pool"),
+        (lambda: cache.zero_pages([-3]), r"pages\[0\] = -3"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert_unchanged(cache, before)
+    model.check_pool(cache)
+
+
+# ---------------------------------------------------------------------------- gather_kv
+def test_gather_kv_reads_only_the_pages_it_needs_and_checks_them():
+    rng = np.random.default_rng(3)
+    _, _, meta = setup("heads")
+    model = PoolModel(meta)
+    cache = new_cache("heads")
+    row = [17, 2, -1, -1]
+    md = PagedAttentionMetadata.for_prefill(row[:2], 6, cache_metadata=meta)
+    keys = random_tokens(rng, (LAYERS, 6, 8, HEAD_DIM))
+    values = random_tokens(rng, keys.shape)
+    cache, _ = cache.write(keys, values, md)
+    for t in range(6):
+        model.put(keys, values, t, row[t // 4] * 4 + t % 4, seq="a", pos=t)
+    model.check_gather(cache, 1, "a", row)  # -1 entries past the length are never read
+    model.check_gather(cache[0], 0, "a", row[:2])  # a view works too
+    k, v = gather_kv(cache, 0, row, 0)
+    assert k.shape == v.shape == (0, 8, HEAD_DIM)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"page_table_row\[1\] = -1 is not a page of the pool .* length=6"):
+        gather_kv(cache, 0, [17, -1, 3], 6)
+    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is not a page"):
+        gather_kv(cache, 0, [24], 2)
+    with pytest.raises(ValueError, match=r"length=9 needs 3 pages but page_table_row has 2"):
+        gather_kv(cache, 0, [17, 2], 9)
+    with pytest.raises(ValueError, match=r"at most 16 tokens"):
+        gather_kv(cache, 0, [0, 1, 2, 3, 4], 17)
+    with pytest.raises(ValueError, match=r"page_table_row must be 1-D"):
+        gather_kv(cache, 0, [[17, 2]], 6)
+    with pytest.raises(ValueError, match=r"length must be a non-negative int"):
+        gather_kv(cache, 0, row, -1)
+    assert_unchanged(cache, before)
+
+
+def test_public_names():
+    for name in ("PagedAttentionCache", "PagedAttentionCacheView", "PagedAttentionCacheMetaData",
+                 "PagedAttentionMetadata", "gather_kv"):  # fmt: skip
+        assert getattr(easykv, name).__name__ == name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new_cache("heads")  # a clean layout warns about nothing

@@ -1,0 +1,93 @@
+"""`easykv plan`: the table's figures, presets, and one-line errors with exit code 2."""
+
+import re
+
+import pytest
+
+from easykv.cli import PRESETS, main, parse_bytes, parse_mesh
+
+
+def _plan(capsys, *argv):
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _row(out: str, key: str) -> str:
+    m = re.search(rf"^  {re.escape(key)}\s+(.*)$", out, re.M)
+    assert m, f"row {key!r} missing from:\n{out}"
+    return m.group(1)
+
+
+def test_plan_llama8b_on_a_pod_without_its_devices(capsys):
+    # 16 GiB per device, dp=2 x tp=8 with pages split over dp: each device holds 1 of the 8
+    # kv heads, so one page costs 2 (K,V) x 1 x 16 x 128 x 2 B x 32 layers = 256 KiB.
+    code, out, err = _plan(capsys, "--preset", "llama-3.1-8b", "--mesh", "dp=2,tp=8",
+                           "--memory", "16GiB", "--page-axis", "dp")
+    assert code == 0 and err == ""
+    per_device = 16 * 2**30 // (256 * 2**10)
+    assert _row(out, "pages per layer") == f"{2 * per_device} ({per_device} per device)"
+    assert _row(out, "bytes per token (all layers)") == "128.00 KiB"
+    assert _row(out, "kv heads") == "8 split over ('tp',) -> 1 per device"
+    assert _row(out, "sequences of max length").startswith(f"{2 * (per_device // 512)} x 8192 tokens")
+    assert _row(out, "mesh") == "dp=2, tp=8 (16 devices)"
+
+
+def test_plan_reports_replicated_heads(capsys):
+    # Qwen2.5-7B has 4 kv heads: on tp=8 every device stores all 4 (bytes really stored).
+    code, out, _ = _plan(capsys, "--preset", "qwen2.5-7b", "--mesh", "tp=8", "--memory", "1GiB",
+                         "--max-seq", "1024")
+    assert code == 0
+    assert _row(out, "kv heads") == "replicated: every device stores all 4"
+    assert "does not divide 4" in _row(out, "adjustment")
+    page_bytes = 2 * 4 * 16 * 128 * 2 * 28
+    assert _row(out, "pages per layer") == f"{2**30 // page_bytes} ({2**30 // page_bytes} per device)"
+
+
+def test_plan_on_local_simulated_devices(capsys):
+    code, out, _ = _plan(capsys, "--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--mesh", "tp=8",
+                         "--max-seq", "256")
+    assert code == 0
+    assert "measured device memory" in out
+    pages = int(_row(out, "pages per layer").split()[0])
+    assert pages >= 16  # the host rule gives this machine room for at least one sequence
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--layers", "2"], "--preset NAME or all of"),
+        (["--preset", "nope"], "invalid choice"),
+        (["--preset", "mistral-7b", "--memory", "12 parsecs"], "is not a size"),
+        (["--preset", "mistral-7b", "--memory", "0"], "must be positive"),
+        (["--preset", "mistral-7b", "--mesh", "tp:8"], "is not NAME=SIZE"),
+        (["--preset", "mistral-7b", "--mesh", "tp=2,tp=4", "--memory", "1GiB"], "twice"),
+        (["--preset", "mistral-7b", "--dtype", "int8", "--memory", "1GiB", "--mesh", "tp=8"], "quantizer"),
+        (["--preset", "mistral-7b", "--quant", "int3", "--memory", "1GiB", "--mesh", "tp=8"], "unknown quantizer"),
+        (["--preset", "mistral-7b", "--utilization", "1.5"], "hbm_utilization"),
+        (["--preset", "mistral-7b", "--memory", "1MiB", "--mesh", "tp=8"], "lower max_sequences"),
+        (["--preset", "mistral-7b", "--mesh", "tp=3"], "device"),
+        (["--preset", "mistral-7b", "--page-size", "0", "--memory", "1GiB", "--mesh", "tp=8"], "page_size"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
+    code, out, err = _plan(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("easykv") and "error:" in lines[0]
+    assert words in lines[0]
+
+
+def test_presets_are_plausible_shapes():
+    for name, (layers, heads, dim) in PRESETS.items():
+        assert layers > 0 and heads > 0 and dim in (64, 128, 256), name
+
+
+def test_parsers():
+    assert parse_bytes("16GiB") == 16 * 2**30
+    assert parse_bytes("1.5G") == 3 * 2**29
+    assert parse_bytes("800MB") == 800 * 10**6
+    assert parse_bytes("4096") == 4096
+    assert parse_mesh("dp=2, tp=4") == {"dp": 2, "tp": 4}
+    assert list(parse_mesh("tp=4,dp=2")) == ["tp", "dp"]

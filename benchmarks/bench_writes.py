@@ -64,7 +64,7 @@ def _cache(num_pages: int, native: bool):
     if native:  # same pages, stored as bf16 itself (what XLA:CPU rewrites whole on scatter)
         layout = cache[0].layout
         shape = cache[0].key_pages.shape
-        arrays = allocate_pages((shape,) * 2 * LAYERS, (jnp.bfloat16,) * 2 * LAYERS, layout.sharding)
+        arrays = allocate_pages((shape,) * 2 * LAYERS, (jnp.bfloat16,) * 2 * LAYERS, layout)
         views = [dataclasses.replace(v, key_pages=arrays[2 * i], value_pages=arrays[2 * i + 1])
                  for i, v in enumerate(cache.views)]  # fmt: skip
         cache = easykv.PagedAttentionCache(tuple(views))

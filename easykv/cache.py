@@ -27,10 +27,10 @@ from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_l
 from easykv.pages import (
     PageLayout,
     allocate_pages,
+    page_template,
+    read_pages,
     copy_pages_local,
-    from_storage,
     page_op,
-    storage_dtype,
     zero_pages_local,
 )
 from easykv.quantization import Quantizer, get_quantizer
@@ -85,9 +85,8 @@ class PagedAttentionCacheView:
             raise ValueError(
                 f"layer_index={layer_index} is outside 0..{metadata.num_hidden_layers - 1}"
             )
-        layout, stored = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
-        shape = _page_shape(metadata)
-        k, v = allocate_pages((shape, shape), (stored, stored), layout.sharding)
+        layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        k, v = allocate_pages((template, template), layout)
         return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
 
     def replace(self, **changes: Any) -> PagedAttentionCacheView:
@@ -191,10 +190,8 @@ class PagedAttentionCache:
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCache:
         """Allocate every layer's pages in one call; each device creates only its own shard."""
-        layout, stored = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
-        shape = _page_shape(metadata)
-        n = 2 * metadata.num_hidden_layers
-        arrays = allocate_pages((shape,) * n, (stored,) * n, layout.sharding)
+        layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        arrays = allocate_pages((template,) * (2 * metadata.num_hidden_layers), layout)
         views = tuple(
             PagedAttentionCacheView(metadata, i, arrays[2 * i], arrays[2 * i + 1], layout)
             for i in range(metadata.num_hidden_layers)
@@ -318,10 +315,10 @@ def gather_kv(
 def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
     meta = view.metadata
 
-    def read(pages: jax.Array) -> jax.Array:
-        picked = jnp.take(pages, ids, axis=1)  # (heads, n, page_size, head_dim)
+    def read(pages: Any) -> jax.Array:
+        picked = read_pages(pages, ids, meta.dtype)  # (heads, n, page_size, head_dim)
         tokens = jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, meta.num_kv_heads, meta.kv_head_dim_size)
-        return from_storage(tokens[:length], meta.dtype)
+        return tokens[:length]
 
     return read(view.key_pages), read(view.value_pages)
 
@@ -337,8 +334,8 @@ def _checked_layout(
     metadata: PagedAttentionCacheMetaData,
     partition_manager: PartitionManager | None,
     quantizer: str | Quantizer | None,
-) -> tuple[PageLayout, np.dtype]:
-    """The placement and storage dtype for ``metadata`` on ``mesh``, refusing any mismatch with
+) -> tuple[PageLayout, Any]:
+    """The placement and page template (shapes, storage dtypes) for ``metadata`` on ``mesh``, refusing any mismatch with
     what the pool was sized for (a different split would change the bytes per device)."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
@@ -370,7 +367,8 @@ def _checked_layout(
             "mesh and partition manager"
         )
     layout = PageLayout(mesh=mesh, head_axes=plan.kv_head_mesh_axes, page_axes=plan.page_mesh_axes)
-    return layout, storage_dtype(metadata.dtype, mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    return layout, page_template(_page_shape(metadata), metadata.dtype, q, platform)
 
 
 def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int) -> Any:

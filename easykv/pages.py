@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from easykv.quantization import SCALE_DTYPE, QuantizedPages, Quantizer, is_compressing
+
 
 def storage_dtype(dtype: Any, platform: str) -> np.dtype:
     """The dtype pages of logical ``dtype`` are stored in on ``platform`` (see module doc)."""
@@ -56,11 +58,18 @@ class PageLayout:
 
     @property
     def spec(self) -> PartitionSpec:
-        return PartitionSpec(_entry(self.head_axes), _entry(self.page_axes), None, None)
+        return self.spec_for(4)
 
     @property
     def sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec)
+
+    def spec_for(self, ndim: int) -> PartitionSpec:
+        """Spec of a page array of rank ``ndim`` (pages are rank 4, quantization scales 3+)."""
+        return PartitionSpec(_entry(self.head_axes), _entry(self.page_axes), *([None] * (ndim - 2)))
+
+    def sharding_for(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec_for(ndim))
 
     @property
     def page_shards(self) -> int:
@@ -97,30 +106,66 @@ def run_local(
     """
     if layout is None or layout.mesh.size == 1:
         return fn(pages, per_head, *replicated)
-    page_spec = layout.spec
     heads = _entry(layout.head_axes)
     head_spec = PartitionSpec(None, heads) if token_major else PartitionSpec(heads)
+    page_specs = jax.tree.map(lambda leaf: layout.spec_for(leaf.ndim), pages)
     in_specs = (
-        jax.tree.map(lambda _: page_spec, pages),
+        page_specs,
         jax.tree.map(lambda _: head_spec, per_head),
         *(PartitionSpec() for _ in replicated),
     )
-    mapped = jax.shard_map(
-        fn, mesh=layout.mesh, in_specs=in_specs, out_specs=jax.tree.map(lambda _: page_spec, pages)
-    )
+    mapped = jax.shard_map(fn, mesh=layout.mesh, in_specs=in_specs, out_specs=page_specs)
     return mapped(pages, per_head, *replicated)
 
 
-def allocate_pages(
-    shapes: tuple[tuple[int, ...], ...], dtypes: tuple[np.dtype, ...], sharding: NamedSharding
-) -> tuple[jax.Array, ...]:
-    """Zero-filled arrays created by the devices themselves: each device (and each host)
-    materializes only its own shard; nothing of pool size passes through host memory."""
+def page_template(
+    shape: tuple[int, int, int, int], dtype: Any, quantizer: Quantizer, platform: str
+) -> Any:
+    """Shapes and storage dtypes of one page array (K or V) of logical ``shape`` and ``dtype``:
+    a ShapeDtypeStruct, or a QuantizedPages of them (values + compact scales)."""
+    if not is_compressing(quantizer):
+        return jax.ShapeDtypeStruct(shape, storage_dtype(dtype, platform))
+    heads, pages, page_size, head_dim = shape
+    value_tail, value_dtype = quantizer.value_shape(head_dim)
+    return QuantizedPages(
+        values=jax.ShapeDtypeStruct((heads, pages, page_size, *value_tail), storage_dtype(value_dtype, platform)),
+        scales=jax.ShapeDtypeStruct((heads, pages, page_size, *quantizer.scale_shape(head_dim)), SCALE_DTYPE),
+        quantizer=quantizer,
+    )
+
+
+def allocate_pages(templates: Any, layout: PageLayout) -> Any:
+    """Zero-filled page arrays for a pytree of ShapeDtypeStructs, created by the devices
+    themselves: each device (and each host) materializes only its own shard; nothing of pool
+    size passes through host memory."""
     make = jax.jit(
-        lambda: tuple(jnp.zeros(s, d) for s, d in zip(shapes, dtypes)),
-        out_shardings=tuple(sharding for _ in shapes),
+        lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), templates),
+        out_shardings=jax.tree.map(lambda t: layout.sharding_for(len(t.shape)), templates),
     )
     return make()
+
+
+def encode_tokens(new: jax.Array, pages: Any) -> Any:
+    """New tokens (..., head_dim) in the logical dtype -> what ``pages`` stores: quantized
+    values + scales, or the raw bits of the values."""
+    if isinstance(pages, QuantizedPages):
+        q = pages.quantizer.quantize(new)
+        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype), q.quantizer)
+    return to_storage(new, pages.dtype)
+
+
+def read_pages(pages: Any, ids: jax.Array, dtype: Any) -> jax.Array:
+    """Pages ``ids`` of one page array as (heads, len(ids), page_size, head_dim) in the
+    logical ``dtype``; only those pages are read (and dequantized)."""
+    if isinstance(pages, QuantizedPages):
+        value_dtype = pages.quantizer.value_shape(2)[1]
+        picked = QuantizedPages(
+            from_storage(jnp.take(pages.values, ids, axis=1), value_dtype),
+            jnp.take(pages.scales, ids, axis=1),
+            pages.quantizer,
+        )
+        return picked.dequantize(dtype)
+    return from_storage(jnp.take(pages, ids, axis=1), np.dtype(dtype))
 
 
 def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: int) -> jax.Array:

@@ -1,16 +1,35 @@
-"""Quantizers: how new tokens become stored page values, and what one stored token-head costs.
+"""Quantizers: how new tokens become stored page values plus scales, and back.
 
-A quantizer is chosen once per cache (by name or as an object) and recorded in the metadata by
-name. Sizing asks it for the bytes of one stored token-head so that a compressed cache really
-holds more pages in the same memory.
+A quantized layer stores, for K and for V separately, a ``QuantizedPages`` pytree:
+
+  values: (num_kv_heads, num_pages, page_size, packed_head_dim)  int8 / float8 / packed int4
+  scales: (num_kv_heads, num_pages, page_size[, groups])          float32
+
+Scales are compact (one per token and head, or per group of head_dim for grouped int4); they
+are never broadcast to head_dim in memory. Writes quantize only the new tokens; reads
+dequantize only the pages they gather. A quantizer is chosen once per cache, by name or as an
+object, and recorded in the metadata by name (``register_quantizer`` makes a custom one
+nameable).
+
+Built in (absmax scaling per token and head):
+  * ``int8``: round(x / s), s = absmax / 127;
+  * ``fp8``:  float8_e4m3fn(x / s), s = absmax / 448;
+  * ``int4``: round(x / s) in [-7, 7], s = absmax / 7, two values per byte along head_dim
+    (head_dim must be even); ``int4-g32`` etc. take one scale per group of 32 values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+import re
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+SCALE_DTYPE = np.dtype("float32")
 
 
 @runtime_checkable
@@ -28,6 +47,40 @@ class Quantizer(Protocol):
         ...
 
 
+@runtime_checkable
+class CompressingQuantizer(Quantizer, Protocol):
+    """A quantizer whose pages are ``QuantizedPages``."""
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        """Trailing shape and dtype of stored values for one token-head."""
+        ...
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        """Trailing shape of the scales for one token-head (``()``: one scale)."""
+        ...
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        """(..., head_dim) -> values (..., packed) and scales (..., *scale_shape)."""
+        ...
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        """The inverse of quantize, in ``dtype``."""
+        ...
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["quantizer"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """Stored values plus compact scales, for pages or for a batch of new tokens."""
+
+    values: Any
+    scales: Any
+    quantizer: Any
+
+    def dequantize(self, dtype: Any) -> jax.Array:
+        return self.quantizer.dequantize(self, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class NoQuantizer:
     """Pages hold the cache dtype itself."""
@@ -41,11 +94,142 @@ class NoQuantizer:
         return None
 
 
-_REGISTRY: dict[str, Quantizer] = {"none": NoQuantizer()}
+def _absmax_scale(x: jax.Array, qmax: float, groups: int) -> tuple[jax.Array, jax.Array]:
+    """Per-group absmax scales (..., groups) and x grouped as (..., groups, head_dim / groups)."""
+    xg = x.astype(jnp.float32).reshape(x.shape[:-1] + (groups, x.shape[-1] // groups))
+    scale = jnp.max(jnp.abs(xg), axis=-1) / qmax
+    return scale, xg
+
+
+def _safe(scale: jax.Array) -> jax.Array:
+    # An all-zero token has scale 0: divide by 1 instead so it stores exact zeros.
+    return jnp.where(scale == 0, 1.0, scale)[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Quantizer:
+    """Symmetric int8 with an absmax scale per token and head."""
+
+    name: str = "int8"
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        return (head_dim,), np.dtype("int8")
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        return ()
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        return head_dim + SCALE_DTYPE.itemsize
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        return None
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        scale, xg = _absmax_scale(x, 127.0, 1)
+        q = jnp.clip(jnp.round(xg / _safe(scale)), -127, 127).astype(jnp.int8)
+        return QuantizedPages(q.reshape(x.shape), scale[..., 0], self)
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Quantizer:
+    """float8_e4m3fn values with an absmax scale per token and head (absmax maps to 448)."""
+
+    name: str = "fp8"
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        return (head_dim,), np.dtype(jnp.float8_e4m3fn)
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        return ()
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        return head_dim + SCALE_DTYPE.itemsize
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        return None
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        scale, xg = _absmax_scale(x, 448.0, 1)
+        q = jnp.clip(xg / _safe(scale), -448.0, 448.0).astype(jnp.float8_e4m3fn)
+        return QuantizedPages(q.reshape(x.shape), scale[..., 0], self)
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Quantizer:
+    """Symmetric int4 in [-7, 7], two values per byte along head_dim; one absmax scale per
+    token and head, or per ``group_size`` values of head_dim."""
+
+    group_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        return "int4" if self.group_size is None else f"int4-g{self.group_size}"
+
+    def _groups(self, head_dim: int) -> int:
+        return 1 if self.group_size is None else head_dim // self.group_size
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        return (head_dim // 2,), np.dtype("uint8")
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        return () if self.group_size is None else (self._groups(head_dim),)
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        return head_dim // 2 + SCALE_DTYPE.itemsize * self._groups(head_dim)
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        if head_dim % 2:
+            raise ValueError(
+                f"int4 packs two values per byte along head_dim, so head_dim must be even; got {head_dim}"
+            )
+        if self.group_size is not None and (self.group_size <= 0 or head_dim % self.group_size or self.group_size % 2):
+            raise ValueError(
+                f"int4 group_size={self.group_size} must be a positive even divisor of head_dim={head_dim}"
+            )
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        scale, xg = _absmax_scale(x, 7.0, self._groups(x.shape[-1]))
+        q = jnp.clip(jnp.round(xg / _safe(scale)), -7, 7).astype(jnp.int8).reshape(x.shape)
+        nibbles = (q & 0xF).astype(jnp.uint8)
+        packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+        return QuantizedPages(packed, scale if self.group_size is not None else scale[..., 0], self)
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        packed = q.values
+        # Sign-extend each nibble: shift it to the top of an int8, then arithmetic-shift back.
+        low = (packed << 4).astype(jnp.int8) >> 4
+        high = packed.astype(jnp.int8) >> 4
+        vals = jnp.stack([low, high], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+        groups = 1 if self.group_size is None else q.scales.shape[-1]
+        scales = q.scales[..., None] if self.group_size is None else q.scales
+        grouped = vals.astype(jnp.float32).reshape(vals.shape[:-1] + (groups, vals.shape[-1] // groups))
+        return (grouped * scales[..., None]).reshape(vals.shape).astype(dtype)
+
+
+_REGISTRY: dict[str, Quantizer] = {
+    q.name: q for q in (NoQuantizer(), Int8Quantizer(), Fp8Quantizer(), Int4Quantizer())
+}
+_INT4_GROUPED = re.compile(r"int4-g([0-9]+)")
 
 
 def available_quantizers() -> tuple[str, ...]:
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(_REGISTRY)) + ("int4-g<N>",)
+
+
+def register_quantizer(quantizer: Quantizer) -> None:
+    """Make a custom quantizer nameable (metadata records quantizers by name)."""
+    if not isinstance(quantizer, Quantizer):
+        raise ValueError(f"{quantizer!r} does not implement the Quantizer protocol (name, bytes_per_token_head, validate)")
+    known = _REGISTRY.get(quantizer.name)
+    if known is not None and known != quantizer:
+        raise ValueError(f"a different quantizer is already registered as {quantizer.name!r}: {known!r}")
+    _REGISTRY[quantizer.name] = quantizer
 
 
 def get_quantizer(quantizer: str | Quantizer | None) -> Quantizer:
@@ -54,14 +238,31 @@ def get_quantizer(quantizer: str | Quantizer | None) -> Quantizer:
         return _REGISTRY["none"]
     if isinstance(quantizer, str):
         key = quantizer.lower()
-        if key not in _REGISTRY:
-            raise ValueError(
-                f"unknown quantizer {quantizer!r}; available: {', '.join(available_quantizers())}"
-            )
-        return _REGISTRY[key]
+        if key in _REGISTRY:
+            return _REGISTRY[key]
+        grouped = _INT4_GROUPED.fullmatch(key)
+        if grouped:
+            return Int4Quantizer(group_size=int(grouped.group(1)))
+        raise ValueError(f"unknown quantizer {quantizer!r}; available: {', '.join(available_quantizers())}")
     if isinstance(quantizer, Quantizer):
+        if get_quantizer_or_none(quantizer.name) != quantizer:
+            raise ValueError(
+                f"quantizer {quantizer!r} is not registered under its name {quantizer.name!r}; the "
+                "metadata records quantizers by name, so call easykv.register_quantizer(q) first"
+            )
         return quantizer
     raise ValueError(
         f"quantizer must be None, a name ({', '.join(available_quantizers())}) or a Quantizer "
         f"object, got {type(quantizer).__name__}: {quantizer!r}"
     )
+
+
+def get_quantizer_or_none(name: str) -> Quantizer | None:
+    try:
+        return get_quantizer(name)
+    except ValueError:
+        return None
+
+
+def is_compressing(quantizer: Quantizer) -> bool:
+    return isinstance(quantizer, CompressingQuantizer)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout, run_local, to_storage
+from easykv.pages import PageLayout, encode_tokens, run_local
 from easykv.runtime import PAD_SLOT, PagedAttentionMetadata
 
 INVALID_SLOT = -2  # a real token whose destination is outside the pool: dropped and counted
@@ -139,7 +139,7 @@ def scatter_kv(
     Each device writes only into its own shard: the new tokens are split by kv head like the
     pages, and each page slice keeps the slots that fall inside it.
     """
-    new = (to_storage(jnp.asarray(key), key_pages.dtype), to_storage(jnp.asarray(value), value_pages.dtype))
+    new = (encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages))
 
     def local(pages: Any, upd: Any, s: jax.Array) -> Any:
         return _scatter_local(pages, upd, s, layout=layout)

@@ -88,7 +88,9 @@ def test_init_cache_rejects_mismatches():
         PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
     with pytest.raises(ValueError, match=r"unknown dtype 'int7'"):
         PagedAttentionCache.init_cache(mesh, "int7", meta, pm)
-    with pytest.raises(ValueError, match=r"unknown quantizer 'int8'"):
+    with pytest.raises(ValueError, match=r"unknown quantizer 'int3'"):
+        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer="int3")
+    with pytest.raises(ValueError, match=r"quantizer 'int8' differs from metadata.quantization 'none'"):
         PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer="int8")
 
     class Fake:
@@ -100,7 +102,7 @@ def test_init_cache_rejects_mismatches():
         def validate(self, head_dim, dtype):
             return None
 
-    with pytest.raises(ValueError, match=r"quantizer 'fp8' differs from metadata.quantization 'none'"):
+    with pytest.raises(ValueError, match=r"not registered under its name 'fp8'.*register_quantizer"):
         PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=Fake())
     # Sized for heads over tp=8; this mesh splits heads over tp=4 and pages over dp=2.
     with pytest.raises(ValueError, match=r"split the pages as .*\(\('tp',\), 4, \('dp',\), 2\).*sized for .*\(\('tp',\), 8, \(\), 1\)"):

@@ -1,0 +1,212 @@
+"""Quantizers: hand-computed codes, error bounds on Gaussian data, sizing gains, and quantized
+pages through init_cache / write / gather_kv / copy / zero on sharded layouts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import easykv
+from easykv.quantization import (
+    Fp8Quantizer,
+    Int4Quantizer,
+    Int8Quantizer,
+    QuantizedPages,
+    get_quantizer,
+    register_quantizer,
+)
+from sharding import PartitionAxis, PartitionManager, create_mesh
+
+QUANTIZERS = ["int8", "fp8", "int4", "int4-g8"]
+BOUNDS = {"int8": 1e-2, "fp8": 5e-2, "int4": 1.5e-1, "int4-g8": 1.5e-1}
+
+
+def rel_error(approx, exact):
+    approx, exact = np.asarray(approx, np.float64), np.asarray(exact, np.float64)
+    return np.linalg.norm(approx - exact) / np.linalg.norm(exact)
+
+
+def test_int8_codes_by_hand():
+    x = jnp.array([[1.0, -0.5, 0.0, 0.25]], jnp.float32)
+    q = Int8Quantizer().quantize(x)
+    np.testing.assert_allclose(np.asarray(q.scales), [1 / 127], rtol=1e-7)
+    # -63.5 rounds half to even -> -64; 31.75 -> 32
+    assert np.asarray(q.values).tolist() == [[127, -64, 0, 32]]
+    back = np.asarray(q.dequantize(jnp.float32))
+    np.testing.assert_allclose(back, [[1.0, -64 / 127, 0.0, 32 / 127]], rtol=1e-6)
+
+
+def test_int4_packing_by_hand():
+    # absmax 7 -> scale 1: codes are the values themselves; low nibble first.
+    x = jnp.array([[7.0, -7.0, 1.0, -1.0, 0.0, 3.0]], jnp.float32)
+    q = Int4Quantizer().quantize(x)
+    assert q.values.dtype == jnp.uint8 and q.values.shape == (1, 3)
+    assert np.asarray(q.values).tolist() == [[0x97, 0xF1, 0x30]]  # (7, -7=0x9), (1, -1=0xF), (0, 3)
+    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.float32)), np.asarray(x))
+
+
+def test_int4_groups_take_one_scale_per_group():
+    x = jnp.array([[1.0, -2.0, 0.5, 0.25, 70.0, 7.0, -14.0, 0.0]], jnp.float32)
+    q = Int4Quantizer(group_size=4).quantize(x)
+    np.testing.assert_allclose(np.asarray(q.scales), [[2 / 7, 10.0]], rtol=1e-6)
+    back = np.asarray(q.dequantize(jnp.float32))
+    # group 2 is exact on its grid (multiples of 10 -> 70, 0 (7/10 rounds to 1 -> 10), -14 -> -10)
+    np.testing.assert_allclose(back[0, 4:], [70.0, 10.0, -10.0, 0.0], rtol=1e-6)
+    assert get_quantizer("int4-g4") == Int4Quantizer(group_size=4)
+
+
+def test_fp8_maps_absmax_to_448():
+    x = jnp.array([[2.0, -1.0, 0.5, 0.0]], jnp.float32)
+    q = Fp8Quantizer().quantize(x)
+    assert q.values.dtype == jnp.float8_e4m3fn
+    np.testing.assert_allclose(np.asarray(q.scales), [2 / 448], rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(q.dequantize(jnp.float32)), np.asarray(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", QUANTIZERS)
+def test_round_trip_error_on_gaussian_data(name):
+    x = jax.random.normal(jax.random.key(0), (64, 8, 128), jnp.float32)
+    q = get_quantizer(name)
+    err = rel_error(q.quantize(x).dequantize(jnp.float32), x)
+    assert err < BOUNDS[name], f"{name}: relative error {err:.4f}"
+    zero = q.quantize(jnp.zeros((2, 3, 128))).dequantize(jnp.float32)
+    assert not np.asarray(zero).any()  # an all-zero token stays exactly zero (no 0/0)
+
+
+def test_sizing_counts_quantized_bytes():
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    budget = 64 * 2**20
+
+    def pages(quant):
+        meta = easykv.PagedAttentionCacheMetaData.create(
+            mesh, 4, 4, 512, 16, 8, 128, 0.9, jnp.bfloat16, partition_manager=pm,
+            quantizer=quant, memory_bytes_per_device=budget,
+        )  # fmt: skip
+        return meta.num_pages_per_layer, meta.bytes_per_token_head
+
+    bf16, bf16_bytes = pages(None)
+    int8, int8_bytes = pages("int8")
+    int4, int4_bytes = pages("int4")
+    assert (bf16_bytes, int8_bytes, int4_bytes) == (256, 132, 68)
+    # One page on one device, all 4 layers: 2 (K, V) x 1 head x 16 tokens x bytes per token-head x 4.
+    assert bf16 == budget // (2 * 16 * 256 * 4)
+    assert int8 == budget // (2 * 16 * 132 * 4)
+    assert int8 / bf16 >= 1.9 and int4 / bf16 >= 3.5
+
+
+def test_metadata_records_quantizer_by_name_and_rejects_odd_int4():
+    mesh = create_mesh({"tp": 8})
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, 4, 2, 64, 16, 8, 64, 0.9, partition_manager=PartitionManager(), quantizer=Int4Quantizer(8),
+        num_pages_per_layer=16,
+    )  # fmt: skip
+    assert meta.quantization == "int4-g8"
+    assert easykv.PagedAttentionCacheMetaData.from_json(meta.to_json()).quantizer == Int4Quantizer(8)
+    with pytest.raises(ValueError, match=r"head_dim must be even; got 63"):
+        meta.replace(kv_head_dim_size=63)
+    with pytest.raises(ValueError, match=r"group_size=24 must be a positive even divisor of head_dim=64"):
+        meta.replace(quantization="int4-g24")
+
+
+def test_custom_quantizer_must_be_registered():
+    @dataclasses.dataclass(frozen=True)
+    class Halves(Int8Quantizer):
+        name: str = "halves-test"
+
+    q = Halves()
+    with pytest.raises(ValueError, match=r"not registered under its name 'halves-test'"):
+        get_quantizer(q)
+    register_quantizer(q)
+    assert get_quantizer("halves-test") is q
+    with pytest.raises(ValueError, match=r"a different quantizer is already registered as 'int8'"):
+        register_quantizer(Halves(name="int8"))
+    assert get_quantizer("int8") == Int8Quantizer()
+
+
+# ---- quantized pages in the cache ----------------------------------------------------------
+HEADS, DIM, PAGE, LAYERS = 8, 16, 4, 2
+
+
+def make_cache(quant, layout):
+    if layout == "dp":
+        mesh = create_mesh({"dp": 2, "tp": 4})
+        pm = PartitionManager(PartitionAxis(page_axis="dp"))
+    else:
+        mesh = create_mesh({"tp": 8})
+        pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, 4, LAYERS, 32, PAGE, HEADS, DIM, 0.9, jnp.bfloat16, partition_manager=pm,
+        quantizer=quant, num_pages_per_layer=24,
+    )  # fmt: skip
+    return meta, easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=quant)
+
+
+@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "dp"), ("int4", "tp"), ("int4-g8", "dp")])
+def test_quantized_cache_write_gather_copy_zero(quant, layout):
+    meta, cache = make_cache(quant, layout)
+    q = get_quantizer(quant)
+    view = cache[0]
+    assert isinstance(view.key_pages, QuantizedPages)
+    groups = q.scale_shape(DIM)
+    assert view.key_pages.scales.shape == (HEADS, 24, PAGE, *groups)
+    assert view.key_pages.values.shape[:3] == (HEADS, 24, PAGE)
+    assert view.key_pages.scales.dtype == jnp.float32
+    if layout == "dp":  # each device holds 2 heads and 12 pages of values and of scales
+        shard = view.key_pages.scales.addressable_shards[0].data.shape
+        assert shard[:3] == (2, 12, PAGE)
+
+    rng = np.random.default_rng(1)
+    rows = [[5, 17, -1, -1, -1, -1, -1, -1], [20, 2, 9, -1, -1, -1, -1, -1]]  # pages in both dp halves
+    rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [7, 10], cache_metadata=meta, pad_tokens_to=20)
+    k = jnp.asarray(rng.normal(size=(LAYERS, 20, HEADS, DIM)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(LAYERS, 20, HEADS, DIM)) * 10, jnp.bfloat16)  # V is not derived from K
+    cache, dropped = cache.write(k, v, rt)
+    assert int(dropped) == 0
+
+    def expect(x):  # what the quantizer stores and gives back for these tokens
+        return np.asarray(q.quantize(x).dequantize(jnp.bfloat16), np.float32)
+
+    for layer in range(LAYERS):
+        for seq, (start, n) in enumerate([(0, 7), (7, 10)]):
+            keys, values = easykv.gather_kv(cache, layer, np.asarray(rows[seq]), n)
+            assert keys.dtype == jnp.bfloat16 and keys.shape == (n, HEADS, DIM)
+            np.testing.assert_array_equal(np.asarray(keys, np.float32), expect(k[layer, start : start + n]))
+            np.testing.assert_array_equal(np.asarray(values, np.float32), expect(v[layer, start : start + n]))
+            assert rel_error(values, v[layer, start : start + n]) < BOUNDS[quant]
+    # V's scales come from V (10x larger values), not from K.
+    ks = np.asarray(cache[0].key_pages.scales[:, 5, 0])
+    vs = np.asarray(cache[0].value_pages.scales[:, 5, 0])
+    assert np.all(vs > 3 * ks)
+
+    before = easykv.gather_kv(cache, 1, np.asarray(rows[1]), 10)
+    cache = cache.copy_pages(np.array([20, 2, -1]), np.array([22, 3, -1]))  # within each dp half
+    after = easykv.gather_kv(cache, 1, np.array([22, 3, 9]), 10)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cache = cache.zero_pages(np.array([22]))
+    keys, _ = easykv.gather_kv(cache, 1, np.array([22, 3, 9]), 10)
+    assert not np.asarray(keys[:PAGE], np.float32).any()
+    assert np.asarray(keys[PAGE:], np.float32).any()
+
+
+def test_quantized_write_leaves_other_tokens_bit_identical():
+    meta, cache = make_cache("int8", "tp")
+    rng = np.random.default_rng(2)
+    first = easykv.PagedAttentionMetadata.for_prefill([3, 4], 8, cache_metadata=meta)
+    k = jnp.asarray(rng.normal(size=(LAYERS, 8, HEADS, DIM)), jnp.bfloat16)
+    cache, _ = cache.write(k, k, first)
+    snapshot = jax.tree.map(np.asarray, cache[1].key_pages)
+    table = np.full((1, meta.num_pages_per_sequence), -1, np.int32)
+    table[0, :3] = [3, 4, 7]
+    step = easykv.PagedAttentionMetadata.for_decode(table, [8], cache_metadata=meta)
+    new = jnp.asarray(rng.normal(size=(LAYERS, 1, HEADS, DIM)), jnp.bfloat16)
+    cache, _ = cache.write(new, new, step)
+    after = jax.tree.map(np.asarray, cache[1].key_pages)
+    changed = np.zeros((24, PAGE), bool)
+    for a, b in zip(jax.tree.leaves(snapshot), jax.tree.leaves(after)):
+        diff = a != b
+        changed |= diff.reshape(diff.shape[:3] + (-1,)).any(axis=(0, 3))
+    assert np.argwhere(changed).tolist() == [[7, 0]]  # only the new token's slot

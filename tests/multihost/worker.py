@@ -1,0 +1,90 @@
+"""One worker of a 2-process run started by easykv.distributed.launch_local (see test_multihost.py).
+
+    python tests/multihost/worker.py MODE
+
+Prints "WORKER OK <pid>" when every check of MODE passed; any failure raises (exit code != 0).
+"""
+
+import sys
+
+from easykv.distributed import initialize_from_env
+
+MODE = sys.argv[1]
+if MODE == "die-early":
+    import os
+
+    if os.environ.get("EASYKV_PROCESS_ID") == "1":
+        print("process 1 fails on purpose", flush=True)
+        raise SystemExit(3)
+pid = initialize_from_env(initialization_timeout=60, heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import easykv  # noqa: E402
+from easykv.distributed import LockstepError, assert_lockstep  # noqa: E402
+from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+
+assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
+
+
+def global_array(x, mesh, spec):
+    """A global array from host data that every process holds in full (tests only)."""
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
+
+def cache_mode(layout: str) -> None:
+    if layout == "dp":  # pages split over dp: replica 0's pages live on process 0's devices
+        mesh = create_mesh({"dp": 2, "tp": 4})
+        pm = PartitionManager(PartitionAxis(page_axis="dp"))
+    else:
+        mesh = create_mesh({"tp": 8})
+        pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, 4, 2, 64, 8, 8, 16, 0.9, jnp.bfloat16, partition_manager=pm, num_pages_per_layer=32
+    )
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+    pages = cache[0].key_pages
+    assert not pages.is_fully_addressable  # each process holds only its own shards
+    assert len(pages.addressable_shards) == 4
+    rng = np.random.default_rng(7)  # same seed on every process: same "model output"
+    rows = np.array([[2, 30, -1, -1, -1, -1, -1, -1], [17, 5, 9, -1, -1, -1, -1, -1]], np.int32)
+    rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta, pad_tokens_to=32)
+    k = rng.normal(size=(2, 32, 8, 16)).astype(jnp.bfloat16)
+    v = rng.normal(size=(2, 32, 8, 16)).astype(jnp.bfloat16)
+    spec = P(None, None, "tp")
+    cache, dropped = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), rt)
+    assert dropped.is_fully_replicated and int(dropped.addressable_data(0)) == 0
+    for layer in range(2):
+        for seq, (start, n) in enumerate([(0, 11), (11, 20)]):
+            keys, values = easykv.gather_kv(cache, layer, rows[seq], n)
+            keys = np.asarray(multihost_utils.process_allgather(keys, tiled=True))
+            values = np.asarray(multihost_utils.process_allgather(values, tiled=True))
+            assert np.array_equal(keys, k[layer, start : start + n]), (layer, seq)
+            assert np.array_equal(values, v[layer, start : start + n]), (layer, seq)
+    assert_lockstep({"rows": rows.tolist(), "step": 1})
+
+
+def diverge_mode() -> None:
+    assert_lockstep({"seq": [1, 2, 3]})  # identical: passes
+    try:
+        assert_lockstep({"seq": [1, 2, 3 + pid]})
+    except LockstepError as err:
+        assert "processes [1] disagree with processes [0]" in str(err), str(err)
+    else:
+        raise AssertionError("divergent state was not detected")
+
+
+if MODE in ("cache-tp", "cache-dp"):
+    cache_mode(MODE.split("-")[1])
+elif MODE == "diverge":
+    diverge_mode()
+elif MODE == "die-early":
+    multihost_utils.sync_global_devices("never reached by process 1")
+else:
+    raise SystemExit(f"unknown mode {MODE!r}")
+print(f"WORKER OK {pid}", flush=True)

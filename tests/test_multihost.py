@@ -1,0 +1,42 @@
+"""Real multi-process runs on this machine: 2 processes x 4 CPU devices on 127.0.0.1 (gloo)
+form one 8-device runtime. Each test launches tests/multihost/worker.py in a mode."""
+
+import pathlib
+import sys
+import time
+
+import pytest
+
+from easykv.distributed import MultiProcessError, launch_local
+
+WORKER = str(pathlib.Path(__file__).parent / "multihost" / "worker.py")
+
+
+def run(mode, tmp_path, timeout=240):
+    return launch_local([sys.executable, WORKER, mode], num_processes=2, cpu_devices_per_process=4,
+                        timeout=timeout, log_dir=str(tmp_path))  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["cache-tp", "cache-dp"])
+def test_cache_written_and_read_across_two_processes(mode, tmp_path):
+    outputs = run(mode, tmp_path)
+    for pid, out in enumerate(outputs):
+        assert f"WORKER OK {pid}" in out, out
+
+
+def test_lockstep_names_the_diverging_process(tmp_path):
+    outputs = run("diverge", tmp_path)
+    assert all(f"WORKER OK {pid}" in out for pid, out in enumerate(outputs))
+
+
+def test_a_dying_worker_fails_the_run_fast(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(MultiProcessError, match=r"process 1 of 2 exited with code 3(.|\n)*fails on purpose"):
+        run("die-early", tmp_path, timeout=120)
+    assert time.monotonic() - t0 < 60  # process 0 was stopped, not waited for
+
+
+def test_a_hanging_run_hits_the_time_bound(tmp_path):
+    with pytest.raises(MultiProcessError, match=r"still running after 3 s"):
+        launch_local([sys.executable, "-c", "import time; time.sleep(60)"], num_processes=2,
+                     timeout=3, log_dir=str(tmp_path))  # fmt: skip

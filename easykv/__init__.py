@@ -1,16 +1,32 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
 
 from easykv.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
+from easykv.errors import CacheFullError, InvariantError, UnknownSequenceError
+from easykv.manager import PageManager, PageManagerMetrics
 from easykv.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
 from easykv.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
 from easykv.pages import PageLayout, storage_dtype
-from easykv.quantization import Quantizer, available_quantizers, get_quantizer
-from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata
+from easykv.quantization import (
+    QuantizedPages,
+    Quantizer,
+    available_quantizers,
+    get_quantizer,
+    register_quantizer,
+)
+from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
 from easykv.serialization import SerializationError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFullError",
+    "InvariantError",
+    "PageManager",
+    "PageManagerMetrics",
+    "QuantizedPages",
+    "UnknownSequenceError",
+    "increment_cache_lengths",
+    "register_quantizer",
     "MemoryBudget",
     "MemoryUnavailableError",
     "PAD_PAGE",

@@ -258,6 +258,46 @@ def build_mixed(
     )
 
 
+def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int) -> PagedAttentionMetadata:
+    """The next decode step from a decode-only mixed-form step: every real token moves one
+    position on, its slot is read from the (already reserved) page table, context lengths grow
+    by one. Works on numpy and jax arrays alike, inside jit too, so a multi-step loop runs
+    without a host round trip [MAX: increment_cache_lengths]. Pages the table lacks give
+    slot -1 (dropped by the write), never another sequence's slot."""
+    xp = _xp(metadata.positions)
+    pos = metadata.positions
+    table = metadata.page_table
+    if pos.shape[0] > table.shape[0]:
+        raise ValueError(f"{pos.shape[0]} tokens for {table.shape[0]} sequences: increment_cache_lengths "
+                         "takes decode-only metadata (one token per sequence)")
+    nxt = pos + 1
+    col = xp.clip(nxt // page_size, 0, table.shape[1] - 1)
+    page = table[: pos.shape[0]][xp.arange(pos.shape[0]), col]
+    real = pos >= 0
+    ok = real & (page >= 0) & (nxt // page_size < table.shape[1])
+    return metadata.replace(
+        positions=(real * (nxt + 1) - 1).astype(np.int32),
+        slot_mapping=(ok * (page * page_size + nxt % page_size + 1) - 1).astype(np.int32),
+        context_lens=(metadata.context_lens + (metadata.context_lens > 0)).astype(np.int32),
+    )
+
+
+_MIXED_FIELDS = ("slot_mapping", "positions", "query_start_loc", "page_table", "context_lens", "num_seqs")
+
+
+def stack_metadata(steps: Sequence[PagedAttentionMetadata]) -> PagedAttentionMetadata:
+    """One metadata whose mixed-form fields gain a leading step axis (absent fields stay absent)."""
+    return steps[0].replace(**{f: np.stack([np.asarray(getattr(m, f)) for m in steps]) for f in _MIXED_FIELDS})
+
+
+def _xp(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return np
+    import jax.numpy as jnp  # only when handed device arrays
+
+    return jnp
+
+
 # ---- validation helpers ----------------------------------------------------------------------
 def _as_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:
     if isinstance(value, jax.core.Tracer):

@@ -1,0 +1,694 @@
+"""PageManager: the host-side brain of the paged cache (which pages each sequence owns).
+
+Continuous batching over a paged pool needs one authority that admits sequences, hands out
+pages at page boundaries, shares pages between sequences with a common prefix (prefix caching)
+or a common history (fork, copy-on-write), and emits each step's `PagedAttentionMetadata`.
+
+Pure numpy/Python and deterministic: the same calls give the same page ids on every host
+(lowest free page first, LRU in release order, no dict-iteration or hash-randomization
+dependence), which multi-host lock-step relies on. The block table is one preallocated int32
+array, so a step's metadata is built by slicing it, not by looping over pages.
+
+Life of a sequence (Modular MAX names in brackets)::
+
+    [seq] = manager.claim(1)                              # [claim]
+    done = manager.match_prefix(seq, prompt, salt=user)   # prompt[:done] is already cached
+    meta = manager.build_step_metadata([seq], [len(prompt) - done])   # [fetch]
+    cache = cache.copy_pages(*manager.take_copies())      # before the step's writes
+    ... jitted step writes K/V by meta.slot_mapping and attends ...
+    manager.step([seq], [prompt[done:]])                  # [step]: commit tokens, fill prefix cache
+    ... decode: build_decode_metadata(ids, num_steps=k)   # [increment_cache_lengths]
+    manager.release(seq)                                  # [release]
+
+Three tiers of error: `CacheFullError` when the pool or the batch is full (expected; nothing
+changed), `ValueError`/`UnknownSequenceError` for bad input (nothing changed), `InvariantError`
+when the manager's own bookkeeping is broken (a bug).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from easykv.errors import CacheFullError, InvariantError, UnknownSequenceError
+from easykv.page_pool import PagePool
+from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
+from easykv import sizing
+from easykv.runtime import PAD_PAGE, PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class PageManagerMetrics:
+    """A snapshot of the pool and the prefix cache (counters are totals since creation)."""
+
+    total_pages: int
+    free_pages: int
+    cached_pages: int  # unreferenced, kept for prefix reuse, evicted when memory is needed
+    used_pages: int
+    active_sequences: int
+    prefix_queries: int
+    prefix_hits: int  # queries that reused at least one page
+    prefix_query_tokens: int
+    prefix_hit_tokens: int  # prompt tokens that needed no prefill
+    evictions: int
+    copies: int  # copy-on-write page copies reported
+    scrubs: int  # released pages reported for zeroing
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool referenced by running sequences (cached pages count as free)."""
+        return self.used_pages / self.total_pages
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def _non_negative_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if _non_negative_int(name, value) == 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class PageManager:
+    """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
+
+    Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
+    ``enable_prefix_caching``: keep full pages findable by content (chained sha256 with salt).
+    ``scrub_released``: report pages that leave every owner for zeroing (`take_scrubs`), so no
+    tenant's K/V outlives its sequence in device memory (cached pages are scrubbed when evicted).
+    """
+
+    def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False):
+        self.metadata = metadata
+        self.page_size = ps = int(metadata.page_size)
+        self.batch_size = b = int(metadata.batch_size)
+        self.max_length = int(metadata.max_sequences)
+        self.pages_per_sequence = p = int(metadata.num_pages_per_sequence)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.scrub_released = bool(scrub_released)
+        self._pool = PagePool(int(metadata.num_pages_per_layer), int(metadata.page_shards), scrub_released=scrub_released)
+        self._table = np.full((b, p), PAD_PAGE, np.int32)
+        self._lens = np.zeros(b, np.int32)  # tokens written (K/V valid) per sequence
+        self._npages = np.zeros(b, np.int32)  # pages held, including pages reserved ahead
+        self._replica = np.full(b, -1, np.int32)  # -1 until the sequence's first page
+        self._active = np.zeros(b, bool)
+        self._hashes = SequenceHashes(b, ps)
+        self._copies: dict[int, int] = {}  # pending copy-on-write: dst page -> src page
+        self._shared_partial: set[int] = set()  # partly filled pages a fork left shared
+        self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
+
+    # ---- sequence slots [MAX: claim, external_claim, contains, release, slots_remaining] -------
+    def claim(self, n: int = 1) -> list[int]:
+        """Claim ``n`` free sequence ids (lowest first) for new requests."""
+        n = _non_negative_int("n", n)
+        free = np.flatnonzero(~self._active)
+        if n > free.size:
+            raise CacheFullError(
+                f"claim({n}) needs {n} sequence slots but only {free.size} of batch_size={self.batch_size} "
+                "are free; release finished sequences first or create the metadata with a larger batch_size",
+                resource="sequence slots", needed=n, available=int(free.size))
+        ids = free[:n]
+        self._active[ids] = True
+        return ids.tolist()
+
+    def external_claim(self, seq_ids: Sequence[int]) -> None:
+        """Claim ids chosen by the caller (e.g. a scheduler that owns the numbering)."""
+        if isinstance(seq_ids, (int, np.integer)):
+            raise ValueError(f"external_claim takes a list of ids, got the int {seq_ids}; pass [{seq_ids}]")
+        ids = [self._check_id(s) for s in seq_ids]
+        for s in ids:
+            if self._active[s]:
+                raise ValueError(f"sequence id {s} is already claimed; release it first or claim another id")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids {list(seq_ids)} repeat an id; claim each id once")
+        self._active[ids] = True
+
+    def contains(self, seq_id: int) -> bool:
+        return self._check_id(seq_id, strict=False) >= 0 and bool(self._active[int(seq_id)])
+
+    __contains__ = contains
+
+    @property
+    def slots_remaining(self) -> set[int]:
+        return set(np.flatnonzero(~self._active).tolist())
+
+    @property
+    def active_ids(self) -> list[int]:
+        return np.flatnonzero(self._active).tolist()
+
+    def release(self, seq_id: int) -> None:
+        """End a sequence: its id becomes free, its pages lose a reference. Full pages stay in
+        the prefix cache (tail pages are evicted before head pages); others are freed."""
+        row = self._row(seq_id)
+        n = int(self._npages[row])
+        freed = self._pool.release(self._table[row, :n][::-1].tolist())
+        for page in freed:
+            self._copies.pop(page, None)  # nobody will read the copy's destination
+        self._reset_row(row)
+
+    def _reset_row(self, row: int) -> None:
+        self._table[row] = PAD_PAGE
+        self._lens[row] = self._npages[row] = 0
+        self._replica[row] = -1
+        self._active[row] = False
+        self._hashes.reset(row)
+
+    # ---- prefix caching ------------------------------------------------------------------------
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
+        """Attach the longest run of cached full pages that starts ``token_ids`` (with the same
+        ``salt``) to a freshly claimed sequence. Returns how many prompt tokens need no prefill
+        (a multiple of page_size, at most ``len(token_ids) - 1``: the last prompt token is always
+        computed so the model has logits to sample from). The sequence then continues from there:
+        commit ``token_ids[returned:]`` after writing them."""
+        row = self._row(seq_id)
+        tokens = as_token_ids(token_ids)
+        if self._lens[row] or self._npages[row]:
+            raise ValueError(
+                f"sequence {row} already holds {int(self._lens[row])} tokens in {int(self._npages[row])} "
+                "pages; call match_prefix right after claim, before reserving or committing tokens")
+        self._check_extent(row, tokens.size, "the prompt")
+        salt_d = salt_digest(salt)
+        self._hashes.salt[row] = salt_d
+        if not self.enable_prefix_caching:
+            return 0
+        replica, pages, chain = self._lookup(tokens, salt_d, int(self._replica[row]))
+        c = self._counters
+        c["prefix_queries"] += 1
+        c["prefix_query_tokens"] += int(tokens.size)
+        if pages:
+            self._pool.share(pages)
+            k = len(pages)
+            self._table[row, :k] = pages
+            self._npages[row] = k
+            self._lens[row] = k * self.page_size
+            self._replica[row] = replica
+            self._hashes.chain[row] = chain
+            c["prefix_hits"] += 1
+            c["prefix_hit_tokens"] += k * self.page_size
+        return len(pages) * self.page_size
+
+    def cached_prefix_length(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
+        """How many tokens of ``token_ids`` `match_prefix` would find cached now (no state change)."""
+        tokens = as_token_ids(token_ids)
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._lookup(tokens, salt_digest(salt), -1)[1]) * self.page_size
+
+    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int) -> tuple[int, list[int], bytes]:
+        """The best replica, its cached pages for the prompt, and the digest of the last one.
+        Best: most pages, then most available pages, then lowest index."""
+        pool = self._pool
+        replicas = [bound] if bound >= 0 else list(range(pool.num_replicas))
+        found: dict[int, list[int]] = {r: [] for r in replicas}
+        chain = ROOT_DIGEST
+        for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt)):
+            alive = False
+            for r in replicas:
+                if len(found[r]) == k and (page := pool.lookup(r, digest)) >= 0:
+                    found[r].append(page)
+                    alive = True
+            if not alive:
+                break
+            chain = digest
+        avail = pool.available_per_replica()
+        best = max(replicas, key=lambda r: (len(found[r]), avail[r], -r))
+        return best, found[best], chain
+
+    # ---- growth ------------------------------------------------------------------------------
+    def reserve(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
+        """Make room for ``num_tokens`` more tokens of each sequence: new pages at page
+        boundaries, and a private copy of a shared, partly filled last page (copy-on-write; see
+        `take_copies`). All or nothing: on CacheFullError no sequence got anything."""
+        rows = self._rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        self._reserve(rows, self._counts(num_tokens, rows.size))
+
+    def _reserve(self, rows: np.ndarray, new: np.ndarray) -> None:
+        ps, pool = self.page_size, self._pool
+        lens = self._lens[rows]
+        ends = lens + new
+        if ends.size and ends.max() > self.max_length:
+            i = int(np.argmax(ends))
+            self._check_extent(int(rows[i]), int(ends[i]), f"{int(lens[i])} cached + {int(new[i])} new tokens")
+        held = self._npages[rows]
+        need = (ends + (ps - 1)) // ps - held
+        grow = np.flatnonzero(need > 0)
+        cow = self._copy_on_write_rows(rows, lens, new)
+        if not grow.size and not cow:
+            return
+        counts = need[grow]
+        rep = self._replica[rows]
+        if pool.num_replicas == 1:
+            demand = int(counts.sum()) + len(cow)
+            if demand > pool.num_available(0):
+                self._raise_full(0, demand)
+            self._replica[rows[grow]] = 0
+        else:
+            rep = self._bind_replicas(rows, grow, counts, cow)
+        # Checks passed: nothing below can fail.
+        for i in cow:
+            row, col = int(rows[i]), int(lens[i]) // ps
+            src = int(self._table[row, col])
+            dst = pool.allocate(int(self._replica[row]), 1, overwritten=True)[0]
+            self._table[row, col] = dst
+            pool.release([src])
+            self._copies[dst] = self._copies.get(src, src)  # a pending copy's dst still holds its src
+            self._counters["copies"] += 1
+        if not grow.size:
+            return
+        g_rows, total = rows[grow], int(counts.sum())
+        if pool.num_replicas == 1:
+            pages = pool.allocate(0, total)
+        else:  # one allocation per replica, handed out in batch order
+            pages = np.empty(total, np.int32)
+            owner = np.repeat(rep[grow], counts)
+            for r in np.unique(owner).tolist():
+                mask = owner == r
+                pages[mask] = pool.allocate(r, int(mask.sum()))
+        if total == grow.size:  # one page each: the decode case
+            self._table[g_rows, held[grow]] = pages
+        else:
+            starts = np.cumsum(counts) - counts
+            cols = np.arange(total) - np.repeat(starts - held[grow], counts)
+            self._table[np.repeat(g_rows, counts), cols] = pages
+        self._npages[g_rows] += counts.astype(np.int32)
+
+    def _bind_replicas(self, rows: np.ndarray, grow: np.ndarray, counts: np.ndarray, cow: list[int]) -> np.ndarray:
+        """Check per-replica capacity, binding unbound sequences to the least loaded replica
+        (then the lowest index); returns the batch's replicas. Raises CacheFullError."""
+        pool = self._pool
+        demand = np.zeros(rows.size, np.int64)
+        demand[grow] = counts
+        demand[cow] += 1
+        rep = self._replica[rows].copy()
+        avail = pool.available_per_replica()
+        bound = rep >= 0
+        left = avail - np.bincount(rep[bound], weights=demand[bound], minlength=pool.num_replicas).astype(np.int64)
+        for i in np.flatnonzero(~bound & (demand > 0)):
+            r = int(np.argmax(left))
+            rep[i] = r
+            left[r] -= demand[i]
+        if left.min() < 0:
+            r = int(np.argmin(left))
+            self._raise_full(r, int(avail[r] - left[r]))
+        self._replica[rows] = np.where(demand > 0, rep, self._replica[rows])
+        return rep
+
+    def _raise_full(self, replica: int, needed: int) -> None:
+        pool = self._pool
+        split = pool.num_replicas > 1
+        raise CacheFullError(
+            f"the step needs {needed} page{'s' * (needed != 1)}{f' in data-parallel replica {replica}' if split else ''} but only "
+            f"{pool.num_available(replica)} are free or evictable ({pool.num_used(replica)} in use by running "
+            "sequences); release or preempt sequences, or give the cache more pages",
+            resource="pages", needed=needed, available=pool.num_available(replica), replica=replica if split else None)
+
+    def _copy_on_write_rows(self, rows: np.ndarray, lens: np.ndarray, new: np.ndarray) -> list[int]:
+        """Indices of ``rows`` that write into a partly filled page another sequence shares.
+        Processed in batch order, the last writer of a page keeps the original. Only forks
+        share partly filled pages, so without live forks this costs nothing."""
+        live = self._shared_partial
+        if live:
+            live.difference_update([p for p in live if self._pool.refcount[p] <= 1])
+        if not live:
+            return []
+        idx = np.flatnonzero((new > 0) & (lens % self.page_size != 0))
+        pages = self._table[rows[idx], lens[idx] // self.page_size]
+        refs = self._pool.refcount[pages]
+        out, left = [], {}
+        for j in np.flatnonzero(refs > 1):
+            page = int(pages[j])
+            count = left.get(page, int(refs[j]))
+            if count > 1:
+                out.append(int(idx[j]))
+                left[page] = count - 1
+        return out
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence with the same history (parallel sampling, beam search). Written pages
+        are shared; whichever sequence next writes into a shared partly filled page gets a
+        private copy. Pages reserved ahead but not written stay with ``seq_id``."""
+        row = self._row(seq_id)
+        free = np.flatnonzero(~self._active)
+        if not free.size:
+            raise CacheFullError(
+                f"fork({row}) needs a free sequence slot but all batch_size={self.batch_size} are claimed; "
+                "release a sequence first", resource="sequence slots", needed=1, available=0)
+        child, k = int(free[0]), -(-int(self._lens[row]) // self.page_size)
+        if self._lens[row] % self.page_size:
+            self._shared_partial.add(int(self._table[row, k - 1]))
+        self._pool.share(self._table[row, :k].tolist())
+        self._table[child, :k] = self._table[row, :k]
+        self._npages[child] = k
+        self._active[child] = True
+        self._lens[child], self._replica[child] = self._lens[row], self._replica[row]
+        self._hashes.copy_row(row, child)
+        return child
+
+    # ---- step metadata [MAX: fetch, increment_cache_lengths] --------------------------------------
+    def build_step_metadata(self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int], *,
+                            pad_tokens_to: int | None = None, pad_seqs_to: int | None = None) -> PagedAttentionMetadata:
+        """Reserve pages and build the mixed-form metadata of one step in which sequence
+        ``seq_ids[b]`` appends ``num_new_tokens[b]`` tokens (a prefill chunk, a decode, or 0).
+        Lengths advance only when the tokens are committed (`step`), after the device wrote them.
+        ``pad_tokens_to`` / ``pad_seqs_to`` fix the shapes so jit sees few of them."""
+        rows = self._rows(seq_ids)
+        new = self._counts(num_new_tokens, rows.size)
+        self._check_padding(int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
+        self._reserve(rows, new)
+        return build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32), page_size=self.page_size,
+                           pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
+
+    def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
+                              stacked: bool = False) -> list[PagedAttentionMetadata] | PagedAttentionMetadata:
+        """Metadata for ``num_steps`` decode steps ahead, with pages reserved for all of them,
+        so a multi-step loop needs no host round trip. Step ``j`` writes position ``length + j``.
+        Returns a list, or with ``stacked=True`` one metadata whose mixed fields carry a leading
+        step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
+        from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids)."""
+        rows = self._rows(seq_ids)
+        k = _positive_int("num_steps", num_steps)
+        self._check_padding(rows.size, rows.size, None, pad_seqs_to)
+        self._reserve(rows, np.full(rows.size, k, np.int64))
+        meta = build_mixed(self._table[rows], self._lens[rows], np.ones(rows.size, np.int32),
+                           page_size=self.page_size, pad_tokens_to=pad_seqs_to, pad_seqs_to=pad_seqs_to)
+        steps = [meta]
+        for _ in range(k - 1):
+            steps.append(increment_cache_lengths(steps[-1], page_size=self.page_size))
+        return stack_metadata(steps) if stacked else steps
+
+    def increment_cache_lengths(self, metadata: PagedAttentionMetadata) -> PagedAttentionMetadata:
+        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly);
+        the manager's lengths do not change (see `build_decode_metadata`)."""
+        return increment_cache_lengths(metadata, page_size=self.page_size)
+
+    def _check_padding(self, tokens: int, seqs: int, pad_tokens_to: int | None, pad_seqs_to: int | None) -> None:
+        for name, pad, real in (("pad_tokens_to", pad_tokens_to, tokens), ("pad_seqs_to", pad_seqs_to, seqs)):
+            if pad is not None and _non_negative_int(name, pad) < real:
+                raise ValueError(f"{name}={pad} is below the {real} {name[4:-3]} of this step; pass at least {real}")
+
+    # ---- committing written tokens [MAX: step] -----------------------------------------------------
+    def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:
+        """Commit tokens the device has written: lengths advance and pages that became full
+        enter the prefix cache. ``token_ids``: one id per sequence (decode), an ``(n, k)``
+        array (``k`` each, multi-step decode), or one sequence of ids per sequence (prefill)."""
+        rows = self._rows(seq_ids)
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+            raise ValueError(f"token_ids={token_ids!r} is not a sequence; pass one id per sequence or one list per sequence")
+        if isinstance(token_ids, np.ndarray) or all(isinstance(t, (int, np.integer)) for t in token_ids):
+            arr = np.asarray(token_ids)
+            if arr.ndim not in (1, 2) or arr.shape[0] != rows.size:
+                raise ValueError(f"token_ids has shape {arr.shape}; pass ({rows.size},) or ({rows.size}, k) ids for {rows.size} sequences")
+            arr = as_token_ids(arr.reshape(-1)).reshape(arr.shape)
+            self._commit(rows, np.full(rows.size, 1 if arr.ndim == 1 else arr.shape[1], np.int64), arr)
+        else:
+            if len(token_ids) != rows.size:
+                raise ValueError(f"token_ids holds {len(token_ids)} entries for {rows.size} sequences; pass one per sequence")
+            lists = [as_token_ids(t, f"token_ids[{i}]") for i, t in enumerate(token_ids)]
+            self._commit(rows, np.array([t.size for t in lists], np.int64), lists)
+
+    def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> None:
+        """`step` for one sequence: commit ``token_ids`` written at its next positions."""
+        self.step([seq_id], [token_ids])
+
+    def advance(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
+        """Commit written tokens without their ids. Pages filled from here on are not entered
+        in the prefix cache (their content is unknown); use `step` to keep caching them."""
+        rows = self._rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        self._commit(rows, self._counts(num_tokens, rows.size), None)
+
+    def _commit(self, rows: np.ndarray, counts: np.ndarray, tokens: Any) -> None:
+        ps = self.page_size
+        lens = self._lens[rows]
+        over = lens + counts > self._npages[rows] * ps
+        if over.any():
+            i = int(np.argmax(over))
+            raise ValueError(
+                f"sequence {int(rows[i])} has room for {int(self._npages[rows[i]]) * ps - int(lens[i])} more tokens "
+                f"but {int(counts[i])} were committed; reserve them first (build_step_metadata / reserve)")
+        if self._shared_partial:
+            writing = np.flatnonzero(counts > 0)
+            first = self._table[rows[writing], lens[writing] // ps]
+            shared = self._pool.refcount[first] > 1
+            if shared.any():
+                j = int(np.argmax(shared))
+                raise ValueError(
+                    f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}, which it shares "
+                    "since a fork; reserve (build_step_metadata) after forking so it gets a private copy, then write")
+        # Validated: commit.
+        hashes, commit = self._hashes, self._pool.commit
+        if tokens is None:
+            hashes.hashable[rows[counts > 0]] = False
+        elif self.enable_prefix_caching and isinstance(tokens, np.ndarray) and tokens.ndim == 1:
+            f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
+            for page, digest in zip(self._table[f_rows, cols].tolist(), digests):
+                commit(page, digest)
+        elif self.enable_prefix_caching:
+            for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
+                row = int(rows[i])
+                for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
+                    commit(int(self._table[row, col]), digest)
+        self._lens[rows] = lens + counts
+
+    # ---- device work to report --------------------------------------------------------------------
+    def pending_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) int32 page ids the cache must copy, in every layer, before the next write;
+        ``pad_to`` pads both with -1 (a fixed shape for the jitted copy)."""
+        return (_padded(self._copies.values(), len(self._copies), pad_to, "copies"),
+                _padded(self._copies.keys(), len(self._copies), pad_to, "copies"))
+
+    def take_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
+        step's writes (sources are read before destinations are written)."""
+        out = self.pending_copies(pad_to)
+        self._copies.clear()
+        return out
+
+    def pending_scrubs(self, pad_to: int | None = None) -> np.ndarray:
+        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``."""
+        pages = self._pool.pending_scrubs()
+        return _padded(pages, pages.size, pad_to, "scrubs")
+
+    def take_scrubs(self, pad_to: int | None = None) -> np.ndarray:
+        """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
+        copies and before the step's writes."""
+        out = self.pending_scrubs(pad_to)
+        self._pool.take_scrubs()
+        return out
+
+    # ---- inspection -------------------------------------------------------------------------------
+    def length(self, seq_id: int) -> int:
+        """Committed tokens of a sequence [MAX: cache_length]."""
+        return int(self._lens[self._row(seq_id)])
+
+    cache_length = length
+
+    def capacity(self, seq_id: int) -> int:
+        """Tokens the sequence's pages can hold (committed plus reserved ahead)."""
+        return int(self._npages[self._row(seq_id)]) * self.page_size
+
+    def pages(self, seq_id: int) -> list[int]:
+        row = self._row(seq_id)
+        return self._table[row, : self._npages[row]].tolist()
+
+    def replica(self, seq_id: int) -> int | None:
+        """The data-parallel replica whose slice of the pool holds the sequence (None: unbound)."""
+        r = int(self._replica[self._row(seq_id)])
+        return r if r >= 0 else None
+
+    def page_table(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """Rows of the block table (``PAD_PAGE`` past each sequence's pages), a copy."""
+        return self._table[self._rows(seq_ids)]
+
+    @property
+    def metrics(self) -> PageManagerMetrics:
+        pool = self._pool
+        return PageManagerMetrics(
+            total_pages=pool.num_pages, free_pages=pool.num_free(), cached_pages=pool.num_cached(),
+            used_pages=pool.num_used(), active_sequences=int(self._active.sum()),
+            evictions=pool.evictions, scrubs=pool.scrubs, **self._counters)
+
+    @property
+    def usage(self) -> float:
+        return self._pool.num_used() / self._pool.num_pages
+
+    def __repr__(self) -> str:
+        m = self.metrics
+        return (f"PageManager({m.active_sequences}/{self.batch_size} sequences, pages used={m.used_pages} "
+                f"cached={m.cached_pages} free={m.free_pages}, prefix caching "
+                f"{'on' if self.enable_prefix_caching else 'off'})")
+
+    # ---- sizing [MAX: estimated_memory_size, infer_optimal_batch_size] ----------------------------------
+    estimated_memory_size = staticmethod(sizing.estimated_memory_size)
+    infer_optimal_batch_size = staticmethod(sizing.infer_optimal_batch_size)
+
+    # ---- invariants and persistence --------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise InvariantError (a bug in easykv) unless the bookkeeping is consistent: free +
+        cached + used = total, ref counts = owners, no page owned twice except by sharing, the
+        prefix map matches the pages, and every sequence's row matches its lengths."""
+        ps, n = self.page_size, self._npages
+        cols = np.arange(self.pages_per_sequence)
+        held = cols[None, :] < n[:, None]
+        if np.any(held & ~self._active[:, None]) or np.any(self._lens[~self._active]):
+            raise InvariantError("a released sequence id still holds pages or tokens")
+        if np.any(held != (self._table != PAD_PAGE)):
+            raise InvariantError(f"a block-table row disagrees with its page count: {np.argwhere(held != (self._table != PAD_PAGE))[0].tolist()}")
+        if np.any(self._lens > n * ps) or np.any(self._lens > self.max_length):
+            raise InvariantError("a sequence holds more tokens than its pages or max_sequences allow")
+        pages = self._table[held]
+        owner_rows = np.nonzero(held)[0]
+        if pages.size and np.any(pages // self._pool.pages_per_replica != self._replica[owner_rows]):
+            raise InvariantError("a sequence holds a page outside its data-parallel replica's slice")
+        for row in np.flatnonzero(n > 1):
+            if np.unique(self._table[row, : n[row]]).size != n[row]:
+                raise InvariantError(f"sequence {row} holds a page twice")
+        self._pool.check(np.bincount(pages, minlength=self._pool.num_pages).astype(np.int32))
+        salt_of: dict[int, bytes] = {}
+        for row, col in np.argwhere(held):
+            page = int(self._table[row, col])
+            if self._pool.digest_of(page) is not None and (col + 1) * ps > self._lens[row]:
+                raise InvariantError(f"page {page} is in the prefix cache but sequence {row} has not filled it")
+            if salt_of.setdefault(page, self._hashes.salt[row]) != self._hashes.salt[row]:
+                raise InvariantError(f"page {page} is shared between sequences with different salts")
+        if not self._fork_shared_pages() <= self._shared_partial:
+            raise InvariantError("a partly filled page is shared but copy-on-write does not know it")
+        for dst, src in self._copies.items():
+            if self._pool.refcount[dst] == 0 or not 0 <= src < self._pool.num_pages:
+                raise InvariantError(f"pending copy {src} -> {dst} targets an unowned page")
+
+    def _fork_shared_pages(self) -> set[int]:
+        """Partly filled pages with more than one owner (only a fork makes these)."""
+        rows = np.flatnonzero(self._active & (self._lens % self.page_size != 0))
+        pages = self._table[rows, self._lens[rows] // self.page_size]
+        return set(pages[self._pool.refcount[pages] > 1].tolist())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers."""
+        rows = self.active_ids
+        return {
+            "format": _STATE_FORMAT,
+            "config": _config(self.metadata, self.enable_prefix_caching, self.scrub_released),
+            "sequences": [
+                {"id": r, "length": int(self._lens[r]), "pages": self._table[r, : self._npages[r]].tolist(),
+                 "replica": int(self._replica[r]), **self._hashes.state(r, int(self._lens[r]))}
+                for r in rows
+            ],
+            "pool": self._pool.state_dict(),
+            "copies": [[src, dst] for dst, src in self._copies.items()],
+            "counters": dict(self._counters),
+        }
+
+    @classmethod
+    def from_state_dict(cls, metadata: Any, state: dict[str, Any]) -> PageManager:
+        """A manager equal to the one that wrote ``state`` (checked against ``metadata``)."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"not a PageManager state_dict (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
+                             f"expected {_STATE_FORMAT!r})")
+        config = state["config"]
+        flags = {k: config[k] for k in ("enable_prefix_caching", "scrub_released")}
+        if _config(metadata, **flags) != config:
+            raise ValueError(f"the state was saved for a pool {config} but metadata describes "
+                             f"{_config(metadata, **flags)}; restore with the metadata it was saved with")
+        m = cls(metadata, **flags)
+        try:
+            for seq in state["sequences"]:
+                r, pages = m._check_id(seq["id"]), [int(p) for p in seq["pages"]]
+                m._active[r] = True
+                m._table[r, : len(pages)] = pages
+                m._npages[r], m._lens[r], m._replica[r] = len(pages), seq["length"], seq["replica"]
+                m._hashes.load(r, seq)
+            held = m._table[m._table != PAD_PAGE]
+            m._pool.load_state(state["pool"], np.bincount(held, minlength=m._pool.num_pages))
+            m._copies = {int(dst): int(src) for src, dst in state["copies"]}
+            m._counters = {k: int(state["counters"][k]) for k in m._counters}
+            m._shared_partial = m._fork_shared_pages()
+            m.check_invariants()
+        except (KeyError, TypeError, IndexError, ValueError, InvariantError) as err:
+            raise ValueError(f"the PageManager state_dict is damaged or inconsistent: {err}") from err
+        return m
+
+    # ---- input checks ---------------------------------------------------------------------------
+    def _check_id(self, seq_id: Any, strict: bool = True) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise ValueError(f"sequence id {seq_id!r} of type {type(seq_id).__name__} is not an int")
+        if not 0 <= seq_id < self.batch_size:
+            if not strict:
+                return -1
+            raise ValueError(f"sequence id {seq_id} is outside 0..{self.batch_size - 1} (batch_size={self.batch_size})")
+        return int(seq_id)
+
+    def _row(self, seq_id: Any) -> int:
+        if not self.contains(seq_id):
+            raise UnknownSequenceError(
+                f"sequence id {seq_id!r} is not claimed (never claimed, or already released); "
+                f"claimed ids: {self.active_ids[:16]}{'...' if self._active.sum() > 16 else ''}")
+        return int(seq_id)
+
+    def _rows(self, seq_ids: Any) -> np.ndarray:
+        rows = np.asarray(seq_ids)
+        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
+            raise ValueError(f"seq_ids must be a 1-D sequence of int ids, got {seq_ids!r}")
+        if not rows.size:
+            return rows.astype(np.int64)
+        if rows.min() < 0 or rows.max() >= self.batch_size or not self._active[rows].all():
+            for s in rows.tolist():
+                self._row(s)
+        if rows.size > 1:
+            seen = np.bincount(rows)
+            if seen.max() > 1:
+                raise ValueError(f"seq_ids repeats id {int(np.argmax(seen))}; list each sequence once per step")
+        return rows
+
+    def _counts(self, num_tokens: Any, n: int) -> np.ndarray:
+        counts = np.asarray(num_tokens)
+        if counts.ndim == 0:
+            counts = np.full(n, counts)
+        if counts.shape != (n,) or (n and (counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer))):
+            raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {num_tokens!r}")
+        if n and counts.min() < 0:
+            raise ValueError(f"num_tokens {counts.tolist()} has a negative count; token counts are >= 0")
+        return counts.astype(np.int64)
+
+    def _check_extent(self, row: int, end: int, what: str) -> None:
+        if end > self.max_length:
+            raise ValueError(
+                f"sequence {row} would hold {end} tokens ({what}), past max_sequences={self.max_length}; "
+                "finish or truncate it, or create the metadata with a larger max_sequences")
+
+
+_STATE_FORMAT = "easykv.PageManager/1"
+
+
+def _config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
+    names = ("batch_size", "num_pages_per_layer", "num_pages_per_sequence", "max_sequences", "page_size", "page_shards")
+    return {**{k: int(getattr(metadata, k)) for k in names},
+            "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
+
+
+def _padded(values: Any, n: int, pad_to: int | None, what: str) -> np.ndarray:
+    size = n if pad_to is None else _non_negative_int("pad_to", pad_to)
+    if size < n:
+        raise ValueError(f"pad_to={pad_to} is below the {n} pending {what}; pass at least {n} (or None)")
+    out = np.full(size, -1, np.int32)
+    out[:n] = np.fromiter(values, np.int32, n)
+    return out
+
+
+__all__ = [
+    "CacheFullError", "InvariantError", "PageManager", "PageManagerMetrics", "UnknownSequenceError",
+    "increment_cache_lengths", "stack_metadata",
+]

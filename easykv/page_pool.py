@@ -1,0 +1,235 @@
+"""The physical page pool: reference counts, free pages, the prefix-cache map and its LRU.
+
+Kept apart from the `PageManager` (which knows sequences) the way vLLM keeps its block pool
+apart from its scheduler-facing manager: the pool only knows pages. Every page is in exactly
+one of three states:
+
+* free: unreferenced and holding nothing reusable; kept in a min-heap so the lowest id is
+  handed out first (deterministic on every host, and compact ids are easy to read in tests);
+* cached: unreferenced but holding a full page whose digest is in the prefix map; kept in
+  least-recently-released order and evicted only when no free page is left;
+* used: referenced by at least one sequence (a used page may also be in the prefix map).
+
+With data-parallel replicas the pool is split into equal slices, ``[r * n, (r + 1) * n)`` for
+replica ``r``; each slice has its own free heap, LRU and prefix map, so a page never crosses
+replicas and prefixes are only shared within one.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from easykv.errors import InvariantError
+from easykv.prefix_hash import DIGEST_BYTES
+
+
+class PagePool:
+    """Pages ``0 .. num_pages - 1`` split into ``num_replicas`` equal slices.
+
+    Callers (the manager) check capacity before allocating: `allocate` never fails half way.
+    """
+
+    def __init__(self, num_pages: int, num_replicas: int = 1, *, scrub_released: bool = False):
+        if num_pages <= 0 or num_replicas <= 0 or num_pages % num_replicas:
+            raise ValueError(
+                f"num_pages={num_pages} must be a positive multiple of num_replicas={num_replicas}"
+            )
+        self.num_pages = int(num_pages)
+        self.num_replicas = int(num_replicas)
+        self.pages_per_replica = self.num_pages // self.num_replicas
+        self.scrub_released = bool(scrub_released)
+        self.refcount = np.zeros(self.num_pages, np.int32)
+        self._digest: list[bytes | None] = [None] * self.num_pages
+        n = self.pages_per_replica
+        self._free: list[list[int]] = [list(range(r * n, (r + 1) * n)) for r in range(self.num_replicas)]
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
+        self._by_digest: list[dict[bytes, int]] = [{} for _ in range(self.num_replicas)]
+        self._scrub: dict[int, None] = {}  # ordered set of pages to zero on the device
+        self.evictions = 0
+        self.scrubs = 0
+
+    # ---- counts ----------------------------------------------------------------------------
+    def replica_of(self, page: int) -> int:
+        return int(page) // self.pages_per_replica
+
+    def num_free(self, replica: int | None = None) -> int:
+        return sum(len(h) for h in self._free) if replica is None else len(self._free[replica])
+
+    def num_cached(self, replica: int | None = None) -> int:
+        return sum(len(q) for q in self._lru) if replica is None else len(self._lru[replica])
+
+    def num_available(self, replica: int | None = None) -> int:
+        """Pages an allocation can take: free ones, then cached ones (evicting them)."""
+        return self.num_free(replica) + self.num_cached(replica)
+
+    def num_used(self, replica: int | None = None) -> int:
+        total = self.num_pages if replica is None else self.pages_per_replica
+        return total - self.num_available(replica)
+
+    def available_per_replica(self) -> np.ndarray:
+        return np.array([len(h) + len(q) for h, q in zip(self._free, self._lru)], np.int64)
+
+    # ---- allocation and references ------------------------------------------------------------
+    def allocate(self, replica: int, n: int, *, overwritten: bool = False) -> list[int]:
+        """``n`` pages of ``replica`` with one reference each: lowest free ids first, then the
+        least recently released cached pages (evicted from the prefix map).
+
+        ``overwritten``: the pages will be wholly overwritten (copy-on-write destinations), so
+        a pending scrub of them is dropped rather than racing the copy.
+        """
+        free, lru = self._free[replica], self._lru[replica]
+        if n > len(free) + len(lru):
+            raise InvariantError(
+                f"allocate({n}) on replica {replica} with {len(free)} free and {len(lru)} cached pages; "
+                "the manager must check capacity first"
+            )
+        out = [heapq.heappop(free) for _ in range(min(n, len(free)))]
+        while len(out) < n:
+            page, _ = lru.popitem(last=False)
+            del self._by_digest[replica][self._digest[page]]
+            self._digest[page] = None
+            self.evictions += 1
+            self._mark_scrub(page)
+            out.append(page)
+        self.refcount[out] = 1
+        if overwritten and self._scrub:
+            for page in out:
+                self._scrub.pop(page, None)
+        return out
+
+    def share(self, pages: Iterable[int]) -> None:
+        """Add a reference to each page; a cached page becomes used again (prefix hit, fork)."""
+        for page in pages:
+            if self.refcount[page] == 0:
+                if self._digest[page] is None:
+                    raise InvariantError(f"share() of page {page}, which is free")
+                del self._lru[self.replica_of(page)][page]
+            self.refcount[page] += 1
+
+    def release(self, pages: Iterable[int]) -> list[int]:
+        """Drop one reference from each page, in order. Pages left unreferenced become cached
+        (if in the prefix map; the first released is the first evicted) or free. Returns the
+        pages that became free."""
+        freed = []
+        for page in pages:
+            count = self.refcount[page] - 1
+            if count < 0:
+                raise InvariantError(f"release() of page {page}, which has no reference")
+            self.refcount[page] = count
+            if count == 0:
+                if self._digest[page] is not None:
+                    self._lru[self.replica_of(page)][page] = None
+                else:
+                    heapq.heappush(self._free[self.replica_of(page)], page)
+                    self._mark_scrub(page)
+                    freed.append(page)
+        return freed
+
+    def _mark_scrub(self, page: int) -> None:
+        if self.scrub_released and page not in self._scrub:
+            self._scrub[page] = None
+            self.scrubs += 1
+
+    # ---- prefix map -------------------------------------------------------------------------
+    def lookup(self, replica: int, digest: bytes) -> int:
+        """The page holding ``digest`` in ``replica``, or -1."""
+        return self._by_digest[replica].get(digest, -1)
+
+    def digest_of(self, page: int) -> bytes | None:
+        return self._digest[page]
+
+    def commit(self, page: int, digest: bytes) -> bool:
+        """Enter a used, just-filled page in the prefix map. When another page of the replica
+        already holds that digest (two sequences filled the same prefix at once), this one
+        stays private and is freed normally; returns whether it was entered."""
+        by_digest = self._by_digest[self.replica_of(page)]
+        if digest in by_digest or self._digest[page] is not None:
+            return False
+        by_digest[digest] = page
+        self._digest[page] = digest
+        return True
+
+    # ---- device work to report ---------------------------------------------------------------
+    def pending_scrubs(self) -> np.ndarray:
+        return np.fromiter(self._scrub, np.int32, len(self._scrub))
+
+    def take_scrubs(self) -> np.ndarray:
+        out = self.pending_scrubs()
+        self._scrub.clear()
+        return out
+
+    # ---- persistence --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        hashed = [[p, d.hex()] for p, d in enumerate(self._digest) if d is not None]
+        return {
+            "free": [sorted(h) for h in self._free],
+            "lru": [list(q) for q in self._lru],
+            "digests": hashed,
+            "scrub": list(self._scrub),
+            "evictions": self.evictions,
+            "scrubs": self.scrubs,
+        }
+
+    def load_state(self, state: Mapping[str, Any], refcount: np.ndarray) -> None:
+        """Replace this (fresh) pool's state with ``state``; ``refcount`` comes from the owners."""
+        self.refcount = np.asarray(refcount, np.int32).copy()
+        self._free = [sorted(int(p) for p in h) for h in state["free"]]
+        self._lru = [OrderedDict((int(p), None) for p in q) for q in state["lru"]]
+        self._digest = [None] * self.num_pages
+        self._by_digest = [{} for _ in range(self.num_replicas)]
+        for page, hexdigest in state["digests"]:
+            digest = bytes.fromhex(hexdigest)
+            if len(digest) != DIGEST_BYTES or not 0 <= int(page) < self.num_pages:
+                raise ValueError(f"state digest entry {[page, hexdigest]!r} is malformed")
+            self._digest[int(page)] = digest
+            self._by_digest[self.replica_of(page)][digest] = int(page)
+        self._scrub = {int(p): None for p in state["scrub"]}
+        self.evictions = int(state["evictions"])
+        self.scrubs = int(state["scrubs"])
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def check(self, owners: np.ndarray) -> None:
+        """Raise InvariantError unless the pool agrees with ``owners`` (references per page
+        counted from the sequences' block tables) and with itself."""
+        if not np.array_equal(self.refcount, owners):
+            bad = int(np.flatnonzero(self.refcount != owners)[0])
+            raise InvariantError(
+                f"page {bad} has refcount {int(self.refcount[bad])} but {int(owners[bad])} owners"
+            )
+        state = np.zeros(self.num_pages, np.int8)  # 0 used, 1 free, 2 cached
+        n = self.pages_per_replica
+        for r in range(self.num_replicas):
+            for kind, pages in ((1, self._free[r]), (2, self._lru[r])):
+                for page in pages:
+                    if not r * n <= page < (r + 1) * n:
+                        raise InvariantError(f"page {page} is listed in replica {r}'s pool but lies outside it")
+                    if state[page]:
+                        raise InvariantError(f"page {page} is listed twice among free/cached pages")
+                    state[page] = kind
+            heap = self._free[r]
+            if any(heap[(i - 1) // 2] > heap[i] for i in range(1, len(heap))):
+                raise InvariantError(f"replica {r}'s free heap is out of order")
+            for digest, page in self._by_digest[r].items():
+                if self._digest[page] != digest or self.replica_of(page) != r:
+                    raise InvariantError(f"prefix map entry of replica {r} -> page {page} disagrees with the page")
+        hashed = sum(d is not None for d in self._digest)
+        if hashed != sum(len(m) for m in self._by_digest):
+            raise InvariantError(f"{hashed} pages carry digests but the prefix maps hold a different count")
+        for page in range(self.num_pages):
+            ref, kind, digest = int(self.refcount[page]), int(state[page]), self._digest[page]
+            if (ref > 0) != (kind == 0):
+                raise InvariantError(f"page {page} has refcount {ref} but is {('used', 'free', 'cached')[kind]}")
+            if kind == 1 and digest is not None:
+                raise InvariantError(f"free page {page} still carries a digest")
+            if kind == 2 and digest is None:
+                raise InvariantError(f"cached page {page} has no digest")
+        if self.num_free() + self.num_cached() + int(np.count_nonzero(self.refcount)) != self.num_pages:
+            raise InvariantError("free + cached + used pages do not add up to the pool size")
+
+
+__all__ = ["PagePool"]

@@ -1,0 +1,158 @@
+"""Content identity of full pages for prefix caching: a chained sha256.
+
+A page's digest covers its parent's digest, an extra key (tenant salt, adapter id, ...) and the
+page's token ids, so equal digests mean the whole prefix up to and including that page is equal
+(up to sha256 collisions): a page can be shared only with sequences that have the same history
+and the same extra key. Everything is hashed as fixed-width little-endian bytes, never with
+Python's ``hash()``, so every host and every process computes the same digests (multi-host
+lock-step and restoring a saved manager both rely on that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+DIGEST_BYTES = 32
+# The parent of a sequence's first page. Versioned so that a change of scheme never matches old digests.
+ROOT_DIGEST: bytes = hashlib.sha256(b"easykv.prefix_hash.v1").digest()
+NO_SALT: bytes = hashlib.sha256(b"easykv.prefix_hash.v1.no-salt").digest()
+
+_INT32 = np.iinfo(np.int32)
+
+
+def salt_digest(salt: Any) -> bytes:
+    """The 32-byte extra key of a sequence; None is the default namespace.
+
+    str, bytes and int salts are tagged by type before hashing, so ``"1"``, ``b"1"`` and ``1``
+    are three different namespaces.
+    """
+    if salt is None:
+        return NO_SALT
+    if isinstance(salt, bool):
+        raise ValueError(f"salt={salt!r} is a bool; use a str, bytes or int tenant/adapter key")
+    if isinstance(salt, str):
+        tagged = b"s:" + salt.encode("utf-8")
+    elif isinstance(salt, (bytes, bytearray, memoryview)):
+        tagged = b"b:" + bytes(salt)
+    elif isinstance(salt, (int, np.integer)):
+        tagged = b"i:" + str(int(salt)).encode("ascii")
+    else:
+        raise ValueError(f"salt={salt!r} of type {type(salt).__name__} is not supported; use a str, bytes or int")
+    return hashlib.sha256(b"easykv.prefix_hash.v1.salt|" + tagged).digest()
+
+
+def as_token_ids(token_ids: Any, name: str = "token_ids") -> np.ndarray:
+    """A 1-D int32 copy of ``token_ids``, or a ValueError that names the problem."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, np.int32)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _INT32.max:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds token id {bad}; token ids must lie in 0..{_INT32.max}")
+    return arr.astype(np.int32)
+
+
+def page_digest(parent: bytes, salt: bytes, page_tokens: np.ndarray) -> bytes:
+    """The digest of one full page given its parent's digest and the sequence's salt digest."""
+    return hashlib.sha256(parent + salt + np.asarray(page_tokens, "<i4").tobytes()).digest()
+
+
+def iter_page_digests(tokens: np.ndarray, page_size: int, num_pages: int, salt: bytes,
+                      parent: bytes = ROOT_DIGEST) -> Iterator[bytes]:
+    """Digests of the first ``num_pages`` full pages of ``tokens``, lazily (lookups stop early).
+
+    The token bytes are converted once; each page then costs one sha256 over 64 + 4*page_size bytes.
+    """
+    step = 4 * page_size
+    data = np.ascontiguousarray(tokens[: num_pages * page_size], "<i4").tobytes()
+    sha = hashlib.sha256
+    for k in range(num_pages):
+        parent = sha(parent + salt + data[k * step : (k + 1) * step]).digest()
+        yield parent
+
+
+class SequenceHashes:
+    """What each sequence (a block-table row) knows of its own content, to name the pages it fills.
+
+    Per row: the salt digest, the digest of its last full page (the parent of the next one),
+    the token ids of its unfinished page, and whether its ids are known at all (tokens committed
+    without ids end its prefix caching). Pages are named as they fill, so a page is findable
+    from the step that completes it.
+    """
+
+    def __init__(self, batch_size: int, page_size: int):
+        self.page_size = page_size
+        self.partial = np.zeros((batch_size, page_size), np.int32)
+        self.chain: list[bytes] = [ROOT_DIGEST] * batch_size
+        self.salt: list[bytes] = [NO_SALT] * batch_size
+        self.hashable = np.ones(batch_size, bool)
+
+    def reset(self, row: int) -> None:
+        self.partial[row] = 0
+        self.chain[row], self.salt[row], self.hashable[row] = ROOT_DIGEST, NO_SALT, True
+
+    def copy_row(self, src: int, dst: int) -> None:
+        self.partial[dst], self.hashable[dst] = self.partial[src], self.hashable[src]
+        self.chain[dst], self.salt[dst] = self.chain[src], self.salt[src]
+
+    def extend(self, row: int, start: int, tokens: np.ndarray) -> list[tuple[int, bytes]]:
+        """Record ``tokens`` written from position ``start``; returns (page index, digest) of
+        each page they complete."""
+        ps, pos, i, sealed = self.page_size, start, 0, []
+        off = pos % ps
+        if off:
+            i = min(ps - off, tokens.size)
+            self.partial[row, off : off + i] = tokens[:i]
+            pos += i
+            if pos % ps == 0:
+                self.chain[row] = page_digest(self.chain[row], self.salt[row], self.partial[row])
+                sealed.append((pos // ps - 1, self.chain[row]))
+        full = (tokens.size - i) // ps
+        for col, digest in enumerate(iter_page_digests(tokens[i:], ps, full, self.salt[row], self.chain[row]), pos // ps):
+            sealed.append((col, digest))
+            self.chain[row] = digest
+        i += full * ps
+        self.partial[row, : tokens.size - i] = tokens[i:]
+        return sealed
+
+    def extend_one(self, rows: np.ndarray, lens: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """One token per row at position ``lens`` (the decode fast path, vectorized); returns
+        the rows, page indices and digests of the pages completed."""
+        ps = self.page_size
+        keep = self.hashable[rows]
+        if not keep.all():
+            rows, lens, tokens = rows[keep], lens[keep], tokens[keep]
+        offs = lens % ps
+        self.partial[rows, offs] = tokens
+        full = np.flatnonzero(offs == ps - 1)
+        rows, width = rows[full], 4 * ps
+        blob = self.partial[rows].astype("<i4").tobytes()
+        chain, salt, sha, digests = self.chain, self.salt, hashlib.sha256, []
+        for k, row in enumerate(rows.tolist()):
+            chain[row] = digest = sha(chain[row] + salt[row] + blob[k * width : (k + 1) * width]).digest()
+            digests.append(digest)
+        return rows, lens[full] // ps, digests
+
+    def state(self, row: int, length: int) -> dict[str, Any]:
+        return {"hashable": bool(self.hashable[row]), "chain": self.chain[row].hex(), "salt": self.salt[row].hex(),
+                "partial": self.partial[row, : length % self.page_size].tolist()}
+
+    def load(self, row: int, state: dict[str, Any]) -> None:
+        self.hashable[row] = bool(state["hashable"])
+        self.chain[row], self.salt[row] = bytes.fromhex(state["chain"]), bytes.fromhex(state["salt"])
+        self.partial[row, : len(state["partial"])] = state["partial"]
+
+
+__all__ = [
+    "DIGEST_BYTES", "NO_SALT", "ROOT_DIGEST", "SequenceHashes", "as_token_ids", "iter_page_digests",
+    "page_digest", "salt_digest",
+]

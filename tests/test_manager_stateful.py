@@ -1,0 +1,221 @@
+"""Random claim / prefix reuse / write / decode / fork / release / restore sequences.
+
+A plain model keeps each sequence's token ids; a simulated device (one token id per slot)
+applies the manager's page copies and scrubs, then each step's writes through its slot
+mapping. After every step the device, read through each sequence's page table, must give back
+exactly the model's tokens (prefix hits included), and check_invariants() must pass.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from easykv.errors import CacheFullError, UnknownSequenceError
+from easykv.manager import PageManager
+from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.prefix_hash import iter_page_digests, salt_digest
+
+PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
+BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')
+TOKENS = st.integers(0, 2)  # a small vocabulary: decoded pages get matched by later prompts
+SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    shards = 1
+    caching = True
+    scrub = True
+
+    @initialize()
+    def setup(self):
+        self.meta = PagedAttentionCacheMetaData(
+            batch_size=BATCH, num_hidden_layers=1, num_pages_per_layer=PAGES,
+            num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
+            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards)
+        self.pm = PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
+        self.device = np.full((PAGES, PS), -1, np.int64)
+        self.model: dict[int, dict] = {}
+        self.history: list[list[int]] = []  # token ids of released sequences
+
+    # ---- device simulation ---------------------------------------------------------------------
+    def _apply_page_ops(self):
+        src, dst = self.pm.take_copies()
+        self.device[dst] = self.device[src]  # every source read before any destination written
+        self.device[self.pm.take_scrubs()] = -1
+
+    def _write(self, meta, tokens):
+        slots = np.asarray(meta.slot_mapping)
+        real = slots >= 0
+        assert real.sum() == len(tokens)
+        self.device.reshape(-1)[slots[real]] = tokens
+
+    def _grow(self, seqs, tokens, ids=True):
+        """One mixed step: append ``tokens[i]`` to ``seqs[i]`` (committed with their ids, or
+        without: `advance`). False when the pool is full."""
+        before = self.pm.state_dict()
+        try:
+            meta = self.pm.build_step_metadata(seqs, [len(t) for t in tokens], pad_tokens_to=sum(map(len, tokens)) + 2)
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+            return False
+        self._apply_page_ops()
+        self._write(meta, [x for t in tokens for x in t])
+        if ids:
+            self.pm.step(seqs, tokens)
+        else:
+            self.pm.advance(seqs, [len(t) for t in tokens])
+        for s, t in zip(seqs, tokens):
+            self.model[s]["tokens"] += list(t)
+        return True
+
+    def _room(self, seq):
+        return MAX_LEN - len(self.model[seq]["tokens"])
+
+    # ---- rules ---------------------------------------------------------------------------------
+    @rule(data=st.data(), keep=st.integers(1, MAX_LEN), tail=st.lists(TOKENS, max_size=4),
+          salt=st.sampled_from([None, None, "tenant"]))
+    def admit(self, data, keep, tail, salt):
+        base = data.draw(st.sampled_from(BASES + self.history))
+        prompt = (base[:keep] + tail)[:MAX_LEN] or [0]
+        if len(self.model) == BATCH:
+            try:
+                self.pm.claim(1)
+            except CacheFullError as err:
+                assert err.resource == "sequence slots"
+                return
+            raise AssertionError("claim beyond batch_size succeeded")
+        [seq] = self.pm.claim(1)
+        done = self.pm.match_prefix(seq, prompt, salt=salt)
+        assert done % PS == 0 and (done <= len(prompt) - 1 or done == 0)
+        if not self.caching:
+            assert done == 0
+        self.model[seq] = {"tokens": prompt[:done], "salt": salt}
+        self._check_contents()  # the reused pages really hold the prompt's tokens
+        if not self._grow([seq], [prompt[done:]]):
+            self.pm.release(seq)
+            del self.model[seq]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def write(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        n = data.draw(st.integers(0, self._room(seq)))
+        self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))], ids=data.draw(st.booleans()) or n == 0)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def decode(self, data, k):
+        ready = [s for s in sorted(self.model) if self._room(s) >= k]
+        if not ready:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
+        tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs), max_size=k * len(seqs)))).reshape(len(seqs), k)
+        before = self.pm.state_dict()
+        try:
+            steps = self.pm.build_decode_metadata(seqs, num_steps=k)
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+            return
+        self._apply_page_ops()
+        for j, meta in enumerate(steps):
+            self._write(meta, tokens[:, j])
+        self.pm.step(seqs, tokens[:, 0] if k == 1 else tokens)  # (n,): the one-token fast path
+        for s, t in zip(seqs, tokens.tolist()):
+            self.model[s]["tokens"] += t
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def reserve_ahead(self, data):
+        """Pages (and copy-on-write copies) reserved now, written by a later step."""
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        before = self.pm.state_dict()
+        try:
+            self.pm.reserve(seq, data.draw(st.integers(0, self._room(seq))))
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def fork(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        if len(self.model) == BATCH:
+            return
+        child = self.pm.fork(seq)
+        assert child not in self.model
+        self.model[child] = {"tokens": list(self.model[seq]["tokens"]), "salt": self.model[seq]["salt"]}
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        self.pm.release(seq)
+        self.history.append(self.model.pop(seq)["tokens"])
+        before = self.pm.state_dict()
+        try:
+            self.pm.release(seq)
+        except UnknownSequenceError:
+            assert self.pm.state_dict() == before
+        else:
+            raise AssertionError("double release succeeded")
+
+    @rule()
+    def restore(self):
+        state = json.loads(json.dumps(self.pm.state_dict()))
+        self.pm = PageManager.from_state_dict(self.meta, state)
+        assert self.pm.state_dict() == state
+
+    # ---- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "pm"):
+            return
+        self.pm.check_invariants()
+        assert self.pm.active_ids == sorted(self.model)
+        self._check_contents()
+        m = self.pm.metrics
+        assert m.free_pages + m.cached_pages + m.used_pages == PAGES
+        if self.scrub:  # a free page holds nothing, or is reported for zeroing
+            pending = set(self.pm.pending_scrubs().tolist())
+            for heap in self.pm._pool._free:
+                for page in heap:
+                    assert page in pending or (self.device[page] == -1).all(), page
+
+    def _check_contents(self):
+        device = self.device.copy()  # as the next step will see it: pending copies applied
+        src, dst = self.pm.pending_copies()
+        device[dst] = device[src]
+        for seq, info in self.model.items():
+            tokens = info["tokens"]
+            assert self.pm.length(seq) == len(tokens)
+            pages = self.pm.pages(seq)
+            got = device[pages].reshape(-1)[: len(tokens)] if pages else np.zeros(0)
+            assert got.tolist() == tokens, (seq, got.tolist(), tokens)
+            # a page in the prefix cache is named by exactly the history it holds
+            full = len(tokens) // PS
+            want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
+            for col, page in enumerate(pages[:full]):
+                digest = self.pm._pool.digest_of(page)
+                assert digest is None or digest == want[col], (seq, col, page)
+
+
+class DataParallelMachine(ManagerMachine):
+    shards = 2
+
+
+class NoCachingMachine(ManagerMachine):
+    caching = False
+    scrub = False
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = SETTINGS
+TestDataParallelMachine = DataParallelMachine.TestCase
+TestDataParallelMachine.settings = SETTINGS
+TestNoCachingMachine = NoCachingMachine.TestCase
+TestNoCachingMachine.settings = SETTINGS

@@ -1,5 +1,11 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
 
+from easykv.attention import (
+    paged_attention,
+    paged_attention_implementation,
+    paged_attention_reference,
+    view_attention,
+)
 from easykv.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
 from easykv.errors import CacheFullError, InvariantError, UnknownSequenceError
 from easykv.manager import PageManager, PageManagerMetrics
@@ -42,6 +48,10 @@ __all__ = [
     "available_quantizers",
     "device_memory_budget",
     "gather_kv",
+    "paged_attention",
+    "paged_attention_implementation",
+    "paged_attention_reference",
+    "view_attention",
     "get_quantizer",
     "storage_dtype",
 ]

@@ -1,0 +1,833 @@
+"""Paged attention: queries attend to keys and values read through page tables.
+
+One entry point serves the three forms of :class:`~easykv.runtime.PagedAttentionMetadata`:
+
+* **decode** (EasyDeL's decode form): ``q`` is ``(batch, num_q_heads, head_dim)``, one query per
+  sequence; sequence ``b`` sees keys ``0 .. decodes_position[b]`` (its new token already written).
+* **chunked prefill** (EasyDeL's prefill form): ``q`` is ``(padded_len, num_q_heads, head_dim)``;
+  query ``t`` at ``prefill_position[t]`` sees keys ``0 .. prefill_position[t]`` (the cached prefix
+  and the chunk itself, causally). Rows ``>= prefill_length`` are padding.
+* **mixed** (continuous batching): ``q`` is ``(num_tokens, num_q_heads, head_dim)``; token ``t`` of
+  sequence ``b`` (``query_start_loc[b] <= t < query_start_loc[b + 1]``, ``b < num_seqs``) sees keys
+  ``0 .. positions[t]`` of sequence ``b``.
+
+Padding rows (position -1, or outside every sequence) come back as zeros. Options: grouped-query
+attention (q heads a multiple of kv heads; q head ``i`` reads kv head ``i // group``), a sliding
+window (a query at ``p`` sees keys in ``(p - window, p]``), a logit soft cap
+(``cap * tanh(s / cap)``) and the softmax scale (default ``head_dim ** -0.5``). Scores, softmax and
+the weighted sum are float32; the output has q's dtype.
+
+The XLA path (every backend)
+----------------------------
+Cost follows the tokens actually cached, not ``batch x max length``: a loop over sequences runs,
+for each query block of a sequence, a ``while_loop`` over blocks of ``pages_per_block`` pages
+whose trip count is that block's own need (``ceil((max position + 1) / block_tokens)``, starting
+at the window's first block), with an online (flash-decoding) softmax across blocks. Only the
+pages a sequence really uses are gathered, so a batch with lengths uniform in ``[1, L]`` costs
+about half the batch all at ``L``.
+
+Placement: the computation runs in ``shard_map`` over the page layout. Each device holds some kv
+heads and the matching q heads (split in the same contiguous groups), so head-sharded pages need
+no cross-device traffic at all. With the page axis split over data-parallel replicas each
+sequence's pages live in one replica's slice (checked on the host): the replica holding the page
+of a query block's last key computes that block, the others skip it (zero trips), and one
+all-reduce of the *output* (tokens x q heads x head_dim, never pages) over the page axes combines
+them. Inside jit, page ids outside the pool (or outside this replica's slice) are never read: their
+keys are masked out, never clipped onto another page.
+
+Pallas TPU path
+---------------
+On TPU, decode without a sliding window, on pages stored in their own dtype (bf16/f32) with
+``head_dim % 128 == 0`` and an unsplit page axis, goes to JAX's Pallas ``paged_attention`` kernel
+(whose page layout is ours), called per device inside the same ``shard_map``.
+:func:`paged_attention_implementation` says which path a call takes; ``implementation=`` forces
+one.
+
+Pages are read through one function, :func:`_load_pages`, which turns stored pages (raw bits on
+CPU, see ``pages.py``) into float32 values; quantized pages will be dequantized there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from easykv.pages import PageLayout, from_storage
+from easykv.runtime import PagedAttentionMetadata
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu")
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+# Default block sizes of the XLA path (measured on XLA:CPU, see benchmarks/bench_attention.py):
+# tokens per key/value block, and query rows per block for prefill / mixed batches.
+_DEFAULT_BLOCK_TOKENS = 256
+_DEFAULT_QUERY_BLOCK = 32
+
+
+# ---- public API ---------------------------------------------------------------------------------
+def paged_attention(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    layout: PageLayout | None = None,
+    dtype: Any = None,
+    implementation: str = "auto",
+    pages_per_block: int | None = None,
+    query_block: int | None = None,
+) -> jax.Array:
+    """Attention of ``q`` over the cached keys/values named by ``metadata``'s page tables.
+
+    Args:
+      q: decode ``(batch, num_q_heads, head_dim)``; prefill ``(padded_len, num_q_heads,
+        head_dim)``; mixed ``(num_tokens, num_q_heads, head_dim)``. float32/bfloat16/float16.
+      key_pages, value_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical
+        dtype or its storage dtype (raw uint bits on CPU).
+      metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
+        are checked against the pool before anything runs.
+      scale: softmax scale, default ``head_dim ** -0.5``.
+      sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
+      logit_soft_cap: scores become ``cap * tanh(score / cap)`` (after scaling).
+      layout: how the pages are split over the mesh. ``None``: taken from the pages' own
+        ``NamedSharding`` when they are concrete arrays, else one device. Inside an outer ``jit``
+        pass it (or use :func:`view_attention`) so the computation stays shard-local.
+      dtype: logical dtype of the pages; needed when they are stored as raw bits (uint16/uint8).
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas_tpu"`` (see
+        :func:`paged_attention_implementation`).
+      pages_per_block: pages per key/value block of the XLA path (default: 256 tokens' worth).
+      query_block: query rows per block for prefill and mixed batches (default 32); a
+        sequence's last rows go in smaller power-of-two blocks.
+
+    Returns:
+      ``q.shape`` in ``q.dtype``; padding rows are zeros.
+    """
+    cfg = _prepare(
+        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, layout=layout, dtype=dtype, implementation=implementation,
+        pages_per_block=pages_per_block, query_block=query_block,
+    )  # fmt: skip
+    return _run(q, key_pages, value_pages, metadata, cfg=cfg)
+
+
+def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
+    """:func:`paged_attention` over one layer's :class:`~easykv.cache.PagedAttentionCacheView`:
+    its pages, its layout and its logical dtype (``options`` are paged_attention's keywords but
+    ``layout`` and ``dtype``)."""
+    for key in ("layout", "dtype"):
+        if key in options:
+            raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
+    keys, values = _view_pages(view)
+    return paged_attention(
+        q, keys, values, metadata, layout=view.layout, dtype=view.dtype, **options
+    )
+
+
+def paged_attention_implementation(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    **options: Any,
+) -> str:
+    """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
+    ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
+    cfg = _prepare(q, key_pages, value_pages, metadata, **options)
+    return cfg.implementation
+
+
+def paged_attention_reference(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    dtype: Any = None,
+) -> jax.Array:
+    """Dense reference: gather every sequence's whole page-table row into contiguous keys and
+    values, then masked softmax attention in float32 for every query row. Memory and time grow
+    with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving."""
+    cfg = _prepare(
+        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, layout=None, dtype=dtype, implementation="xla",
+        pages_per_block=None, query_block=None, infer_layout=False,
+    )  # fmt: skip
+    return _reference(q, key_pages, value_pages, metadata, cfg=cfg)
+
+
+# ---- configuration and validation ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call (hashable: a jit static argument)."""
+
+    mode: str  # "decode" | "prefill" | "mixed"
+    dtype: np.dtype  # logical dtype of the pages
+    scale: float
+    window: int | None
+    cap: float | None
+    layout: PageLayout | None
+    implementation: str  # "xla" | "pallas_tpu"
+    block_pages: int
+    query_block: int
+    num_pages: int  # global pages per layer
+    page_size: int
+
+
+def _view_pages(view: Any) -> tuple[Any, Any]:
+    if not all(hasattr(view, a) for a in ("key_pages", "value_pages", "layout", "dtype")):
+        raise ValueError(
+            f"view must be a PagedAttentionCacheView (key_pages, value_pages, layout, dtype), got "
+            f"{type(view).__name__}"
+        )
+    return view.key_pages, view.value_pages
+
+
+def _mode(metadata: Any) -> str:
+    if not isinstance(metadata, PagedAttentionMetadata):
+        raise ValueError(f"metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
+    if metadata.is_mixed_mode():
+        return "mixed"
+    if metadata.is_decode_mode():
+        return "decode"
+    if metadata.is_prefill_mode():
+        return "prefill"
+    raise ValueError(
+        "metadata names no attention mode: it needs decodes_page_table (decode), "
+        "prefill_page_table (prefill) or slot_mapping (mixed), and only one of them; build it "
+        "with PagedAttentionMetadata.for_decode / for_prefill / for_mixed"
+    )
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in np.shape(x))
+
+
+def _dtype_of(x: Any) -> np.dtype:
+    dt = getattr(x, "dtype", None)  # arrays and tracers: never pull values to the host
+    return np.dtype(dt) if dt is not None else np.asarray(x).dtype
+
+
+def _is_host(*xs: Any) -> bool:
+    return all(isinstance(x, (np.ndarray, np.generic, int)) for x in xs)
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return int(value)
+
+
+def _positive_float_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
+        math.isfinite(float(value)) and float(value) > 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    return float(value)
+
+
+def _logical_dtype(dtype: Any, stored: np.dtype) -> np.dtype:
+    if dtype is None:
+        if stored.name in _FLOAT_DTYPES:
+            return stored
+        fits = [d for d in _FLOAT_DTYPES if np.dtype(d).itemsize == stored.itemsize]
+        raise ValueError(
+            f"the pages are stored as {stored.name} (raw bits); pass dtype= with their logical "
+            f"dtype ({' or '.join(fits) or 'a float dtype'}), or use view_attention, which takes "
+            "it from the view"
+        )
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as err:
+        raise ValueError(f"dtype={dtype!r} is not a dtype; use one of {', '.join(_FLOAT_DTYPES)}") from err
+    if dt.name not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype={dt.name} is not a page dtype; use one of {', '.join(_FLOAT_DTYPES)}")
+    if stored != dt and not (stored.kind == "u" and stored.itemsize == dt.itemsize):
+        raise ValueError(
+            f"pages stored as {stored.name} cannot hold {dt.name} values (expected {dt.name} or "
+            f"uint{8 * dt.itemsize} raw bits); pass the dtype the cache was created with"
+        )
+    return dt
+
+
+def _infer_layout(pages: Any) -> PageLayout | None:
+    """The PageLayout of concrete pages placed with a 4-D NamedSharding; None otherwise."""
+    sharding = getattr(pages, "sharding", None) if isinstance(pages, jax.Array) else None
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+
+    def axes(entry: Any) -> tuple[str, ...]:
+        if entry is None:
+            return ()
+        return (entry,) if isinstance(entry, str) else tuple(entry)
+
+    if spec[2] is not None or spec[3] is not None:
+        raise ValueError(
+            f"pages are sharded as {sharding.spec}; only the kv-head and page axes may be split "
+            "(PartitionSpec(heads, pages, None, None))"
+        )
+    return PageLayout(mesh=sharding.mesh, head_axes=axes(spec[0]), page_axes=axes(spec[1]))
+
+
+def _platform(layout: PageLayout | None, pages: Any) -> str:
+    if layout is not None:
+        return layout.mesh.devices.flat[0].platform
+    if isinstance(pages, jax.Array) and not isinstance(pages, jax.core.Tracer):
+        return next(iter(pages.devices())).platform
+    return jax.default_backend()
+
+
+def _prepare(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: Any,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    layout: PageLayout | None = None,
+    dtype: Any = None,
+    implementation: str = "auto",
+    pages_per_block: int | None = None,
+    query_block: int | None = None,
+    infer_layout: bool = True,
+) -> _Config:
+    """Check every shape, dtype, option and (host) metadata value; return the static config."""
+    # -- q and pages -----------------------------------------------------------------------------
+    qs = _shape(q)
+    if len(qs) != 3:
+        raise ValueError(f"q must be (tokens, num_q_heads, head_dim), got shape {qs}")
+    q_dtype = _dtype_of(q)
+    if q_dtype.name not in _FLOAT_DTYPES:
+        raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(_FLOAT_DTYPES)}")
+    ks, vs = _shape(key_pages), _shape(value_pages)
+    if len(ks) != 4:
+        raise ValueError(
+            f"key_pages must be (num_kv_heads, num_pages, page_size, head_dim), got shape {ks}"
+        )
+    if ks != vs:
+        raise ValueError(f"key_pages has shape {ks} but value_pages has shape {vs}; they must match")
+    k_dtype, v_dtype = _dtype_of(key_pages), _dtype_of(value_pages)
+    if k_dtype != v_dtype:
+        raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
+    num_kv_heads, num_pages, page_size, head_dim = ks
+    tokens, num_q_heads, q_dim = qs
+    if q_dim != head_dim:
+        raise ValueError(f"q has head_dim {q_dim} but the pages have head_dim {head_dim} (q shape {qs}, pages {ks})")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} kv heads of the pages "
+            "(grouped-query attention needs num_q_heads = group * num_kv_heads)"
+        )
+    if min(num_pages, page_size, head_dim) <= 0:
+        raise ValueError(f"pages of shape {ks} hold nothing; every dimension must be positive")
+    logical = _logical_dtype(dtype, k_dtype)
+
+    # -- options ---------------------------------------------------------------------------------
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or not (
+        math.isfinite(float(scale)) and float(scale) > 0
+    ):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    window = _positive_int_or_none("sliding_window", sliding_window)
+    cap = _positive_float_or_none("logit_soft_cap", logit_soft_cap)
+    block_pages = _positive_int_or_none("pages_per_block", pages_per_block)
+    if block_pages is None:
+        block_pages = max(1, _DEFAULT_BLOCK_TOKENS // page_size)
+    qblock = _positive_int_or_none("query_block", query_block) or _DEFAULT_QUERY_BLOCK
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r}; use one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+
+    # -- layout ----------------------------------------------------------------------------------
+    if layout is None and infer_layout:
+        layout = _infer_layout(key_pages)
+    if layout is not None:
+        if not isinstance(layout, PageLayout):
+            raise ValueError(f"layout must be a PageLayout or None, got {type(layout).__name__}")
+        head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
+        if num_kv_heads % head_shards:
+            raise ValueError(
+                f"layout splits kv heads over {layout.head_axes} ({head_shards} shards) but the pages "
+                f"have {num_kv_heads} kv heads, not a multiple"
+            )
+        if num_pages % layout.page_shards:
+            raise ValueError(
+                f"layout splits pages over {layout.page_axes} ({layout.page_shards} shards) but the "
+                f"pool has {num_pages} pages, not a multiple"
+            )
+        if layout.mesh.size == 1:
+            layout = None
+
+    # -- metadata --------------------------------------------------------------------------------
+    mode = _mode(metadata)
+    _check_metadata(
+        mode, metadata, tokens=tokens, num_pages=num_pages, page_size=page_size, layout=layout, window=window
+    )
+
+    cfg = _Config(
+        mode=mode, dtype=logical, scale=float(scale), window=window, cap=cap, layout=layout,
+        implementation="xla", block_pages=block_pages, query_block=qblock,
+        num_pages=num_pages, page_size=page_size,
+    )  # fmt: skip
+    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, key_pages))
+    if implementation == "pallas_tpu":
+        if why_not:
+            raise ValueError(f"implementation='pallas_tpu' cannot run this call: {why_not}; use 'xla' or 'auto'")
+        cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
+    elif implementation == "auto" and not why_not:
+        cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
+    return cfg
+
+
+def _pallas_unfit(cfg: _Config, stored: np.dtype, head_dim: int, platform: str) -> str:
+    """Why the Pallas TPU kernel cannot take this call ('' when it can)."""
+    if platform != "tpu":
+        return f"it runs on TPU only and the pages are on {platform}"
+    if cfg.mode != "decode":
+        return f"it serves decode only, this is {cfg.mode} metadata"
+    if cfg.window is not None:
+        return "it has no sliding window"
+    if stored != cfg.dtype or cfg.dtype.name not in ("bfloat16", "float32"):
+        return f"it needs bfloat16/float32 pages stored as such, these are {stored.name} holding {cfg.dtype.name}"
+    if head_dim % 128:
+        return f"it needs head_dim a multiple of 128, got {head_dim}"
+    if cfg.layout is not None and cfg.layout.page_shards > 1:
+        return "it cannot read a page pool split over data-parallel replicas"
+    return ""
+
+
+def _int_array(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: int | None = None) -> None:
+    s = _shape(x)
+    if shape is not None and s != shape:
+        raise ValueError(f"metadata.{name} must have shape {shape}, got {s}")
+    if ndim is not None and len(s) != ndim:
+        raise ValueError(f"metadata.{name} must have {ndim} dimension(s), got shape {s}")
+    dt = _dtype_of(x)
+    if not np.issubdtype(dt, np.integer):
+        raise ValueError(f"metadata.{name} must hold integers, got dtype {dt.name}")
+
+
+def _check_metadata(
+    mode: str, md: PagedAttentionMetadata, *, tokens: int, num_pages: int, page_size: int,
+    layout: PageLayout | None, window: int | None,
+) -> None:  # fmt: skip
+    """Shapes always; values when they are host (numpy) arrays."""
+    rows = dict(num_pages=num_pages, page_size=page_size, layout=layout, window=window)
+    if mode == "decode":
+        _int_array("decodes_position", md.decodes_position, ndim=1)
+        _int_array("decodes_page_table", md.decodes_page_table, ndim=2)
+        batch = _shape(md.decodes_position)[0]
+        if batch != tokens:
+            raise ValueError(f"decode q has {tokens} rows but metadata.decodes_position has {batch} sequences")
+        if _shape(md.decodes_page_table)[0] != batch:
+            raise ValueError(
+                f"metadata.decodes_page_table has {_shape(md.decodes_page_table)[0]} rows but "
+                f"decodes_position has {batch} entries"
+            )
+        if _is_host(md.decodes_position, md.decodes_page_table):
+            pos = np.asarray(md.decodes_position, np.int64)
+            _check_positions("decodes_position", pos)
+            table = np.asarray(md.decodes_page_table, np.int64)
+            _check_rows("decodes_page_table", table, np.arange(batch), pos, **rows)
+    elif mode == "prefill":
+        _int_array("prefill_length", md.prefill_length, shape=())
+        _int_array("prefill_position", md.prefill_position, ndim=1)
+        _int_array("prefill_page_table", md.prefill_page_table, ndim=1)
+        padded = _shape(md.prefill_position)[0]
+        if padded != tokens:
+            raise ValueError(f"prefill q has {tokens} rows but metadata.prefill_position has {padded}")
+        if _is_host(md.prefill_length, md.prefill_position, md.prefill_page_table):
+            length = int(md.prefill_length)
+            if not 0 <= length <= padded:
+                raise ValueError(f"metadata.prefill_length={length} is outside 0..{padded} (the padded chunk)")
+            pos = np.asarray(md.prefill_position, np.int64)[:length]
+            _check_positions("prefill_position", pos)
+            table = np.asarray(md.prefill_page_table, np.int64)[None]
+            _check_rows("prefill_page_table", table, np.zeros(length, np.int64), pos, **rows)
+    else:
+        _int_array("positions", md.positions, ndim=1)
+        _int_array("query_start_loc", md.query_start_loc, ndim=1)
+        _int_array("page_table", md.page_table, ndim=2)
+        _int_array("context_lens", md.context_lens, ndim=1)
+        _int_array("num_seqs", md.num_seqs, shape=())
+        n_tok = _shape(md.positions)[0]
+        if n_tok != tokens:
+            raise ValueError(f"mixed q has {tokens} rows but metadata.positions has {n_tok} tokens")
+        seqs = _shape(md.page_table)[0]
+        if _shape(md.query_start_loc)[0] != seqs + 1 or _shape(md.context_lens)[0] != seqs:
+            raise ValueError(
+                f"metadata.page_table has {seqs} rows, so query_start_loc needs {seqs + 1} entries and "
+                f"context_lens {seqs}; got {_shape(md.query_start_loc)[0]} and {_shape(md.context_lens)[0]}"
+            )
+        arrays = (md.positions, md.query_start_loc, md.page_table, md.context_lens, md.num_seqs)
+        if _is_host(*arrays):
+            pos, qsl, table, ctx = (np.asarray(a, np.int64) for a in arrays[:4])
+            n = int(md.num_seqs)
+            if not 0 <= n <= seqs:
+                raise ValueError(f"metadata.num_seqs={n} is outside 0..{seqs} (the rows of page_table)")
+            if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] > n_tok:
+                raise ValueError(
+                    f"metadata.query_start_loc {qsl.tolist()} must start at 0, never decrease and end "
+                    f"at most at the {n_tok} tokens"
+                )
+            real = int(qsl[n])
+            pos = pos[:real]  # tokens past the real sequences are padding
+            _check_positions("positions", pos)
+            owner = np.searchsorted(qsl[1:], np.arange(real), side="right")
+            last = np.full(seqs, -1, np.int64)
+            np.maximum.at(last, owner, pos)
+            over = last >= ctx
+            if np.any(over):
+                b = int(np.argmax(over))
+                raise ValueError(
+                    f"sequence {b} has a query at position {int(last[b])} but context_lens[{b}] = "
+                    f"{int(ctx[b])}; a query sees keys up to its own position, which must be cached"
+                )
+            _check_rows("page_table", table, owner, pos, **rows)
+
+
+def _check_positions(name: str, pos: np.ndarray) -> None:
+    if np.any(pos < -1):
+        i = int(np.argmax(pos < -1))
+        raise ValueError(f"metadata.{name}[{i}] = {int(pos[i])}; positions are >= 0, or -1 for padding")
+
+
+def _check_rows(
+    name: str, table: np.ndarray, owner: np.ndarray, pos: np.ndarray, *, num_pages: int,
+    page_size: int, layout: PageLayout | None, window: int | None,
+) -> None:  # fmt: skip
+    """Every page holding a key that a query (row ``owner[t]`` of ``table``, at ``pos[t]``;
+    -1: padding) can see must be a page of the pool; with a split pool, of one replica's slice.
+    With a sliding window the pages before the window may be unassigned (-1)."""
+    real = pos >= 0
+    owner, pos = owner[real], pos[real]
+    seqs, width = table.shape
+    hi = np.full(seqs, -1, np.int64)  # last key seen by the row
+    np.maximum.at(hi, owner, pos)
+    lo = np.full(seqs, np.iinfo(np.int64).max, np.int64)  # first key seen by the row
+    np.minimum.at(lo, owner, pos if window is None else np.maximum(pos - window + 1, 0))
+    if window is None:
+        lo = np.minimum(lo, 0)
+    first, end = lo // page_size, (hi + page_size) // page_size  # pages [first, end) are read
+    if np.any(end > width):
+        b = int(np.argmax(end > width))
+        raise ValueError(
+            f"row {b} of metadata.{name} must cover {int(hi[b]) + 1} tokens ({int(end[b])} pages of "
+            f"{page_size}) but the table has only {width} columns"
+        )
+    cols = np.arange(width)[None, :]
+    used = (cols >= first[:, None]) & (cols < end[:, None])
+    bad = used & ((table < 0) | (table >= num_pages))
+    if np.any(bad):
+        b, c = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is not a page of the pool (0..{num_pages - 1}) "
+            f"but row {b} reads it (keys up to position {int(hi[b])})"
+        )
+    if layout is not None and layout.page_shards > 1:
+        per = num_pages // layout.page_shards
+        replica = np.where(used, table // per, -1)
+        home = replica.max(axis=1, keepdims=True)
+        split = used & (replica != home)
+        if np.any(split):
+            b, c = (int(i) for i in np.argwhere(split)[0])
+            other = int(np.argmax(replica[b] == home[b, 0]))
+            raise ValueError(
+                f"row {b} of metadata.{name} uses pages of two data-parallel replicas (page "
+                f"{int(table[b, c])} in slice {int(replica[b, c])}, page {int(table[b, other])} in slice "
+                f"{int(home[b, 0])}; {per} pages per slice); a sequence's pages must stay in one slice"
+            )
+
+
+# ---- the computation ----------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("cfg",))
+def _run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+    q = jnp.asarray(q)
+    # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
+    # on its leading (kv head, page) axes.
+    kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
+    rows = _rows(metadata, cfg.mode, q.shape[0])
+    layout = cfg.layout
+    if cfg.implementation == "pallas_tpu":
+        local = partial(_pallas_decode_local, cfg=cfg)
+    else:
+        local = partial(_attend_local, cfg=cfg)
+    if layout is None:
+        return local(q, kp, vp, *rows)
+    heads = layout.spec[0]
+    q_spec = PartitionSpec(None, heads, None)
+    def page_specs(pages: Any) -> Any:
+        return jax.tree.map(lambda leaf: PartitionSpec(*tuple(layout.spec)[: leaf.ndim]), pages)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(q_spec, page_specs(kp), page_specs(vp)) + tuple(PartitionSpec() for _ in rows),
+        out_specs=q_spec,
+        # The loops' carries start replicated and become head-/replica-varying: skip the
+        # varying-axes type check rather than cast every carry.
+        check_vma=False,
+    )
+    return mapped(q, kp, vp, *rows)
+
+
+def _rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> tuple[jax.Array, ...]:
+    """Every mode as sequences of query rows: (positions (T,) with -1 for padding, first row
+    (S,), row count (S,), page table (S, P), number of real sequences ())."""
+    i32 = jnp.int32
+    if mode == "decode":
+        pos = jnp.asarray(md.decodes_position, i32)
+        table = jnp.asarray(md.decodes_page_table, i32)
+        starts = jnp.arange(tokens, dtype=i32)
+        return pos, starts, jnp.ones(tokens, i32), table, jnp.asarray(tokens, i32)
+    if mode == "prefill":
+        length = jnp.asarray(md.prefill_length, i32)
+        pos = jnp.where(jnp.arange(tokens) < length, jnp.asarray(md.prefill_position, i32), -1)
+        table = jnp.asarray(md.prefill_page_table, i32)[None]
+        return pos, jnp.zeros(1, i32), jnp.minimum(length, tokens)[None], table, jnp.asarray(1, i32)
+    qsl = jnp.asarray(md.query_start_loc, i32)
+    num = jnp.asarray(md.num_seqs, i32)
+    seqs = qsl.shape[0] - 1
+    real_end = qsl[jnp.clip(num, 0, seqs)]
+    pos = jnp.where(jnp.arange(tokens) < real_end, jnp.asarray(md.positions, i32), -1)
+    starts = jnp.clip(qsl[:-1], 0, tokens)
+    counts = jnp.clip(qsl[1:], 0, tokens) - starts
+    return pos, starts, jnp.maximum(counts, 0), jnp.asarray(md.page_table, i32), jnp.clip(num, 0, seqs)
+
+
+def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
+    """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of every
+    local kv head as float32 tokens ``(heads, len(ids) * page_size, head_dim)``, and whether each
+    token lies on a present page. Quantized pages (values + scales) will be dequantized here."""
+    heads, count, page_size, head_dim = pages.shape
+    present = (ids >= 0) & (ids < count)
+    picked = jnp.take(pages, jnp.clip(ids, 0, count - 1), axis=1)
+    values = from_storage(picked, dtype).astype(jnp.float32)
+    return values.reshape(heads, -1, head_dim), jnp.repeat(present, page_size)
+
+
+def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
+    return 0 if cfg.layout is None else cfg.layout.local_page_offset(local_pages)
+
+
+def _attend_local(
+    q: jax.Array,
+    kp: Any,
+    vp: Any,
+    positions: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    table: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    cfg: _Config,
+) -> jax.Array:
+    """The XLA path on one device's shard (or the whole pool without a mesh)."""
+    heads, local_pages, page_size, head_dim = kp.shape
+    tokens, q_heads, _ = q.shape
+    group = q_heads // heads
+    qb = 1 if cfg.mode == "decode" else min(cfg.query_block, max(tokens, 1))
+    pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
+    blk = pb * page_size
+    f32 = jnp.float32
+
+    offset = _page_offset(cfg, local_pages)
+    split_pages = cfg.layout is not None and cfg.layout.page_shards > 1
+    qpad = jnp.pad(q.astype(f32) * cfg.scale, ((0, qb), (0, 0), (0, 0))).reshape(tokens + qb, heads, group, head_dim)
+    pospad = jnp.pad(positions, (0, qb), constant_values=-1)
+    # Extra -1 columns so a block's dynamic slice never runs off the table (and is never clipped
+    # back onto real pages).
+    table = jnp.pad(table, ((0, 0), (0, pb)), constant_values=-1)
+    window = cfg.window
+    big = jnp.iinfo(jnp.int32).max
+
+    def attend_block(qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
+        """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
+        sequence's pages ``row``: (rows, heads, group, dim) float32, zeros for invalid rows."""
+        rows = qblk.shape[0]
+        valid = pos >= 0
+        hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
+        lo = 0
+        if window is not None:
+            lo = jnp.maximum(jnp.min(jnp.where(valid, pos, big)) - window + 1, 0)
+        first, last = lo // blk, (hi + blk - 1) // blk
+        if split_pages:
+            # The replica holding the page of the last key computes this block; others skip it.
+            tail = row[jnp.maximum(hi - 1, 0) // page_size] - offset
+            last = jnp.where((hi > 0) & (tail >= 0) & (tail < local_pages), last, first)
+        qm = jnp.transpose(qblk, (1, 0, 2, 3)).reshape(heads, rows * group, head_dim)
+        pm = jnp.repeat(pos, group)  # (rows * group,)
+        m0 = jnp.full((heads, rows * group), -jnp.inf, f32)
+        l0 = jnp.zeros((heads, rows * group), f32)
+        a0 = jnp.zeros((heads, rows * group, head_dim), f32)
+
+        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+            m, l, acc = carry
+            ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
+            k, present = _load_pages(kp, ids, cfg.dtype)
+            v, _ = _load_pages(vp, ids, cfg.dtype)
+            kpos = i * blk + jnp.arange(blk)
+            usable = present & (kpos < hi) & (kpos >= lo)
+            v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in
+            s = jnp.einsum("hmd,hkd->hmk", qm, k, preferred_element_type=f32)
+            if cfg.cap is not None:
+                s = cfg.cap * jnp.tanh(s / cfg.cap)
+            seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
+            if window is not None:
+                seen &= kpos[None, :] > pm[:, None] - window
+            s = jnp.where(seen[None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(m - m_use)
+            p = jnp.exp(s - m_use[..., None])
+            l = l * alpha + jnp.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + jnp.einsum("hmk,hkd->hmd", p, v, preferred_element_type=f32)
+            return m_new, l, acc
+
+        _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return jnp.transpose(out.reshape(heads, rows, group, head_dim), (1, 0, 2, 3))
+
+    out0 = jnp.zeros((tokens + qb, heads, group, head_dim), f32)
+
+    if cfg.mode == "decode":
+        # One query row per sequence, row b: no query-block loop.
+        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+            row = table[b]
+            pos = jax.lax.dynamic_slice_in_dim(pospad, b, 1)
+            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, b, 1), pos, row)
+            return jax.lax.dynamic_update_slice_in_dim(out, res, b, axis=0)
+
+    else:
+        # A sequence's rows go in blocks of qb, then the remainder in blocks of descending powers
+        # of two (each at most once): a decode inside a mixed batch costs one row, not qb.
+        sizes = [qb] + [1 << k for k in reversed(range(qb.bit_length())) if (1 << k) < qb]
+
+        def run_block(size: int, r0: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
+            pos = jax.lax.dynamic_slice_in_dim(pospad, r0, size)
+            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, r0, size), pos, row)
+            return jax.lax.dynamic_update_slice_in_dim(out, res, r0, axis=0)
+
+        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+            row, start, count = table[b], starts[b], counts[b]
+            full = count // qb
+            out = jax.lax.fori_loop(0, full, lambda j, o: run_block(qb, start + j * qb, row, o), out)
+            done = full * qb
+            for size in sizes[1:]:
+                take = count - done >= size
+                at = start + done
+                # A cond, not a 0/1-trip loop: XLA hoists a loop body whose inputs are all
+                # loop-invariant out of the loop, which would run every block size every time.
+                out = jax.lax.cond(take, partial(run_block, size, at, row), lambda o: o, out)
+                done = done + jnp.where(take, size, 0)
+            return out
+
+    out = jax.lax.fori_loop(0, num_seqs, seq_body, out0)
+    out = out[:tokens].reshape(tokens, q_heads, head_dim).astype(q.dtype)
+    if split_pages:
+        # Each sequence was computed by the one replica holding its pages; the others hold zeros.
+        out = jax.lax.psum(out, cfg.layout.page_axes)
+    return out
+
+
+def _pallas_decode_local(
+    q: jax.Array,
+    kp: jax.Array,
+    vp: jax.Array,
+    positions: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    table: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    cfg: _Config,
+) -> jax.Array:
+    """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads)."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
+
+    del starts, counts, num_seqs
+    width = table.shape[1]
+    block = next(b for b in (16, 8, 4, 2, 1) if width % b == 0)
+    lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
+    out = pallas_paged(
+        (q.astype(jnp.float32) * cfg.scale).astype(q.dtype),
+        kp, vp, lengths, jnp.maximum(table, 0),
+        attn_logits_soft_cap=cfg.cap, pages_per_compute_block=block,
+    )  # fmt: skip
+    return jnp.where((positions >= 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+    """Dense masked softmax attention, written independently of the fast path's row layout."""
+    q = jnp.asarray(q)
+    tokens, q_heads, head_dim = q.shape
+    k_all = from_storage(jnp.asarray(key_pages), cfg.dtype).astype(jnp.float32)
+    v_all = from_storage(jnp.asarray(value_pages), cfg.dtype).astype(jnp.float32)
+    kv_heads, num_pages, page_size, _ = k_all.shape
+    t = jnp.arange(tokens)
+    if cfg.mode == "decode":
+        seq = t
+        pos = jnp.asarray(md.decodes_position)
+        table = jnp.asarray(md.decodes_page_table)
+    elif cfg.mode == "prefill":
+        seq = jnp.zeros(tokens, jnp.int32)
+        pos = jnp.where(t < md.prefill_length, jnp.asarray(md.prefill_position), -1)
+        table = jnp.asarray(md.prefill_page_table)[None]
+    else:
+        qsl = jnp.asarray(md.query_start_loc)
+        seq = jnp.searchsorted(qsl, t, side="right") - 1  # qsl[seq] <= t < qsl[seq + 1]
+        real = t < qsl[md.num_seqs]
+        seq = jnp.clip(seq, 0, md.page_table.shape[0] - 1)
+        pos = jnp.where(real, jnp.asarray(md.positions), -1)
+        table = jnp.asarray(md.page_table)
+    ids = jnp.clip(table, 0, num_pages - 1)  # (S, P); pages past a sequence's length are masked
+    seq_len = ids.shape[1] * page_size
+
+    def dense(pages: jax.Array) -> jax.Array:  # (S, kv_heads, P * page_size, dim)
+        picked = pages[:, ids]  # (kv_heads, S, P, page_size, dim)
+        return jnp.transpose(picked, (1, 0, 2, 3, 4)).reshape(ids.shape[0], kv_heads, seq_len, head_dim)
+
+    keys, values = dense(k_all)[seq], dense(v_all)[seq]  # (T, kv_heads, L, dim)
+    qg = q.astype(jnp.float32).reshape(tokens, kv_heads, q_heads // kv_heads, head_dim)
+    s = jnp.einsum("thgd,thld->thgl", qg, keys) * cfg.scale
+    if cfg.cap is not None:
+        s = cfg.cap * jnp.tanh(s / cfg.cap)
+    j = jnp.arange(seq_len)[None, :]
+    p_ = pos[:, None]
+    mask = (p_ >= 0) & (j <= p_)
+    if cfg.window is not None:
+        mask &= j > p_ - cfg.window
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    w = jax.nn.softmax(s, axis=-1, where=mask[:, None, None, :])
+    w = jnp.where(mask[:, None, None, :], w, 0.0)
+    out = jnp.einsum("thgl,thld->thgd", w, values)
+    return out.reshape(tokens, q_heads, head_dim).astype(q.dtype)
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "paged_attention",
+    "paged_attention_implementation",
+    "paged_attention_reference",
+    "view_attention",
+]

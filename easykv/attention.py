@@ -59,7 +59,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from easykv.pages import PageLayout, from_storage
+from easykv.pages import PageLayout, read_pages
+from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu")
@@ -318,14 +319,20 @@ def _prepare(
     q_dtype = _dtype_of(q)
     if q_dtype.name not in _FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(_FLOAT_DTYPES)}")
-    ks, vs = _shape(key_pages), _shape(value_pages)
+    quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
+    if quantized:
+        _check_quantized(key_pages, value_pages, qs[-1])
+        if dtype is None:
+            raise ValueError("quantized pages need dtype= (the logical cache dtype), or use view_attention")
+    ks = _logical_page_shape(key_pages, qs[-1])
+    vs = _logical_page_shape(value_pages, qs[-1])
     if len(ks) != 4:
         raise ValueError(
             f"key_pages must be (num_kv_heads, num_pages, page_size, head_dim), got shape {ks}"
         )
     if ks != vs:
         raise ValueError(f"key_pages has shape {ks} but value_pages has shape {vs}; they must match")
-    k_dtype, v_dtype = _dtype_of(key_pages), _dtype_of(value_pages)
+    k_dtype, v_dtype = _dtype_of(_stored(key_pages)), _dtype_of(_stored(value_pages))
     if k_dtype != v_dtype:
         raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
     num_kv_heads, num_pages, page_size, head_dim = ks
@@ -339,7 +346,7 @@ def _prepare(
         )
     if min(num_pages, page_size, head_dim) <= 0:
         raise ValueError(f"pages of shape {ks} hold nothing; every dimension must be positive")
-    logical = _logical_dtype(dtype, k_dtype)
+    logical = _logical_dtype(dtype, k_dtype) if not quantized else _logical_dtype(dtype, np.dtype(dtype))
 
     # -- options ---------------------------------------------------------------------------------
     if scale is None:
@@ -359,7 +366,7 @@ def _prepare(
 
     # -- layout ----------------------------------------------------------------------------------
     if layout is None and infer_layout:
-        layout = _infer_layout(key_pages)
+        layout = _infer_layout(_stored(key_pages))
     if layout is not None:
         if not isinstance(layout, PageLayout):
             raise ValueError(f"layout must be a PageLayout or None, got {type(layout).__name__}")
@@ -388,7 +395,9 @@ def _prepare(
         implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, key_pages))
+    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, _stored(key_pages)))
+    if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
+        why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
     if implementation == "pallas_tpu":
         if why_not:
             raise ValueError(f"implementation='pallas_tpu' cannot run this call: {why_not}; use 'xla' or 'auto'")
@@ -617,12 +626,40 @@ def _rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> tuple[jax.Array
 def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
     """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of every
     local kv head as float32 tokens ``(heads, len(ids) * page_size, head_dim)``, and whether each
-    token lies on a present page. Quantized pages (values + scales) will be dequantized here."""
-    heads, count, page_size, head_dim = pages.shape
+    token lies on a present page. Plain pages (raw bits too) and quantized pages (values +
+    scales, dequantized here, only for the pages read) go through `pages.read_pages`."""
+    heads, count, page_size = _stored(pages).shape[:3]
     present = (ids >= 0) & (ids < count)
-    picked = jnp.take(pages, jnp.clip(ids, 0, count - 1), axis=1)
-    values = from_storage(picked, dtype).astype(jnp.float32)
-    return values.reshape(heads, -1, head_dim), jnp.repeat(present, page_size)
+    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype).astype(jnp.float32)
+    return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
+
+
+def _stored(pages: Any) -> Any:
+    """The array whose shape, dtype and sharding describe the pages (values when quantized)."""
+    return pages.values if isinstance(pages, QuantizedPages) else pages
+
+
+def _logical_page_shape(pages: Any, head_dim: int) -> tuple[int, ...]:
+    if isinstance(pages, QuantizedPages):
+        return _shape(pages.values)[:3] + (head_dim,)
+    return _shape(pages)
+
+
+def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int) -> None:
+    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if not isinstance(pages, QuantizedPages):
+            raise ValueError(f"{name} is not quantized but the other pages are; pass both as QuantizedPages or neither")
+        q = pages.quantizer
+        tail, _ = q.value_shape(head_dim)
+        vshape, sshape = _shape(pages.values), _shape(pages.scales)
+        want_s = vshape[:3] + tuple(q.scale_shape(head_dim))
+        if len(vshape) != 3 + len(tail) or vshape[3:] != tuple(tail) or sshape != want_s:
+            raise ValueError(
+                f"{name} ({q.name}) has values {vshape} and scales {sshape}; for head_dim {head_dim} "
+                f"expected values (heads, pages, page_size, {', '.join(map(str, tail))}) and scales {want_s}"
+            )
+    if key_pages.quantizer != value_pages.quantizer:
+        raise ValueError(f"key_pages use {key_pages.quantizer.name} but value_pages use {value_pages.quantizer.name}")
 
 
 def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
@@ -642,8 +679,8 @@ def _attend_local(
     cfg: _Config,
 ) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh)."""
-    heads, local_pages, page_size, head_dim = kp.shape
-    tokens, q_heads, _ = q.shape
+    heads, local_pages, page_size = _stored(kp).shape[:3]
+    tokens, q_heads, head_dim = q.shape
     group = q_heads // heads
     qb = 1 if cfg.mode == "decode" else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
@@ -781,8 +818,9 @@ def _reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetad
     """Dense masked softmax attention, written independently of the fast path's row layout."""
     q = jnp.asarray(q)
     tokens, q_heads, head_dim = q.shape
-    k_all = from_storage(jnp.asarray(key_pages), cfg.dtype).astype(jnp.float32)
-    v_all = from_storage(jnp.asarray(value_pages), cfg.dtype).astype(jnp.float32)
+    every = jnp.arange(cfg.num_pages)
+    k_all = read_pages(jax.tree.map(jnp.asarray, key_pages), every, cfg.dtype).astype(jnp.float32)
+    v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
     kv_heads, num_pages, page_size, _ = k_all.shape
     t = jnp.arange(tokens)
     if cfg.mode == "decode":

@@ -39,21 +39,21 @@ def test_int8_codes_by_hand():
 
 
 def test_int4_packing_by_hand():
-    # absmax 7 -> scale 1: codes are the values themselves; low nibble first.
-    x = jnp.array([[7.0, -7.0, 1.0, -1.0, 0.0, 3.0]], jnp.float32)
+    # absmax 7.5 -> scale 1: codes floor(x) in [-8, 7] stand for code + 0.5; low nibble first.
+    x = jnp.array([[7.5, -7.5, 1.2, -1.2, 0.0, 3.9]], jnp.float32)
     q = Int4Quantizer().quantize(x)
     assert q.values.dtype == jnp.uint8 and q.values.shape == (1, 3)
-    assert np.asarray(q.values).tolist() == [[0x97, 0xF1, 0x30]]  # (7, -7=0x9), (1, -1=0xF), (0, 3)
-    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.float32)), np.asarray(x))
+    assert np.asarray(q.values).tolist() == [[0x87, 0xE1, 0x30]]  # (7, -8), (1, -2), (0, 3)
+    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.float32)), [[7.5, -7.5, 1.5, -1.5, 0.5, 3.5]])
 
 
 def test_int4_groups_take_one_scale_per_group():
-    x = jnp.array([[1.0, -2.0, 0.5, 0.25, 70.0, 7.0, -14.0, 0.0]], jnp.float32)
+    x = jnp.array([[1.0, -2.0, 0.5, 0.25, 75.0, 7.0, -15.0, 0.0]], jnp.float32)
     q = Int4Quantizer(group_size=4).quantize(x)
-    np.testing.assert_allclose(np.asarray(q.scales), [[2 / 7, 10.0]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(q.scales), [[2 / 7.5, 10.0]], rtol=1e-6)
     back = np.asarray(q.dequantize(jnp.float32))
-    # group 2 is exact on its grid (multiples of 10 -> 70, 0 (7/10 rounds to 1 -> 10), -14 -> -10)
-    np.testing.assert_allclose(back[0, 4:], [70.0, 10.0, -10.0, 0.0], rtol=1e-6)
+    # group 2 (scale 10): 75 -> code 7 -> 75; 7 -> code 0 -> 5; -15 -> code -2 -> -15; 0 -> 5
+    np.testing.assert_allclose(back[0, 4:], [75.0, 5.0, -15.0, 5.0], rtol=1e-6)
     assert get_quantizer("int4-g4") == Int4Quantizer(group_size=4)
 
 
@@ -210,3 +210,45 @@ def test_quantized_write_leaves_other_tokens_bit_identical():
         diff = a != b
         changed |= diff.reshape(diff.shape[:3] + (-1,)).any(axis=(0, 3))
     assert np.argwhere(changed).tolist() == [[7, 0]]  # only the new token's slot
+
+
+# ---- attention over quantized pages ----------------------------------------------------------
+@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "tp"), ("int4", "dp"), ("int4-g8", "tp")])
+def test_attention_over_quantized_pages(quant, layout):
+    """The fast path equals the reference on the same quantized pages, and stays within the
+    quantizer's bound of attention over unquantized pages holding the same tokens."""
+    rng = np.random.default_rng(3)
+    rows = [[5, 7, 1, -1, -1, -1, -1, -1], [20, 14, 19, 21, -1, -1, -1, -1]]  # each in one dp half
+    write = None
+    outs = {}
+    for name in ("none", quant):
+        meta, cache = make_cache(name, layout)
+        if write is None:
+            write = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [9, 14], cache_metadata=meta)
+            k = jnp.asarray(rng.normal(size=(LAYERS, 23, HEADS, DIM)), jnp.bfloat16)
+            v = jnp.asarray(rng.normal(size=(LAYERS, 23, HEADS, DIM)), jnp.bfloat16)
+            q = jnp.asarray(rng.normal(size=(2, 2 * HEADS, DIM)), jnp.bfloat16)  # GQA: 2 q heads per kv head
+            decode = easykv.PagedAttentionMetadata.for_decode(rows, [8, 13], cache_metadata=meta)
+        cache, _ = cache.write(k, v, write)
+        view = cache[1]
+        fast = easykv.view_attention(q, view, decode)
+        ref = easykv.paged_attention_reference(q, view.key_pages, view.value_pages, decode, dtype=view.dtype)
+        np.testing.assert_allclose(np.asarray(fast, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+        outs[name] = np.asarray(fast, np.float32)
+    assert isinstance(view.key_pages, QuantizedPages)
+    assert easykv.paged_attention_implementation(q, view.key_pages, view.value_pages, decode, dtype=view.dtype,
+                                                 layout=view.layout) == "xla"  # fmt: skip
+    assert rel_error(outs[quant], outs["none"]) < BOUNDS[quant]
+
+
+def test_quantized_attention_refuses_pallas_and_missing_dtype():
+    meta, cache = make_cache("int8", "tp")
+    view = cache[0]
+    decode = easykv.PagedAttentionMetadata.for_decode([[1, 2, -1, -1, -1, -1, -1, -1]], [3], cache_metadata=meta)
+    q = jnp.zeros((1, HEADS, DIM), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"quantized pages need dtype="):
+        easykv.paged_attention(q, view.key_pages, view.value_pages, decode)
+    with pytest.raises(ValueError, match=r"pallas_tpu.*compact quantized pages"):
+        easykv.view_attention(q, view, decode, implementation="pallas_tpu")
+    with pytest.raises(ValueError, match=r"value_pages is not quantized"):
+        easykv.paged_attention(q, view.key_pages, view.value_pages.values, decode, dtype=jnp.bfloat16)

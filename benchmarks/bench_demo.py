@@ -1,0 +1,120 @@
+"""The demo engine with the paged cache vs a dense cache preallocated at max length per request.
+
+    python benchmarks/bench_demo.py
+
+Throughput: the demo model (4 layers, 16 q / 8 kv heads, head_dim 32, f32) serves the same
+24 requests (shared system prompt, lengths up to 256 tokens) with the same scheduler (token
+budget 64 per step, up to 16 sequences), on 8 simulated CPU devices. Paged: kv heads split over
+tp=8, pages read through the page tables, prefix caching on (its default) and off. Dense: every
+request holds a (max_len, kv_heads, head_dim) row and attends over all of it. Each engine runs
+the workload once to compile, then the timed run; generated tokens / second of the timed run.
+
+Admission: under the same memory, requests with lengths uniform in [1, max_len] are admitted
+until the memory is full: the dense cache reserves max_len tokens per request, the paged cache
+ceil(length / page_size) pages (PageManager.reserve until CacheFullError).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import easykv  # noqa: E402
+from easykv.demo.engine import DenseEngine, Engine  # noqa: E402
+from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
+from easykv.demo.workload import make_requests  # noqa: E402
+from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+
+MAX_LEN, PAGE, BUDGET, SEQS, REQUESTS, NEW = 256, 8, 64, 16, 24, 48
+
+
+def run_paged(model: CompiledModel, meta, mesh, pm, prefix: bool) -> tuple[float, int]:
+    def once() -> tuple[float, int]:
+        cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+        mgr = easykv.PageManager(meta, enable_prefix_caching=prefix)
+        engine = Engine(model, cache, mgr, token_budget=BUDGET, max_seqs=SEQS, prefill_chunk=BUDGET // 2)
+        requests = make_requests(REQUESTS, NEW, seed=1, fork=False)
+        t0 = time.perf_counter()
+        engine.run(requests)
+        jax.block_until_ready(engine.cache)
+        return time.perf_counter() - t0, sum(len(r.output) for r in requests)
+
+    once()
+    return once()
+
+
+def run_dense(model: CompiledModel, meta, cfg: DemoConfig) -> tuple[float, int]:
+    def once() -> tuple[float, int]:
+        shape = (cfg.layers, SEQS, MAX_LEN, cfg.kv_heads, cfg.head_dim)
+        mgr = easykv.PageManager(meta, enable_prefix_caching=False)  # scheduling bookkeeping only
+        engine = DenseEngine(model, (jnp.zeros(shape), jnp.zeros(shape)), mgr, token_budget=BUDGET, max_seqs=SEQS,
+                             prefill_chunk=BUDGET // 2)  # fmt: skip
+        requests = make_requests(REQUESTS, NEW, seed=1, fork=False)
+        t0 = time.perf_counter()
+        engine.run(requests)
+        jax.block_until_ready(engine.cache)
+        return time.perf_counter() - t0, sum(len(r.output) for r in requests)
+
+    once()
+    return once()
+
+
+def admission(meta_pages: int, page_size: int, max_len: int, seed: int = 0) -> tuple[int, int]:
+    """(paged, dense) requests admitted at once in memory for meta_pages pages of page_size."""
+    meta = easykv.PagedAttentionCacheMetaData(
+        batch_size=4096, num_hidden_layers=1, num_pages_per_layer=meta_pages,
+        num_pages_per_sequence=max_len // page_size, max_sequences=max_len, page_size=page_size,
+        num_kv_heads=1, kv_head_dim_size=8, hbm_utilization=0.9,
+    )  # fmt: skip
+    mgr = easykv.PageManager(meta, enable_prefix_caching=False)
+    rng = np.random.default_rng(seed)
+    admitted = 0
+    while True:
+        seq = mgr.claim(1)[0]
+        try:
+            mgr.reserve(seq, int(rng.integers(1, max_len + 1)))
+        except easykv.CacheFullError:
+            break
+        admitted += 1
+    dense = meta_pages * page_size // max_len
+    return admitted, dense
+
+
+def main() -> None:
+    cfg = DemoConfig()
+    model = CompiledModel(DemoModel(cfg))
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    # The paged pool holds the same tokens as the dense rows: SEQS x MAX_LEN.
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, SEQS, cfg.layers, MAX_LEN, PAGE, cfg.kv_heads, cfg.head_dim, 0.9, jnp.float32,
+        partition_manager=pm, num_pages_per_layer=SEQS * MAX_LEN // PAGE,
+    )  # fmt: skip
+    results = {
+        "paged, prefix caching on": run_paged(model, meta, mesh, pm, True),
+        "paged, prefix caching off": run_paged(model, meta, mesh, pm, False),
+        "dense, max length per request": run_dense(model, meta, cfg),
+    }
+    dense_tps = results["dense, max length per request"][1] / results["dense, max length per request"][0]
+    print(f"{REQUESTS} requests, up to {NEW} new tokens each, token budget {BUDGET}, max length {MAX_LEN}\n")
+    print("| engine | generated tokens | time | tokens/s | vs dense |")
+    print("|---|---|---|---|---|")
+    for name, (seconds, tokens) in results.items():
+        tps = tokens / seconds
+        print(f"| {name} | {tokens} | {seconds:.2f} s | {tps:.1f} | {tps / dense_tps:.2f}x |")
+    print()
+    print("| memory (tokens) | max length | page size | paged admits | dense admits | ratio |")
+    print("|---|---|---|---|---|---|")
+    for pages, page_size, max_len in ((4096, 16, 2048), (16384, 16, 4096)):
+        paged, dense = admission(pages, page_size, max_len)
+        print(f"| {pages * page_size:,} | {max_len} | {page_size} | {paged} | {dense} | {paged / dense:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The tiny model and engine loop behind `easykv demo` (see run.py)."""

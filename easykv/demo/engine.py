@@ -1,0 +1,215 @@
+"""The engine loop behind `easykv demo`: continuous batching over the paged cache.
+
+Each step the scheduler takes the running decodes (one token each) and fills the rest of a
+fixed token budget with prefill chunks of waiting prompts; the page manager reserves pages and
+builds the step's mixed metadata; pending copy-on-write copies are applied; one jitted call
+writes and attends for all layers; the sampled tokens are committed to the manager (which enters
+full pages into the prefix cache). Requests arrive over time, finish, and free their pages.
+
+Sampling is greedy, except that a forked request (parallel sampling) takes the second most
+likely token at its first step and then follows greedily, so the fork diverges from its parent
+through a copy-on-write of their shared last page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from easykv.cache import PagedAttentionCache
+from easykv.demo.model import CompiledModel
+from easykv.manager import PageManager
+from easykv.runtime import PAD_POSITION
+
+
+@dataclasses.dataclass
+class Request:
+    """A generation request: ``prompt`` token ids, ``max_new_tokens`` to generate, the step it
+    arrives at, and optionally ``fork_of`` (a request id whose prompt it shares and whose
+    sequence it forks right after the parent's prefill)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: int = 0
+    fork_of: int | None = None
+    # filled in by the engine
+    seq: int | None = None
+    cached: int = 0  # prompt tokens found in the prefix cache (no prefill)
+    fed: int = 0  # prompt tokens written so far (cached ones included)
+    output: list[int] = dataclasses.field(default_factory=list)
+    done: bool = False
+    prompt_logits: np.ndarray | None = None  # logits after the last prompt token (for forks)
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step: int
+    tokens: int
+    running: int
+    used_pages: int
+    cached_pages: int
+
+
+class Engine:
+    """Runs requests to completion through one model, one paged cache and one page manager."""
+
+    def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
+                 token_budget: int, max_seqs: int, prefill_chunk: int) -> None:  # fmt: skip
+        if prefill_chunk > token_budget:
+            raise ValueError(f"prefill_chunk={prefill_chunk} exceeds token_budget={token_budget}")
+        self.model, self.cache, self.manager = model, cache, manager
+        self.token_budget, self.max_seqs, self.prefill_chunk = token_budget, max_seqs, prefill_chunk
+        self.step_index = 0
+        self.history: list[StepRecord] = []
+        self.copies = 0
+
+    def run(self, requests: list[Request], *, until_step: int | None = None,
+            on_step: Callable[[Engine, list[Request]], None] | None = None) -> None:  # fmt: skip
+        """Advance until every request is done (or ``until_step`` is reached)."""
+        while not all(r.done for r in requests):
+            if until_step is not None and self.step_index >= until_step:
+                return
+            self._admit(requests)
+            batch = self._schedule(requests)
+            if batch:
+                self._step(batch, requests)
+            self.step_index += 1
+            if on_step is not None:
+                on_step(self, requests)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _admit(self, requests: list[Request]) -> None:
+        by_id = {r.rid: r for r in requests}
+        for r in requests:
+            if r.seq is not None or r.done or r.arrival > self.step_index:
+                continue
+            if r.fork_of is not None:
+                parent = by_id[r.fork_of]
+                # Fork right after the parent's prompt is written (its first sampled token is
+                # not written yet): both share the prompt's pages, the child starts from the
+                # parent's prompt logits with the second most likely token.
+                if parent.prompt_logits is None:
+                    continue
+                if len(parent.output) != 1 or parent.done:
+                    raise RuntimeError(f"request {r.rid} missed its fork point (parent {parent.rid} moved on)")
+                r.seq = self.manager.fork(parent.seq)
+                r.fed, r.cached = len(r.prompt), parent.cached
+                r.output.append(_sample(parent.prompt_logits, second=True))
+                continue
+            if not self.manager.slots_remaining:
+                return
+            r.seq = self.manager.claim(1)[0]
+            r.cached = r.fed = self.manager.match_prefix(r.seq, r.prompt)
+
+    def _schedule(self, requests: list[Request]) -> list[tuple[Request, list[int]]]:
+        """(request, token ids to write this step): decodes first, then prefill chunks."""
+        batch: list[tuple[Request, list[int]]] = []
+        budget = self.token_budget
+        for r in requests:
+            if r.seq is not None and not r.done and r.fed >= len(r.prompt) and r.output:
+                batch.append((r, [r.output[-1]]))
+                budget -= 1
+        for r in requests:
+            if len(batch) >= self.max_seqs or budget <= 0:
+                break
+            if r.seq is not None and not r.done and r.fed < len(r.prompt):
+                n = min(self.prefill_chunk, budget, len(r.prompt) - r.fed)
+                batch.append((r, r.prompt[r.fed : r.fed + n]))
+                budget -= n
+        return batch[: self.max_seqs]
+
+    # ---- one device step --------------------------------------------------------------------
+    def _step(self, batch: list[tuple[Request, list[int]]], requests: list[Request]) -> None:
+        mgr = self.manager
+        seqs = [r.seq for r, _ in batch]
+        counts = [len(t) for _, t in batch]
+        meta = mgr.build_step_metadata(seqs, counts, pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
+        tokens = np.zeros(self.token_budget, np.int32)
+        flat = [t for _, ids in batch for t in ids]
+        tokens[: len(flat)] = flat
+        assert np.all((meta.positions != PAD_POSITION)[: len(flat)])
+        logits = self._device_step(tokens, meta, np.repeat(seqs, counts))
+        ends = np.asarray(meta.query_start_loc[1 : len(batch) + 1]) - 1
+        last = np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))
+        mgr.step(seqs, [ids for _, ids in batch])
+        for (r, ids), row in zip(batch, last):
+            if r.fed < len(r.prompt):
+                r.fed += len(ids)
+                if r.fed < len(r.prompt):
+                    continue  # mid-prompt chunk: no token sampled yet
+            if not r.output:
+                r.prompt_logits = row
+            r.output.append(_sample(row, second=False))
+            if len(r.output) >= r.max_new_tokens:
+                r.done = True
+                mgr.release(r.seq)
+        m = mgr.metrics
+        self.history.append(StepRecord(self.step_index, len(flat), len(batch), m.used_pages, m.cached_pages))
+
+
+    def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
+        """Apply pending copy-on-write copies, then write and attend for all layers in one jit."""
+        src, dst = self.manager.take_copies()
+        if src.size:
+            self.cache = self.cache.copy_pages(src, dst)
+            self.copies += int(src.size)
+        logits, self.cache = self.model.paged_step(self.cache, jnp.asarray(tokens), meta)
+        return logits
+
+
+class DenseEngine(Engine):
+    """The baseline: the same scheduler, but every request owns a dense cache row preallocated
+    at ``max_len`` tokens and attends over all of it. ``cache`` is (keys, values), each
+    (layers, batch_size, max_len, kv_heads, head_dim). No forks (a fork would copy a whole row)."""
+
+    def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
+        padded = np.zeros(self.token_budget, np.int32)
+        padded[: rows.size] = rows
+        keys, values = self.cache
+        logits, keys, values = self.model.dense_batch_step(
+            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(meta.positions)
+        )
+        self.cache = (keys, values)
+        return logits
+
+
+@jax.jit
+def _rows(logits: jax.Array, ends: jax.Array) -> jax.Array:
+    return jnp.take(logits, ends, axis=0)
+
+
+def _sample(row: np.ndarray, *, second: bool) -> int:
+    if second:
+        return int(np.argsort(row, kind="stable")[-2])
+    return int(np.argmax(row))
+
+
+def reference_generate(model: CompiledModel, request: Request, *, max_len: int, dtype: Any,
+                       quantizer: Any = None) -> list[int]:  # fmt: skip
+    """The same request generated with a plain dense per-request cache, one token per call."""
+    cfg = model.cfg
+    keys = jnp.zeros((cfg.layers, max_len, cfg.kv_heads, cfg.head_dim), dtype)
+    values = jnp.zeros_like(keys)
+    out: list[int] = []
+    prompt = request.prompt
+    row = None
+    for pos, tok in enumerate(prompt):
+        logits, keys, values = model.dense_step(keys, values, jnp.asarray([tok], jnp.int32), jnp.int32(pos), quantizer)
+        row = np.asarray(logits[0])
+    pos = len(prompt)
+    first = True
+    while len(out) < request.max_new_tokens:
+        out.append(_sample(row, second=(request.fork_of is not None and first)))
+        first = False
+        if len(out) >= request.max_new_tokens:
+            break
+        logits, keys, values = model.dense_step(keys, values, jnp.asarray([out[-1]], jnp.int32), jnp.int32(pos), quantizer)
+        row = np.asarray(logits[0])
+        pos += 1
+    return out

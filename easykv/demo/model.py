@@ -1,0 +1,211 @@
+"""A small Llama-style decoder (flax nnx) and its two attention back ends.
+
+The model has RoPE, grouped-query attention, RMSNorm and a SwiGLU MLP, with random weights from
+a fixed seed and a byte-level vocabulary, so it needs no download. One forward pass is written
+once (`_forward`) and run two ways:
+
+* `paged_step`: a ragged batch of prefill chunks and decodes; each layer writes its new K/V
+  into the paged cache and attends through the page tables (the easykv path);
+* `dense_step`: one sequence with a plain preallocated per-request cache (the reference the
+  demo compares against).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from easykv.attention import view_attention
+from easykv.cache import PagedAttentionCache
+from easykv.runtime import PagedAttentionMetadata
+
+VOCAB = 256  # bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    layers: int = 4
+    hidden: int = 256
+    q_heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 32
+    mlp: int = 512
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads={self.q_heads} must be a multiple of kv_heads={self.kv_heads}")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DemoConfig, rngs: nnx.Rngs) -> None:
+        h, d = cfg.hidden, cfg.head_dim
+        self.attn_norm = nnx.RMSNorm(h, rngs=rngs)
+        self.q = nnx.Linear(h, cfg.q_heads * d, use_bias=False, rngs=rngs)
+        self.k = nnx.Linear(h, cfg.kv_heads * d, use_bias=False, rngs=rngs)
+        self.v = nnx.Linear(h, cfg.kv_heads * d, use_bias=False, rngs=rngs)
+        self.o = nnx.Linear(cfg.q_heads * d, h, use_bias=False, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(h, rngs=rngs)
+        self.gate = nnx.Linear(h, cfg.mlp, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(h, cfg.mlp, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(cfg.mlp, h, use_bias=False, rngs=rngs)
+
+
+class DemoModel(nnx.Module):
+    def __init__(self, cfg: DemoConfig) -> None:
+        rngs = nnx.Rngs(cfg.seed)
+        self.cfg = cfg
+        self.embed = nnx.Embed(VOCAB, cfg.hidden, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+        self.norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
+        self.head = nnx.Linear(cfg.hidden, VOCAB, use_bias=False, rngs=rngs)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of (tokens, heads, head_dim) at per-token positions (rotate-half form)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _forward(model: DemoModel, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn) -> tuple[jax.Array, Any]:
+    """Logits (tokens, VOCAB) for token ids at positions; ``attend(layer, q, k, v, state)``
+    stores the new K/V wherever the back end keeps them and returns (output, state)."""
+    cfg = model.cfg
+    x = model.embed(tokens)
+    n = tokens.shape[0]
+    for i, blk in enumerate(model.blocks):
+        h = blk.attn_norm(x)
+        q = rope(blk.q(h).reshape(n, cfg.q_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = rope(blk.k(h).reshape(n, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = blk.v(h).reshape(n, cfg.kv_heads, cfg.head_dim)
+        out, state = attend(i, q, k, v, state)
+        x = x + blk.o(out.reshape(n, cfg.q_heads * cfg.head_dim))
+        h = blk.mlp_norm(x)
+        x = x + blk.down(jax.nn.silu(blk.gate(h)) * blk.up(h))
+    return model.head(model.norm(x)), state
+
+
+def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
+    """One engine step for all layers in one jit: write each layer's new K/V into its pages
+    (the cache is donated) and attend through the page tables of the mixed metadata."""
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, views: tuple) -> tuple[jax.Array, tuple]:
+        view = views[i].write_mixed_to_cache(k.astype(views[i].dtype), v.astype(views[i].dtype), metadata)
+        out = view_attention(q.astype(view.dtype), view, metadata)
+        return out.astype(q.dtype), views[:i] + (view,) + views[i + 1 :]
+
+    logits, views = _forward(model, tokens, metadata.positions, cache.views, attend)
+    return logits, PagedAttentionCache(views)
+
+
+def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
+               kv_round_trip: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Reference step for ONE sequence with a dense cache (layers, max_len, kv_heads, head_dim):
+    tokens (n,) at positions start..start+n-1 are written, then attend causally to 0..pos.
+    ``kv_round_trip`` (a quantizer) makes the dense cache hold what a quantized cache holds."""
+    cfg = model.cfg
+    n = tokens.shape[0]
+    positions = start + jnp.arange(n, dtype=jnp.int32)
+    group = cfg.q_heads // cfg.kv_heads
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
+        kc, vc = kv
+        if kv_round_trip is not None:
+            k = kv_round_trip.quantize(k.astype(kc.dtype)).dequantize(kc.dtype)
+            v = kv_round_trip.quantize(v.astype(vc.dtype)).dequantize(vc.dtype)
+        kc = kc.at[i].set(jax.lax.dynamic_update_slice_in_dim(kc[i], k.astype(kc.dtype), start, axis=0))
+        vc = vc.at[i].set(jax.lax.dynamic_update_slice_in_dim(vc[i], v.astype(vc.dtype), start, axis=0))
+        kk = jnp.repeat(kc[i].astype(jnp.float32), group, axis=1)  # (max_len, q_heads, dim)
+        vv = jnp.repeat(vc[i].astype(jnp.float32), group, axis=1)
+        qf = q.astype(kc.dtype).astype(jnp.float32)
+        scores = jnp.einsum("thd,shd->hts", qf, kk) * cfg.head_dim**-0.5
+        visible = jnp.arange(kc.shape[1])[None, :] <= positions[:, None]
+        scores = jnp.where(visible[None], scores, -jnp.inf)
+        out = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, axis=-1), vv)
+        return out.astype(kc.dtype).astype(q.dtype), (kc, vc)
+
+    logits, (keys, values) = _forward(model, tokens, positions, (keys, values), attend)
+    return logits, keys, values
+
+
+# nnx.jit re-walks the module graph on every call (milliseconds per step here); the engine
+# splits the model once and jits pure functions of (graphdef, params) instead.
+@partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _paged_jit(graphdef: Any, params: Any, cache: PagedAttentionCache, tokens: jax.Array,
+               metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
+    return _paged_step(nnx.merge(graphdef, params), cache, tokens, metadata)
+
+
+@partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 3))
+def _dense_jit(graphdef: Any, params: Any, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
+               kv_round_trip: Any) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    return _dense_step(nnx.merge(graphdef, params), keys, values, tokens, start, kv_round_trip)
+
+
+class CompiledModel:
+    """A DemoModel split once into (graphdef, params) with its two jitted steps."""
+
+    def __init__(self, model: DemoModel) -> None:
+        self.cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+
+    def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata
+                   ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
+        """See `_paged_step`; the cache is donated."""
+        return _paged_jit(self.graphdef, self.params, cache, tokens, metadata)
+
+    def dense_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
+                   kv_round_trip: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+        """See `_dense_step`; keys and values are donated."""
+        return _dense_jit(self.graphdef, self.params, keys, values, tokens, start, kv_round_trip)
+
+    def dense_batch_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, rows: jax.Array,
+                         positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+        """See `_dense_batch_step` (the baseline the benchmark compares with)."""
+        return _dense_batch_jit(self.graphdef, self.params, keys, values, tokens, rows, positions)
+
+
+def _dense_batch_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, rows: jax.Array,
+                      positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """The baseline engine step: every request owns a dense cache row preallocated at max length,
+    keys/values (layers, rows, max_len, kv_heads, head_dim); token t belongs to row ``rows[t]``
+    at ``positions[t]`` (-1: padding) and attends over that row's whole max length, masked."""
+    cfg = model.cfg
+    group = cfg.q_heads // cfg.kv_heads
+    max_len = keys.shape[2]
+    where = jnp.where(positions >= 0, positions, max_len)  # padding writes are dropped
+
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
+        kc, vc = kv
+        kc = kc.at[i, rows, where].set(k.astype(kc.dtype), mode="drop")
+        vc = vc.at[i, rows, where].set(v.astype(vc.dtype), mode="drop")
+        kk = jnp.repeat(kc[i][rows].astype(jnp.float32), group, axis=2)  # (tokens, max_len, q_heads, dim)
+        vv = jnp.repeat(vc[i][rows].astype(jnp.float32), group, axis=2)
+        scores = jnp.einsum("thd,tshd->ths", q.astype(jnp.float32), kk) * cfg.head_dim**-0.5
+        visible = jnp.arange(max_len)[None, :] <= positions[:, None]
+        scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
+        weights = jnp.where(positions[:, None, None] >= 0, jax.nn.softmax(scores, axis=-1), 0.0)
+        return jnp.einsum("ths,tshd->thd", weights, vv).astype(q.dtype), (kc, vc)
+
+    logits, (keys, values) = _forward(model, tokens, positions, (keys, values), attend)
+    return logits, keys, values
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _dense_batch_jit(graphdef: Any, params: Any, keys: jax.Array, values: jax.Array, tokens: jax.Array,
+                     rows: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    return _dense_batch_step(nnx.merge(graphdef, params), keys, values, tokens, rows, positions)

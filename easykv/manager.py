@@ -38,6 +38,7 @@ from easykv.page_pool import PagePool
 from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv import sizing
 from easykv.runtime import PAD_PAGE, PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+from easykv.validation import non_negative_int, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +72,6 @@ class PageManagerMetrics:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if _non_negative_int(name, value) == 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 class PageManager:
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
@@ -114,7 +103,7 @@ class PageManager:
     # ---- sequence slots [MAX: claim, external_claim, contains, release, slots_remaining] -------
     def claim(self, n: int = 1) -> list[int]:
         """Claim ``n`` free sequence ids (lowest first) for new requests."""
-        n = _non_negative_int("n", n)
+        n = non_negative_int("n", n)
         free = np.flatnonzero(~self._active)
         if n > free.size:
             raise CacheFullError(
@@ -380,7 +369,7 @@ class PageManager:
         step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
         from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids)."""
         rows = self._rows(seq_ids)
-        k = _positive_int("num_steps", num_steps)
+        k = positive_int("num_steps", num_steps)
         self._check_padding(rows.size, rows.size, None, pad_seqs_to)
         self._reserve(rows, np.full(rows.size, k, np.int64))
         meta = build_mixed(self._table[rows], self._lens[rows], np.ones(rows.size, np.int32),
@@ -397,7 +386,7 @@ class PageManager:
 
     def _check_padding(self, tokens: int, seqs: int, pad_tokens_to: int | None, pad_seqs_to: int | None) -> None:
         for name, pad, real in (("pad_tokens_to", pad_tokens_to, tokens), ("pad_seqs_to", pad_seqs_to, seqs)):
-            if pad is not None and _non_negative_int(name, pad) < real:
+            if pad is not None and non_negative_int(name, pad) < real:
                 raise ValueError(f"{name}={pad} is below the {real} {name[4:-3]} of this step; pass at least {real}")
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
@@ -680,7 +669,7 @@ def _config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) ->
 
 
 def _padded(values: Any, n: int, pad_to: int | None, what: str) -> np.ndarray:
-    size = n if pad_to is None else _non_negative_int("pad_to", pad_to)
+    size = n if pad_to is None else non_negative_int("pad_to", pad_to)
     if size < n:
         raise ValueError(f"pad_to={pad_to} is below the {n} pending {what}; pass at least {n} (or None)")
     out = np.full(size, -1, np.int32)

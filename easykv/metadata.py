@@ -18,6 +18,7 @@ import numpy as np
 from easykv.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.serialization import Serializable, SerializationError
+from easykv.validation import positive_int
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 # Logical cache dtypes. Compressed formats (int8, fp8, int4) are quantizers, not cache dtypes.
@@ -45,12 +46,6 @@ def canonical_dtype(dtype: Any) -> np.dtype:
             "(int8/fp8/int4 storage is chosen with quantizer=...)"
         )
     return dt
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +84,7 @@ class PagedAttentionCacheMetaData(Serializable):
             "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size",
             "kv_head_shards", "page_shards",
         ):  # fmt: skip
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         util = self.hbm_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
             raise ValueError(f"hbm_utilization must be in (0, 1], got {util!r}")
@@ -106,7 +101,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 raise ValueError(f"{name} must be a tuple of mesh axis names, got {raw!r}")
             object.__setattr__(self, name, axes)
         if self.memory_bytes_per_device is not None:
-            _positive_int("memory_bytes_per_device", self.memory_bytes_per_device)
+            positive_int("memory_bytes_per_device", self.memory_bytes_per_device)
 
         expected = math.ceil(self.max_sequences / self.page_size)
         if self.num_pages_per_sequence != expected:
@@ -226,11 +221,11 @@ class PagedAttentionCacheMetaData(Serializable):
             page_shards=plan.page_shards,
         )
         for name in ("max_sequences", "page_size"):
-            _positive_int(name, base[name])
+            positive_int(name, base[name])
         pages_per_sequence = math.ceil(max_sequences / page_size)
         if num_pages_per_layer is not None:
             return cls(**base, num_pages_per_sequence=pages_per_sequence,
-                       num_pages_per_layer=_positive_int("num_pages_per_layer", num_pages_per_layer))
+                       num_pages_per_layer=positive_int("num_pages_per_layer", num_pages_per_layer))
         # Validate every field with a one-page pool before asking the devices for memory.
         probe = cls(**base, num_pages_per_sequence=pages_per_sequence,
                     num_pages_per_layer=plan.page_shards * pages_per_sequence)
@@ -290,7 +285,7 @@ def plan_layout(
     emit_warnings: bool,
 ) -> LayoutPlan:
     """Resolve the kv-head and page axes against ``mesh``, reporting every adjustment."""
-    _positive_int("num_kv_heads", num_kv_heads)
+    positive_int("num_kv_heads", num_kv_heads)
     pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
     page_axes = pm.paxis.mesh_axes(PAGE)
     # The page axis length is chosen by sizing, always as a multiple of its shard count, so

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -108,58 +108,58 @@ def _safe(scale: jax.Array) -> jax.Array:
     return jnp.where(scale == 0, 1.0, scale)[..., None]
 
 
+class _BytePerValueQuantizer:
+    """One byte per value with one absmax scale per token and head; subclasses set the grid."""
+
+    name: str
+    _qmax: ClassVar[float]
+    _value_dtype: ClassVar[Any]
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        return (head_dim,), np.dtype(self._value_dtype)
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        return ()
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        return head_dim + SCALE_DTYPE.itemsize
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        return None
+
+    def _encode(self, scaled: jax.Array) -> jax.Array:
+        raise NotImplementedError  # each subclass defines its grid
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        scale, xg = _absmax_scale(x, self._qmax, 1)
+        return QuantizedPages(self._encode(xg / _safe(scale)).reshape(x.shape), scale[..., 0], self)
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class Int8Quantizer:
-    """Symmetric int8 with an absmax scale per token and head."""
+class Int8Quantizer(_BytePerValueQuantizer):
+    """Symmetric int8: round(x / s) with s = absmax / 127, per token and head."""
 
     name: str = "int8"
+    _qmax: ClassVar[float] = 127.0
+    _value_dtype: ClassVar[Any] = np.int8
 
-    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
-        return (head_dim,), np.dtype("int8")
-
-    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
-        return ()
-
-    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
-        return head_dim + SCALE_DTYPE.itemsize
-
-    def validate(self, head_dim: int, dtype: np.dtype) -> None:
-        return None
-
-    def quantize(self, x: jax.Array) -> QuantizedPages:
-        scale, xg = _absmax_scale(x, 127.0, 1)
-        q = jnp.clip(jnp.round(xg / _safe(scale)), -127, 127).astype(jnp.int8)
-        return QuantizedPages(q.reshape(x.shape), scale[..., 0], self)
-
-    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
-        return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
+    def _encode(self, scaled: jax.Array) -> jax.Array:
+        return jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Quantizer:
-    """float8_e4m3fn values with an absmax scale per token and head (absmax maps to 448)."""
+class Fp8Quantizer(_BytePerValueQuantizer):
+    """float8_e4m3fn values, absmax per token and head mapped to 448 (the format's maximum)."""
 
     name: str = "fp8"
+    _qmax: ClassVar[float] = 448.0
+    _value_dtype: ClassVar[Any] = jnp.float8_e4m3fn
 
-    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
-        return (head_dim,), np.dtype(jnp.float8_e4m3fn)
-
-    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
-        return ()
-
-    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
-        return head_dim + SCALE_DTYPE.itemsize
-
-    def validate(self, head_dim: int, dtype: np.dtype) -> None:
-        return None
-
-    def quantize(self, x: jax.Array) -> QuantizedPages:
-        scale, xg = _absmax_scale(x, 448.0, 1)
-        q = jnp.clip(xg / _safe(scale), -448.0, 448.0).astype(jnp.float8_e4m3fn)
-        return QuantizedPages(q.reshape(x.shape), scale[..., 0], self)
-
-    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
-        return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
+    def _encode(self, scaled: jax.Array) -> jax.Array:
+        return jnp.clip(scaled, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from easykv.validation import non_negative_int
 if TYPE_CHECKING:
     from easykv.metadata import PagedAttentionCacheMetaData
 
@@ -126,9 +127,9 @@ class PagedAttentionMetadata:
         ``padded_length`` (default ``length``) fixes the token axis so that jit sees few shapes.
         """
         row = _as_int32("page_table_row", page_table_row, ndim=1)
-        length = _non_negative_int("length", length)
-        start = _non_negative_int("start", start)
-        padded = length if padded_length is None else _non_negative_int("padded_length", padded_length)
+        length = non_negative_int("length", length)
+        start = non_negative_int("start", start)
+        padded = length if padded_length is None else non_negative_int("padded_length", padded_length)
         if padded < length:
             raise ValueError(f"padded_length={padded} is shorter than length={length}; pass >= length")
         _check_page_ids("page_table_row", row, cache_metadata)
@@ -310,12 +311,6 @@ def _as_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
         raise ValueError(f"{name} has values outside int32: min {arr.min()}, max {arr.max()}")
     return arr.astype(np.int32, copy=True)
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 def _check_page_ids(name: str, table: np.ndarray, meta: PagedAttentionCacheMetaData) -> None:

@@ -7,7 +7,16 @@ from easykv.attention import (
     view_attention,
 )
 from easykv.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
-from easykv.errors import CacheFullError, InvariantError, UnknownSequenceError
+from easykv.errors import (
+    CacheFullError,
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    InvariantError,
+    NotACheckpointError,
+    StepNotFoundError,
+    UnknownSequenceError,
+)
 from easykv.manager import PageManager, PageManagerMetrics
 from easykv.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
 from easykv.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
@@ -24,7 +33,37 @@ from easykv.serialization import SerializationError
 
 __version__ = "0.1.0"
 
+# Checkpointing brings orbax (about 0.35 s to import): load it on first use only.
+_LAZY = {
+    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"), "easykv.checkpoint"),
+    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.sequence_transfer"),
+    "inspect_checkpoint": "easykv.inspect",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'easykv' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
 __all__ = [
+    "CacheCheckpointer",
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointMismatchError",
+    "NotACheckpointError",
+    "RestoredCache",
+    "SequenceExport",
+    "StepNotFoundError",
+    "export_sequence",
+    "import_sequence",
+    "inspect_checkpoint",
+    "list_steps",
+    "restore_cache",
+    "save_cache",
     "CacheFullError",
     "InvariantError",
     "PageManager",

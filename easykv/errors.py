@@ -1,4 +1,4 @@
-"""The typed errors of the page manager, one per tier of trouble.
+"""easykv's typed errors: the page manager's, one per tier of trouble, and the checkpoints'.
 
 A caller must be able to tell three things apart without parsing messages:
 
@@ -9,6 +9,8 @@ A caller must be able to tell three things apart without parsing messages:
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class CacheFullError(RuntimeError):
@@ -45,3 +47,45 @@ class InvariantError(AssertionError):
 
 
 __all__ = ["CacheFullError", "InvariantError", "UnknownSequenceError"]
+
+
+# ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,
+# damaged data ------------------------------------------------------------------------------
+class CheckpointError(Exception):
+    """Base class of the errors raised by easykv's checkpoint functions."""
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """The directory does not exist or holds no easykv checkpoint."""
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror)
+        return str(self.args[0]) if self.args else ""
+
+
+class StepNotFoundError(CheckpointError, FileNotFoundError):
+    """The requested step is not a complete checkpoint in the directory."""
+
+    def __init__(self, message: str, *, step: int | None = None, available: Sequence[int] = ()):
+        super().__init__(message)
+        self.step = step
+        self.available = list(available)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint cannot become the requested cache: other model shape, dtype or quantizer
+    (without ``convert=True``), a mesh the pool cannot be split over, or a newer format."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """Saved data are damaged: a fingerprint mismatch, an unreadable or truncated data file, or
+    a damaged JSON record. ``array`` names the damaged array (None when not one array)."""
+
+    def __init__(self, message: str, *, array: str | None = None, step: int | None = None,
+                 directory: str | None = None):
+        super().__init__(message)
+        self.array = array
+        self.step = step
+        self.directory = directory

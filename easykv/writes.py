@@ -102,7 +102,7 @@ def check_new_tokens(
             )
 
 
-def _scatter_local(pages: Any, new: Any, slots: jax.Array, *, layout: PageLayout | None) -> Any:
+def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, *, layout: PageLayout | None) -> Any:
     """One shard: put token row ``new[t]`` (heads, ...) at slot ``slots[t]`` for local slots."""
 
     def one(leaf: jax.Array, upd: jax.Array) -> jax.Array:
@@ -142,6 +142,6 @@ def scatter_kv(
     new = (encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages))
 
     def local(pages: Any, upd: Any, s: jax.Array) -> Any:
-        return _scatter_local(pages, upd, s, layout=layout)
+        return scatter_encoded_local(pages, upd, s, layout=layout)
 
     return run_local(local, layout, (key_pages, value_pages), new, (jnp.asarray(slots, jnp.int32),), token_major=True)

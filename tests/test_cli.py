@@ -91,3 +91,45 @@ def test_parsers():
     assert parse_bytes("4096") == 4096
     assert parse_mesh("dp=2, tp=4") == {"dp": 2, "tp": 4}
     assert list(parse_mesh("tp=4,dp=2")) == ["tp", "dp"]
+
+
+# ---- inspect --------------------------------------------------------------------------------
+def test_inspect_reports_and_verifies_a_checkpoint(capsys, tmp_path):
+    import jax.numpy as jnp
+
+    import easykv
+    from sharding import PartitionAxis, PartitionManager, create_mesh
+
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 2, 2, 32, 4, 8, 16, 0.9, jnp.bfloat16,
+                                                     partition_manager=pm, num_pages_per_layer=16)  # fmt: skip
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+    easykv.save_cache(str(tmp_path / "ck"), cache, easykv.PageManager(meta), step=7)
+    code = main(["inspect", str(tmp_path / "ck")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "step 7" in out and "verify   OK: 4 arrays match their fingerprints" in out
+
+
+def test_inspect_of_a_plain_directory_is_a_one_line_error(capsys, tmp_path):
+    code = main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("easykv inspect: error:")
+
+
+# ---- demo flags (the run itself is in test_demo.py) --------------------------------------------
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--requests", "0"], "--requests 0 is out of range"),
+        (["--max-new-tokens", "1"], "--max-new-tokens 1 is out of range"),
+        (["--quant", "int3"], "unknown quantizer"),
+        (["--dtype", "float64"], "invalid choice"),
+        (["--mesh", "tp8"], "is not NAME=SIZE"),
+    ],
+)
+def test_demo_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
+    code = main(["demo", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0], err

@@ -1,0 +1,158 @@
+"""Checkpoint throughput: easykv's orbax save/restore of a paged pool vs plain numpy.
+
+    python benchmarks/bench_checkpoint.py [--gib 1.0] [--repeats 5] [--dir /tmp/easykv-bench-checkpoint]
+
+A bf16 pool of ``--gib`` GiB (8 layers, 8 kv heads, head_dim 128, page_size 16) on 8 simulated
+CPU devices, kv heads sharded over tp=8. Per repeat, interleaved so that machine noise hits
+every row alike (medians reported):
+
+* save:    ``save_cache`` (blocking: until committed) vs ``np.save`` of every array (device ->
+           host copy included) into its own file, with ``fsync``;
+* restore: ``restore_cache`` onto the same mesh vs ``np.load`` + ``jax.device_put`` with the
+           cache's sharding;
+* async:   how long ``CacheCheckpointer.save`` takes to return, and until committed;
+* integrity: the fingerprints alone, and save / restore with integrity off, to price them.
+
+Targets (issue 5): save and restore at least 0.5x the numpy figures; integrity under 10% of the
+save time. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from easykv import PagedAttentionCache, PagedAttentionCacheMetaData  # noqa: E402
+from easykv.checkpoint import CacheCheckpointer, restore_cache, save_cache  # noqa: E402
+from easykv.checkpoint_integrity import fingerprints  # noqa: E402
+from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
+
+
+def build_cache(gib: float):
+    mesh = create_mesh({"dp": 1, "tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    page_bytes = 2 * HEADS * PAGE_SIZE * HEAD_DIM * 2  # K and V, bf16, one layer
+    pages = max(8, int(gib * 2**30 / (page_bytes * LAYERS)) // 8 * 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingAdjustedWarning)
+        meta = PagedAttentionCacheMetaData.create(
+            mesh, 32, LAYERS, 4096, PAGE_SIZE, HEADS, HEAD_DIM, 0.9, "bfloat16",
+            partition_manager=pm, num_pages_per_layer=pages,
+        )  # fmt: skip
+        cache = PagedAttentionCache.init_cache(mesh, meta.dtype, meta, pm)
+    # Random bits in every page (zeros would flatter any format that compresses), made on the
+    # devices with the cache's own shardings.
+    leaves = [jax.jit(lambda k, x=x: jax.random.bits(k, x.shape, x.dtype), out_shardings=x.sharding)(jax.random.key(i))
+              for i, x in enumerate(jax.tree.leaves(cache))]
+    cache = jax.tree.unflatten(jax.tree.structure(cache), leaves)
+    jax.block_until_ready(cache)
+    return mesh, pm, cache
+
+
+def numpy_save(directory: str, leaves) -> None:
+    os.makedirs(directory, exist_ok=True)
+    for i, x in enumerate(leaves):
+        with open(os.path.join(directory, f"{i}.npy"), "wb") as f:
+            np.save(f, np.asarray(x))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def numpy_load(directory: str, leaves):
+    out = [jax.device_put(np.load(os.path.join(directory, f"{i}.npy")), x.sharding) for i, x in enumerate(leaves)]
+    return jax.block_until_ready(out)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp/easykv-bench-checkpoint")
+    args = ap.parse_args(argv)
+    root = args.dir
+    shutil.rmtree(root, ignore_errors=True)
+    mesh, pm, cache = build_cache(args.gib)
+    leaves = jax.tree.leaves(cache)
+    nbytes = sum(x.nbytes for x in leaves)
+    gb = nbytes / 1e9
+    print(f"pool: {nbytes / 2**30:.2f} GiB in {len(leaves)} arrays of {leaves[0].shape} {leaves[0].dtype}, "
+          f"{len(jax.devices())} CPU devices, {os.cpu_count()} cores", file=sys.stderr)
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "np_save", "save", "save_noint", "async_return", "async_total", "np_load", "restore", "restore_noverify",
+        "fingerprint")}
+    for r in range(args.repeats):
+        saves = [
+            ("np_save", lambda: numpy_save(f"{root}/np", leaves)),
+            ("save", lambda: save_cache(f"{root}/ck", cache, step=r)),
+            ("save_noint", lambda: save_cache(f"{root}/ck_noint", cache, step=r, integrity=False)),
+        ]
+        for name, fn in saves[r % 3:] + saves[: r % 3]:  # rotate: no row always follows the same one
+            rows[name].append(timed(fn)[0])
+        ckpt = CacheCheckpointer(f"{root}/ck_async")
+        rows["async_return"].append(timed(lambda: ckpt.save(cache, step=r))[0])
+        t0 = time.perf_counter() - rows["async_return"][-1]
+        ckpt.wait_until_finished()
+        rows["async_total"].append(time.perf_counter() - t0)
+        ckpt.close()
+        rows["fingerprint"].append(timed(lambda: fingerprints(leaves))[0])
+        loads = [
+            ("np_load", lambda: numpy_load(f"{root}/np", leaves)),
+            ("restore", lambda: jax.block_until_ready(restore_cache(f"{root}/ck", mesh=mesh, partition_manager=pm,
+                                                                     step=r).cache)),
+            ("restore_noverify", lambda: jax.block_until_ready(restore_cache(
+                f"{root}/ck", mesh=mesh, partition_manager=pm, step=r, verify=False).cache)),
+        ]
+        for name, fn in loads[r % 3:] + loads[: r % 3]:
+            rows[name].append(timed(fn)[0])
+        for d in ("ck", "ck_noint", "ck_async"):  # keep disk use to one copy per format
+            shutil.rmtree(f"{root}/{d}/{r}", ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    rate = lambda k: gb / med[k]  # noqa: E731
+    print(f"\n### Checkpoint of a {nbytes / 2**30:.2f} GiB pool (8 CPU devices, tp=8; median of {args.repeats})\n")
+    print("| operation | time (s) | GB/s | vs numpy | target |")
+    print("|---|---:|---:|---:|---|")
+    print(f"| np.save + fsync (baseline) | {med['np_save']:.2f} | {rate('np_save'):.2f} | 1.00x | |")
+    print(f"| save_cache (blocking, integrity on) | {med['save']:.2f} | {rate('save'):.2f} | "
+          f"{med['np_save'] / med['save']:.2f}x | >= 0.5x |")
+    print(f"| save_cache, integrity off | {med['save_noint']:.2f} | {rate('save_noint'):.2f} | "
+          f"{med['np_save'] / med['save_noint']:.2f}x | |")
+    print(f"| async save: call returns | {med['async_return']:.3f} | | | |")
+    print(f"| async save: committed | {med['async_total']:.2f} | {rate('async_total'):.2f} | "
+          f"{med['np_save'] / med['async_total']:.2f}x | |")
+    print(f"| np.load + device_put (baseline) | {med['np_load']:.2f} | {rate('np_load'):.2f} | 1.00x | |")
+    print(f"| restore_cache (verify on) | {med['restore']:.2f} | {rate('restore'):.2f} | "
+          f"{med['np_load'] / med['restore']:.2f}x | >= 0.5x |")
+    print(f"| restore_cache, verify off | {med['restore_noverify']:.2f} | {rate('restore_noverify'):.2f} | "
+          f"{med['np_load'] / med['restore_noverify']:.2f}x | |")
+    fp = med["fingerprint"]
+    print(f"| fingerprints alone (all arrays) | {fp:.3f} | {rate('fingerprint'):.2f} | | |")
+    print(f"\nintegrity cost: fingerprints alone = {100 * fp / med['save']:.1f}% of the save time (target < 10%); "
+          f"save with vs without = {100 * (med['save'] - med['save_noint']) / med['save_noint']:+.1f}%; "
+          f"restore verify on vs off = "
+          f"{100 * (med['restore'] - med['restore_noverify']) / med['restore_noverify']:+.1f}%")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,522 @@
+"""Checkpoint and restore of a paged cache with orbax: atomic, verified, reshardable.
+
+    step = easykv.save_cache(path, cache, manager)                   # blocking
+    with easykv.CacheCheckpointer(path, max_to_keep=3) as ckpt:     # async, keeps the last 3
+        ckpt.save(cache, manager, step=100)   # returns once the pages are snapshotted
+        cache, _ = cache.write(...)           # donating right away is safe
+    restored = easykv.restore_cache(path, mesh=other_mesh, partition_manager=pm)
+    cache, manager = restored                 # also .metadata, .step, .extra_metadata
+
+Layout on disk: see `easykv.checkpoint_format` (pages as an orbax PyTree, a JSON record with
+the metadata, storage, mesh and fingerprints, and the PageManager state).
+
+Atomicity is orbax's: a step is written under ``<step>.orbax-checkpoint-tmp-*`` and renamed
+(or marked with a commit file on object stores) only after every array and both JSON files
+are written, so a crash or kill mid-save leaves a temporary directory that is ignored (and
+removed by the next writer), never a step that looks complete. An async save returns once the
+data are snapshotted (on GPU/TPU: copied to host; on CPU: zero-copy views that make a later
+donation copy instead of overwrite) and the fingerprints are started; the write, the
+fingerprints and the commit finish in the background. A process that exits cleanly first
+finishes its saves.
+
+Stored bits: pages are saved as stored (bf16 as raw uint16 on CPU, as bf16 on GPU/TPU; fp8 as
+uint8 / float8), with the logical dtype and the stored dtype recorded; restore bitcasts to the
+target platform's storage, so the bits are identical across backends.
+
+Restore may target another mesh or partition rule: the layout fields of the metadata are
+rebuilt for the target mesh, the pool size stays, and orbax reads each device's shard straight
+onto that device. Another dtype or quantizer is refused unless ``convert=True`` (dequantize and
+re-encode every page; lossy when the target is coarser). Errors: `NotACheckpointError`,
+`StepNotFoundError`, `CheckpointMismatchError` (ValueError), `CheckpointIntegrityError`;
+nothing is restored (and no live cache is touched) when one is raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import math
+import threading
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import Mesh
+
+from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
+from easykv.checkpoint_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MARKER_FILE,
+    PAGES_ITEM,
+    STATE_ITEM,
+    _StateSave,
+    check_not_foreign,
+    check_step,
+    expected_leaves,
+    layer_key,
+    list_steps,
+    orbax_manager,
+    read_manager_state,
+    read_record,
+    resolve_step,
+    restore_arrays,
+    saved_metadata,
+    verify_arrays,
+)
+from easykv.checkpoint_integrity import (
+    FINGERPRINT_ALGORITHM,
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    NotACheckpointError,
+    PendingFingerprints,
+    StepNotFoundError,
+)
+from easykv.checkpoint_reshard import (
+    check_format,
+    convert_pages,
+    reshard_manager_state,
+    stored_template,
+    target_metadata,
+    to_storage_dtypes,
+)
+from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.pages import PageLayout
+from easykv.quantization import QuantizedPages, is_compressing
+
+
+# ---- what is saved ----------------------------------------------------------------------------
+def _cache_arrays(cache: PagedAttentionCache) -> tuple[dict[str, Any], list[tuple[str, tuple[str, ...], Any, str]]]:
+    """The PyTree orbax saves and its leaves as (name, path, array, role), in a fixed order."""
+    tree: dict[str, Any] = {}
+    leaves: list[tuple[str, tuple[str, ...], Any, str]] = []
+    for view in cache.views:
+        layer = layer_key(view.layer_index)
+        tree[layer] = {}
+        for kind in ("key_pages", "value_pages"):
+            pages = getattr(view, kind)
+            if isinstance(pages, QuantizedPages):
+                tree[layer][kind] = {"values": pages.values, "scales": pages.scales}
+                leaves.append((f"{layer}.{kind}.values", (layer, kind, "values"), pages.values, "values"))
+                leaves.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), pages.scales, "scales"))
+            else:
+                tree[layer][kind] = pages
+                leaves.append((f"{layer}.{kind}", (layer, kind), pages, "pages"))
+    return tree, leaves
+
+
+def _platform(cache: PagedAttentionCache) -> str:
+    leaf = jax.tree.leaves(cache)[0]
+    return next(iter(leaf.sharding.device_set)).platform
+
+
+def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
+    layout = cache.views[0].layout
+    leaf = jax.tree.leaves(cache)[0]
+    devices = list(leaf.sharding.device_set)
+    out: dict[str, Any] = {
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "process_count": jax.process_count(),
+    }
+    if layout is not None:
+        out.update(axis_names=list(layout.mesh.axis_names), shape={k: int(v) for k, v in layout.mesh.shape.items()},
+                   kv_head_mesh_axes=list(layout.head_axes), page_mesh_axes=list(layout.page_axes))
+    return out
+
+
+def _manager_summary(state: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        seqs = state["sequences"]
+        pool = state["pool"]
+        free = sum(len(h) for h in pool["free"])
+        cached = sum(len(q) for q in pool["lru"])
+        return {"active_sequences": len(seqs), "tokens": int(sum(s["length"] for s in seqs)),
+                "free_pages": free, "cached_pages": cached, "prefix_pages": len(pool["digests"])}
+    except (KeyError, TypeError):
+        return {}
+
+
+def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
+    if not callable(getattr(manager, "state_dict", None)):
+        raise ValueError(f"manager must be a PageManager (with state_dict()), got {type(manager).__name__}")
+    mmeta = getattr(manager, "metadata", None)
+    if mmeta is not None:
+        fields = ("batch_size", "num_pages_per_layer", "page_size", "max_sequences", "page_shards")
+        diff = [f"{f}: cache {getattr(meta, f)}, manager {getattr(mmeta, f, None)}" for f in fields
+                if getattr(mmeta, f, None) != getattr(meta, f)]
+        if diff:
+            raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
+                             "with the manager that schedules it")
+    state = manager.state_dict()
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"manager.state_dict() is not JSON-safe: {err}") from err
+    return state
+
+
+def _check_extra(extra: Any) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"extra_metadata must be a dict of JSON-safe values, got {type(extra).__name__}")
+    try:
+        return json.loads(json.dumps(dict(extra), allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"extra_metadata is not JSON-safe ({err}); keep to str/int/float/bool/None/list/dict") from err
+
+
+# ---- the checkpointer ---------------------------------------------------------------------------
+_LIVE: weakref.WeakSet[CacheCheckpointer] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def _finish_all_at_exit() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for ckpt in live:
+        try:
+            ckpt.wait_until_finished()
+        except Exception:  # noqa: BLE001  an exit must not hang on one bad save
+            pass
+
+
+# A clean exit finishes pending saves. Python shuts the concurrent.futures executors down at
+# threading shutdown, before `atexit` callbacks run and while orbax's commit thread still needs
+# them (the save would then fail and leave only its temporary directory). Hooks registered with
+# threading._register_atexit run in reverse order of registration, so this one, registered after
+# concurrent.futures was imported (by orbax above), runs first.
+try:
+    threading._register_atexit(_finish_all_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover  other Pythons
+    atexit.register(_finish_all_at_exit)
+
+
+class CacheCheckpointer:
+    """Saves a cache (+ its PageManager) into numbered steps of ``directory``, keeping the last
+    ``max_to_keep`` (None: all). ``async_save``: `save` returns once the data are snapshotted
+    and the write finishes in the background (`wait_until_finished`, `close`, or a clean exit).
+    ``integrity=False`` skips the fingerprints (restore cannot then verify the data)."""
+
+    def __init__(self, directory: str | Any, *, max_to_keep: int | None = None, async_save: bool = True,
+                 integrity: bool = True):
+        bad_keep = isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        if max_to_keep is not None and bad_keep:
+            raise ValueError(f"max_to_keep must be None or a positive int, got {max_to_keep!r}")
+        self.directory = epath.Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotACheckpointError(f"{self.directory} is a file, not a checkpoint directory")
+        if self.directory.is_dir():
+            check_not_foreign(self.directory)
+        self.max_to_keep = max_to_keep
+        self.async_save = bool(async_save)
+        self.integrity = bool(integrity)
+        self._mngr = orbax_manager(self.directory, read_only=False, max_to_keep=max_to_keep,
+                                    enable_async=self.async_save)
+        self._closed = False
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    # ---- saving ------------------------------------------------------------------------------
+    def save(self, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
+             extra_metadata: Mapping[str, Any] | None = None) -> int:
+        """Save ``cache`` (and ``manager``'s state) as ``step`` (default: latest + 1, or 0).
+        Returns the step. Nothing is written when an argument is bad."""
+        self._check_open()
+        if not isinstance(cache, PagedAttentionCache):
+            raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
+        meta = cache.metadata
+        extra = _check_extra(extra_metadata)
+        manager_state = _check_manager(manager, meta) if manager is not None else None
+        self._mngr.wait_until_finished()  # one save at a time (orbax would wait here too)
+        steps = self.all_steps()
+        step = (steps[-1] + 1 if steps else 0) if step is None else check_step(step)
+        if step in steps:
+            raise ValueError(f"step {step} already exists in {self.directory} (steps {steps}); save under a new "
+                             "step number or delete that one first")
+        tree, leaves = _cache_arrays(cache)
+        for name, _, arr, _ in leaves:
+            if isinstance(arr, jax.Array) and arr.is_deleted():
+                raise ValueError(f"{name} was donated (deleted); save the cache returned by the last write")
+        record = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "easykv_version": _easykv_version(),
+            "step": step,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "metadata": meta.to_dict(),
+            "storage": {"platform": _platform(cache), "logical_dtype": meta.dtype.name,
+                        "quantization": meta.quantization},
+            "mesh": _mesh_record(cache),
+            "arrays": [
+                {"name": name, "path": list(path), "role": role, "shape": [int(d) for d in arr.shape],
+                 "stored_dtype": np.dtype(arr.dtype).name,
+                 "nbytes": int(math.prod(arr.shape) * np.dtype(arr.dtype).itemsize),
+                 "fingerprint": None}
+                for name, path, arr, role in leaves
+            ],
+            "fingerprint_algorithm": FINGERPRINT_ALGORITHM if self.integrity else None,
+            "manager": _manager_summary(manager_state) if manager_state is not None else None,
+            "extra_metadata": extra,
+        }
+        pending = PendingFingerprints([arr for _, _, arr, _ in leaves]) if self.integrity else None
+        self._write_marker()
+        try:
+            self._mngr.save(step, args=ocp.args.Composite(**{
+                PAGES_ITEM: ocp.args.PyTreeSave(tree),
+                STATE_ITEM: _StateSave(record=record, manager_state=manager_state, fingerprints=pending),
+            }), force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError as err:  # a step from another writer
+            raise ValueError(f"step {step} already exists in {self.directory}: {err}") from err
+        if not self.async_save:
+            self.wait_until_finished()
+        return step
+
+    def wait_until_finished(self) -> None:
+        """Block until every started save is committed (re-raises a background failure)."""
+        if not self._closed:
+            self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's resources."""
+        if not self._closed:
+            try:
+                self._mngr.wait_until_finished()
+            finally:
+                self._mngr.close()
+                self._closed = True
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+
+    def __enter__(self) -> CacheCheckpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- reading -----------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Complete steps, ascending (interrupted saves are not steps)."""
+        self._check_open()
+        self._mngr.reload()
+        return sorted(int(s) for s in self._mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, *, mesh: Any, partition_manager: Any = None, step: int | None = None,
+                **kwargs: Any) -> RestoredCache:
+        """`restore_cache` from this directory (waits for pending saves first)."""
+        self.wait_until_finished()
+        return restore_cache(self.directory, mesh=mesh, partition_manager=partition_manager, step=step, **kwargs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"this CacheCheckpointer of {self.directory} is closed; create a new one")
+
+    def _write_marker(self) -> None:
+        marker = self.directory / MARKER_FILE
+        if jax.process_index() != 0 or marker.exists():
+            return
+        tmp = self.directory / f".{MARKER_FILE}.tmp"
+        tmp.write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION}))
+        tmp.rename(marker)
+
+    def __repr__(self) -> str:
+        return (f"CacheCheckpointer({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
+                f"async_save={self.async_save})")
+
+
+def _easykv_version() -> str:
+    import easykv
+
+    return getattr(easykv, "__version__", "unknown")
+
+
+def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
+               extra_metadata: Mapping[str, Any] | None = None, integrity: bool = True) -> int:
+    """Save ``cache`` (and the PageManager ``manager``) as ``step`` of ``directory`` and wait
+    until it is committed. ``step`` defaults to the latest step + 1 (0 in a new directory).
+    ``extra_metadata``: a JSON-safe dict returned by restore. Returns the step."""
+    if not isinstance(cache, PagedAttentionCache):  # checked before the directory is created
+        raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
+    _check_extra(extra_metadata)
+    with CacheCheckpointer(directory, async_save=False, integrity=integrity) as ckpt:
+        return ckpt.save(cache, manager, step=step, extra_metadata=extra_metadata)
+
+
+# ---- restoring -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RestoredCache:
+    """What `restore_cache` returns; unpacks as ``cache, manager = restored``."""
+
+    cache: PagedAttentionCache
+    manager: Any  # PageManager, or None when none was saved (or restore_manager=False)
+    metadata: PagedAttentionCacheMetaData  # the restored cache's (laid out for the target mesh)
+    step: int
+    saved_metadata: PagedAttentionCacheMetaData
+    saved_mesh: dict[str, Any]
+    extra_metadata: dict[str, Any]
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.cache
+        yield self.manager
+
+
+def restore_cache(
+    directory: str | Any,
+    *,
+    mesh: Any,
+    partition_manager: Any = None,
+    step: int | None = None,
+    metadata: PagedAttentionCacheMetaData | None = None,
+    dtype: Any = None,
+    quantizer: Any = None,
+    convert: bool = False,
+    verify: bool = True,
+    restore_manager: bool = True,
+    storage_platform: str | None = None,
+) -> RestoredCache:
+    """Restore ``step`` (default: the latest complete one) of ``directory`` onto ``mesh``.
+
+    ``partition_manager`` gives the target's sharding rule (kv heads over ``tp``, pages
+    optionally over ``dp``); the metadata's layout fields are rebuilt for it and the pool keeps
+    its size. ``metadata``: the target's metadata, checked against the saved model and pool
+    shape (layers, kv heads, head_dim, page_size, pages, ...). ``dtype`` / ``quantizer``: the
+    target format (None: the ``metadata``'s, else the saved one; ``quantizer="none"`` asks for
+    unquantized pages); a change needs ``convert=True``. ``verify``: check every array's
+    fingerprint. ``restore_manager``: rebuild the PageManager when one was saved (re-split for
+    another number of data-parallel page slices; a sequence whose pages would straddle two
+    slices is refused). ``storage_platform``: whose storage dtypes the pages use (default the
+    mesh's; e.g. ``"gpu"`` to hold bf16 natively).
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. sharding.create_mesh), got {type(mesh).__name__}")
+    directory = epath.Path(directory)
+    step, _ = resolve_step(directory, step)
+    record = read_record(directory, step)
+    saved = saved_metadata(record, step, directory)
+    if metadata is not None:
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        dtype = metadata.dtype if dtype is None else dtype
+        quantizer = metadata.quantization if quantizer is None else quantizer
+    want_dtype, want_q = check_format(saved, dtype, quantizer, convert)
+    target = target_metadata(saved, mesh, partition_manager, dtype=want_dtype, quantization=want_q, expected=metadata)
+    platform = storage_platform or mesh.devices.flat[0].platform
+    manager = _restore_manager(directory, step, saved, target) if restore_manager else None
+    if manager is None and saved.page_shards != target.page_shards and target.page_shards > 1:
+        warnings.warn(
+            f"restoring onto {target.page_shards} data-parallel page slices (saved with {saved.page_shards}) without a "
+            "PageManager: whoever schedules this cache must keep each sequence's pages inside one slice of "
+            f"{target.pages_per_shard} pages", stacklevel=2)
+
+    # Read the saved arrays as stored, each shard straight onto its target device; check them.
+    layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
+    abstract = _saved_arrays(record, saved, layout, step, directory)
+    if verify and record.get("fingerprint_algorithm") and any(e.get("fingerprint") is None for e in record["arrays"]):
+        raise CheckpointIntegrityError(f"step {step} in {directory} lacks fingerprints; the record is damaged "
+                                       "(restore with verify=False to skip the check)", step=step,
+                                       directory=str(directory))
+    mngr = orbax_manager(directory, read_only=True)
+    try:
+        arrays = restore_arrays(mngr, step, abstract, directory)
+    finally:
+        mngr.close()
+    if verify:
+        verify_arrays(record, arrays, step, directory)
+    cache = _build_cache(arrays, saved, target, layout, platform)
+    return RestoredCache(cache=cache, manager=manager, metadata=target, step=step, saved_metadata=saved,
+                         saved_mesh=dict(record.get("mesh") or {}),
+                         extra_metadata=dict(record.get("extra_metadata") or {}))
+
+
+def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCacheMetaData,
+                     target: PagedAttentionCacheMetaData) -> Any:
+    """The saved PageManager re-split for the target's page slices, or None when none was saved."""
+    state = read_manager_state(directory, step)
+    if state is None:
+        return None
+    state = reshard_manager_state(state, saved.page_shards, target.page_shards, saved.num_pages_per_layer)
+    from easykv.manager import PageManager
+
+    try:
+        return PageManager.from_state_dict(target, state)
+    except ValueError as err:
+        raise CheckpointIntegrityError(f"the page-manager state of step {step} in {directory} cannot be rebuilt: "
+                                       f"{err}", step=step, directory=str(directory)) from err
+
+
+def _saved_arrays(record: Mapping[str, Any], saved: PagedAttentionCacheMetaData, layout: PageLayout, step: int,
+                  directory: Any) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
+    """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array,
+    checked against what the saved metadata implies."""
+    expected = expected_leaves(saved, record["storage"].get("platform", "cpu"))
+    entries = record["arrays"]
+    if [e.get("name") if isinstance(e, dict) else None for e in entries] != [name for name, _, _ in expected]:
+        raise CheckpointIntegrityError(
+            f"the array list of step {step} in {directory} does not match its metadata ({len(entries)} arrays "
+            f"recorded, {len(expected)} expected); the record is damaged", step=step, directory=str(directory))
+    out = []
+    for entry, (name, _, sds) in zip(entries, expected):
+        try:
+            shape, stored = tuple(int(d) for d in entry["shape"]), np.dtype(entry["stored_dtype"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointIntegrityError(f"the record of array {name} (step {step} in {directory}) is damaged: "
+                                           f"{err!r}", array=name, step=step, directory=str(directory)) from err
+        if shape != tuple(sds.shape) or stored.itemsize != np.dtype(sds.dtype).itemsize:
+            raise CheckpointIntegrityError(
+                f"array {name} is recorded as {shape} {stored.name} but the saved metadata implies "
+                f"{tuple(sds.shape)} {np.dtype(sds.dtype).name}; the record is damaged", array=name, step=step,
+                directory=str(directory))
+        out.append((entry, jax.ShapeDtypeStruct(shape, stored, sharding=layout.sharding_for(len(shape)))))
+    return out
+
+
+def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, target: PagedAttentionCacheMetaData,
+                 layout: PageLayout, platform: str) -> PagedAttentionCache:
+    """The restored arrays bitcast to ``platform``'s storage and, when ``target`` asks for another
+    dtype or quantizer, re-encoded; then wrapped as the cache's views."""
+    same_format = target.replace(dtype=saved.dtype, quantization=saved.quantization)
+    arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in expected_leaves(same_format, platform)])
+    dst_template = stored_template(target, platform) if target != same_format else None
+    per_layer = len(arrays) // saved.num_hidden_layers
+    views = []
+    for i in range(saved.num_hidden_layers):
+        chunk = arrays[i * per_layer:(i + 1) * per_layer]
+        if is_compressing(saved.quantizer):  # values, scales of K, then of V
+            q = saved.quantizer
+            k, v = QuantizedPages(chunk[0], chunk[1], q), QuantizedPages(chunk[2], chunk[3], q)
+        else:
+            k, v = chunk
+        if dst_template is not None:
+            k = convert_pages(k, same_format, target, dst_template, layout)
+            v = convert_pages(v, same_format, target, dst_template, layout)
+        views.append(PagedAttentionCacheView(metadata=target, layer_index=i, key_pages=k, value_pages=v, layout=layout))
+    return PagedAttentionCache(tuple(views))
+
+
+__all__ = [
+    "CacheCheckpointer",
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointMismatchError",
+    "FORMAT_VERSION",
+    "NotACheckpointError",
+    "RestoredCache",
+    "StepNotFoundError",
+    "list_steps",
+    "restore_cache",
+    "save_cache",
+]

@@ -69,6 +69,68 @@ def cache_mode(layout: str) -> None:
     assert_lockstep({"rows": rows.tolist(), "step": 1})
 
 
+def shared_data():
+    """The cache contents every test process agrees on (same seed everywhere)."""
+    rng = np.random.default_rng(11)
+    k = rng.normal(size=(2, 32, 8, 16)).astype(np.float32)
+    v = rng.normal(size=(2, 32, 8, 16)).astype(np.float32)
+    q = rng.normal(size=(2, 16, 16)).astype(np.float32)
+    return k, v, q
+
+
+def gathered(x):
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def check_restored(restored, k, v) -> None:
+    cache, manager = restored
+    rows = manager.page_table([0, 1])
+    for layer in range(2):
+        for seq, (start, n) in enumerate([(0, 11), (11, 20)]):
+            keys, values = easykv.gather_kv(cache, layer, rows[seq], n)
+            assert np.array_equal(gathered(keys), k[layer, start : start + n]), (layer, seq)
+            assert np.array_equal(gathered(values), v[layer, start : start + n]), (layer, seq)
+    assert manager.length(0) == 11 and manager.length(1) == 20
+    assert_lockstep(manager)
+
+
+def checkpoint_mode(directory: str, action: str) -> None:
+    """save: write, attend and save from both processes; restore: restore a checkpoint (written
+    by 1 or 2 processes) onto dp=2 x tp=4 and check every value."""
+    from easykv.checkpoint import restore_cache, save_cache
+
+    k, v, q = shared_data()
+    if action == "save":
+        mesh = create_mesh({"tp": 8})
+        pm = PartitionManager(PartitionAxis())
+        meta = easykv.PagedAttentionCacheMetaData.create(
+            mesh, 4, 2, 64, 8, 8, 16, 0.9, jnp.float32, partition_manager=pm, num_pages_per_layer=32
+        )
+        cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+        manager = easykv.PageManager(meta)
+        a, b = manager.claim(2)
+        manager.reserve(a, 11)
+        manager.reserve(b, 20)
+        rows = manager.page_table([a, b])  # the pages the manager chose
+        rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta, pad_tokens_to=32)
+        spec = P(None, None, "tp")
+        cache, _ = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), rt)
+        manager.advance([a, b], [11, 20])
+        # attend across both processes: each holds half the kv heads
+        decode = easykv.PagedAttentionMetadata.for_decode(rows, [10, 19], cache_metadata=meta)
+        out = gathered(easykv.view_attention(global_array(q, mesh, P(None, "tp")), cache[1], decode))
+        ref = easykv.paged_attention_reference(q, np.asarray(gathered_pages(cache[1].key_pages)),
+                                               np.asarray(gathered_pages(cache[1].value_pages)), decode)  # fmt: skip
+        np.testing.assert_allclose(out, np.asarray(ref), rtol=1e-5, atol=1e-5)
+        save_cache(directory, cache, manager, step=3)
+    mesh2 = create_mesh({"dp": 2, "tp": 4})
+    check_restored(restore_cache(directory, mesh=mesh2, partition_manager=PartitionManager(PartitionAxis())), k, v)
+
+
+def gathered_pages(pages):
+    return multihost_utils.process_allgather(pages, tiled=True)
+
+
 def diverge_mode() -> None:
     assert_lockstep({"seq": [1, 2, 3]})  # identical: passes
     try:
@@ -81,6 +143,8 @@ def diverge_mode() -> None:
 
 if MODE in ("cache-tp", "cache-dp"):
     cache_mode(MODE.split("-")[1])
+elif MODE == "checkpoint":
+    checkpoint_mode(sys.argv[2], sys.argv[3])
 elif MODE == "diverge":
     diverge_mode()
 elif MODE == "die-early":

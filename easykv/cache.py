@@ -373,19 +373,19 @@ def _checked_layout(
 
 def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int) -> Any:
     """Check per-layer new tokens without slicing them on the host: a stacked array stays one
-    array (sliced inside the jit), a sequence stays a tuple."""
+    array (sliced inside the jit, checked once), a sequence stays a tuple (checked per layer)."""
     if isinstance(x, (list, tuple)):
-        layers = tuple(x)
+        count, layers = len(x), tuple(x)
     elif np.ndim(x) == 4:
-        layers = (jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype),) * np.shape(x)[0]
+        count, layers = int(np.shape(x)[0]), (jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype),)
     else:
         raise ValueError(
             f"{name} must be (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of "
             f"per-layer arrays, got shape {np.shape(x)}"
         )
-    if len(layers) != meta.num_hidden_layers:
+    if count != meta.num_hidden_layers:
         raise ValueError(
-            f"{name} holds {len(layers)} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
+            f"{name} holds {count} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
         )
     for layer in layers:
         check_new_tokens(layer, layer, metadata=meta, num_tokens=num_tokens, name=name)

@@ -63,6 +63,8 @@ class Engine:
                  token_budget: int, max_seqs: int, prefill_chunk: int) -> None:  # fmt: skip
         if prefill_chunk > token_budget:
             raise ValueError(f"prefill_chunk={prefill_chunk} exceeds token_budget={token_budget}")
+        if max_seqs > token_budget:
+            raise ValueError(f"max_seqs={max_seqs} exceeds token_budget={token_budget}: one decode token each must fit")
         self.model, self.cache, self.manager = model, cache, manager
         self.token_budget, self.max_seqs, self.prefill_chunk = token_budget, max_seqs, prefill_chunk
         self.step_index = 0

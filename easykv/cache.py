@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
 from functools import partial
 from typing import Any
 

@@ -7,7 +7,6 @@ Bad flags give one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from collections.abc import Sequence

@@ -13,9 +13,8 @@ import dataclasses
 import sys
 import tempfile
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -478,6 +478,18 @@ class PageManager:
         self._pool.take_scrubs()
         return out
 
+    def apply_pending(self, cache: Any) -> tuple[Any, int]:
+        """Apply the pending device work to ``cache`` in the required order: copy-on-write
+        copies, then scrubs. Call after building a step's metadata, before its writes. Returns
+        the updated cache (the one passed in is donated) and the number of pages copied."""
+        src, dst = self.take_copies()
+        if src.size:
+            cache = cache.copy_pages(src, dst)
+        scrubs = self.take_scrubs()
+        if scrubs.size:
+            cache = cache.zero_pages(scrubs)
+        return cache, int(src.size)
+
     # ---- inspection -------------------------------------------------------------------------------
     def length(self, seq_id: int) -> int:
         """Committed tokens of a sequence [MAX: cache_length]."""

@@ -277,12 +277,7 @@ def import_sequence(cache: PagedAttentionCache, manager: Any, exported: Sequence
     except Exception:
         manager.release(seq)
         raise
-    src, dst = manager.take_copies()
-    if src.size:
-        cache = cache.copy_pages(src, dst)
-    scrubs = manager.take_scrubs()
-    if scrubs.size:
-        cache = cache.zero_pages(scrubs)
+    cache, _ = manager.apply_pending(cache)
     pad = _pow2(n) - n
 
     def window(a: np.ndarray) -> np.ndarray:

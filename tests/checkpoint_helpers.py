@@ -43,12 +43,7 @@ def new_qcache(layout: str, quantizer: str = "none", **kw) -> PagedAttentionCach
 def write_step(cache, manager, seqs, counts, tokens, rng):
     """One engine step: reserve, apply copies/scrubs, write random K/V, commit ``tokens``."""
     meta = manager.build_step_metadata(seqs, counts, pad_tokens_to=16)
-    src, dst = manager.take_copies()
-    if src.size:
-        cache = cache.copy_pages(src, dst)
-    scrubs = manager.take_scrubs()
-    if scrubs.size:
-        cache = cache.zero_pages(scrubs)
+    cache, _ = manager.apply_pending(cache)
     heads = cache.metadata.num_kv_heads
     keys = random_tokens(rng, (LAYERS, 16, heads, HEAD_DIM))
     values = random_tokens(rng, (LAYERS, 16, heads, HEAD_DIM))

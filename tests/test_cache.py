@@ -58,7 +58,10 @@ def test_init_cache_places_each_shard_on_its_device(layout):
 def test_replicated_heads_warn_at_init():
     mesh, pm, meta = setup("replicated")
     with pytest.warns(ShardingAdjustedWarning, match=r"does not divide 4"):
-        PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+        cache = PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+    # what the warning announces: every device stores all 4 heads (the pages are replicated)
+    assert cache[0].key_pages.sharding.is_fully_replicated
+    assert {s.data.shape[0] for s in cache[0].key_pages.addressable_shards} == {4}
 
 
 def test_storage_dtype_policy():

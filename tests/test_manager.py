@@ -256,6 +256,37 @@ def test_fork_shares_pages_and_the_first_writer_copies():
     pm.check_invariants()
 
 
+class RecordingCache:
+    """Stands in for PagedAttentionCache: records the page operations applied, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def copy_pages(self, src, dst):
+        self.calls.append(("copy", src.tolist(), dst.tolist()))
+        return self
+
+    def zero_pages(self, pages):
+        self.calls.append(("zero", pages.tolist()))
+        return self
+
+
+def test_apply_pending_copies_then_scrubs_once():
+    pm = make(scrub_released=True)
+    [a, other] = pm.claim(2)
+    prefill(pm, a, [1, 2, 3, 4, 5, 6])  # pages 0 (full) and 1 (partial)
+    prefill(pm, other, [9, 9])  # page 2
+    b = pm.fork(a)
+    pm.build_step_metadata([b], [1])  # b writes into the shared partial page 1: copy 1 -> 3
+    pm.release(other)  # page 2 (partial, never cached) leaves every owner: to be scrubbed
+    cache = RecordingCache()
+    out, copied = pm.apply_pending(cache)
+    assert out is cache and copied == 1
+    assert cache.calls == [("copy", [1], [3]), ("zero", [2])]
+    cache.calls.clear()
+    assert pm.apply_pending(cache) == (cache, 0) and cache.calls == []  # nothing applied twice
+
+
 def test_fork_keeps_reserved_pages_private_and_commit_into_shared_page_fails():
     pm = make()
     [a] = pm.claim(1)

@@ -157,10 +157,8 @@ class Engine:
 
     def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
         """Apply pending copy-on-write copies, then write and attend for all layers in one jit."""
-        src, dst = self.manager.take_copies()
-        if src.size:
-            self.cache = self.cache.copy_pages(src, dst)
-            self.copies += int(src.size)
+        self.cache, copied = self.manager.apply_pending(self.cache)
+        self.copies += copied
         logits, self.cache = self.model.paged_step(self.cache, jnp.asarray(tokens), meta)
         return logits
 

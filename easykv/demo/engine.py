@@ -87,24 +87,26 @@ class Engine:
 
     # ---- scheduling -------------------------------------------------------------------------
     def _admit(self, requests: list[Request]) -> None:
+        """Forks first (each at its parent's fork point), then new requests while sequence
+        slots remain, keeping one slot free for every fork still to come so that no fork can
+        miss its point."""
         by_id = {r.rid: r for r in requests}
-        for r in requests:
-            if r.seq is not None or r.done or r.arrival > self.step_index:
+        waiting = [r for r in requests if r.seq is None and not r.done and r.arrival <= self.step_index]
+        for r in (r for r in waiting if r.fork_of is not None):
+            parent = by_id[r.fork_of]
+            # Fork right after the parent's prompt is written (its first sampled token is not
+            # written yet): both share the prompt's pages, the child starts from the parent's
+            # prompt logits with the second most likely token.
+            if parent.prompt_logits is None:
                 continue
-            if r.fork_of is not None:
-                parent = by_id[r.fork_of]
-                # Fork right after the parent's prompt is written (its first sampled token is
-                # not written yet): both share the prompt's pages, the child starts from the
-                # parent's prompt logits with the second most likely token.
-                if parent.prompt_logits is None:
-                    continue
-                if len(parent.output) != 1 or parent.done:
-                    raise RuntimeError(f"request {r.rid} missed its fork point (parent {parent.rid} moved on)")
-                r.seq = self.manager.fork(parent.seq)
-                r.fed, r.cached = len(r.prompt), parent.cached
-                r.output.append(_sample(parent.prompt_logits, second=True))
-                continue
-            if not self.manager.slots_remaining:
+            if len(parent.output) != 1 or parent.done:
+                raise AssertionError(f"easykv demo bug: request {r.rid} missed its fork point (parent {parent.rid})")
+            r.seq = self.manager.fork(parent.seq)
+            r.fed, r.cached = len(r.prompt), parent.cached
+            r.output.append(_sample(parent.prompt_logits, second=True))
+        pending_forks = sum(1 for r in requests if r.fork_of is not None and r.seq is None and not r.done)
+        for r in (r for r in waiting if r.fork_of is None):
+            if len(self.manager.slots_remaining) <= pending_forks:
                 return
             r.seq = self.manager.claim(1)[0]
             r.cached = r.fed = self.manager.match_prefix(r.seq, r.prompt)

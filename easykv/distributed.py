@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from easykv.validation import positive_int
+
 
 class LockstepError(RuntimeError):
     """Hosts that must hold identical state do not."""
@@ -39,8 +41,7 @@ def initialize(
     any other JAX work.
     """
     if cpu_devices_per_process is not None:
-        if isinstance(cpu_devices_per_process, bool) or not isinstance(cpu_devices_per_process, int) or cpu_devices_per_process <= 0:
-            raise ValueError(f"cpu_devices_per_process must be a positive int, got {cpu_devices_per_process!r}")
+        cpu_devices_per_process = positive_int("cpu_devices_per_process", cpu_devices_per_process)
         jax.config.update("jax_num_cpu_devices", cpu_devices_per_process)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -136,8 +137,8 @@ def launch_local(
     import subprocess
     import time
 
-    if num_processes < 1 or cpu_devices_per_process < 1:
-        raise ValueError(f"num_processes={num_processes} and cpu_devices_per_process={cpu_devices_per_process} must be >= 1")
+    positive_int("num_processes", num_processes)
+    positive_int("cpu_devices_per_process", cpu_devices_per_process)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

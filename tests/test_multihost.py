@@ -74,3 +74,12 @@ def test_checkpoint_written_by_two_processes_restores_in_one_and_back(tmp_path):
     outputs = launch_local([sys.executable, WORKER, "checkpoint", one, "restore"], num_processes=2,
                            cpu_devices_per_process=4, timeout=240, log_dir=str(tmp_path / "logs-b"))  # fmt: skip
     assert all(f"WORKER OK {pid}" in out for pid, out in enumerate(outputs))
+
+
+def test_launch_local_rejects_bad_counts_before_starting_anything(tmp_path):
+    logs = tmp_path / "logs"
+    with pytest.raises(ValueError, match=r"num_processes must be a positive int, got 0"):
+        launch_local([sys.executable, "-c", "pass"], num_processes=0, log_dir=str(logs))
+    with pytest.raises(ValueError, match=r"cpu_devices_per_process must be a positive int, got True"):
+        launch_local([sys.executable, "-c", "pass"], cpu_devices_per_process=True, log_dir=str(logs))
+    assert not logs.exists()  # nothing was started or written

@@ -83,7 +83,6 @@ from easykv.checkpoint_integrity import (
 from easykv.checkpoint_reshard import (
     check_format,
     convert_pages,
-    reshard_manager_state,
     stored_template,
     target_metadata,
     to_storage_dtypes,
@@ -444,18 +443,23 @@ def restore_cache(
 
 def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCacheMetaData,
                      target: PagedAttentionCacheMetaData) -> Any:
-    """The saved PageManager re-split for the target's page slices, or None when none was saved."""
+    """The saved PageManager, validated against the pool it was saved with, then re-split for
+    the target's page slices; None when none was saved."""
     state = read_manager_state(directory, step)
     if state is None:
         return None
-    state = reshard_manager_state(state, saved.page_shards, target.page_shards, saved.num_pages_per_layer)
     from easykv.manager import PageManager
 
     try:
-        return PageManager.from_state_dict(target, state)
+        manager = PageManager.from_state_dict(saved, state)
     except ValueError as err:
         raise CheckpointIntegrityError(f"the page-manager state of step {step} in {directory} cannot be rebuilt: "
                                        f"{err}", step=step, directory=str(directory)) from err
+    try:
+        return manager.reshard(target)
+    except ValueError as err:
+        raise CheckpointMismatchError(f"the page manager of step {step} in {directory} cannot follow the pages "
+                                      f"onto the target mesh: {err}") from err
 
 
 def _saved_arrays(record: Mapping[str, Any], saved: PagedAttentionCacheMetaData, layout: PageLayout, step: int,

@@ -44,9 +44,25 @@ class InvariantError(AssertionError):
 
     def __init__(self, message: str):
         super().__init__(f"easykv bug: page manager invariant broken: {message}. Please report it with the calls that led here.")
+        self.detail = message
 
 
-__all__ = ["CacheFullError", "InvariantError", "UnknownSequenceError"]
+class ManagerStateError(ValueError):
+    """A PageManager state (``from_state_dict``, a checkpoint's ``manager.json``) is malformed or
+    inconsistent: a field of the wrong type or range, or a cross-reference that would let one
+    sequence touch another's pages. ``field`` names the offending field (e.g.
+    ``"sequences[2].pages"``, ``"pool.scrub"``); nothing was built from it."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(f"PageManager state field {field}: {message}")
+        self.field = field
+
+
+__all__ = [
+    "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
+    "CheckpointMismatchError", "CheckpointWriteError", "InvariantError", "ManagerStateError",
+    "NotACheckpointError", "StepNotFoundError", "UnknownSequenceError",
+]
 
 
 # ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,
@@ -89,3 +105,25 @@ class CheckpointIntegrityError(CheckpointError):
         self.array = array
         self.step = step
         self.directory = directory
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another writer (a `CacheCheckpointer` or `save_cache`, in this process or another) holds
+    the checkpoint directory; two writers would delete each other's unfinished steps."""
+
+    def __init__(self, message: str, *, directory: str | None = None):
+        super().__init__(message)
+        self.directory = directory
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, file too large, permission, I/O error). The step
+    being written does not exist; earlier steps are intact. ``errno`` is the OS error number
+    when there is one."""
+
+    def __init__(self, message: str, *, step: int | None = None, directory: str | None = None,
+                 errno: int | None = None):
+        super().__init__(message)
+        self.step = step
+        self.directory = directory
+        self.errno = errno

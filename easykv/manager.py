@@ -33,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from easykv.errors import CacheFullError, InvariantError, UnknownSequenceError
+from easykv import manager_state
+from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.page_pool import PagePool
 from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv import sizing
 from easykv.runtime import PAD_PAGE, PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
-from easykv.validation import non_negative_int, positive_int
+from easykv.validation import INT64_MAX, boolean, integer, integer_array, non_negative_int, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,12 @@ class PageManager:
     """
 
     def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False):
+        from easykv.metadata import PagedAttentionCacheMetaData
+
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
+        scrub_released = boolean("scrub_released", scrub_released)
         self.metadata = metadata
         self.page_size = ps = int(metadata.page_size)
         self.batch_size = b = int(metadata.batch_size)
@@ -118,12 +125,13 @@ class PageManager:
         """Claim ids chosen by the caller (e.g. a scheduler that owns the numbering)."""
         if isinstance(seq_ids, (int, np.integer)):
             raise ValueError(f"external_claim takes a list of ids, got the int {seq_ids}; pass [{seq_ids}]")
-        ids = [self._check_id(s) for s in seq_ids]
+        ids = integer_array("seq_ids", seq_ids, ndim=1, lo=0, hi=self.batch_size - 1,
+                            hint=f"sequence ids of batch_size={self.batch_size}").tolist()
         for s in ids:
             if self._active[s]:
                 raise ValueError(f"sequence id {s} is already claimed; release it first or claim another id")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"seq_ids {list(seq_ids)} repeat an id; claim each id once")
+            raise ValueError(f"seq_ids {ids} repeat an id; claim each id once")
         self._active[ids] = True
 
     def contains(self, seq_id: int) -> bool:
@@ -437,6 +445,8 @@ class PageManager:
                 raise ValueError(
                     f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}, which it shares "
                     "since a fork; reserve (build_step_metadata) after forking so it gets a private copy, then write")
+        if self._copies or self._pool.has_pending_scrubs():
+            self._check_no_pending_work(rows, lens, counts)
         # Validated: commit.
         hashes, commit = self._hashes, self._pool.commit
         if tokens is None:
@@ -451,6 +461,21 @@ class PageManager:
                 for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
                     commit(int(self._table[row, col]), digest)
         self._lens[rows] = lens + counts
+
+    def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
+        """Tokens committed into a page whose copy-on-write copy or scrub has not been applied
+        were written before that device work, which would then overwrite them."""
+        ps = self.page_size
+        pending = set(self._copies) | set(self._pool.pending_scrubs().tolist())
+        for i in np.flatnonzero(counts > 0).tolist():
+            row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
+            for page in self._table[row, first : last + 1].tolist():
+                if page in pending:
+                    work = "copy-on-write copy" if page in self._copies else "scrub"
+                    raise ValueError(
+                        f"sequence {row} commits tokens in page {page}, whose {work} is still pending: the device "
+                        "would overwrite them. Call apply_pending(cache) after build_step_metadata and before "
+                        "the step's writes")
 
     # ---- device work to report --------------------------------------------------------------------
     def pending_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -540,36 +565,15 @@ class PageManager:
     def check_invariants(self) -> None:
         """Raise InvariantError (a bug in easykv) unless the bookkeeping is consistent: free +
         cached + used = total, ref counts = owners, no page owned twice except by sharing, the
-        prefix map matches the pages, and every sequence's row matches its lengths."""
-        ps, n = self.page_size, self._npages
-        cols = np.arange(self.pages_per_sequence)
-        held = cols[None, :] < n[:, None]
-        if np.any(held & ~self._active[:, None]) or np.any(self._lens[~self._active]):
-            raise InvariantError("a released sequence id still holds pages or tokens")
-        if np.any(held != (self._table != PAD_PAGE)):
-            raise InvariantError(f"a block-table row disagrees with its page count: {np.argwhere(held != (self._table != PAD_PAGE))[0].tolist()}")
-        if np.any(self._lens > n * ps) or np.any(self._lens > self.max_length):
-            raise InvariantError("a sequence holds more tokens than its pages or max_sequences allow")
-        pages = self._table[held]
-        owner_rows = np.nonzero(held)[0]
-        if pages.size and np.any(pages // self._pool.pages_per_replica != self._replica[owner_rows]):
-            raise InvariantError("a sequence holds a page outside its data-parallel replica's slice")
-        for row in np.flatnonzero(n > 1):
-            if np.unique(self._table[row, : n[row]]).size != n[row]:
-                raise InvariantError(f"sequence {row} holds a page twice")
-        self._pool.check(np.bincount(pages, minlength=self._pool.num_pages).astype(np.int32))
-        salt_of: dict[int, bytes] = {}
-        for row, col in np.argwhere(held):
-            page = int(self._table[row, col])
-            if self._pool.digest_of(page) is not None and (col + 1) * ps > self._lens[row]:
-                raise InvariantError(f"page {page} is in the prefix cache but sequence {row} has not filled it")
-            if salt_of.setdefault(page, self._hashes.salt[row]) != self._hashes.salt[row]:
-                raise InvariantError(f"page {page} is shared between sequences with different salts")
-        if not self._fork_shared_pages() <= self._shared_partial:
-            raise InvariantError("a partly filled page is shared but copy-on-write does not know it")
-        for dst, src in self._copies.items():
-            if self._pool.refcount[dst] == 0 or not 0 <= src < self._pool.num_pages:
-                raise InvariantError(f"pending copy {src} -> {dst} targets an unowned page")
+        prefix map matches the pages and the sequences' chain digests, every sequence's row
+        matches its lengths, and pending copies and scrubs touch only pages nobody else reads.
+        A loaded state is held to the same rules (`from_state_dict`)."""
+        try:
+            manager_state.check_consistency(self)
+        except manager_state.Broken as err:
+            raise InvariantError(f"{err.message} (state field {err.field})") from None
+        except InvariantError as err:  # the pool's own check
+            raise InvariantError(f"{err.detail} (state field pool)") from None
 
     def _fork_shared_pages(self) -> set[int]:
         """Partly filled pages with more than one owner (only a fork makes these)."""
@@ -578,73 +582,59 @@ class PageManager:
         return set(pages[self._pool.refcount[pages] > 1].tolist())
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers."""
-        rows = self.active_ids
-        return {
-            "format": _STATE_FORMAT,
-            "config": _config(self.metadata, self.enable_prefix_caching, self.scrub_released),
-            "sequences": [
-                {"id": r, "length": int(self._lens[r]), "pages": self._table[r, : self._npages[r]].tolist(),
-                 "replica": int(self._replica[r]), **self._hashes.state(r, int(self._lens[r]))}
-                for r in rows
-            ],
-            "pool": self._pool.state_dict(),
-            "copies": [[src, dst] for dst, src in self._copies.items()],
-            "counters": dict(self._counters),
-        }
+        """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers.
+        Canonical: the same calls give the same state, restored on the way or not."""
+        return manager_state.write_state(self)
 
     @classmethod
     def from_state_dict(cls, metadata: Any, state: dict[str, Any]) -> PageManager:
-        """A manager equal to the one that wrote ``state`` (checked against ``metadata``)."""
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"not a PageManager state_dict (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r}, "
-                             f"expected {_STATE_FORMAT!r})")
-        config = state["config"]
-        flags = {k: config[k] for k in ("enable_prefix_caching", "scrub_released")}
-        if _config(metadata, **flags) != config:
-            raise ValueError(f"the state was saved for a pool {config} but metadata describes "
-                             f"{_config(metadata, **flags)}; restore with the metadata it was saved with")
-        m = cls(metadata, **flags)
+        """A manager equal to the one that wrote ``state``, checked against ``metadata``.
+
+        The state is input: every field's type and range, and every cross-reference (pages
+        owned, reference counts, the prefix map, pending copies and scrubs) is checked before
+        the manager is returned; `ManagerStateError` (a ValueError) names the field."""
+        m = cls(metadata)
+        manager_state.read_state(m, state)
         try:
-            for seq in state["sequences"]:
-                r, pages = m._check_id(seq["id"]), [int(p) for p in seq["pages"]]
-                m._active[r] = True
-                m._table[r, : len(pages)] = pages
-                m._npages[r], m._lens[r], m._replica[r] = len(pages), seq["length"], seq["replica"]
-                m._hashes.load(r, seq)
-            held = m._table[m._table != PAD_PAGE]
-            m._pool.load_state(state["pool"], np.bincount(held, minlength=m._pool.num_pages))
-            m._copies = {int(dst): int(src) for src, dst in state["copies"]}
-            m._counters = {k: int(state["counters"][k]) for k in m._counters}
-            m._shared_partial = m._fork_shared_pages()
-            m.check_invariants()
-        except (KeyError, TypeError, IndexError, ValueError, InvariantError) as err:
-            raise ValueError(f"the PageManager state_dict is damaged or inconsistent: {err}") from err
+            manager_state.check_consistency(m)
+        except manager_state.Broken as err:
+            raise ManagerStateError(err.message, field=err.field) from None
+        except InvariantError as err:  # the pool's own check
+            raise ManagerStateError(err.detail, field="pool") from None
         return m
+
+    def reshard(self, metadata: Any) -> PageManager:
+        """A copy of this manager for ``metadata``: the same pool split into
+        ``metadata.page_shards`` data-parallel slices (restoring a checkpoint onto another
+        mesh). ValueError when a sequence's pages would straddle two slices."""
+        from easykv.metadata import PagedAttentionCacheMetaData
+
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        state = manager_state.reshard_state(self.state_dict(), int(metadata.page_shards))
+        return PageManager.from_state_dict(metadata, state)
 
     # ---- input checks ---------------------------------------------------------------------------
     def _check_id(self, seq_id: Any, strict: bool = True) -> int:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
-            raise ValueError(f"sequence id {seq_id!r} of type {type(seq_id).__name__} is not an int")
-        if not 0 <= seq_id < self.batch_size:
+        """The id as an int; outside ``0..batch_size - 1``: ValueError, or -1 when not ``strict``."""
+        sid = integer("sequence id", seq_id, lo=None, hi=None)
+        if not 0 <= sid < self.batch_size:
             if not strict:
                 return -1
-            raise ValueError(f"sequence id {seq_id} is outside 0..{self.batch_size - 1} (batch_size={self.batch_size})")
-        return int(seq_id)
+            raise ValueError(f"sequence id {sid} is outside 0..{self.batch_size - 1} (batch_size={self.batch_size})")
+        return sid
 
     def _row(self, seq_id: Any) -> int:
         if not self.contains(seq_id):
             raise UnknownSequenceError(
-                f"sequence id {seq_id!r} is not claimed (never claimed, or already released); "
+                f"sequence id {seq_id!r:.40} is not claimed (never claimed, or already released); "
                 f"claimed ids: {self.active_ids[:16]}{'...' if self._active.sum() > 16 else ''}")
         return int(seq_id)
 
     def _rows(self, seq_ids: Any) -> np.ndarray:
-        rows = np.asarray(seq_ids)
-        if rows.ndim != 1 or (rows.size and rows.dtype.kind not in "iu"):
-            raise ValueError(f"seq_ids must be a 1-D sequence of int ids, got {seq_ids!r}")
+        rows = integer_array("seq_ids", seq_ids, ndim=1, lo=None, hi=None, dtype=np.int64)
         if not rows.size:
-            return rows.astype(np.int64)
+            return rows
         if rows.min() < 0 or rows.max() >= self.batch_size or not self._active[rows].all():
             for s in rows.tolist():
                 self._row(s)
@@ -655,29 +645,24 @@ class PageManager:
         return rows
 
     def _counts(self, num_tokens: Any, n: int) -> np.ndarray:
-        counts = np.asarray(num_tokens)
-        if counts.ndim == 0:
-            counts = np.full(n, counts)
-        if counts.shape != (n,) or (n and (counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer))):
-            raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {num_tokens!r}")
-        if n and counts.min() < 0:
-            raise ValueError(f"num_tokens {counts.tolist()} has a negative count; token counts are >= 0")
-        return counts.astype(np.int64)
+        """Token counts, one per sequence, each bounded by max_sequences before any arithmetic."""
+        hint = f"a sequence holds at most max_sequences={self.max_length} tokens"
+        try:
+            scalar = np.ndim(num_tokens) == 0
+        except (ValueError, TypeError):  # ragged: integer_array names the problem
+            scalar = False
+        if scalar:
+            return np.full(n, integer("num_tokens", num_tokens, lo=0, hi=self.max_length, hint=hint), np.int64)
+        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=self.max_length, dtype=np.int64, hint=hint)
+        if counts.shape != (n,):
+            raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
+        return counts
 
     def _check_extent(self, row: int, end: int, what: str) -> None:
         if end > self.max_length:
             raise ValueError(
                 f"sequence {row} would hold {end} tokens ({what}), past max_sequences={self.max_length}; "
                 "finish or truncate it, or create the metadata with a larger max_sequences")
-
-
-_STATE_FORMAT = "easykv.PageManager/1"
-
-
-def _config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
-    names = ("batch_size", "num_pages_per_layer", "num_pages_per_sequence", "max_sequences", "page_size", "page_shards")
-    return {**{k: int(getattr(metadata, k)) for k in names},
-            "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
 
 
 def _padded(values: Any, n: int, pad_to: int | None, what: str) -> np.ndarray:

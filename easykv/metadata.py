@@ -18,7 +18,7 @@ import numpy as np
 from easykv.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.serialization import Serializable, SerializationError
-from easykv.validation import positive_int
+from easykv.validation import INT64_MAX, positive_int
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 # Logical cache dtypes. Compressed formats (int8, fp8, int4) are quantizers, not cache dtypes.
@@ -101,7 +101,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 raise ValueError(f"{name} must be a tuple of mesh axis names, got {raw!r}")
             object.__setattr__(self, name, axes)
         if self.memory_bytes_per_device is not None:
-            positive_int("memory_bytes_per_device", self.memory_bytes_per_device)
+            positive_int("memory_bytes_per_device", self.memory_bytes_per_device, hi=INT64_MAX)
 
         expected = math.ceil(self.max_sequences / self.page_size)
         if self.num_pages_per_sequence != expected:

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from easykv.errors import InvariantError
-from easykv.prefix_hash import DIGEST_BYTES
 
 
 class PagePool:
@@ -158,6 +157,9 @@ class PagePool:
     def pending_scrubs(self) -> np.ndarray:
         return np.fromiter(self._scrub, np.int32, len(self._scrub))
 
+    def has_pending_scrubs(self) -> bool:
+        return bool(self._scrub)
+
     def take_scrubs(self) -> np.ndarray:
         out = self.pending_scrubs()
         self._scrub.clear()
@@ -175,22 +177,22 @@ class PagePool:
             "scrubs": self.scrubs,
         }
 
-    def load_state(self, state: Mapping[str, Any], refcount: np.ndarray) -> None:
-        """Replace this (fresh) pool's state with ``state``; ``refcount`` comes from the owners."""
+    def load_state(self, *, free: list[Any], lru: list[Any], digests: list[tuple[int, bytes]], scrub: list[int],
+                   evictions: int, scrubs: int, refcount: np.ndarray) -> None:
+        """Replace this (fresh) pool's state with values already checked for type and range
+        (`manager_state.read_state`); ``refcount`` comes from the owners. Whether they agree
+        with each other is for `check`."""
         self.refcount = np.asarray(refcount, np.int32).copy()
-        self._free = [sorted(int(p) for p in h) for h in state["free"]]
-        self._lru = [OrderedDict((int(p), None) for p in q) for q in state["lru"]]
+        self._free = [sorted(int(p) for p in h) for h in free]
+        self._lru = [OrderedDict((int(p), None) for p in q) for q in lru]
         self._digest = [None] * self.num_pages
         self._by_digest = [{} for _ in range(self.num_replicas)]
-        for page, hexdigest in state["digests"]:
-            digest = bytes.fromhex(hexdigest)
-            if len(digest) != DIGEST_BYTES or not 0 <= int(page) < self.num_pages:
-                raise ValueError(f"state digest entry {[page, hexdigest]!r} is malformed")
-            self._digest[int(page)] = digest
-            self._by_digest[self.replica_of(page)][digest] = int(page)
-        self._scrub = {int(p): None for p in state["scrub"]}
-        self.evictions = int(state["evictions"])
-        self.scrubs = int(state["scrubs"])
+        for page, digest in digests:
+            self._digest[page] = digest
+            self._by_digest[self.replica_of(page)][digest] = page
+        self._scrub = dict.fromkeys(scrub)
+        self.evictions = evictions
+        self.scrubs = scrubs
 
     # ---- invariants ----------------------------------------------------------------------------
     def check(self, owners: np.ndarray) -> None:

@@ -16,12 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from easykv.validation import INT32_MAX, integer_array
+
 DIGEST_BYTES = 32
 # The parent of a sequence's first page. Versioned so that a change of scheme never matches old digests.
 ROOT_DIGEST: bytes = hashlib.sha256(b"easykv.prefix_hash.v1").digest()
 NO_SALT: bytes = hashlib.sha256(b"easykv.prefix_hash.v1.no-salt").digest()
 
-_INT32 = np.iinfo(np.int32)
 
 
 def salt_digest(salt: Any) -> bytes:
@@ -32,13 +33,16 @@ def salt_digest(salt: Any) -> bytes:
     """
     if salt is None:
         return NO_SALT
-    if isinstance(salt, bool):
+    if isinstance(salt, (bool, np.bool_)):
         raise ValueError(f"salt={salt!r} is a bool; use a str, bytes or int tenant/adapter key")
     if isinstance(salt, str):
         tagged = b"s:" + salt.encode("utf-8")
     elif isinstance(salt, (bytes, bytearray, memoryview)):
         tagged = b"b:" + bytes(salt)
     elif isinstance(salt, (int, np.integer)):
+        if not -(2**63) <= int(salt) < 2**64:
+            raise ValueError(f"an int salt must fit 64 bits, got one of {int(salt).bit_length()} bits; use a str or "
+                             "bytes tenant/adapter key")
         tagged = b"i:" + str(int(salt)).encode("ascii")
     else:
         raise ValueError(f"salt={salt!r} of type {type(salt).__name__} is not supported; use a str, bytes or int")
@@ -46,19 +50,8 @@ def salt_digest(salt: Any) -> bytes:
 
 
 def as_token_ids(token_ids: Any, name: str = "token_ids") -> np.ndarray:
-    """A 1-D int32 copy of ``token_ids``, or a ValueError that names the problem."""
-    arr = np.asarray(token_ids)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of token ids, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, np.int32)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi > _INT32.max:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{name} holds token id {bad}; token ids must lie in 0..{_INT32.max}")
-    return arr.astype(np.int32)
+    """A 1-D int32 copy of ``token_ids`` (ids in 0..2**31 - 1), or a ValueError that names the problem."""
+    return integer_array(name, token_ids, ndim=1, lo=0, hi=INT32_MAX, hint="token ids")
 
 
 def page_digest(parent: bytes, salt: bytes, page_tokens: np.ndarray) -> bytes:

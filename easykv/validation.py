@@ -1,20 +1,178 @@
-"""Argument checks shared by the public entry points: one wording for one mistake."""
+"""Argument checks shared by every public entry point: one rule, one function, one wording.
+
+Integers are the dangerous inputs of a page cache: a count of ``2**64 - 5`` passes a ``>= 0``
+check as uint64 and wraps to a negative int64 once it meets other numbers, and a page id of
+``2**30`` wraps to page 0 when multiplied by the page size in int32. So every integer a caller
+hands easykv goes through `integer` or `integer_array`, which convert it *exactly* (Python
+ints of any size, numpy ints and uints; bools, floats and strings refused) and bound it before
+any arithmetic sees it. Bounds default to int32, the width of every id and length on the device.
+
+Free of jax on purpose (``spec`` uses it, and ``spec`` imports no array code): a traced value is
+recognised by its failure to convert, not by its type.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import operator
 from typing import Any
 
 import numpy as np
 
-
-def non_negative_int(name: str, value: Any) -> int:
-    """``value`` as an int, or a ValueError naming ``name`` and the value (bools are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return int(value)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Deepest nesting of any JSON easykv reads: its own files nest 5 levels; EasyDeL's 2.
+JSON_MAX_DEPTH = 32
 
 
-def positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+def _show(value: Any, limit: int = 48) -> str:
+    """repr of a bad value, shortened: an int of 10,000 digits must not flood the message."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _kind(lo: int | None) -> str:
+    return "a non-negative int" if lo == 0 else "a positive int" if lo == 1 else "an int"
+
+
+def _note(lo: int | None, hi: int | None, hint: str, extra: str = "") -> str:
+    """`` (valid: lo..hi; hint)``: the bounds and the fix, in one closing parenthesis."""
+    if lo is not None and hi is not None:
+        valid = f"valid: {lo}..{hi}"
+    elif lo is not None or hi is not None:
+        valid = f"valid: {'>= ' + str(lo) if lo is not None else '<= ' + str(hi)}"
+    else:
+        valid = ""
+    parts = [p for p in (extra, valid, hint) if p]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def integer(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32_MAX, hint: str = "") -> int:
+    """``value`` as an exact Python int in ``lo..hi`` (None: unbounded on that side).
+
+    Accepts Python ints of any size, numpy integer scalars and 0-d integer arrays (anything
+    with ``__index__``); refuses bools (``True`` is not a count), floats (even ``2.0``), strings
+    and traced values. ``hint`` (plain words, no parentheses) says what the bound means.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be {_kind(lo)}, got {value!r}{_note(lo, hi, hint, 'a bool')}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        kind = type(value).__name__
+        if "Tracer" in kind:
+            raise ValueError(f"{name} is a traced value ({kind}); pass a static Python int, known on the "
+                             "host before jit") from None
+        raise ValueError(f"{name} must be {_kind(lo)}, got {_show(value)}{_note(lo, hi, hint, f'a {kind}')}") from None
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        raise ValueError(f"{name} must be {_kind(lo)}, got {_show(number)}{_note(lo, hi, hint)}")
+    return number
+
+
+def non_negative_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
+    return integer(name, value, lo=0, hi=hi, hint=hint)
+
+
+def positive_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
+    return integer(name, value, lo=1, hi=hi, hint=hint)
+
+
+def optional_int(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32_MAX, hint: str = "") -> int | None:
+    return None if value is None else integer(name, value, lo=lo, hi=hi, hint=hint)
+
+
+def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | None = 0,
+                  hi: int | None = INT32_MAX, dtype: Any = np.int32, hint: str = "") -> np.ndarray:
+    """``value`` (a list, numpy array or concrete jax array of ints) as a new ``dtype`` array
+    whose every entry lies in ``lo..hi``; a ValueError names the first bad entry.
+
+    The bounds are checked on exact values (uint64 entries are not read as negative int64), so
+    the conversion to ``dtype`` can never wrap; ``lo``/``hi`` must fit ``dtype``.
+    """
+    kind = type(value).__name__
+    if "Tracer" in kind:
+        raise ValueError(f"{name} is a traced value ({kind}); build it on the host, outside jit")
+    if isinstance(value, (str, bytes, dict, set)) or value is None:
+        raise ValueError(f"{name} must be an array of ints, got {_show(value)}{_note(lo, hi, hint, f'a {kind}')}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as err:  # ragged lists, unconvertible objects
+        raise ValueError(f"{name} must be a regular array of ints, got {_show(value)}{_note(None, None, hint, str(err))}") from None
+    if ndim is not None and arr.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}{_note(None, None, hint)}")
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype)
+    if arr.dtype.kind == "b":
+        raise ValueError(f"{name} must hold ints, got bools{_note(lo, hi, hint)}")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind not in "fO":
+            raise ValueError(f"{name} must hold ints, got dtype {arr.dtype}{_note(lo, hi, hint)}")
+        # A list mixing ints with floats, or ints too large for int64, comes back as float64
+        # or object: look at the caller's own entries to name the first bad one exactly.
+        entries = arr if isinstance(value, np.ndarray) else np.asarray(value, dtype=object)
+        for index, entry in zip(np.ndindex(entries.shape), entries.reshape(-1)):
+            integer(f"{name}[{', '.join(map(str, index))}]", entry, lo=lo, hi=hi, hint=hint)
+        return np.array([int(e) for e in entries.reshape(-1)], dtype).reshape(arr.shape)
+    low, high = int(arr.min()), int(arr.max())
+    for bad, ok in ((low, lo is None or low >= lo), (high, hi is None or high <= hi)):
+        if not ok:
+            index = tuple(int(i) for i in np.argwhere(arr == bad)[0])
+            where = f"{name}[{', '.join(map(str, index))}]" if index else name
+            raise ValueError(f"{where} = {_show(bad)} is out of range{_note(lo, hi, hint)}")
+    return arr.astype(dtype)
+
+
+def real(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False,
+         hint: str = "") -> float:
+    """``value`` as a finite Python float in the interval (bools, strings, nan refused)."""
+    interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    suffix = f" ({hint})" if hint else ""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number in {interval}, got {_show(value)} of type "
+                         f"{type(value).__name__}{suffix}")
+    number = float(value)
+    below = number <= lo if lo_open else number < lo
+    above = number >= hi if hi_open else number > hi
+    if not math.isfinite(number) or below or above:
+        raise ValueError(f"{name} must be a number in {interval}, got {_show(value)}{suffix}")
+    return number
+
+
+def boolean(name: str, value: Any) -> bool:
+    """A real bool (numpy's too); ``1``, ``"yes"`` and None are refused, not guessed."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, got {_show(value)} of type {type(value).__name__}")
+    return bool(value)
+
+
+def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueError,
+               max_depth: int = JSON_MAX_DEPTH) -> Any:
+    """Parse JSON that easykv reads (records, states, headers, metadata) or raise ``error``.
+
+    Refuses what Python's json would accept but no easykv file holds (NaN, Infinity) and
+    nesting deeper than ``max_depth`` (which would otherwise surface as a RecursionError).
+    """
+    def no_constant(token: str) -> Any:
+        raise ValueError(f"{token} is not allowed")
+
+    try:
+        data = json.loads(text, parse_constant=no_constant)
+    except RecursionError:
+        raise error(f"{what} nests deeper than {max_depth} levels; it is not a file easykv wrote") from None
+    except (ValueError, UnicodeDecodeError, TypeError) as err:
+        raise error(f"{what} is not valid JSON ({err})") from None
+    stack = [(data, 1)] if isinstance(data, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise error(f"{what} nests deeper than {max_depth} levels; it is not a file easykv wrote")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return data
+
+
+__all__ = [
+    "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "boolean", "integer", "integer_array", "non_negative_int",
+    "optional_int", "parse_json", "positive_int", "real",
+]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from easykv.memory import MemoryUnavailableError, device_memory_budget
 from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.pages import (
     PageLayout,
@@ -41,6 +42,7 @@ from easykv.writes import (
     scatter_kv,
     token_slots,
 )
+from easykv.validation import integer, integer_array
 from sharding import PartitionManager, ShardingAdjustedWarning
 
 
@@ -80,11 +82,11 @@ class PagedAttentionCacheView:
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCacheView:
         """Allocate one layer's pages directly on the devices of ``mesh``."""
-        if not 0 <= layer_index < metadata.num_hidden_layers:
-            raise ValueError(
-                f"layer_index={layer_index} is outside 0..{metadata.num_hidden_layers - 1}"
-            )
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
         layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        _check_fits(mesh, metadata, layers=1)
         k, v = allocate_pages((template, template), layout)
         return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
 
@@ -100,12 +102,10 @@ class PagedAttentionCacheView:
     # ---- writes (functional: they return the updated view) --------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
-        if not isinstance(slots, (jax.Array, np.ndarray)):
-            slots = np.asarray(slots)  # a list is host data: check it like numpy
+        slots = check_slots_on_host(slots, self.metadata.tokens_per_layer)  # a list is host data too
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
         check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
-        check_slots_on_host(slots, self.metadata.tokens_per_layer)
         k, v = _scatter(self.key_pages, self.value_pages, key, value, slots, layout=self.layout)
         return dataclasses.replace(self, key_pages=k, value_pages=v)
 
@@ -166,7 +166,8 @@ class PagedAttentionCache:
         return len(self.views)
 
     def __getitem__(self, layer: int) -> PagedAttentionCacheView:
-        return self.views[layer]
+        n = len(self.views)
+        return self.views[integer("layer", layer, lo=-n, hi=n - 1, hint=f"the cache has {n} layers")]
 
     def __iter__(self):
         return iter(self.views)
@@ -190,6 +191,7 @@ class PagedAttentionCache:
     ) -> PagedAttentionCache:
         """Allocate every layer's pages in one call; each device creates only its own shard."""
         layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        _check_fits(mesh, metadata, layers=metadata.num_hidden_layers)
         arrays = allocate_pages((template,) * (2 * metadata.num_hidden_layers), layout)
         views = tuple(
             PagedAttentionCacheView(metadata, i, arrays[2 * i], arrays[2 * i + 1], layout)
@@ -208,11 +210,10 @@ class PagedAttentionCache:
         constructors).
         """
         meta = self.metadata
-        slots = _token_slots(metadata, meta)
+        slots = check_slots_on_host(_token_slots(metadata, meta), meta.tokens_per_layer)
         num_tokens = int(np.shape(slots)[0])
         keys = _per_layer(keys, "keys", meta, num_tokens)
         values = _per_layer(values, "values", meta, num_tokens)
-        check_slots_on_host(slots, meta.tokens_per_layer)
         return _write_all(self, keys, values, slots)
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
@@ -285,28 +286,27 @@ def gather_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """The contiguous keys and values of one sequence, each (length, num_kv_heads, head_dim)
     in the logical dtype. Reads only the ``ceil(length / page_size)`` pages it needs."""
-    view = cache if isinstance(cache, PagedAttentionCacheView) else cache[layer]
+    if isinstance(cache, PagedAttentionCacheView):
+        view = cache
+    elif isinstance(cache, PagedAttentionCache):
+        view = cache[layer]
+    else:
+        raise ValueError(f"cache must be a PagedAttentionCache or PagedAttentionCacheView, got {type(cache).__name__}")
     meta = view.metadata
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
-        raise ValueError(f"length must be a non-negative int (static), got {length!r}")
+    limit = meta.num_pages_per_sequence * meta.page_size
+    length = integer("length", length, lo=0, hi=limit, hint=f"static; a sequence holds at most {limit} tokens")
     row = page_table_row
+    if not isinstance(row, jax.Array):  # host data: every page it needs checked here
+        row = integer_array("page_table_row", row, ndim=1, lo=-1, hi=meta.num_pages_per_layer - 1)
     if np.ndim(row) != 1:
         raise ValueError(f"page_table_row must be 1-D, got shape {np.shape(row)}")
     needed = math.ceil(length / meta.page_size)
-    if length > meta.num_pages_per_sequence * meta.page_size or needed > np.shape(row)[0]:
-        raise ValueError(
-            f"length={length} needs {needed} pages but page_table_row has {np.shape(row)[0]} "
-            f"(and a sequence holds at most {meta.num_pages_per_sequence * meta.page_size} tokens)"
-        )
-    if not isinstance(row, jax.core.Tracer):
-        ids = np.asarray(row)[:needed]
-        bad = (ids < 0) | (ids >= meta.num_pages_per_layer)
-        if np.any(bad):
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"page_table_row[{i}] = {int(ids[i])} is not a page of the pool "
-                f"(0..{meta.num_pages_per_layer - 1}) but is needed for length={length}"
-            )
+    if needed > np.shape(row)[0]:
+        raise ValueError(f"length={length} needs {needed} pages but page_table_row has {np.shape(row)[0]}")
+    if isinstance(row, np.ndarray) and np.any(row[:needed] < 0):
+        i = int(np.argmax(row[:needed] < 0))
+        raise ValueError(f"page_table_row[{i}] = -1 is unassigned but is needed for length={length}")
+    # A traced or device row is bounded inside the read: a page outside the pool reads zeros.
     return _gather(view, jnp.asarray(row, jnp.int32)[:needed], length)
 
 
@@ -370,6 +370,23 @@ def _checked_layout(
     return layout, page_template(_page_shape(metadata), metadata.dtype, q, platform)
 
 
+def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, *, layers: int) -> None:
+    """Refuse, before allocating, pages that cannot fit the devices' free memory (a metadata
+    written for a bigger machine, or hand-edited): a precise error instead of an allocator
+    failure or, on CPU, the kernel's OOM killer."""
+    need = metadata.page_bytes_per_device * metadata.pages_per_shard * layers
+    try:
+        budget = device_memory_budget(list(mesh.devices.flat), 1.0)
+    except MemoryUnavailableError:
+        return  # the devices do not say; then only the allocation itself can tell
+    if need > budget.per_device_bytes:
+        raise ValueError(
+            f"the pages need {need} bytes per device ({layers} layer(s) of {metadata.pages_per_shard} pages x "
+            f"{metadata.page_bytes_per_device} bytes) but the devices have {budget.per_device_bytes} free "
+            f"({budget.detail}); create the metadata for this machine (PagedAttentionCacheMetaData.create) or "
+            "give it fewer pages")
+
+
 def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int) -> Any:
     """Check per-layer new tokens without slicing them on the host: a stacked array stays one
     array (sliced inside the jit, checked once), a sequence stays a tuple (checked per layer)."""
@@ -392,22 +409,13 @@ def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens:
 
 
 def _page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> Any:
-    if np.ndim(ids) != 1:
-        raise ValueError(f"{name} must be a 1-D array of page ids, got shape {np.shape(ids)}")
-    if not isinstance(ids, jax.Array):
-        arr = np.asarray(ids)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"{name} must hold integer page ids, got dtype {arr.dtype}: {arr.tolist()}")
-        arr = arr.astype(np.int64)
-        bad = (arr < -1) | (arr >= meta.num_pages_per_layer)
-        if np.any(bad):
-            i = int(np.argmax(bad))
-            raise ValueError(
-                f"{name}[{i}] = {int(arr[i])} is not a page of the pool (0..{meta.num_pages_per_layer - 1}, "
-                "-1 for padding)"
-            )
-        return np.asarray(arr, np.int32)
-    return ids.astype(jnp.int32)
+    """Host page ids checked (-1 padding); device ids are bounded inside the copy/zeroing."""
+    if isinstance(ids, jax.Array):
+        if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} must be a 1-D array of integer page ids, got {ids.dtype} of shape {ids.shape}")
+        return ids.astype(jnp.int32)
+    return integer_array(name, ids, ndim=1, lo=-1, hi=meta.num_pages_per_layer - 1,
+                         hint=f"page ids of a pool of {meta.num_pages_per_layer} pages, -1 for padding")
 
 
 __all__ = ["PagedAttentionCache", "PagedAttentionCacheView", "gather_kv"]

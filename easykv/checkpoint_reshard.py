@@ -60,7 +60,12 @@ def target_metadata(
             f"{plan.page_shards}; restore onto a mesh whose page axes have a size dividing "
             f"{saved.num_pages_per_layer} (or leave the page axis unsharded)")
     try:
-        return saved.replace(**changes)
+        target = saved.replace(**changes, memory_bytes_per_device=None)
+        # The budget the pool was sized from stays on record where the target still fits it
+        # (another dtype or fewer kv-head shards make each device hold more).
+        budget = saved.memory_bytes_per_device
+        return target if budget is None or target.bytes_per_device > budget else target.replace(
+            memory_bytes_per_device=budget)
     except ValueError as err:
         raise CheckpointMismatchError(
             f"the checkpoint's pool cannot be laid out on the target mesh {dict(mesh.shape)}: {err}") from err

@@ -38,7 +38,14 @@ from easykv.errors import CacheFullError, InvariantError, ManagerStateError, Unk
 from easykv.page_pool import PagePool
 from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv import sizing
-from easykv.runtime import PAD_PAGE, PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+from easykv.runtime import (
+    PAD_PAGE,
+    PagedAttentionMetadata,
+    build_mixed,
+    check_padding,
+    increment_cache_lengths,
+    stack_metadata,
+)
 from easykv.validation import INT64_MAX, boolean, integer, integer_array, non_negative_int, positive_int
 
 
@@ -364,7 +371,7 @@ class PageManager:
         ``pad_tokens_to`` / ``pad_seqs_to`` fix the shapes so jit sees few of them."""
         rows = self._rows(seq_ids)
         new = self._counts(num_new_tokens, rows.size)
-        self._check_padding(int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
+        pad_tokens_to, pad_seqs_to = check_padding(self.metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
         self._reserve(rows, new)
         return build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32), page_size=self.page_size,
                            pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
@@ -378,24 +385,19 @@ class PageManager:
         from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids)."""
         rows = self._rows(seq_ids)
         k = positive_int("num_steps", num_steps)
-        self._check_padding(rows.size, rows.size, None, pad_seqs_to)
+        _, pad_seqs_to = check_padding(self.metadata, rows.size, rows.size, None, pad_seqs_to)
         self._reserve(rows, np.full(rows.size, k, np.int64))
         meta = build_mixed(self._table[rows], self._lens[rows], np.ones(rows.size, np.int32),
                            page_size=self.page_size, pad_tokens_to=pad_seqs_to, pad_seqs_to=pad_seqs_to)
         steps = [meta]
         for _ in range(k - 1):
-            steps.append(increment_cache_lengths(steps[-1], page_size=self.page_size))
+            steps.append(self.increment_cache_lengths(steps[-1]))
         return stack_metadata(steps) if stacked else steps
 
     def increment_cache_lengths(self, metadata: PagedAttentionMetadata) -> PagedAttentionMetadata:
         """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly);
         the manager's lengths do not change (see `build_decode_metadata`)."""
-        return increment_cache_lengths(metadata, page_size=self.page_size)
-
-    def _check_padding(self, tokens: int, seqs: int, pad_tokens_to: int | None, pad_seqs_to: int | None) -> None:
-        for name, pad, real in (("pad_tokens_to", pad_tokens_to, tokens), ("pad_seqs_to", pad_seqs_to, seqs)):
-            if pad is not None and non_negative_int(name, pad) < real:
-                raise ValueError(f"{name}={pad} is below the {real} {name[4:-3]} of this step; pass at least {real}")
+        return increment_cache_lengths(metadata, page_size=self.page_size, num_pages=self._pool.num_pages)
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:

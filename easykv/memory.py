@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any, Callable, Sequence
 
 import jax
+
+from easykv.validation import INT64_MAX, positive_int, real
 
 _GIB = 2**30
 _CGROUP_V1_UNLIMITED = 2**60  # v1 reports "no limit" as a huge page-rounded number
@@ -144,12 +146,8 @@ def read_host_memory(root: str = "/") -> HostMemory:
 
 
 def _check_utilization(hbm_utilization: Any) -> float:
-    if (isinstance(hbm_utilization, bool) or not isinstance(hbm_utilization, Real)
-            or not math.isfinite(hbm_utilization) or not 0 < hbm_utilization <= 1):
-        raise ValueError(
-            f"hbm_utilization must be a number in (0, 1], got {hbm_utilization!r}; "
-            "e.g. 0.9 lets the cache take 90% of each device's memory limit")
-    return float(hbm_utilization)
+    return real("hbm_utilization", hbm_utilization, lo=0, hi=1, lo_open=True,
+                hint="e.g. 0.9 lets the cache take 90% of each device's memory limit")
 
 
 def _local(devices: Sequence[Any]) -> list[Any]:
@@ -198,13 +196,8 @@ def device_memory_budget(
     """
     util = _check_utilization(hbm_utilization)
     if memory_bytes_per_device is not None:
-        if (isinstance(memory_bytes_per_device, bool)
-                or not isinstance(memory_bytes_per_device, Integral)
-                or memory_bytes_per_device <= 0):
-            raise ValueError(
-                f"memory_bytes_per_device must be a positive int of bytes, got "
-                f"{memory_bytes_per_device!r}; e.g. 8 * 2**30 for 8 GiB per device")
-        n = int(memory_bytes_per_device)
+        n = positive_int("memory_bytes_per_device", memory_bytes_per_device, hi=INT64_MAX,
+                         hint="bytes, e.g. 8 * 2**30 for 8 GiB per device")
         return MemoryBudget(n, "override",
                             f"memory_bytes_per_device={n} ({_gib(n)}), utilization not applied")
     devices = list(devices)

@@ -18,7 +18,7 @@ import numpy as np
 from easykv.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.serialization import Serializable, SerializationError
-from easykv.validation import INT64_MAX, positive_int
+from easykv.validation import INT64_MAX, positive_int, real
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 # Logical cache dtypes. Compressed formats (int8, fp8, int4) are quantizers, not cache dtypes.
@@ -35,11 +35,13 @@ def canonical_dtype(dtype: Any) -> np.dtype:
     """The numpy dtype for a user's dtype argument, or a ValueError naming the choices."""
     try:
         dt = np.dtype(dtype)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(
             f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)} "
             "(int8/fp8/int4 storage is chosen with quantizer=...)"
         ) from err
+    if not dt.isnative:  # '>f4' names float32 in another byte order: bits would be misread
+        raise ValueError(f"dtype {dt.str} is {dt.name} in a byte order other than this machine's; use {dt.name}")
     if dt.name not in SUPPORTED_DTYPES:
         raise ValueError(
             f"dtype {dt.name} is not a cache dtype; use one of {', '.join(SUPPORTED_DTYPES)} "
@@ -85,10 +87,8 @@ class PagedAttentionCacheMetaData(Serializable):
             "kv_head_shards", "page_shards",
         ):  # fmt: skip
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
-        util = self.hbm_utilization
-        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0.0 < util <= 1.0:
-            raise ValueError(f"hbm_utilization must be in (0, 1], got {util!r}")
-        object.__setattr__(self, "hbm_utilization", float(util))
+        object.__setattr__(self, "hbm_utilization", real("hbm_utilization", self.hbm_utilization, lo=0, hi=1,
+                                                         lo_open=True))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         quantizer = get_quantizer(self.quantization)
         quantizer.validate(self.kv_head_dim_size, self.dtype)
@@ -101,7 +101,8 @@ class PagedAttentionCacheMetaData(Serializable):
                 raise ValueError(f"{name} must be a tuple of mesh axis names, got {raw!r}")
             object.__setattr__(self, name, axes)
         if self.memory_bytes_per_device is not None:
-            positive_int("memory_bytes_per_device", self.memory_bytes_per_device, hi=INT64_MAX)
+            object.__setattr__(self, "memory_bytes_per_device",
+                               positive_int("memory_bytes_per_device", self.memory_bytes_per_device, hi=INT64_MAX))
 
         expected = math.ceil(self.max_sequences / self.page_size)
         if self.num_pages_per_sequence != expected:
@@ -129,6 +130,14 @@ class PagedAttentionCacheMetaData(Serializable):
             raise ValueError(
                 f"num_pages_per_layer * page_size = {self.num_pages_per_layer * self.page_size} "
                 "slots exceeds int32 slot ids; use fewer pages per layer"
+            )
+        # The budget is what the pool was sized from: a pool that does not fit it is a
+        # hand-edited or damaged description, never one `create` made.
+        if self.memory_bytes_per_device is not None and self.bytes_per_device > self.memory_bytes_per_device:
+            raise ValueError(
+                f"the pool needs {self.bytes_per_device} bytes per device ({self.pages_per_shard} pages x "
+                f"{self.num_hidden_layers} layers x {self.page_bytes_per_device} bytes) but memory_bytes_per_device="
+                f"{self.memory_bytes_per_device}; size it with create(), or fix num_pages_per_layer"
             )
 
     # ---- derived figures -----------------------------------------------------------------

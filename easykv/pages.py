@@ -154,18 +154,27 @@ def encode_tokens(new: jax.Array, pages: Any) -> Any:
     return to_storage(new, pages.dtype)
 
 
+def take_pages(x: jax.Array, ids: jax.Array) -> jax.Array:
+    """``x[:, ids]`` where an id outside ``0 .. x.shape[1] - 1`` reads zeros. Never another
+    page: ``jnp.take`` would read page -1 as the last page of the pool."""
+    n = x.shape[1]
+    ids = jnp.where((ids >= 0) & (ids < n), ids, n)
+    return jnp.take(x, ids, axis=1, mode="fill", fill_value=0)
+
+
 def read_pages(pages: Any, ids: jax.Array, dtype: Any) -> jax.Array:
     """Pages ``ids`` of one page array as (heads, len(ids), page_size, head_dim) in the
-    logical ``dtype``; only those pages are read (and dequantized)."""
+    logical ``dtype``; only those pages are read (and dequantized); ids outside the array
+    read as zeros."""
     if isinstance(pages, QuantizedPages):
         value_dtype = pages.quantizer.value_shape(2)[1]
         picked = QuantizedPages(
-            from_storage(jnp.take(pages.values, ids, axis=1), value_dtype),
-            jnp.take(pages.scales, ids, axis=1),
+            from_storage(take_pages(pages.values, ids), value_dtype),
+            take_pages(pages.scales, ids),
             pages.quantizer,
         )
         return picked.dequantize(dtype)
-    return from_storage(jnp.take(pages, ids, axis=1), np.dtype(dtype))
+    return from_storage(take_pages(pages, ids), np.dtype(dtype))
 
 
 def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: int) -> jax.Array:

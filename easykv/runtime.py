@@ -9,9 +9,16 @@ id or an over-long sequence is reported before anything reaches the device. Insi
 path still drops, and counts, any slot outside the pool: it never clips into another page.
 
 Conventions (all int32):
-  * a *slot* is ``page_id * page_size + offset``; ``PAD_SLOT`` (-1) marks a padding token;
+  * a *slot* is ``page_id * page_size + offset``; ``PAD_SLOT`` (-1) marks a padding token and
+    ``INVALID_SLOT`` (-2) a real token with no valid destination (dropped and counted);
   * a page table entry of ``PAD_PAGE`` (-1) is an unassigned page;
   * a position is the token's index inside its sequence; -1 marks padding.
+
+Host checks (the ``for_*`` constructors): every id and length is bounded exactly before any
+arithmetic (`easykv.validation`), a table row never names one physical page twice, and no two
+real tokens of a step share a slot (a write would keep one of them, silently). Device side,
+`slots_from_table` bounds every page id before multiplying it by the page size, so no page id,
+however large, can wrap around int32 into another page.
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from easykv.validation import non_negative_int
+from easykv.validation import INT32_MAX, integer, integer_array, optional_int
+
 if TYPE_CHECKING:
     from easykv.metadata import PagedAttentionCacheMetaData
 
 PAD_SLOT = -1
+INVALID_SLOT = -2
 PAD_PAGE = -1
 PAD_POSITION = -1
 
@@ -126,17 +135,20 @@ class PagedAttentionMetadata:
 
         ``padded_length`` (default ``length``) fixes the token axis so that jit sees few shapes.
         """
-        row = _as_int32("page_table_row", page_table_row, ndim=1)
-        length = non_negative_int("length", length)
-        start = non_negative_int("start", start)
-        padded = length if padded_length is None else non_negative_int("padded_length", padded_length)
+        row = _page_ids("page_table_row", page_table_row, cache_metadata, ndim=1)
+        limit = _max_tokens(cache_metadata)
+        hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
+        length = integer("length", length, lo=0, hi=limit, hint=hint)
+        start = integer("start", start, lo=0, hi=limit, hint=hint)
+        padded = optional_int("padded_length", padded_length, lo=0, hi=limit, hint=hint)
+        padded = length if padded is None else padded
         if padded < length:
             raise ValueError(f"padded_length={padded} is shorter than length={length}; pass >= length")
-        _check_page_ids("page_table_row", row, cache_metadata)
         _check_extent(start + length, cache_metadata, what=f"prefill up to start + length = {start + length}")
         positions = np.full(padded, PAD_POSITION, np.int32)
         positions[:length] = np.arange(start, start + length, dtype=np.int32)
         _check_pages_assigned(row[None, :], positions[None, :length], cache_metadata.page_size)
+        check_distinct_slots(_host_slots(row[None, :], positions[None, :length], cache_metadata.page_size), "prefill")
         return cls(
             prefill_length=np.asarray(length, np.int32),
             prefill_position=positions,
@@ -152,18 +164,16 @@ class PagedAttentionMetadata:
         cache_metadata: PagedAttentionCacheMetaData,
     ) -> PagedAttentionMetadata:
         """A batch of decodes: sequence ``b`` writes one token at ``positions[b]`` (-1: padding)."""
-        table = _as_int32("page_table", page_table, ndim=2)
-        pos = _as_int32("positions", positions, ndim=1)
+        table = _page_ids("page_table", page_table, cache_metadata, ndim=2)
+        pos = integer_array("positions", positions, ndim=1, lo=PAD_POSITION, hi=_max_tokens(cache_metadata) - 1,
+                            hint="a token's index in its sequence, -1 for padding")
         if table.shape[0] != pos.shape[0]:
             raise ValueError(
                 f"page_table has {table.shape[0]} rows but positions has {pos.shape[0]} entries; "
                 "give one position per sequence (-1 for padding rows)"
             )
-        _check_page_ids("page_table", table, cache_metadata)
-        if np.any(pos < PAD_POSITION):
-            raise ValueError(f"positions {pos.tolist()} contain values below -1 (the padding marker)")
-        _check_extent(int(pos.max(initial=-1)) + 1, cache_metadata, what="decode position + 1")
         _check_pages_assigned(table, pos[:, None], cache_metadata.page_size)
+        check_distinct_slots(_host_slots(table, pos[:, None], cache_metadata.page_size), "decode")
         return cls(decodes_position=pos, decodes_page_table=table)
 
     @classmethod
@@ -179,18 +189,18 @@ class PagedAttentionMetadata:
     ) -> PagedAttentionMetadata:
         """A ragged batch: sequence ``b`` has ``cached_lens[b]`` tokens cached and appends
         ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1)."""
-        table = _as_int32("page_table", page_table, ndim=2)
-        cached = _as_int32("cached_lens", cached_lens, ndim=1)
-        new = _as_int32("new_lens", new_lens, ndim=1)
+        table = _page_ids("page_table", page_table, cache_metadata, ndim=2)
+        limit = _max_tokens(cache_metadata)
+        hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
+        cached = integer_array("cached_lens", cached_lens, ndim=1, lo=0, hi=limit, hint=hint)
+        new = integer_array("new_lens", new_lens, ndim=1, lo=0, hi=limit, hint=hint)
+        pad_tokens_to, pad_seqs_to = check_padding(cache_metadata, int(new.sum(dtype=np.int64)), table.shape[0],
+                                                   pad_tokens_to, pad_seqs_to)
         if not table.shape[0] == cached.shape[0] == new.shape[0]:
             raise ValueError(
                 f"page_table rows ({table.shape[0]}), cached_lens ({cached.shape[0]}) and new_lens "
                 f"({new.shape[0]}) must agree: one entry per sequence"
             )
-        for name, arr in (("cached_lens", cached), ("new_lens", new)):
-            if np.any(arr < 0):
-                raise ValueError(f"{name} {arr.tolist()} has negative entries; lengths are >= 0")
-        _check_page_ids("page_table", table, cache_metadata)
         ends = cached.astype(np.int64) + new
         worst = int(np.argmax(ends)) if ends.size else 0
         _check_extent(int(ends.max(initial=0)), cache_metadata, what=f"sequence {worst}: cached + new")
@@ -208,6 +218,7 @@ class PagedAttentionMetadata:
         real = meta.slot_mapping != PAD_SLOT
         rows = np.repeat(np.arange(table.shape[0]), new)
         _check_pages_assigned(table[rows], meta.positions[real][:, None], cache_metadata.page_size, rows)
+        check_distinct_slots(meta.slot_mapping, "mixed")
         return meta
 
 
@@ -222,17 +233,13 @@ def build_mixed(
 ) -> PagedAttentionMetadata:
     """Vectorized, unvalidated construction of the mixed form (the page manager's hot path).
 
-    Callers guarantee int32 inputs with pages assigned for every new token; `for_mixed` is the
-    validated public entry point.
+    Callers guarantee int32 inputs with pages assigned for every new token and paddings
+    checked by `check_padding`; `for_mixed` is the validated public entry point.
     """
     num_seqs = page_table.shape[0]
     total = int(new_lens.sum())
-    tokens = total if pad_tokens_to is None else int(pad_tokens_to)
-    seqs = num_seqs if pad_seqs_to is None else int(pad_seqs_to)
-    if tokens < total:
-        raise ValueError(f"pad_tokens_to={tokens} is below the {total} new tokens of this step")
-    if seqs < num_seqs:
-        raise ValueError(f"pad_seqs_to={seqs} is below the {num_seqs} sequences of this step")
+    tokens = total if pad_tokens_to is None else pad_tokens_to
+    seqs = num_seqs if pad_seqs_to is None else pad_seqs_to
 
     starts = np.zeros(seqs + 1, np.int32)
     np.cumsum(new_lens, out=starts[1 : num_seqs + 1])
@@ -259,26 +266,49 @@ def build_mixed(
     )
 
 
-def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int) -> PagedAttentionMetadata:
+def slots_from_table(table: Any, positions: Any, *, page_size: int, num_pages: int | None,
+                     pages_per_sequence: int | None = None) -> Any:
+    """Slots of tokens at ``positions`` (-1: padding) read through per-token table rows, on the
+    host (numpy) or the device (jax, inside jit too).
+
+    A real token whose logical page lies past the table (or past ``pages_per_sequence``), or
+    whose page is unassigned or outside the pool, gets ``INVALID_SLOT``: dropped and counted by
+    the write, never clipped or wrapped onto another page. With ``num_pages=None`` the pool size
+    is unknown here: pages whose slots would not fit int32 are invalid, larger ones the write
+    drops against the pool it knows."""
+    xp = array_module(table, positions)
+    logical = positions // page_size
+    width = table.shape[-1] if pages_per_sequence is None else min(table.shape[-1], pages_per_sequence)
+    in_table = (positions >= 0) & (logical < width)
+    page = xp.take_along_axis(table, xp.where(in_table, logical, 0)[..., None], axis=-1)[..., 0]
+    fits = (INT32_MAX - page_size + 1) // page_size  # pages whose every slot fits int32
+    ok = in_table & (page >= 0) & (page < (fits if num_pages is None else min(num_pages, fits)))
+    slot = xp.where(ok, xp.where(ok, page, 0) * page_size + positions % page_size, INVALID_SLOT)
+    return xp.where(positions == PAD_POSITION, PAD_SLOT, slot).astype(np.int32)
+
+
+def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int,
+                            num_pages: int | None = None) -> PagedAttentionMetadata:
     """The next decode step from a decode-only mixed-form step: every real token moves one
     position on, its slot is read from the (already reserved) page table, context lengths grow
     by one. Works on numpy and jax arrays alike, inside jit too, so a multi-step loop runs
-    without a host round trip [MAX: increment_cache_lengths]. Pages the table lacks give
-    slot -1 (dropped by the write), never another sequence's slot."""
-    xp = _xp(metadata.positions)
+    without a host round trip [MAX: increment_cache_lengths]. A token whose next page the
+    table lacks, or names outside the pool (``num_pages``), gets ``INVALID_SLOT``: the write
+    drops and counts it, never writes another sequence's page."""
+    page_size = integer("page_size", page_size, lo=1)
+    num_pages = optional_int("num_pages", num_pages, lo=1)
+    xp = array_module(metadata.positions)
     pos = metadata.positions
     table = metadata.page_table
     if pos.shape[0] > table.shape[0]:
         raise ValueError(f"{pos.shape[0]} tokens for {table.shape[0]} sequences: increment_cache_lengths "
                          "takes decode-only metadata (one token per sequence)")
-    nxt = pos + 1
-    col = xp.clip(nxt // page_size, 0, table.shape[1] - 1)
-    page = table[: pos.shape[0]][xp.arange(pos.shape[0]), col]
-    real = pos >= 0
-    ok = real & (page >= 0) & (nxt // page_size < table.shape[1])
+    real = (pos >= 0) & (pos < INT32_MAX)  # the last position cannot move on without wrapping
+    nxt = xp.where(real, pos + 1, PAD_POSITION)
+    slots = slots_from_table(table[: pos.shape[0]], nxt, page_size=page_size, num_pages=num_pages)
     return metadata.replace(
-        positions=(real * (nxt + 1) - 1).astype(np.int32),
-        slot_mapping=(ok * (page * page_size + nxt % page_size + 1) - 1).astype(np.int32),
+        positions=nxt.astype(np.int32),
+        slot_mapping=xp.where(pos >= 0, xp.where(real, slots, INVALID_SLOT), PAD_SLOT).astype(np.int32),
         context_lens=(metadata.context_lens + (metadata.context_lens > 0)).astype(np.int32),
     )
 
@@ -291,8 +321,9 @@ def stack_metadata(steps: Sequence[PagedAttentionMetadata]) -> PagedAttentionMet
     return steps[0].replace(**{f: np.stack([np.asarray(getattr(m, f)) for m in steps]) for f in _MIXED_FIELDS})
 
 
-def _xp(x: Any) -> Any:
-    if isinstance(x, np.ndarray):
+def array_module(*arrays: Any) -> Any:
+    """numpy when every array is numpy (host work stays on the host), else jax.numpy."""
+    if all(isinstance(a, np.ndarray) for a in arrays):
         return np
     import jax.numpy as jnp  # only when handed device arrays
 
@@ -300,32 +331,71 @@ def _xp(x: Any) -> Any:
 
 
 # ---- validation helpers ----------------------------------------------------------------------
-def _as_int32(name: str, value: Any, *, ndim: int) -> np.ndarray:
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{name} is a traced value; build PagedAttentionMetadata on the host, outside jit")
-    arr = np.asarray(value)
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{name} has values outside int32: min {arr.min()}, max {arr.max()}")
-    return arr.astype(np.int32, copy=True)
+def _max_tokens(meta: PagedAttentionCacheMetaData) -> int:
+    return meta.num_pages_per_sequence * meta.page_size
 
 
-def _check_page_ids(name: str, table: np.ndarray, meta: PagedAttentionCacheMetaData) -> None:
+def _page_ids(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim: int) -> np.ndarray:
+    """A page table (or row): ids in ``-1 .. num_pages - 1``, at most ``num_pages_per_sequence``
+    columns, no physical page twice in one row (the sequence would read or write it twice)."""
+    table = integer_array(name, value, ndim=ndim, lo=PAD_PAGE, hi=meta.num_pages_per_layer - 1,
+                          hint=f"page ids of a pool of {meta.num_pages_per_layer} pages, -1 unassigned")
     if table.shape[-1] > meta.num_pages_per_sequence:
         raise ValueError(
             f"{name} has {table.shape[-1]} pages per sequence but the cache allows "
             f"num_pages_per_sequence={meta.num_pages_per_sequence}; trim the table"
         )
-    bad = (table < PAD_PAGE) | (table >= meta.num_pages_per_layer)
-    if np.any(bad):
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{name}{list(where)} = {int(table[where])} names a page outside the pool of "
-            f"{meta.num_pages_per_layer} pages (valid ids 0..{meta.num_pages_per_layer - 1}, -1 unassigned)"
-        )
+    rows = table.reshape(-1, table.shape[-1])
+    if rows.shape[1] > 1:
+        ordered = np.sort(rows, axis=1)
+        twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+        if twice.any():
+            r = int(np.argmax(twice.any(axis=1)))
+            page = int(ordered[r, 1:][twice[r]][0])
+            where = f"{name}[{r}]" if ndim == 2 else name
+            raise ValueError(f"{where} names page {page} twice; a sequence's pages must be distinct (one "
+                             "physical page cannot hold two of its logical pages)")
+    return table
+
+
+def check_padding(meta: PagedAttentionCacheMetaData, tokens: int, seqs: int, pad_tokens_to: Any,
+                  pad_seqs_to: Any) -> tuple[int | None, int | None]:
+    """Padded token and sequence counts of a step: at least its real ones, at most what one
+    step of this cache can hold (``batch_size`` sequences of ``max_sequences`` tokens)."""
+    most_seqs = max(meta.batch_size, seqs)
+    most_tokens = max(meta.batch_size * _max_tokens(meta), tokens)
+    out = []
+    for name, pad, real, most, what in (("pad_tokens_to", pad_tokens_to, tokens, most_tokens, "tokens"),
+                                        ("pad_seqs_to", pad_seqs_to, seqs, most_seqs, "sequences")):
+        pad = optional_int(name, pad, lo=0, hi=most, hint=f"one step holds at most {most} {what} of this cache")
+        if pad is not None and pad < real:
+            raise ValueError(f"{name}={pad} is below the {real} {'new tokens' if what == 'tokens' else what} of "
+                             f"this step; pass at least {real}")
+        out.append(pad)
+    return out[0], out[1]
+
+
+def _host_slots(table: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
+    """Slots of real tokens given per-row positions (host; pages already checked assigned)."""
+    real = positions >= 0
+    logical = np.where(real, positions // page_size, 0)
+    pages = np.take_along_axis(table, logical, axis=1)
+    return np.where(real, pages.astype(np.int64) * page_size + positions % page_size, PAD_SLOT)
+
+
+def check_distinct_slots(slots: np.ndarray, what: str) -> None:
+    """No two real tokens of one step share a slot: the scatter would keep one and lose the
+    other (two sequences sharing a page they both write, or a crafted table)."""
+    real = np.asarray(slots).reshape(-1)
+    real = real[real >= 0]
+    if real.size > 1:
+        ordered = np.sort(real)
+        twice = ordered[1:] == ordered[:-1]
+        if twice.any():
+            slot = int(ordered[1:][twice][0])
+            raise ValueError(f"two tokens of this {what} step write the same slot {slot}; each token needs its own "
+                             "slot (sequences may share pages they read, never a page they write: copy-on-write "
+                             "first)")
 
 
 def _check_extent(end: int, meta: PagedAttentionCacheMetaData, *, what: str) -> None:

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Mapping, TypeVar
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np
 
+from easykv.validation import parse_json
+
 _T = TypeVar("_T", bound="Serializable")
 _SCHEMA_KEY = "__schema__"
 _VERSION_KEY = "__version__"
@@ -205,12 +207,8 @@ class Serializable:
             raise SerializationError(
                 f"{cls.__name__}.from_json needs JSON text, got {type(text).__name__}; "
                 "use from_dict for a dict")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SerializationError(
-                f"invalid JSON for {cls.__name__} ({e.msg} at line {e.lineno} column "
-                f"{e.colno}); text starts {_head(text)}") from None
+        data = parse_json(text, what=f"the JSON for {cls.__name__} (text starts {_head(text)})",
+                          error=SerializationError)
         if not isinstance(data, dict):
             raise SerializationError(
                 f"{cls.__name__} JSON must be an object, got {type(data).__name__}; "

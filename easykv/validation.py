@@ -93,7 +93,7 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     kind = type(value).__name__
     if "Tracer" in kind:
         raise ValueError(f"{name} is a traced value ({kind}); build it on the host, outside jit")
-    if isinstance(value, (str, bytes, dict, set)) or value is None:
+    if isinstance(value, (str, bytes, bytearray, memoryview, dict, set)) or value is None:
         raise ValueError(f"{name} must be an array of ints, got {_show(value)}{_note(lo, hi, hint, f'a {kind}')}")
     try:
         arr = np.asarray(value)

@@ -18,31 +18,14 @@ import numpy as np
 
 from easykv.metadata import PagedAttentionCacheMetaData
 from easykv.pages import PageLayout, encode_tokens, run_local
-from easykv.runtime import PAD_SLOT, PagedAttentionMetadata
-
-INVALID_SLOT = -2  # a real token whose destination is outside the pool: dropped and counted
-
-
-def _xp(*arrays: Any) -> Any:
-    return np if all(isinstance(a, np.ndarray) for a in arrays) else jnp
-
-
-def _slots_from_table(
-    table: Any, positions: Any, page_size: int, num_pages: int, pages_per_sequence: int | None = None
-) -> Any:
-    """Slots for tokens at ``positions`` (-1: padding) read through per-token table rows.
-
-    A position whose logical page lies past the table or past ``pages_per_sequence`` (the
-    longest sequence the cache allows) gets ``INVALID_SLOT``, like an unassigned page."""
-    xp = _xp(table, positions)
-    logical = positions // page_size
-    width = table.shape[-1] if pages_per_sequence is None else min(table.shape[-1], pages_per_sequence)
-    in_table = (positions >= 0) & (logical < width)
-    page = xp.take_along_axis(table, xp.where(in_table, logical, 0)[..., None], axis=-1)[..., 0]
-    ok = in_table & (page >= 0) & (page < num_pages)
-    slot = xp.where(ok, page * page_size + positions % page_size, INVALID_SLOT)
-    return xp.where(positions == -1, PAD_SLOT, slot).astype(np.int32)
-
+from easykv.validation import integer_array
+from easykv.runtime import (
+    PAD_SLOT,
+    PagedAttentionMetadata,
+    array_module,
+    check_distinct_slots,
+    slots_from_table,
+)
 
 def token_slots(
     metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int, pages_per_sequence: int | None = None
@@ -51,28 +34,31 @@ def token_slots(
     if metadata.is_mixed_mode():
         return metadata.slot_mapping
     if metadata.is_decode_mode():
-        return _slots_from_table(
-            metadata.decodes_page_table, metadata.decodes_position, page_size, num_pages, pages_per_sequence
-        )
+        return slots_from_table(metadata.decodes_page_table, metadata.decodes_position, page_size=page_size,
+                                num_pages=num_pages, pages_per_sequence=pages_per_sequence)
     if metadata.is_prefill_mode():
-        xp = _xp(metadata.prefill_position, metadata.prefill_page_table, metadata.prefill_length)
+        xp = array_module(metadata.prefill_position, metadata.prefill_page_table, metadata.prefill_length)
         pos = metadata.prefill_position
         pos = xp.where(xp.arange(pos.shape[0]) < metadata.prefill_length, pos, -1)
         table = xp.broadcast_to(metadata.prefill_page_table, (pos.shape[0],) + metadata.prefill_page_table.shape)
-        return _slots_from_table(table, pos, page_size, num_pages, pages_per_sequence)
+        return slots_from_table(table, pos, page_size=page_size, num_pages=num_pages,
+                                pages_per_sequence=pages_per_sequence)
     raise ValueError("the PagedAttentionMetadata is empty (init_empty): it names no tokens to write")
 
 
 def count_dropped(slots: Any, capacity: int) -> Any:
     """Real tokens (not padding) whose slot lies outside ``[0, capacity)``."""
-    xp = _xp(slots)
+    xp = array_module(slots)
     return xp.sum((slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))).astype(np.int32)
 
 
-def check_slots_on_host(slots: Any, capacity: int) -> None:
-    """Raise for out-of-pool slots when they are known on the host (numpy), before writing."""
-    if not isinstance(slots, np.ndarray):
-        return
+def check_slots_on_host(slots: Any, capacity: int) -> Any:
+    """Host (numpy) slots checked before anything is written: integers, each a slot of the pool
+    or padding, no slot twice. Returns them as int32; device arrays pass through (their bad
+    slots are dropped and counted inside the write)."""
+    if isinstance(slots, jax.Array):
+        return slots
+    slots = integer_array("slots", slots, ndim=1, lo=None, hi=None, dtype=np.int64)
     bad = (slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))
     if np.any(bad):
         i = int(np.argmax(bad))
@@ -81,6 +67,8 @@ def check_slots_on_host(slots: Any, capacity: int) -> None:
             "slots (its page is unassigned, outside the pool, or past the page table); "
             "nothing was written — assign pages before writing"
         )
+    check_distinct_slots(slots, "write")
+    return slots.astype(np.int32)
 
 
 def check_new_tokens(

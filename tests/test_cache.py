@@ -81,7 +81,7 @@ def test_view_init_allocates_one_layer():
     view = PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 1, pm)
     assert view.layer_index == 1 and view.key_pages.shape == (8, PAGES, PAGE_SIZE, HEAD_DIM)
     assert view.key_pages.sharding.spec == P("tp", "dp", None, None)
-    with pytest.raises(ValueError, match=r"layer_index=2 is outside 0..1"):
+    with pytest.raises(ValueError, match=r"layer_index must be a non-negative int, got 2 \(valid: 0\.\.1\)"):
         PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 2, pm)
 
 
@@ -228,13 +228,13 @@ def test_copy_and_zero_reject_bad_ids_and_change_nothing():
     cache = _fill(new_cache("dp"), meta, model, rng)
     before = snapshot(cache)
     cases = [
-        (lambda: cache.copy_pages([24], [0]), r"src\[0\] = 24 is not a page of the pool \(0..23, -1 for padding\)"),
-        (lambda: cache.copy_pages([0, 1], [2, -2]), r"dst\[1\] = -2 is not a page of the pool"),
+        (lambda: cache.copy_pages([24], [0]), r"src\[0\] = 24 is out of range \(valid: -1\.\.23; page ids of a pool of 24 pages, -1 for padding\)"),
+        (lambda: cache.copy_pages([0, 1], [2, -2]), r"dst\[1\] = -2 is out of range"),
         (lambda: cache.copy_pages([0, 1], [2]), r"src has shape \(2,\) but dst has shape \(1,\)"),
-        (lambda: cache.copy_pages([[0]], [[1]]), r"src must be a 1-D array of page ids"),
-        (lambda: cache.copy_pages([1.7], [2]), r"src must hold integer page ids, got dtype float64"),
+        (lambda: cache.copy_pages([[0]], [[1]]), r"src must have 1 dimension"),
+        (lambda: cache.copy_pages([1.7], [2]), r"src\[0\] must be an int, got 1\.7 \(a float"),
         (lambda: cache.copy_pages([3, 4], [5, 15]), r"copy 4 -> 15 crosses data-parallel replicas"),
-        (lambda: cache.zero_pages([1, 99]), r"pages\[1\] = 99 is not a page of the pool"),
+        (lambda: cache.zero_pages([1, 99]), r"pages\[1\] = 99 is out of range"),
         (lambda: cache.zero_pages([-3]), r"pages\[0\] = -3"),
     ]
     for call, match in cases:
@@ -262,15 +262,15 @@ def test_gather_kv_reads_only_the_pages_it_needs_and_checks_them():
     k, v = gather_kv(cache, 0, row, 0)
     assert k.shape == v.shape == (0, 8, HEAD_DIM)
     before = snapshot(cache)
-    with pytest.raises(ValueError, match=r"page_table_row\[1\] = -1 is not a page of the pool .* length=6"):
+    with pytest.raises(ValueError, match=r"page_table_row\[1\] = -1 is unassigned but is needed for length=6"):
         gather_kv(cache, 0, [17, -1, 3], 6)
-    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is not a page"):
+    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is out of range \(valid: -1\.\.23\)"):
         gather_kv(cache, 0, [24], 2)
     with pytest.raises(ValueError, match=r"length=9 needs 3 pages but page_table_row has 2"):
         gather_kv(cache, 0, [17, 2], 9)
     with pytest.raises(ValueError, match=r"at most 16 tokens"):
         gather_kv(cache, 0, [0, 1, 2, 3, 4], 17)
-    with pytest.raises(ValueError, match=r"page_table_row must be 1-D"):
+    with pytest.raises(ValueError, match=r"page_table_row must have 1 dimension"):
         gather_kv(cache, 0, [[17, 2]], 6)
     with pytest.raises(ValueError, match=r"length must be a non-negative int"):
         gather_kv(cache, 0, row, -1)

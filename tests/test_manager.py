@@ -16,7 +16,7 @@ import pytest
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.manager import PageManager, increment_cache_lengths
 from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.runtime import PAD_PAGE, PagedAttentionMetadata
+from easykv.runtime import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 
 PS = 4
 
@@ -148,7 +148,8 @@ def test_increment_never_writes_past_the_reserved_pages():
     later = meta
     for _ in range(4):
         later = pm.increment_cache_lengths(later)
-    assert later.positions.tolist() == [4] and later.slot_mapping.tolist() == [-1]
+    # position 4 needs a second page nobody reserved: the slot is invalid (dropped and counted)
+    assert later.positions.tolist() == [4] and later.slot_mapping.tolist() == [INVALID_SLOT]
 
 
 # ---- prefix caching ---------------------------------------------------------------------------------
@@ -438,7 +439,7 @@ BAD_CALLS = [
     (lambda pm: pm.reserve(0, 12), ValueError, "past max_sequences=16"),
     (lambda pm: pm.reserve([0, 0], 1), ValueError, "repeats id 0"),
     (lambda pm: pm.reserve(["a"], 1), ValueError, r"seq_ids must hold ints, got dtype <U1"),
-    (lambda pm: pm.build_step_metadata([0], [2], pad_tokens_to=1), ValueError, "pad_tokens_to=1 is below the 2 tokens"),
+    (lambda pm: pm.build_step_metadata([0], [2], pad_tokens_to=1), ValueError, "pad_tokens_to=1 is below the 2 new tokens"),
     (lambda pm: pm.build_decode_metadata([1], num_steps=0), ValueError, "num_steps must be a positive int"),
     (lambda pm: pm.step([0], [[1, 2, 3, 4]]), ValueError, "room for 3 more tokens but 4"),
     (lambda pm: pm.step([0, 1], [1]), ValueError, r"shape \(1,\)"),

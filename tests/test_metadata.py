@@ -178,7 +178,7 @@ def test_non_positive_sizes_rejected(tp8, field, bad):
 
 @pytest.mark.parametrize("util", [0, 0.0, -0.1, 1.0001, 2, float("nan"), True])
 def test_utilization_outside_unit_interval_rejected(tp8, util):
-    with pytest.raises(ValueError, match=r"hbm_utilization must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"hbm_utilization must be a number in \(0, 1\]"):
         make(tp8, hbm_utilization=util)
 
 
@@ -311,7 +311,7 @@ def test_unknown_and_missing_fields_rejected(dp_meta):
         PagedAttentionCacheMetaData.from_dict({**d, "dtype": "int7"})
     with pytest.raises(ValueError, match=r"dtype int8 is not a cache dtype"):
         PagedAttentionCacheMetaData.from_dict({**d, "dtype": "int8"})
-    with pytest.raises(ValueError, match=r"hbm_utilization must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"hbm_utilization must be a number in \(0, 1\]"):
         PagedAttentionCacheMetaData.from_dict({**d, "hbm_utilization": 1.5})
     with pytest.raises(ValueError, match=r"kv_head_mesh_axes must be a tuple of mesh axis names, got 4"):
         PagedAttentionCacheMetaData.from_dict({**d, "kv_head_mesh_axes": 4})
@@ -323,7 +323,7 @@ def test_unknown_and_missing_fields_rejected(dp_meta):
     "text, match",
     [
         ("[1, 2]", r"must be an object, got list"),
-        ("{not json", r"invalid JSON"),
+        ("{not json", r"is not valid JSON"),
         ('{"model": "llama", "layers": 32}', r"fields EasyDeL does not write: \['layers', 'model'\]"),
         ("{}", r"missing fields \['batch_size'"),
     ],

@@ -126,7 +126,7 @@ def test_missing_schema_rejected_by_default():
 
 @pytest.mark.parametrize("text", ["{not json", "", '{"a": 1,}'])
 def test_bad_json_quotes_text(text):
-    with pytest.raises(SerializationError, match="invalid JSON") as e:
+    with pytest.raises(SerializationError, match="is not valid JSON") as e:
         Meta.from_json(text)
     assert repr(text[:60]) in str(e.value)
 

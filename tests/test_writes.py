@@ -206,7 +206,7 @@ def test_compiled_write_has_no_collectives(layout):
     assert "scatter" in hlo  # it is the write
     assert not COLLECTIVES.findall(hlo)
     # The same check on the user-level step: a jitted wrapper around cache.write.
-    md = PagedAttentionMetadata.for_decode([[0, -1, -1, -1]] * T, [0] * T, cache_metadata=meta)
+    md = PagedAttentionMetadata.for_decode([[i, -1, -1, -1] for i in range(T)], [0] * T, cache_metadata=meta)
     step = jax.jit(lambda c, k, m: c.write(k, k, m), donate_argnums=0)
     hlo = step.lower(cache, keys, jax.tree.map(jnp.asarray, md)).compile().as_text()
     assert "scatter" in hlo and not COLLECTIVES.findall(hlo)
@@ -270,7 +270,7 @@ def test_bad_write_inputs_raise_before_writing():
         (lambda: view.write_prefill_to_cache(k[0], v[0], past_limit), r"token 8 would be written to slot -2"),
         (lambda: view.write_decodes_to_cache(k[0], v[0], outside), r"token 3 would be written"),
         (lambda: view.write_tokens(k[0, :2], v[0, :2], [5, SLOTS]), r"token 1 would be written to slot 96"),
-        (lambda: view.write_tokens(k[0, :2], v[0, :2], np.array([[5, 6]])), r"slots must be 1-D"),
+        (lambda: view.write_tokens(k[0, :2], v[0, :2], np.array([[5, 6]])), r"slots must have 1 dimension"),
     ]
     for call, match in view_cases:
         with pytest.raises(ValueError, match=match):

@@ -3,6 +3,10 @@ sizes and formats (a prefill host handing a sequence to a decode host)."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -105,3 +109,53 @@ def test_bad_imports_change_nothing():
         import_sequence(dst_cache, dst_mgr, {"keys": 1})
     with pytest.raises(ValueError, match="not a readable"):
         SequenceExport.from_bytes(b"not an npz")
+
+
+def test_export_waits_for_pending_copy_on_write():
+    """A fork's first reservation gives it a private copy of the shared, partly filled page;
+    until the copy is applied the cache does not hold its tokens there, so export refuses."""
+    cache, manager, _ = engine_run("heads")
+    child = manager.fork(0)
+    manager.build_step_metadata([child], [1])  # copy-on-write of the partly filled last page, pending
+    state, before = manager.state_dict(), raw_leaves(cache)
+    with pytest.raises(ValueError, match="pending copy-on-write"):
+        export_sequence(cache, manager, child)
+    assert manager.state_dict() == state and all(np.array_equal(a, b) for a, b in zip(before, raw_leaves(cache)))
+    cache, copied = manager.apply_pending(cache)
+    assert copied == 1
+    parent, forked = export_sequence(cache, manager, 0), export_sequence(cache, manager, child)
+    assert np.array_equal(bits(forked.keys), bits(parent.keys))
+    assert np.array_equal(bits(forked.values), bits(parent.values))
+
+
+def test_salted_imports_stay_in_their_namespace():
+    cache, manager, _ = engine_run("heads")
+    n = manager.length(0)
+    exported = export_sequence(cache, manager, 0, token_ids=PROMPT_A[:n])
+    dst_cache, dst_mgr = target("heads", page_size=4)
+    dst_cache, _ = import_sequence(dst_cache, dst_mgr, exported, salt="tenant", reuse_prefix=False)
+    assert dst_mgr.cached_prefix_length(PROMPT_A[:n]) == 0  # not keyed under "no salt"
+    dst_cache, _ = import_sequence(dst_cache, dst_mgr, exported, salt="tenant")
+    assert dst_mgr.cached_prefix_length(PROMPT_A[:n], salt="tenant") == 8
+    assert dst_mgr.cached_prefix_length(PROMPT_A[:n]) == 0 and dst_mgr.cached_prefix_length(PROMPT_A[:n], salt="x") == 0
+    dst_mgr.check_invariants()
+
+
+def test_a_malformed_export_leaves_the_cache_usable():
+    """The attack that started it: token ids shorter than the sequence (or any broken field)
+    used to be found after claim, reserve and the cache's donation."""
+    cache, manager, _ = engine_run("heads")
+    n = manager.length(0)
+    exported = export_sequence(cache, manager, 0, token_ids=PROMPT_A[:n])
+    with pytest.raises(ValueError, match="token_ids"):
+        dataclasses.replace(exported, token_ids=PROMPT_A[: n - 1])
+    short = copy.copy(exported)
+    object.__setattr__(short, "token_ids", np.asarray(PROMPT_A[: n - 1]))  # past the constructor
+    dst_cache, dst_mgr = target("dp", page_size=8)
+    state, before = dst_mgr.state_dict(), raw_leaves(dst_cache)
+    with pytest.raises(ValueError, match="token_ids holds 10 ids"):
+        import_sequence(dst_cache, dst_mgr, short)
+    assert dst_mgr.state_dict() == state and all(np.array_equal(a, b) for a, b in zip(before, raw_leaves(dst_cache)))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(dst_cache))
+    dst_cache, seq = import_sequence(dst_cache, dst_mgr, exported)  # the same cache, still usable
+    assert dst_mgr.length(seq) == n and SequenceExport.from_bytes(exported.to_bytes()) == exported

@@ -1,22 +1,61 @@
-"""Multi-process helpers: start JAX's multi-controller runtime, and check hosts stay in lock-step.
+"""Multi-process helpers: start JAX's multi-controller runtime, check that hosts stay in
+lock-step, and run several processes on one machine that fail fast.
 
 Every process runs the same program. The page manager runs on every host and must make the same
 decisions everywhere (it is deterministic); ``assert_lockstep`` all-gathers a fingerprint of its
 state and names the processes that diverged, so a divergence is caught at the step it happens
 instead of surfacing later as silently mixed-up pages.
+
+Why a failing process skips JAX's shutdown barrier (``initialize(fail_fast=True)``, which
+``initialize_from_env`` uses). ``import jax`` registers an atexit hook that calls
+``jax.distributed.shutdown()``, and that waits in a barrier until every process has reached it,
+for up to ``shutdown_timeout_seconds`` (300 s by default). A process that fails mid-run enters the
+barrier while its peers wait for it in a collective, so it waits out the whole timeout; and, as
+we measured with JAX 0.10, a barrier that times out makes the coordination service abort *every*
+process (SIGABRT), the healthy ones too. A short timeout is therefore no fix: a healthy process
+that finishes a few seconds before the others would bring the run down. So a clean exit keeps the
+barrier (it keeps the coordinator, which lives in process 0, up until everyone is done), and only
+a failing exit skips it: our own atexit hook runs before JAX's (atexit is last in, first out) and
+detaches JAX's client and service, so the shutdown finds nothing to wait for. They are leaked on
+purpose: freeing them runs their C++ destructor, which enters the same barrier. Python then ends
+as usual, so the exit status is Python's own: 1 for an uncaught exception, 3 for ``sys.exit(3)``
+or ``raise SystemExit(3)``. The peers learn of it from the launcher, which stops them, or from
+JAX itself within its heartbeat timeout.
+
+An atexit hook is not told the exit status, so the hook reads it off the ``__main__`` module's
+frame, kept from the time of ``initialize``: a script that ran to its end stopped on its final
+return, anything else was unwound by an exception. That exception is a failure unless it came
+from ``sys.exit()`` with status 0 or None, which a thin wrapper of ``sys.exit`` records. So a worker
+ends cleanly by running off the end of its script or by ``sys.exit(0)``; a bare
+``raise SystemExit(0)`` or ``exit()`` counts as a failure: it skips the barrier, so peers still
+running are aborted by JAX. Should JAX's internals move, the hook finds nothing to detach and the
+old behaviour (the barrier) stays.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
+import dis
 import hashlib
 import json
-from collections.abc import Mapping
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from easykv.validation import positive_int
+from easykv.validation import boolean, positive_int, real
 
 
 class LockstepError(RuntimeError):
@@ -32,14 +71,18 @@ def initialize(
     initialization_timeout: int = 300,
     heartbeat_timeout_seconds: int = 100,
     shutdown_timeout_seconds: int = 300,
+    fail_fast: bool = False,
 ) -> None:
     """``jax.distributed.initialize`` with what a CPU run needs as well.
 
     On TPU pods and GPU clusters the arguments may be left out (JAX detects the cluster).
     ``cpu_devices_per_process`` simulates that many CPU devices in this process and selects the
-    gloo collectives, which is how the tests run several hosts on one machine. Call it before
-    any other JAX work.
+    gloo collectives, which is how the tests run several hosts on one machine. ``fail_fast``
+    makes a failing exit of this process skip JAX's shutdown barrier (see the module docstring).
+    Call it before any other JAX work.
     """
+    if boolean("fail_fast", fail_fast):
+        _install_fail_fast()  # first: a failure inside jax.distributed.initialize is covered too
     if cpu_devices_per_process is not None:
         cpu_devices_per_process = positive_int("cpu_devices_per_process", cpu_devices_per_process)
         jax.config.update("jax_num_cpu_devices", cpu_devices_per_process)
@@ -92,18 +135,104 @@ def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
     return digest
 
 
+# ---- leaving a run: a failing process skips JAX's shutdown barrier (module docstring) ----
+_NO_STATUS = object()
+_RETURNS = {"RETURN_VALUE", "RETURN_CONST"}  # how a module's code ends (3.11; 3.12 and later)
+
+
+class _FailFast:
+    def __init__(self, main_frame: Any):
+        self.main_frame = main_frame
+        self.exit_status: Any = _NO_STATUS
+        self.sys_exit = sys.exit
+
+    def record_exit(self, status: Any = None, /) -> None:
+        """Stands in for ``sys.exit``: remembers the status, then exits as ``sys.exit`` does."""
+        if threading.current_thread() is threading.main_thread():  # elsewhere it ends a thread only
+            self.exit_status = status
+        self.sys_exit(status)
+
+    def failing(self) -> bool:
+        frame = self.main_frame
+        try:
+            if dis.opname[frame.f_code.co_code[frame.f_lasti]] in _RETURNS:
+                return False  # the script ran to its end
+        except (IndexError, ValueError):  # frames we cannot read (another interpreter): keep the barrier
+            return False
+        status = self.exit_status
+        return not (status is None or (isinstance(status, int) and status == 0))
+
+    def at_exit(self) -> None:
+        if self.failing():
+            print("easykv: this process is exiting with an error; it skips JAX's shutdown barrier",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            _detach_jax_shutdown()
+
+
+_fail_fast: _FailFast | None = None
+
+
+def _install_fail_fast() -> None:
+    global _fail_fast
+    if _fail_fast is not None:
+        return
+    # The main thread's outermost frame of the __main__ module, found from any thread.
+    main = sys.modules.get("__main__")
+    frame, found = sys._current_frames().get(threading.main_thread().ident), None
+    while frame is not None:
+        if main is not None and frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            found = frame
+        frame = frame.f_back
+    if found is None:  # no script (an embedded interpreter): keep JAX's behaviour
+        return
+    _fail_fast = _FailFast(found)
+    sys.exit = _fail_fast.record_exit
+    atexit.register(_fail_fast.at_exit)  # after `import jax` registered its hook, so it runs first
+
+
+def _detach_jax_shutdown() -> None:
+    from jax._src import distributed as jax_distributed  # the state jax.distributed.shutdown() reads
+
+    state = jax_distributed.global_state
+    for name in ("preemption_sync_manager", "client", "service"):
+        held = getattr(state, name, None)
+        if held is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))  # never freed: its destructor waits too
+            setattr(state, name, None)
+
+
 # ---- running several processes on one machine (tests, examples, trying multi-host locally) ----
 _ENV = ("EASYKV_COORDINATOR", "EASYKV_NUM_PROCESSES", "EASYKV_PROCESS_ID", "EASYKV_CPU_DEVICES")
+_MAX_LOCAL_PROCESSES = 256
+# The last words of a process that JAX aborted because *another* one failed.
+_JAX_FOLLOWER = "JAX distributed service detected fatal errors"
+_POLL_S = 0.02
 
 
 class MultiProcessError(RuntimeError):
-    """A local multi-process run failed: a worker died or the run exceeded its time bound."""
+    """A local multi-process run failed: a worker died, the run exceeded its time bound, or the
+    launcher was stopped by a signal; every worker was killed.
+
+    ``process`` is the worker that failed first (the first still running at a timeout; None when
+    the launcher was stopped), ``returncode`` its exit code (negative: the signal that killed it;
+    None if it was still running), ``log_path`` its log, ``hung`` the workers still running at the
+    timeout (empty otherwise).
+    """
+
+    def __init__(self, message: str, *, process: int | None = None, returncode: int | None = None,
+                 log_path: str | None = None, hung: tuple[int, ...] = ()):  # fmt: skip
+        super().__init__(message)
+        self.process = process
+        self.returncode = returncode
+        self.log_path = log_path
+        self.hung = hung
 
 
 def initialize_from_env(**timeouts: int) -> int:
-    """In a worker started by ``launch_local``: join the run; returns this process's id."""
-    import os
+    """In a worker started by ``launch_local``: join the run; returns this process's id.
 
+    A failing exit skips JAX's shutdown barrier (``fail_fast``), so the launcher hears of it at once.
+    """
     missing = [k for k in _ENV if k not in os.environ]
     if missing:
         raise RuntimeError(f"not started by easykv.distributed.launch_local: {missing} not set")
@@ -113,78 +242,243 @@ def initialize_from_env(**timeouts: int) -> int:
         int(os.environ["EASYKV_NUM_PROCESSES"]),
         pid,
         cpu_devices_per_process=int(os.environ["EASYKV_CPU_DEVICES"]),
+        fail_fast=True,
         **timeouts,
     )
     return pid
 
 
 def launch_local(
-    argv: list[str],
+    argv: Sequence[str],
     *,
     num_processes: int = 2,
     cpu_devices_per_process: int = 4,
     timeout: float = 180.0,
-    log_dir: str,
+    log_dir: str | os.PathLike[str],
 ) -> list[str]:
     """Run ``argv`` as ``num_processes`` workers on 127.0.0.1 forming one JAX runtime.
 
     Each worker calls ``initialize_from_env()``. Output goes to ``log_dir/process-<i>.log``.
-    The first worker to fail stops the others and raises ``MultiProcessError`` with its log;
-    so does a run past ``timeout`` seconds. Returns every worker's output on success.
+    Returns every worker's output once all exited with 0. Otherwise raises ``MultiProcessError``
+    naming the first worker to fail (its exit code or signal and the end of its log), or at
+    ``timeout`` seconds the workers still running. Every worker runs in its own session; whatever
+    happens, each worker's whole process group is killed before this returns or raises, also when
+    SIGTERM or SIGINT stops the launcher (its handlers are restored and the signal passed on to
+    them afterwards). On Linux a worker is also killed when the launcher dies by SIGKILL.
     """
-    import os
-    import socket
-    import subprocess
-    import time
+    argv = _command(argv)
+    num_processes = positive_int("num_processes", num_processes, hi=_MAX_LOCAL_PROCESSES,
+                                 hint="launch_local starts that many processes on this machine")  # fmt: skip
+    cpu_devices_per_process = positive_int("cpu_devices_per_process", cpu_devices_per_process)
+    timeout = real("timeout", timeout, lo=0, hi=math.inf, lo_open=True, hi_open=True,
+                   hint="the seconds the whole run may take")  # fmt: skip
+    if not isinstance(log_dir, (str, os.PathLike)):
+        raise ValueError(f"log_dir must be a directory path, got {log_dir!r} of type {type(log_dir).__name__}")
+    log_dir = os.fspath(log_dir)
 
-    positive_int("num_processes", num_processes)
-    positive_int("cpu_devices_per_process", cpu_devices_per_process)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.makedirs(log_dir, exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    base.update(JAX_PLATFORMS="cpu", EASYKV_COORDINATOR=f"127.0.0.1:{port}",
-                EASYKV_NUM_PROCESSES=str(num_processes), EASYKV_CPU_DEVICES=str(cpu_devices_per_process))  # fmt: skip
-    paths = [os.path.join(log_dir, f"process-{i}.log") for i in range(num_processes)]
-    procs = []
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # PYTHONUNBUFFERED: a worker killed mid-run still leaves its last words in its log.
+    env.update(JAX_PLATFORMS="cpu", EASYKV_COORDINATOR=f"127.0.0.1:{port}", EASYKV_NUM_PROCESSES=str(num_processes),
+               EASYKV_CPU_DEVICES=str(cpu_devices_per_process), PYTHONUNBUFFERED="1")  # fmt: skip
+    workers = _Workers([os.path.join(log_dir, f"process-{i}.log") for i in range(num_processes)])
+    guard = _SignalGuard()
+    error = None
     try:
-        for i, path in enumerate(paths):
-            with open(path, "w") as out:
-                env = {**base, "EASYKV_PROCESS_ID": str(i)}
-                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i = failed[0]
-                raise MultiProcessError(
-                    f"process {i} of {num_processes} exited with code {codes[i]}; the others were stopped.\n"
-                    f"--- {paths[i]} (last lines) ---\n{_tail(paths[i])}"
-                )
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                running = [i for i, c in enumerate(codes) if c is None]
-                raise MultiProcessError(
-                    f"processes {running} still running after {timeout:.0f} s; all were stopped.\n"
-                    + "\n".join(f"--- {paths[i]} (last lines) ---\n{_tail(paths[i])}" for i in running)
-                )
-            time.sleep(0.05)
+        guard.install()
+        workers.start(argv, env, guard)
+        error = workers.wait(timeout)
+    except _Stopped:
+        pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
+        guard.raising = False  # a signal now is only noted: the cleanup below must run to its end
+        workers.kill_all()
+        guard.restore()
+    if guard.received is not None:
+        name = signal.Signals(guard.received).name
+        signal.raise_signal(guard.received)  # to the caller's handler, or the default action
+        raise MultiProcessError(f"launch_local was stopped by {name}; every worker was killed")
+    if error is not None:
+        raise error
     outputs = []
-    for path in paths:
-        with open(path) as f:
+    for path in workers.paths:
+        with open(path, errors="replace") as f:
             outputs.append(f.read())
     return outputs
 
 
+def _command(argv: Any) -> list[str]:
+    if isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence) or not argv:
+        raise ValueError(f"argv must be a non-empty list of strings, such as [sys.executable, 'worker.py'], "
+                         f"got {repr(argv):.80}")  # fmt: skip
+    for i, arg in enumerate(argv):
+        if not isinstance(arg, (str, os.PathLike)):
+            raise ValueError(f"argv[{i}] must be a string or a path, got {repr(arg):.80} "
+                             f"of type {type(arg).__name__}")
+    command = [os.fspath(a) for a in argv]
+    if shutil.which(command[0]) is None:
+        raise ValueError(f"argv[0] = {command[0]!r} is neither an executable file nor a program on PATH")
+    return command
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached the launcher: unwinds launch_local to its cleanup."""
+
+
+class _SignalGuard:
+    """SIGTERM and SIGINT stop the run while launch_local runs (only the main thread may set handlers)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.received: int | None = None
+        self.raising = True
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # respect a caller who ignores it
+                self.previous[sig] = signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+        if self.raising:
+            self.raising = False
+            raise _Stopped
+
+    @contextlib.contextmanager
+    def held(self) -> Any:
+        """A signal inside the block acts at its end (a worker being forked must be on the list first)."""
+        self.raising = False
+        try:
+            yield
+        finally:
+            self.raising = True
+        if self.received is not None:
+            raise _Stopped
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _Workers:
+    def __init__(self, paths: list[str]):
+        self.paths = paths
+        self.procs: list[subprocess.Popen] = []
+        self.started = time.monotonic()
+
+    def start(self, argv: list[str], env: dict[str, str], guard: _SignalGuard) -> None:
+        argv = _wrapped(argv)
+        for i, path in enumerate(self.paths):
+            with open(path, "wb") as log, guard.held():
+                self.procs.append(subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env={**env, "EASYKV_PROCESS_ID": str(i)},
+                    start_new_session=True,  # its own process group: killed as a whole, with its children
+                ))  # fmt: skip
+
+    def wait(self, timeout: float) -> MultiProcessError | None:
+        """Until all exited with 0 (None), one failed or the time is up (the error to raise)."""
+        deadline, grace = self.started + timeout, None
+        while True:
+            codes = [_exit_status(p) for p in self.procs]
+            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # A process that JAX aborted because a peer failed can be seen in the same poll as
+                # (or, on a loaded machine, just before) the one that failed: give that one a moment.
+                causes = [i for i in failed if not self._follower(i, codes[i])]
+                grace = grace or time.monotonic() + 1.0
+                if causes or time.monotonic() >= grace:
+                    return self._failure((causes or failed)[0], codes)
+            elif all(c == 0 for c in codes):
+                return None
+            if time.monotonic() >= deadline:
+                return self._timeout(timeout, [i for i, c in enumerate(codes) if c is None])
+            time.sleep(_POLL_S)
+
+    def _follower(self, i: int, code: int) -> bool:
+        return code == -signal.SIGABRT and _JAX_FOLLOWER in _tail(self.paths[i], 200)
+
+    def _failure(self, i: int, codes: list[int | None]) -> MultiProcessError:
+        others = ", ".join(f"process {j} {'was running' if c is None else _how(c)}"
+                           for j, c in enumerate(codes) if j != i)  # fmt: skip
+        message = (f"process {i} of {len(codes)} {_how(codes[i])} {time.monotonic() - self.started:.1f} s after "
+                   f"the start; every worker was killed ({others or 'no others'}).\n"
+                   f"--- {self.paths[i]} (last lines) ---\n{_tail(self.paths[i])}")  # fmt: skip
+        return MultiProcessError(message, process=i, returncode=codes[i], log_path=self.paths[i])
+
+    def _timeout(self, timeout: float, hung: list[int]) -> MultiProcessError:
+        logs = "\n".join(f"--- {self.paths[i]} (last lines) ---\n{_tail(self.paths[i])}" for i in hung)
+        message = (f"processes {hung} of {len(self.procs)} still running after {timeout:g} s (the timeout of "
+                   f"launch_local); every worker was killed.\n{logs}")  # fmt: skip
+        return MultiProcessError(message, process=hung[0], log_path=self.paths[hung[0]], hung=tuple(hung))
+
+    def kill_all(self) -> None:
+        # Each worker leads its own process group; its pid is also the group's id, and it stays
+        # reserved until the worker is reaped below (_exit_status does not reap), so no other
+        # process can be hit by mistake.
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # the group is gone already
+                pass
+        for proc in self.procs:
+            proc.wait()
+
+
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """A worker's exit status (negative: killed by that signal), None while it runs; not reaped."""
+    if not hasattr(os, "waitid"):
+        return proc.poll()
+    info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
+def _how(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown signal"
+    return f"was killed by signal {-code} ({name})"
+
+
+# Each worker first runs this in a bare interpreter, which then becomes the worker by exec (same pid,
+# and the setting survives exec): the kernel SIGKILLs the worker when the launcher dies, even by
+# SIGKILL. Doing it here rather than in a preexec_fn keeps subprocess from forking a process that
+# has JAX loaded. The kernel ties it to the *thread* that started the worker: launch_local starts
+# and waits in the same thread, which therefore lives exactly as long as the run.
+_DIE_WITH_LAUNCHER = """\
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, 9) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+    print("easykv: prctl(PR_SET_PDEATHSIG) failed; this worker may outlive a killed launcher", file=sys.stderr)
+if os.getppid() != int(sys.argv[1]):  # the launcher died before the line above took effect
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _wrapped(argv: list[str]) -> list[str]:
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
+
+
 def _tail(path: str, lines: int = 40) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 65536))  # a long log: its end is enough
+            text = f.read().decode(errors="replace")
+    except OSError as err:
+        return f"(the log cannot be read: {err})"
+    return "\n".join(text.splitlines()[-lines:])

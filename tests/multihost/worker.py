@@ -1,18 +1,22 @@
 """One worker of a 2-process run started by easykv.distributed.launch_local (see test_multihost.py).
 
-    python tests/multihost/worker.py MODE
+    python tests/multihost/worker.py MODE [ARGS...]
 
 Prints "WORKER OK <pid>" when every check of MODE passed; any failure raises (exit code != 0).
+With $EASYKV_TEST_PID_DIR set, records its pid there (tests check no worker outlives the launcher).
 """
 
+import os
+import signal
 import sys
+import time
 
 from easykv.distributed import initialize_from_env
 
 MODE = sys.argv[1]
+if "EASYKV_TEST_PID_DIR" in os.environ:
+    open(os.path.join(os.environ["EASYKV_TEST_PID_DIR"], f"pid-{os.getpid()}"), "w").close()
 if MODE == "die-early":
-    import os
-
     if os.environ.get("EASYKV_PROCESS_ID") == "1":
         print("process 1 fails on purpose", flush=True)
         raise SystemExit(3)
@@ -141,12 +145,53 @@ def diverge_mode() -> None:
         raise AssertionError("divergent state was not detected")
 
 
+def fail_mode(how: str, who: int) -> None:
+    """Process ``who`` fails after initialize as ``how`` says; the others wait for it in a collective."""
+    if pid == who:
+        print(f"process {pid} fails on purpose ({how}) at {time.time():.3f}", flush=True)
+        if how == "raise":
+            raise RuntimeError(f"process {pid} fails on purpose")
+        if how == "sys-exit":
+            sys.exit(3)
+        if how == "systemexit":
+            raise SystemExit(3)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(f"unknown failure {how!r}")
+    multihost_utils.sync_global_devices("waits for the failing process")
+    raise AssertionError("a collective returned although a process had failed")
+
+
+def hang_mode() -> None:
+    """Process 1 lives on (JAX's heartbeats go on) but never joins process 0's collective."""
+    if pid == 1:
+        time.sleep(600)
+    multihost_utils.sync_global_devices("process 1 never comes")
+
+
+def skew_mode(late: int) -> None:
+    """Process ``late`` finishes 3 s after the other, which ends by sys.exit(0): a clean exit, so it
+    waits in JAX's shutdown barrier for the late one."""
+    multihost_utils.sync_global_devices("both ran")
+    if pid == late:
+        time.sleep(3)
+    else:
+        print(f"WORKER OK {pid}", flush=True)
+        sys.exit(0)
+
+
 if MODE in ("cache-tp", "cache-dp"):
     cache_mode(MODE.split("-")[1])
 elif MODE == "checkpoint":
     checkpoint_mode(sys.argv[2], sys.argv[3])
 elif MODE == "diverge":
     diverge_mode()
+elif MODE == "fail":
+    fail_mode(sys.argv[2], int(sys.argv[3]))
+elif MODE == "hang":
+    hang_mode()
+elif MODE == "skew":
+    skew_mode(int(sys.argv[2]))
 elif MODE == "die-early":
     multihost_utils.sync_global_devices("never reached by process 1")
 else:

@@ -465,15 +465,16 @@ class PageManager:
         self._lens[rows] = lens + counts
 
     def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
-        """Tokens committed into a page whose copy-on-write copy or scrub has not been applied
-        were written before that device work, which would then overwrite them."""
+        """Tokens committed into a page a pending copy or scrub touches were written before that
+        device work: it would overwrite them, or carry them into another sequence's page."""
         ps = self.page_size
-        pending = set(self._copies) | set(self._pool.pending_scrubs().tolist())
+        pending = set(self._copies) | set(self._copies.values()) | set(self._pool.pending_scrubs().tolist())
         for i in np.flatnonzero(counts > 0).tolist():
             row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
             for page in self._table[row, first : last + 1].tolist():
                 if page in pending:
-                    work = "copy-on-write copy" if page in self._copies else "scrub"
+                    work = ("copy-on-write copy" if page in self._copies or page in self._copies.values()
+                            else "scrub")
                     raise ValueError(
                         f"sequence {row} commits tokens in page {page}, whose {work} is still pending: the device "
                         "would overwrite them. Call apply_pending(cache) after build_step_metadata and before "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ import numpy as np
 from easykv.errors import ManagerStateError
 from easykv.prefix_hash import DIGEST_BYTES, ROOT_DIGEST
 from easykv.runtime import PAD_PAGE
-from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array
+from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
 
 if TYPE_CHECKING:
     from easykv.manager import PageManager
@@ -37,6 +38,7 @@ _CONFIG_FLAGS = ("enable_prefix_caching", "scrub_released")
 COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies")
 _SEQUENCE_KEYS = ("id", "length", "pages", "replica", "hashable", "chain", "salt", "partial")
 _POOL_KEYS = ("free", "lru", "digests", "scrub", "evictions", "scrubs")
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 
 
 class Broken(Exception):
@@ -113,7 +115,7 @@ def _ints(value: Any, field: str, lo: int, hi: int, *, unique: bool = False, max
     items = _list(value, field, max_len)
     for i, item in enumerate(items):  # JSON gives Python objects: refuse 2.0 and true exactly
         if isinstance(item, bool) or not isinstance(item, int):
-            raise _fail(f"{field}[{i}]", f"must be an int, got {item!r:.40}")
+            raise _fail(f"{field}[{i}]", f"must be an int, got {show(item)}")
     try:
         arr = integer_array(field, items, ndim=1, lo=lo, hi=hi, dtype=np.int64)
     except ValueError as err:
@@ -129,12 +131,11 @@ def _first_repeat(arr: np.ndarray) -> int:
 
 
 def _digest(value: Any, field: str) -> bytes:
-    if not isinstance(value, str) or len(value) != 2 * DIGEST_BYTES:
-        raise _fail(field, f"must be {2 * DIGEST_BYTES} hex digits (a {DIGEST_BYTES}-byte sha256), got {value!r:.80}")
-    try:
-        return bytes.fromhex(value)
-    except ValueError:
-        raise _fail(field, f"is not hex: {value!r:.80}") from None
+    # Lower-case hex only: what write_state writes, so a loaded state writes back identically.
+    if not isinstance(value, str) or not _HEX_DIGEST.fullmatch(value):
+        raise _fail(field, f"must be {2 * DIGEST_BYTES} lower-case hex digits (a {DIGEST_BYTES}-byte sha256), got "
+                           f"{show(value)}")
+    return bytes.fromhex(value)
 
 
 def _flag(value: Any, field: str) -> bool:
@@ -161,7 +162,7 @@ def read_state(m: PageManager, state: Any) -> None:
     (ManagerStateError). Cross-references are checked by `check_consistency` afterwards."""
     state = _mapping(state, "(top level)", ("format", "config", "sequences", "pool", "copies", "counters"))
     if state["format"] != STATE_FORMAT:
-        raise _fail("format", f"is {state['format']!r:.60}, expected {STATE_FORMAT!r}")
+        raise _fail("format", f"is {show(state['format'])}, expected {STATE_FORMAT!r}")
     cfg = _mapping(state["config"], "config", _CONFIG_INTS + _CONFIG_FLAGS)
     got = {**{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS},
            **{k: _flag(cfg[k], f"config.{k}") for k in _CONFIG_FLAGS}}
@@ -193,7 +194,7 @@ def read_state(m: PageManager, state: Any) -> None:
     digests: list[tuple[int, bytes]] = []
     for i, entry in enumerate(_list(raw_pool["digests"], "pool.digests", n)):
         if not isinstance(entry, list) or len(entry) != 2:
-            raise _fail(f"pool.digests[{i}]", f"must be a [page, digest] pair, got {entry!r:.80}")
+            raise _fail(f"pool.digests[{i}]", f"must be a [page, digest] pair, got {show(entry)}")
         digests.append((_int(entry[0], f"pool.digests[{i}][0]", 0, n - 1), _digest(entry[1], f"pool.digests[{i}][1]")))
     if len({p for p, _ in digests}) != len(digests):
         raise _fail("pool.digests", "gives one page two digests")
@@ -204,7 +205,7 @@ def read_state(m: PageManager, state: Any) -> None:
     copies: dict[int, int] = {}
     for i, pair in enumerate(_list(state["copies"], "copies", n)):
         if not isinstance(pair, list) or len(pair) != 2:
-            raise _fail(f"copies[{i}]", f"must be a [src, dst] page pair, got {pair!r:.80}")
+            raise _fail(f"copies[{i}]", f"must be a [src, dst] page pair, got {show(pair)}")
         src, dst = (_int(p, f"copies[{i}][{j}]", 0, n - 1) for j, p in enumerate(pair))
         if dst in copies:
             raise _fail("copies", f"names destination page {dst} twice")
@@ -282,6 +283,8 @@ def check_consistency(m: PageManager) -> None:
     pool.check(np.bincount(pages, minlength=pool.num_pages).astype(np.int32))
     if not m.enable_prefix_caching and (pool.num_cached() or any(pool.digest_of(p) is not None for p in range(pool.num_pages))):
         raise Broken("pool.digests", "prefix caching is off but pages carry digests")
+    if not m.scrub_released and pool.has_pending_scrubs():
+        raise Broken("pool.scrub", "pages are to be scrubbed but the manager does not scrub released pages")
     salt_of: dict[int, bytes] = {}
     for row, col in np.argwhere(held):
         page = int(m._table[row, col])
@@ -334,11 +337,25 @@ def _check_pending(m: PageManager, held: np.ndarray) -> None:
         if not holders or pool.digest_of(dst) is not None:
             raise Broken(field, f"copy {src} -> {dst} targets page {dst}, which no sequence holds as its own "
                                 "unfinished page")
-        for row, col in holders:
-            length = int(m._lens[row])
-            if length % ps == 0 or col != length // ps:
-                raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {row} holds "
-                                    f"at column {col} with {length} tokens written (not its unfinished page)")
+        # A copy-on-write copy is pending from the moment a sequence that shared a partly filled
+        # page (a fork) reserves room in it until the copy is applied, and no commit touches
+        # either page meanwhile. So every holder of the destination, and every holder of the
+        # source that has written into it, has the same length, the page at the same column,
+        # and the same pages before it: anything else would copy one sequence's tokens into
+        # another's page.
+        length = int(m._lens[holders[0][0]])
+        col = length // ps
+        before = m._table[holders[0][0], :col]
+        if length % ps == 0:
+            raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {holders[0][0]} "
+                                f"holds with {length} tokens written (a full page, not an unfinished one)")
+        writers = [(row, c) for row, c in where.get(src, []) if c * ps < int(m._lens[row])]
+        for row, c in holders + writers:
+            if int(m._lens[row]) != length or c != col or not np.array_equal(m._table[row, :col], before):
+                raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
+                                    f"(sequence {row} holds page {m._table[row, c]} at column {c} with "
+                                    f"{int(m._lens[row])} tokens; sequence {holders[0][0]} holds page {dst} at "
+                                    f"column {col} with {length})")
     for page in sorted(scrub):
         holders = where.get(page, [])
         if not holders:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,15 @@ INT64_MAX = 2**63 - 1
 JSON_MAX_DEPTH = 32
 
 
-def _show(value: Any, limit: int = 48) -> str:
-    """repr of a bad value, shortened: an int of 10,000 digits must not flood the message."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+_REPR = reprlib.Repr()  # keyword arguments need Python 3.12
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 48, 48, 48
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def show(value: Any) -> str:
+    """A short repr of a bad value for a message: an int of 10,000 digits or a list nested
+    10,000 deep must neither flood the message nor exhaust the stack."""
+    return _REPR.repr(value)
 
 
 def _kind(lo: int | None) -> str:
@@ -64,9 +70,9 @@ def integer(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32
         if "Tracer" in kind:
             raise ValueError(f"{name} is a traced value ({kind}); pass a static Python int, known on the "
                              "host before jit") from None
-        raise ValueError(f"{name} must be {_kind(lo)}, got {_show(value)}{_note(lo, hi, hint, f'a {kind}')}") from None
+        raise ValueError(f"{name} must be {_kind(lo)}, got {show(value)}{_note(lo, hi, hint, f'a {kind}')}") from None
     if (lo is not None and number < lo) or (hi is not None and number > hi):
-        raise ValueError(f"{name} must be {_kind(lo)}, got {_show(number)}{_note(lo, hi, hint)}")
+        raise ValueError(f"{name} must be {_kind(lo)}, got {show(number)}{_note(lo, hi, hint)}")
     return number
 
 
@@ -94,11 +100,11 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     if "Tracer" in kind:
         raise ValueError(f"{name} is a traced value ({kind}); build it on the host, outside jit")
     if isinstance(value, (str, bytes, bytearray, memoryview, dict, set)) or value is None:
-        raise ValueError(f"{name} must be an array of ints, got {_show(value)}{_note(lo, hi, hint, f'a {kind}')}")
+        raise ValueError(f"{name} must be an array of ints, got {show(value)}{_note(lo, hi, hint, f'a {kind}')}")
     try:
         arr = np.asarray(value)
     except (ValueError, TypeError, OverflowError) as err:  # ragged lists, unconvertible objects
-        raise ValueError(f"{name} must be a regular array of ints, got {_show(value)}{_note(None, None, hint, str(err))}") from None
+        raise ValueError(f"{name} must be a regular array of ints, got {show(value)}{_note(None, None, hint, str(err))}") from None
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}{_note(None, None, hint)}")
     if arr.size == 0:
@@ -119,7 +125,7 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
         if not ok:
             index = tuple(int(i) for i in np.argwhere(arr == bad)[0])
             where = f"{name}[{', '.join(map(str, index))}]" if index else name
-            raise ValueError(f"{where} = {_show(bad)} is out of range{_note(lo, hi, hint)}")
+            raise ValueError(f"{where} = {show(bad)} is out of range{_note(lo, hi, hint)}")
     return arr.astype(dtype)
 
 
@@ -129,20 +135,23 @@ def real(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False, 
     interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     suffix = f" ({hint})" if hint else ""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number in {interval}, got {_show(value)} of type "
+        raise ValueError(f"{name} must be a number in {interval}, got {show(value)} of type "
                          f"{type(value).__name__}{suffix}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} must be a number in {interval}, got {show(value)}{suffix}") from None
     below = number <= lo if lo_open else number < lo
     above = number >= hi if hi_open else number > hi
     if not math.isfinite(number) or below or above:
-        raise ValueError(f"{name} must be a number in {interval}, got {_show(value)}{suffix}")
+        raise ValueError(f"{name} must be a number in {interval}, got {show(value)}{suffix}")
     return number
 
 
 def boolean(name: str, value: Any) -> bool:
     """A real bool (numpy's too); ``1``, ``"yes"`` and None are refused, not guessed."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be True or False, got {_show(value)} of type {type(value).__name__}")
+        raise ValueError(f"{name} must be True or False, got {show(value)} of type {type(value).__name__}")
     return bool(value)
 
 
@@ -174,5 +183,5 @@ def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueEr
 
 __all__ = [
     "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "boolean", "integer", "integer_array", "non_negative_int",
-    "optional_int", "parse_json", "positive_int", "real",
+    "optional_int", "parse_json", "positive_int", "real", "show",
 ]

@@ -4,13 +4,19 @@ A plain model keeps each sequence's token ids; a simulated device (one token id 
 applies the manager's page copies and scrubs, then each step's writes through its slot
 mapping. After every step the device, read through each sequence's page table, must give back
 exactly the model's tokens (prefix hits included), and check_invariants() must pass.
+
+Every call goes to two managers: one never restored, one restored from its JSON state at random
+points. Both must answer every call identically and hold the same state byte for byte: the
+state is canonical, so hosts in lock-step agree whether or not one of them restored.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -27,6 +33,42 @@ SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b)) and np.asarray(a).dtype == np.asarray(b).dtype
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class Twins:
+    """Two managers driven by the same calls: ``live`` is never restored, ``restored`` is
+    rebuilt from its JSON state at random points. Each call must give both the same result,
+    or the same exception."""
+
+    def __init__(self, live: PageManager, restored: PageManager):
+        self.live, self.restored = live, restored
+
+    def __getattr__(self, name):
+        a, b = getattr(self.live, name), getattr(self.restored, name)
+        if not callable(a):
+            return a
+
+        def call(*args, **kwargs):
+            try:
+                got = a(*args, **kwargs)
+            except Exception as err:
+                with pytest.raises(type(err)):
+                    b(*args, **kwargs)
+                raise
+            assert _same(got, b(*args, **kwargs)), name
+            return got
+
+        return call
+
+
 class ManagerMachine(RuleBasedStateMachine):
     shards = 1
     caching = True
@@ -38,7 +80,8 @@ class ManagerMachine(RuleBasedStateMachine):
             batch_size=BATCH, num_hidden_layers=1, num_pages_per_layer=PAGES,
             num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
             kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards)
-        self.pm = PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
+        self.pm = Twins(*(PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
+                          for _ in range(2)))
         self.device = np.full((PAGES, PS), -1, np.int64)
         self.model: dict[int, dict] = {}
         self.history: list[list[int]] = []  # token ids of released sequences
@@ -166,9 +209,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def restore(self):
-        state = json.loads(json.dumps(self.pm.state_dict()))
-        self.pm = PageManager.from_state_dict(self.meta, state)
-        assert self.pm.state_dict() == state
+        state = json.loads(json.dumps(self.pm.restored.state_dict()))
+        self.pm = Twins(self.pm.live, PageManager.from_state_dict(self.meta, state))
+        assert self.pm.restored.state_dict() == state
 
     # ---- invariants ------------------------------------------------------------------------------
     @invariant()
@@ -176,6 +219,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "pm"):
             return
         self.pm.check_invariants()
+        live, restored = (json.dumps(m.state_dict(), sort_keys=True) for m in (self.pm.live, self.pm.restored))
+        assert live == restored  # canonical: the same calls give the same state, restored or not
         assert self.pm.active_ids == sorted(self.model)
         self._check_contents()
         m = self.pm.metrics

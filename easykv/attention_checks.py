@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from easykv.validation import as_dtype, optional_int, real, show
 from easykv.pages import PageLayout
 from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata
@@ -85,21 +86,11 @@ def _is_host(*xs: Any) -> bool:
 
 
 def _positive_int_or_none(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    return int(value)
+    return optional_int(name, value, lo=1)
 
 
 def _positive_float_or_none(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (
-        math.isfinite(float(value)) and float(value) > 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
-    return float(value)
+    return None if value is None else real(name, value, lo=0, hi=math.inf, lo_open=True, hi_open=True)
 
 
 def _logical_dtype(dtype: Any, stored: np.dtype) -> np.dtype:
@@ -112,10 +103,7 @@ def _logical_dtype(dtype: Any, stored: np.dtype) -> np.dtype:
             f"dtype ({' or '.join(fits) or 'a float dtype'}), or use view_attention, which takes "
             "it from the view"
         )
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as err:
-        raise ValueError(f"dtype={dtype!r} is not a dtype; use one of {', '.join(_FLOAT_DTYPES)}") from err
+    dt = as_dtype("dtype", dtype, choices=", ".join(_FLOAT_DTYPES))
     if dt.name not in _FLOAT_DTYPES:
         raise ValueError(f"dtype={dt.name} is not a page dtype; use one of {', '.join(_FLOAT_DTYPES)}")
     if stored != dt and not (stored.kind == "u" and stored.itemsize == dt.itemsize):
@@ -208,12 +196,7 @@ def _prepare(
     logical = _logical_dtype(dtype, k_dtype) if not quantized else _logical_dtype(dtype, np.dtype(dtype))
 
     # -- options ---------------------------------------------------------------------------------
-    if scale is None:
-        scale = head_dim**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or not (
-        math.isfinite(float(scale)) and float(scale) > 0
-    ):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = head_dim**-0.5 if scale is None else _positive_float_or_none("scale", scale)
     window = _positive_int_or_none("sliding_window", sliding_window)
     cap = _positive_float_or_none("logit_soft_cap", logit_soft_cap)
     block_pages = _positive_int_or_none("pages_per_block", pages_per_block)
@@ -221,7 +204,7 @@ def _prepare(
         block_pages = max(1, _DEFAULT_BLOCK_TOKENS // page_size)
     qblock = _positive_int_or_none("query_block", query_block) or _DEFAULT_QUERY_BLOCK
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; use one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+        raise ValueError(f"implementation={show(implementation)}; use one of {', '.join(map(repr, IMPLEMENTATIONS))}")
 
     # -- layout ----------------------------------------------------------------------------------
     if layout is None and infer_layout:

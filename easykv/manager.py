@@ -46,7 +46,7 @@ from easykv.runtime import (
     increment_cache_lengths,
     stack_metadata,
 )
-from easykv.validation import INT64_MAX, boolean, integer, integer_array, non_negative_int, positive_int
+from easykv.validation import INT64_MAX, boolean, integer, integer_array, non_negative_int, positive_int, show
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +406,7 @@ class PageManager:
         array (``k`` each, multi-step decode), or one sequence of ids per sequence (prefill)."""
         rows = self._rows(seq_ids)
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-            raise ValueError(f"token_ids={token_ids!r} is not a sequence; pass one id per sequence or one list per sequence")
+            raise ValueError(f"token_ids={show(token_ids)} is not a sequence; pass one id per sequence or one list per sequence")
         if isinstance(token_ids, np.ndarray) or all(isinstance(t, (int, np.integer)) for t in token_ids):
             arr = np.asarray(token_ids)
             if arr.ndim not in (1, 2) or arr.shape[0] != rows.size:

@@ -18,7 +18,7 @@ import numpy as np
 from easykv.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.serialization import Serializable, SerializationError
-from easykv.validation import INT64_MAX, positive_int, real
+from easykv.validation import INT64_MAX, as_dtype, positive_int, real, show
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 # Logical cache dtypes. Compressed formats (int8, fp8, int4) are quantizers, not cache dtypes.
@@ -33,13 +33,8 @@ _EASYDEL_FIELDS = (
 
 def canonical_dtype(dtype: Any) -> np.dtype:
     """The numpy dtype for a user's dtype argument, or a ValueError naming the choices."""
-    try:
-        dt = np.dtype(dtype)
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"unknown dtype {dtype!r}; use one of {', '.join(SUPPORTED_DTYPES)} "
-            "(int8/fp8/int4 storage is chosen with quantizer=...)"
-        ) from err
+    choices = f"{', '.join(SUPPORTED_DTYPES)} (int8/fp8/int4 storage is chosen with quantizer=...)"
+    dt = as_dtype("dtype", dtype, choices=choices)
     if not dt.isnative:  # '>f4' names float32 in another byte order: bits would be misread
         raise ValueError(f"dtype {dt.str} is {dt.name} in a byte order other than this machine's; use {dt.name}")
     if dt.name not in SUPPORTED_DTYPES:
@@ -98,7 +93,7 @@ class PagedAttentionCacheMetaData(Serializable):
             # One name is one axis (never its characters); lists come from JSON.
             axes = (raw,) if isinstance(raw, str) else tuple(raw) if isinstance(raw, (tuple, list)) else None
             if axes is None or not all(isinstance(a, str) and a for a in axes):
-                raise ValueError(f"{name} must be a tuple of mesh axis names, got {raw!r}")
+                raise ValueError(f"{name} must be a tuple of mesh axis names, got {show(raw)}")
             object.__setattr__(self, name, axes)
         if self.memory_bytes_per_device is not None:
             object.__setattr__(self, "memory_bytes_per_device",

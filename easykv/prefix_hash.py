@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from easykv.validation import INT32_MAX, integer_array
+from easykv.validation import INT32_MAX, integer_array, show
 
 DIGEST_BYTES = 32
 # The parent of a sequence's first page. Versioned so that a change of scheme never matches old digests.
@@ -34,7 +34,7 @@ def salt_digest(salt: Any) -> bytes:
     if salt is None:
         return NO_SALT
     if isinstance(salt, (bool, np.bool_)):
-        raise ValueError(f"salt={salt!r} is a bool; use a str, bytes or int tenant/adapter key")
+        raise ValueError(f"salt={show(salt)} is a bool; use a str, bytes or int tenant/adapter key")
     if isinstance(salt, str):
         tagged = b"s:" + salt.encode("utf-8")
     elif isinstance(salt, (bytes, bytearray, memoryview)):
@@ -45,7 +45,7 @@ def salt_digest(salt: Any) -> bytes:
                              "bytes tenant/adapter key")
         tagged = b"i:" + str(int(salt)).encode("ascii")
     else:
-        raise ValueError(f"salt={salt!r} of type {type(salt).__name__} is not supported; use a str, bytes or int")
+        raise ValueError(f"salt={show(salt)} of type {type(salt).__name__} is not supported; use a str, bytes or int")
     return hashlib.sha256(b"easykv.prefix_hash.v1.salt|" + tagged).digest()
 
 

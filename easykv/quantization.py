@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.validation import show
+
 SCALE_DTYPE = np.dtype("float32")
 
 
@@ -227,10 +229,10 @@ def available_quantizers() -> tuple[str, ...]:
 def register_quantizer(quantizer: Quantizer) -> None:
     """Make a custom quantizer nameable (metadata records quantizers by name)."""
     if not isinstance(quantizer, Quantizer):
-        raise ValueError(f"{quantizer!r} does not implement the Quantizer protocol (name, bytes_per_token_head, validate)")
+        raise ValueError(f"{show(quantizer)} does not implement the Quantizer protocol (name, bytes_per_token_head, validate)")
     known = _REGISTRY.get(quantizer.name)
     if known is not None and known != quantizer:
-        raise ValueError(f"a different quantizer is already registered as {quantizer.name!r}: {known!r}")
+        raise ValueError(f"a different quantizer is already registered as {show(quantizer.name)}: {show(known)}")
     _REGISTRY[quantizer.name] = quantizer
 
 
@@ -245,17 +247,17 @@ def get_quantizer(quantizer: str | Quantizer | None) -> Quantizer:
         grouped = _INT4_GROUPED.fullmatch(key)
         if grouped:
             return Int4Quantizer(group_size=int(grouped.group(1)))
-        raise ValueError(f"unknown quantizer {quantizer!r}; available: {', '.join(available_quantizers())}")
+        raise ValueError(f"unknown quantizer {show(quantizer)}; available: {', '.join(available_quantizers())}")
     if isinstance(quantizer, Quantizer):
         if get_quantizer_or_none(quantizer.name) != quantizer:
             raise ValueError(
-                f"quantizer {quantizer!r} is not registered under its name {quantizer.name!r}; the "
+                f"quantizer {show(quantizer)} is not registered under its name {show(quantizer.name)}; the "
                 "metadata records quantizers by name, so call easykv.register_quantizer(q) first"
             )
         return quantizer
     raise ValueError(
         f"quantizer must be None, a name ({', '.join(available_quantizers())}) or a Quantizer "
-        f"object, got {type(quantizer).__name__}: {quantizer!r}"
+        f"object, got {type(quantizer).__name__}: {show(quantizer)}"
     )
 
 

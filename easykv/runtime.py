@@ -215,9 +215,8 @@ class PagedAttentionMetadata:
             table, cached, new, page_size=cache_metadata.page_size,
             pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
         )
-        real = meta.slot_mapping != PAD_SLOT
-        rows = np.repeat(np.arange(table.shape[0]), new)
-        _check_pages_assigned(table[rows], meta.positions[real][:, None], cache_metadata.page_size, rows)
+        rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
+        _check_pages_assigned(table[rows], meta.positions[: rows.size, None], cache_metadata.page_size, rows)
         check_distinct_slots(meta.slot_mapping, "mixed")
         return meta
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, TypeVar
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np
 
-from easykv.validation import parse_json
+from easykv.validation import parse_json, show
 
 _T = TypeVar("_T", bound="Serializable")
 _SCHEMA_KEY = "__schema__"
@@ -55,11 +55,11 @@ def _check_json_safe(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise SerializationError(f"{where} has a non-string key {k!r}; JSON needs str")
-            _check_json_safe(v, f"{where}[{k!r}]")
+                raise SerializationError(f"{where} has a non-string key {show(k)}; JSON needs str")
+            _check_json_safe(v, f"{where}[{show(k)}]")
         return
     raise SerializationError(
-        f"{where} holds {value!r} of type {type(value).__name__}, which JSON cannot hold; "
+        f"{where} holds {show(value)} of type {type(value).__name__}, which JSON cannot hold; "
         "give the field metadata={'codec': 'dtype'} or {'codec': 'tuple'}, or store a "
         "plain value")
 
@@ -68,22 +68,22 @@ def encode_dtype(value: Any, field: str = "dtype") -> str:
     """The canonical name of a numpy/jax dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
     try:
         return np.dtype(value).name
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise SerializationError(
-            f"field {field!r}: {value!r} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
+            f"field {show(field)}: {show(value)} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
 
 
 def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
     """``np.dtype`` from its name; bfloat16 / float8 names resolve through ml_dtypes."""
     if not isinstance(name, str):
         raise SerializationError(
-            f"field {field!r}: a dtype must be written as its name, got {name!r}; "
+            f"field {show(field)}: a dtype must be written as its name, got {show(name)}; "
             f"e.g. one of {_DTYPE_EXAMPLES}")
     try:
         return np.dtype(name)
     except (TypeError, ValueError):
         raise SerializationError(
-            f"field {field!r}: unknown dtype name {name!r}; expected e.g. one of "
+            f"field {show(field)}: unknown dtype name {show(name)}; expected e.g. one of "
             f"{_DTYPE_EXAMPLES}") from None
 
 
@@ -94,7 +94,7 @@ def _encode(f: dataclasses.Field, value: Any) -> Any:
     if codec == "dtype":
         return encode_dtype(value, f.name)
     if codec not in (None, "tuple"):
-        raise SerializationError(f"field {f.name!r} has unknown codec {codec!r}")
+        raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
     return _to_lists(value)
 
 
@@ -107,7 +107,7 @@ def _decode(f: dataclasses.Field, value: Any) -> Any:
     if codec == "tuple":
         return _to_tuples(value)
     if codec is not None:
-        raise SerializationError(f"field {f.name!r} has unknown codec {codec!r}")
+        raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
     return value
 
 
@@ -129,10 +129,10 @@ class Serializable:
             raise TypeError(f"{cls.__name__} must be a @dataclass(frozen=True) to be Serializable")
         schema, version = getattr(cls, "SCHEMA", None), getattr(cls, "SCHEMA_VERSION", None)
         if not isinstance(schema, str) or not schema:
-            raise TypeError(f"{cls.__name__}.SCHEMA must be a non-empty str, got {schema!r}")
+            raise TypeError(f"{cls.__name__}.SCHEMA must be a non-empty str, got {show(schema)}")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise TypeError(
-                f"{cls.__name__}.SCHEMA_VERSION must be a positive int, got {version!r}")
+                f"{cls.__name__}.SCHEMA_VERSION must be a positive int, got {show(version)}")
         return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
     @classmethod
@@ -145,7 +145,7 @@ class Serializable:
         """
         if _SCHEMA_KEY not in data:
             raise SerializationError(
-                f"not an easykv JSON: missing {_SCHEMA_KEY!r} (expected {cls.SCHEMA!r}); "
+                f"not an easykv JSON: missing {show(_SCHEMA_KEY)} (expected {show(cls.SCHEMA)}); "
                 f"keys were {sorted(data)[:20]}")
         return data
 
@@ -171,12 +171,12 @@ class Serializable:
             schema = data.pop(_SCHEMA_KEY)
             if schema != cls.SCHEMA:
                 raise SerializationError(
-                    f"JSON is a {schema!r}, not a {cls.SCHEMA!r}; load it with the class it "
+                    f"JSON is a {show(schema)}, not a {show(cls.SCHEMA)}; load it with the class it "
                     "was written from")
             version = data.pop(_VERSION_KEY, None)
             if isinstance(version, bool) or not isinstance(version, int) or version < 1:
                 raise SerializationError(
-                    f"{cls.SCHEMA} JSON needs a positive int {_VERSION_KEY!r}, got {version!r}")
+                    f"{cls.SCHEMA} JSON needs a positive int {show(_VERSION_KEY)}, got {show(version)}")
             if version > cls.SCHEMA_VERSION:
                 raise SerializationError(
                     f"{cls.SCHEMA} JSON is version {version}, but this easykv reads up to "

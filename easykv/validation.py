@@ -91,19 +91,23 @@ def optional_int(name: str, value: Any, *, lo: int | None = 0, hi: int | None = 
 def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | None = 0,
                   hi: int | None = INT32_MAX, dtype: Any = np.int32, hint: str = "") -> np.ndarray:
     """``value`` (a list, numpy array or concrete jax array of ints) as a new ``dtype`` array
-    whose every entry lies in ``lo..hi``; a ValueError names the first bad entry.
-
-    The bounds are checked on exact values (uint64 entries are not read as negative int64), so
-    the conversion to ``dtype`` can never wrap; ``lo``/``hi`` must fit ``dtype``.
+    whose every entry lies in ``lo..hi`` (None: the dtype's own limit); a ValueError names the
+    first bad entry. The bounds are checked on exact values (uint64 entries are not read as
+    negative int64), so the conversion to ``dtype`` can never wrap.
     """
     kind = type(value).__name__
     if "Tracer" in kind:
         raise ValueError(f"{name} is a traced value ({kind}); build it on the host, outside jit")
+    info = np.iinfo(dtype)  # an open bound is still the dtype's: the conversion must not wrap
+    lo = info.min if lo is None else max(lo, int(info.min))
+    hi = info.max if hi is None else min(hi, int(info.max))
     if isinstance(value, (str, bytes, bytearray, memoryview, dict, set)) or value is None:
         raise ValueError(f"{name} must be an array of ints, got {show(value)}{_note(lo, hi, hint, f'a {kind}')}")
+    if isinstance(value, (list, tuple)):
+        _refuse_bools(name, value, (), lo, hi, hint)
     try:
         arr = np.asarray(value)
-    except (ValueError, TypeError, OverflowError) as err:  # ragged lists, unconvertible objects
+    except (ValueError, TypeError, OverflowError, RecursionError) as err:  # ragged, unconvertible, too deep
         raise ValueError(f"{name} must be a regular array of ints, got {show(value)}{_note(None, None, hint, str(err))}") from None
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}{_note(None, None, hint)}")
@@ -129,6 +133,23 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     return arr.astype(dtype)
 
 
+def _refuse_bools(name: str, items: list | tuple, where: tuple[int, ...], lo: int | None, hi: int | None,
+                  hint: str) -> None:
+    """numpy reads ``[1, True]`` as ints: find a bool among a list's entries before it does
+    (a C-speed scan of the entries' types; nested lists are scanned row by row)."""
+    kinds = set(map(type, items))
+    if bool in kinds or np.bool_ in kinds:
+        i = next(i for i, e in enumerate(items) if isinstance(e, (bool, np.bool_)))
+        at = ", ".join(map(str, where + (i,)))
+        raise ValueError(f"{name}[{at}] must be {_kind(lo)}, got {items[i]!r}{_note(lo, hi, hint, 'a bool')}")
+    if list in kinds or tuple in kinds:
+        if len(where) > JSON_MAX_DEPTH:
+            raise ValueError(f"{name} nests deeper than {JSON_MAX_DEPTH} levels; pass an array of ints")
+        for i, e in enumerate(items):
+            if isinstance(e, (list, tuple)):
+                _refuse_bools(name, e, where + (i,), lo, hi, hint)
+
+
 def real(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False,
          hint: str = "") -> float:
     """``value`` as a finite Python float in the interval (bools, strings, nan refused)."""
@@ -146,6 +167,15 @@ def real(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False, 
     if not math.isfinite(number) or below or above:
         raise ValueError(f"{name} must be a number in {interval}, got {show(value)}{suffix}")
     return number
+
+
+def as_dtype(name: str, value: Any, *, choices: str = "") -> np.dtype:
+    """``np.dtype(value)`` for a user's dtype argument, or a ValueError naming it (numpy's own
+    parser raises TypeError, ValueError or, on a nested list, RecursionError)."""
+    try:
+        return np.dtype(value)
+    except (TypeError, ValueError, RecursionError):
+        raise ValueError(f"{name}={show(value)} is not a dtype{'; use one of ' + choices if choices else ''}") from None
 
 
 def boolean(name: str, value: Any) -> bool:
@@ -182,6 +212,6 @@ def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueEr
 
 
 __all__ = [
-    "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "boolean", "integer", "integer_array", "non_negative_int",
+    "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "as_dtype", "boolean", "integer", "integer_array", "non_negative_int",
     "optional_int", "parse_json", "positive_int", "real", "show",
 ]

@@ -8,7 +8,7 @@
     cache, manager = restored                 # also .metadata, .step, .extra_metadata
 
 Layout on disk: see `easykv.checkpoint_format` (pages as an orbax PyTree, a JSON record with
-the metadata, storage, mesh and fingerprints, and the PageManager state).
+the metadata, storage, mesh and fingerprints, the PageManager state, and the writer locks).
 
 Atomicity is orbax's: a step is written under ``<step>.orbax-checkpoint-tmp-*`` and renamed
 (or marked with a commit file on object stores) only after every array and both JSON files
@@ -19,6 +19,18 @@ donation copy instead of overwrite) and the fingerprints are started; the write,
 fingerprints and the commit finish in the background. A process that exits cleanly first
 finishes its saves.
 
+One writer per directory: a `CacheCheckpointer` (and so `save_cache`) holds the directory's
+writer lock from construction to `close` (`easykv.checkpoint_writer`); a second writer, in
+this process or another, gets `CheckpointLockedError` and changes nothing. A write that fails
+(disk full, file too large, permission, I/O) raises `CheckpointWriteError` naming the step,
+the directory and the errno — from `save` when synchronous, else from the next `save`,
+`wait_until_finished` or `close`; the failed step is never listed and earlier steps stay
+intact.
+
+Verification: every persisted byte a restore uses is checked (array fingerprints, the sha256
+of the record and of the manager state, a strict schema of the record, and each array orbax
+hands back); damage raises `CheckpointIntegrityError`, never returns as data.
+
 Stored bits: pages are saved as stored (bf16 as raw uint16 on CPU, as bf16 on GPU/TPU; fp8 as
 uint8 / float8), with the logical dtype and the stored dtype recorded; restore bitcasts to the
 target platform's storage, so the bits are identical across backends.
@@ -27,8 +39,9 @@ Restore may target another mesh or partition rule: the layout fields of the meta
 rebuilt for the target mesh, the pool size stays, and orbax reads each device's shard straight
 onto that device. Another dtype or quantizer is refused unless ``convert=True`` (dequantize and
 re-encode every page; lossy when the target is coarser). Errors: `NotACheckpointError`,
-`StepNotFoundError`, `CheckpointMismatchError` (ValueError), `CheckpointIntegrityError`;
-nothing is restored (and no live cache is touched) when one is raised.
+`StepNotFoundError`, `CheckpointMismatchError` (ValueError), `CheckpointIntegrityError`,
+`CheckpointLockedError`, `CheckpointWriteError` (all `CheckpointError`); nothing is restored (and
+no live cache is touched) when one is raised.
 """
 
 from __future__ import annotations
@@ -63,6 +76,7 @@ from easykv.checkpoint_format import (
     expected_leaves,
     layer_key,
     list_steps,
+    open_reader,
     orbax_manager,
     read_manager_state,
     read_record,
@@ -80,6 +94,7 @@ from easykv.checkpoint_integrity import (
     PendingFingerprints,
     StepNotFoundError,
 )
+from easykv.checkpoint_record import EXTRA_MAX_DEPTH, is_legacy, legacy_note, manager_summary
 from easykv.checkpoint_reshard import (
     check_format,
     convert_pages,
@@ -87,9 +102,12 @@ from easykv.checkpoint_reshard import (
     target_metadata,
     to_storage_dtypes,
 )
+from easykv.checkpoint_writer import WriterLock, write_error
+from easykv.errors import CheckpointLockedError, CheckpointWriteError
 from easykv.metadata import PagedAttentionCacheMetaData
 from easykv.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
+from easykv.validation import boolean, optional_int, parse_json
 
 
 # ---- what is saved ----------------------------------------------------------------------------
@@ -133,18 +151,6 @@ def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
     return out
 
 
-def _manager_summary(state: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        seqs = state["sequences"]
-        pool = state["pool"]
-        free = sum(len(h) for h in pool["free"])
-        cached = sum(len(q) for q in pool["lru"])
-        return {"active_sequences": len(seqs), "tokens": int(sum(s["length"] for s in seqs)),
-                "free_pages": free, "cached_pages": cached, "prefix_pages": len(pool["digests"])}
-    except (KeyError, TypeError):
-        return {}
-
-
 def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
     if not callable(getattr(manager, "state_dict", None)):
         raise ValueError(f"manager must be a PageManager (with state_dict()), got {type(manager).__name__}")
@@ -158,9 +164,12 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
                              "with the manager that schedules it")
     state = manager.state_dict()
     try:
-        json.dumps(state)
+        json.dumps(state, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"manager.state_dict() is not JSON-safe: {err}") from err
+    if manager_summary(state) is None:
+        raise ValueError("manager.state_dict() is not a PageManager state (no sequences / pool to summarize); "
+                         "save the PageManager that schedules this cache")
     return state
 
 
@@ -170,9 +179,11 @@ def _check_extra(extra: Any) -> dict[str, Any]:
     if not isinstance(extra, Mapping):
         raise ValueError(f"extra_metadata must be a dict of JSON-safe values, got {type(extra).__name__}")
     try:
-        return json.loads(json.dumps(dict(extra), allow_nan=False))
-    except (TypeError, ValueError) as err:
+        text = json.dumps(dict(extra), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"extra_metadata is not JSON-safe ({err}); keep to str/int/float/bool/None/list/dict") from err
+    # What is saved must read back: restore parses with a nesting limit.
+    return parse_json(text, what="extra_metadata", max_depth=EXTRA_MAX_DEPTH)
 
 
 # ---- the checkpointer ---------------------------------------------------------------------------
@@ -205,24 +216,42 @@ class CacheCheckpointer:
     """Saves a cache (+ its PageManager) into numbered steps of ``directory``, keeping the last
     ``max_to_keep`` (None: all). ``async_save``: `save` returns once the data are snapshotted
     and the write finishes in the background (`wait_until_finished`, `close`, or a clean exit).
-    ``integrity=False`` skips the fingerprints (restore cannot then verify the data)."""
+    ``integrity=False`` skips the array fingerprints (restore cannot then verify the pages).
+
+    The checkpointer is the directory's one writer from construction to `close` (or until it is
+    garbage collected, or its process ends): another writer gets `CheckpointLockedError`.
+    A failed write raises `CheckpointWriteError` (see the module doc)."""
 
     def __init__(self, directory: str | Any, *, max_to_keep: int | None = None, async_save: bool = True,
                  integrity: bool = True):
-        bad_keep = isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        if max_to_keep is not None and bad_keep:
-            raise ValueError(f"max_to_keep must be None or a positive int, got {max_to_keep!r}")
+        max_to_keep = optional_int("max_to_keep", max_to_keep, lo=1, hi=None, hint="None keeps every step")
+        async_save, integrity = boolean("async_save", async_save), boolean("integrity", integrity)
         self.directory = epath.Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise NotACheckpointError(f"{self.directory} is a file, not a checkpoint directory")
         if self.directory.is_dir():
             check_not_foreign(self.directory)
         self.max_to_keep = max_to_keep
-        self.async_save = bool(async_save)
-        self.integrity = bool(integrity)
-        self._mngr = orbax_manager(self.directory, read_only=False, max_to_keep=max_to_keep,
-                                    enable_async=self.async_save)
+        self.async_save = async_save
+        self.integrity = integrity
+        self._closed = True  # until the lock and orbax's manager are both held
+        self._in_flight: int | None = None  # the step being written, for the error message
+        # The lock first: orbax's manager deletes temporary directories (another writer's
+        # unfinished steps) as soon as it is built.
+        lock = WriterLock(self.directory, jax.process_index())
+        try:
+            self._mngr = orbax_manager(self.directory, read_only=False, max_to_keep=max_to_keep,
+                                        enable_async=self.async_save)
+        except BaseException as err:
+            lock.release()
+            if isinstance(err, Exception) and not isinstance(err, CheckpointError):
+                raise write_error(err, step=None, directory=self.directory, doing="opening") from err
+            raise
+        self._lock = lock
         self._closed = False
+        # Garbage collection or interpreter exit: finish the writes, then release the lock
+        # (never while orbax still writes into the directory). Holds no reference to self.
+        self._finalizer = weakref.finalize(self, _shut_down, self._mngr, lock)
         with _LIVE_LOCK:
             _LIVE.add(self)
 
@@ -230,14 +259,15 @@ class CacheCheckpointer:
     def save(self, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
              extra_metadata: Mapping[str, Any] | None = None) -> int:
         """Save ``cache`` (and ``manager``'s state) as ``step`` (default: latest + 1, or 0).
-        Returns the step. Nothing is written when an argument is bad."""
+        Returns the step. Nothing is written when an argument is bad; a failed write (this
+        one when synchronous, else the previous one) raises `CheckpointWriteError`."""
         self._check_open()
         if not isinstance(cache, PagedAttentionCache):
             raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
         meta = cache.metadata
         extra = _check_extra(extra_metadata)
         manager_state = _check_manager(manager, meta) if manager is not None else None
-        self._mngr.wait_until_finished()  # one save at a time (orbax would wait here too)
+        self._wait()  # one save at a time (orbax would wait here too); reports the last one's failure
         steps = self.all_steps()
         step = (steps[-1] + 1 if steps else 0) if step is None else check_step(step)
         if step in steps:
@@ -265,37 +295,57 @@ class CacheCheckpointer:
                 for name, path, arr, role in leaves
             ],
             "fingerprint_algorithm": FINGERPRINT_ALGORITHM if self.integrity else None,
-            "manager": _manager_summary(manager_state) if manager_state is not None else None,
+            "manager": manager_summary(manager_state) if manager_state is not None else None,
             "extra_metadata": extra,
+            # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
         }
         pending = PendingFingerprints([arr for _, _, arr, _ in leaves]) if self.integrity else None
-        self._write_marker()
+        try:
+            self._write_marker()
+        except OSError as err:
+            raise write_error(err, step=step, directory=self.directory) from err
+        self._in_flight = step
         try:
             self._mngr.save(step, args=ocp.args.Composite(**{
                 PAGES_ITEM: ocp.args.PyTreeSave(tree),
                 STATE_ITEM: _StateSave(record=record, manager_state=manager_state, fingerprints=pending),
             }), force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError as err:  # a step from another writer
+            self._in_flight = None
             raise ValueError(f"step {step} already exists in {self.directory}: {err}") from err
+        except Exception as err:  # noqa: BLE001  orbax/tensorstore/OS errors of the write itself
+            self._in_flight = None
+            raise write_error(err, step=step, directory=self.directory) from err
         if not self.async_save:
-            self.wait_until_finished()
+            self._wait()
         return step
 
     def wait_until_finished(self) -> None:
-        """Block until every started save is committed (re-raises a background failure)."""
+        """Block until every started save is committed; a failed one raises
+        `CheckpointWriteError` (once)."""
         if not self._closed:
+            self._wait()
+
+    def _wait(self) -> None:
+        try:
             self._mngr.wait_until_finished()
+        except Exception as err:  # noqa: BLE001  the background write's failure, whatever its type
+            step, self._in_flight = self._in_flight, None
+            raise write_error(err, step=step, directory=self.directory) from err
+        self._in_flight = None
 
     def close(self) -> None:
-        """Finish pending saves and release orbax's resources."""
-        if not self._closed:
-            try:
-                self._mngr.wait_until_finished()
-            finally:
-                self._mngr.close()
-                self._closed = True
-                with _LIVE_LOCK:
-                    _LIVE.discard(self)
+        """Finish pending saves, release orbax's resources and the directory's writer lock
+        (released even when the last save failed; that failure is raised)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wait()
+        finally:
+            self._finalizer()  # closes orbax's manager, then releases the lock
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
 
     def __enter__(self) -> CacheCheckpointer:
         return self
@@ -305,7 +355,7 @@ class CacheCheckpointer:
 
     # ---- reading -----------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """Complete steps, ascending (interrupted saves are not steps)."""
+        """Complete steps, ascending (interrupted or failed saves are not steps)."""
         self._check_open()
         self._mngr.reload()
         return sorted(int(s) for s in self._mngr.all_steps())
@@ -335,6 +385,19 @@ class CacheCheckpointer:
     def __repr__(self) -> str:
         return (f"CacheCheckpointer({str(self.directory)!r}, max_to_keep={self.max_to_keep}, "
                 f"async_save={self.async_save})")
+
+
+def _shut_down(mngr: ocp.CheckpointManager, lock: WriterLock) -> None:
+    """Finish orbax's writes, close its manager, release the writer lock (the finalizer of a
+    CacheCheckpointer; `close` has already reported any failure)."""
+    try:
+        for finish in (mngr.wait_until_finished, mngr.close):
+            try:
+                finish()
+            except Exception:  # noqa: BLE001  reported by close(); a finalizer must not raise
+                pass
+    finally:
+        lock.release()
 
 
 def _easykv_version() -> str:
@@ -402,9 +465,15 @@ def restore_cache(
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. sharding.create_mesh), got {type(mesh).__name__}")
+    convert, verify = boolean("convert", convert), boolean("verify", verify)
+    restore_manager = boolean("restore_manager", restore_manager)
+    if storage_platform is not None and not isinstance(storage_platform, str):
+        raise ValueError(f"storage_platform must be None or a platform name such as 'gpu', got {storage_platform!r}")
     directory = epath.Path(directory)
     step, _ = resolve_step(directory, step)
-    record = read_record(directory, step)
+    record = read_record(directory, step)  # sealed, schema-checked
+    if is_legacy(record):
+        warnings.warn(legacy_note(step, directory), UserWarning, stacklevel=2)
     saved = saved_metadata(record, step, directory)
     if metadata is not None:
         if not isinstance(metadata, PagedAttentionCacheMetaData):
@@ -423,12 +492,8 @@ def restore_cache(
 
     # Read the saved arrays as stored, each shard straight onto its target device; check them.
     layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
-    abstract = _saved_arrays(record, saved, layout, step, directory)
-    if verify and record.get("fingerprint_algorithm") and any(e.get("fingerprint") is None for e in record["arrays"]):
-        raise CheckpointIntegrityError(f"step {step} in {directory} lacks fingerprints; the record is damaged "
-                                       "(restore with verify=False to skip the check)", step=step,
-                                       directory=str(directory))
-    mngr = orbax_manager(directory, read_only=True)
+    abstract = _saved_arrays(record, layout)
+    mngr = open_reader(directory, step)
     try:
         arrays = restore_arrays(mngr, step, abstract, directory)
     finally:
@@ -437,8 +502,7 @@ def restore_cache(
         verify_arrays(record, arrays, step, directory)
     cache = _build_cache(arrays, saved, target, layout, platform)
     return RestoredCache(cache=cache, manager=manager, metadata=target, step=step, saved_metadata=saved,
-                         saved_mesh=dict(record.get("mesh") or {}),
-                         extra_metadata=dict(record.get("extra_metadata") or {}))
+                         saved_mesh=dict(record["mesh"]), extra_metadata=dict(record["extra_metadata"]))
 
 
 def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCacheMetaData,
@@ -462,30 +526,12 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
                                       f"onto the target mesh: {err}") from err
 
 
-def _saved_arrays(record: Mapping[str, Any], saved: PagedAttentionCacheMetaData, layout: PageLayout, step: int,
-                  directory: Any) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
-    """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array,
-    checked against what the saved metadata implies."""
-    expected = expected_leaves(saved, record["storage"].get("platform", "cpu"))
-    entries = record["arrays"]
-    if [e.get("name") if isinstance(e, dict) else None for e in entries] != [name for name, _, _ in expected]:
-        raise CheckpointIntegrityError(
-            f"the array list of step {step} in {directory} does not match its metadata ({len(entries)} arrays "
-            f"recorded, {len(expected)} expected); the record is damaged", step=step, directory=str(directory))
-    out = []
-    for entry, (name, _, sds) in zip(entries, expected):
-        try:
-            shape, stored = tuple(int(d) for d in entry["shape"]), np.dtype(entry["stored_dtype"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointIntegrityError(f"the record of array {name} (step {step} in {directory}) is damaged: "
-                                           f"{err!r}", array=name, step=step, directory=str(directory)) from err
-        if shape != tuple(sds.shape) or stored.itemsize != np.dtype(sds.dtype).itemsize:
-            raise CheckpointIntegrityError(
-                f"array {name} is recorded as {shape} {stored.name} but the saved metadata implies "
-                f"{tuple(sds.shape)} {np.dtype(sds.dtype).name}; the record is damaged", array=name, step=step,
-                directory=str(directory))
-        out.append((entry, jax.ShapeDtypeStruct(shape, stored, sharding=layout.sharding_for(len(shape)))))
-    return out
+def _saved_arrays(record: Mapping[str, Any], layout: PageLayout) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
+    """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array
+    (`check_record` has matched each entry against the saved metadata)."""
+    return [(entry, jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]),
+                                         sharding=layout.sharding_for(len(entry["shape"]))))
+            for entry in record["arrays"]]
 
 
 def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, target: PagedAttentionCacheMetaData,
@@ -515,7 +561,9 @@ __all__ = [
     "CacheCheckpointer",
     "CheckpointError",
     "CheckpointIntegrityError",
+    "CheckpointLockedError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "FORMAT_VERSION",
     "NotACheckpointError",
     "RestoredCache",

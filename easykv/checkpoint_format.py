@@ -1,14 +1,32 @@
 """The on-disk format of easykv checkpoints, and reading it back (used by checkpoint.py and
 inspect.py; users call `easykv.checkpoint`).
 
-    DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints
+    DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints (only its
+                                      presence is read)
+    DIR/.easykv-writer-<i>.lock       the writer lock of process index i: a `CacheCheckpointer`
+                                      holds an exclusive flock on it from construction to close
+                                      (its text names the holder: pid, host, since when); see
+                                      `easykv.checkpoint_writer`. Readers take no lock.
     DIR/<step>/pages/                 every layer's pages (+ quantization scales), an orbax PyTree:
                                       one zarr array per page array, one chunk file per shard,
-                                      no compression (K/V pages do not compress)
-    DIR/<step>/easykv/checkpoint.json format version, cache metadata, storage and mesh saved
-                                      with, per-array name / shape / stored dtype / fingerprint,
-                                      the page-manager summary and the extra metadata
+                                      no compression (K/V pages do not compress), plus orbax's own
+                                      _METADATA, _sharding, .zarray and array_metadatas files
+    DIR/<step>/_CHECKPOINT_METADATA   orbax's step metadata (timestamps, handler names)
+    DIR/<step>/easykv/checkpoint.json the record: format version (2), cache metadata, storage and
+                                      mesh saved with, per-array name / path / role / shape /
+                                      stored dtype / bytes / fingerprint, the fingerprint
+                                      algorithm, the page-manager summary, the extra metadata,
+                                      ``manager_sha256`` (sha256 of manager.json's bytes, or null
+                                      when no manager was saved) and ``record_sha256`` (sha256 of
+                                      the record's own canonical content; `checkpoint_record`)
     DIR/<step>/easykv/manager.json    the PageManager's state_dict, when a manager was saved
+
+Every persisted byte that a restore uses is verified: page arrays by their fingerprints
+(`checkpoint_integrity`), the two JSON files by their sha256 and a strict schema
+(`checkpoint_record`), and what orbax hands back (each leaf a jax.Array of exactly the expected
+shape, dtype and sharding) by `restore_arrays`. orbax's own metadata files need no hash of
+their own: damage there either makes the read fail or yields arrays that the fingerprints
+check. Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
 
 Array names (and PyTree paths): ``layer_007.key_pages`` for plain pages,
 ``layer_007.key_pages.values`` / ``.scales`` for quantized ones.
@@ -20,8 +38,8 @@ so a listing of finalized steps never includes an interrupted save.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,26 +49,29 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from easykv.checkpoint_integrity import (
-    FINGERPRINT_ALGORITHM,
     CheckpointIntegrityError,
-    CheckpointMismatchError,
     NotACheckpointError,
     PendingFingerprints,
     StepNotFoundError,
     fingerprints,
 )
-from easykv.checkpoint_reshard import stored_template
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.quantization import QuantizedPages
-from easykv.serialization import SerializationError
+from easykv.checkpoint_record import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANAGER_FILE,
+    RECORD_FILE,
+    STATE_ITEM,
+    expected_leaves,
+    layer_key,
+    read_manager_state,
+    read_record,
+    saved_metadata,
+    seal,
+)
+from easykv.validation import integer, parse_json
 
-FORMAT = "easykv.checkpoint"
-FORMAT_VERSION = 1
 MARKER_FILE = "easykv_checkpoint.json"
 PAGES_ITEM = "pages"
-STATE_ITEM = "easykv"
-RECORD_FILE = "checkpoint.json"
-MANAGER_FILE = "manager.json"
 # Per-array zarr saves ~1.8x faster than OCDBT on local disks (measured, 1 GiB pool); orbax
 # reads either, so changing this keeps old checkpoints readable.
 USE_OCDBT = False
@@ -66,19 +87,19 @@ class _StateHandler(ocp.handlers.AsyncCheckpointHandler):
 
     async def _write(self, directory: epath.Path, args: _StateSave) -> None:
         record = dict(args.record)
+        record["arrays"] = [dict(e) for e in record["arrays"]]
         if args.fingerprints is not None:
             digests = args.fingerprints.result()
             for entry, digest in zip(record["arrays"], digests):
                 entry["fingerprint"] = digest
+        record_bytes, manager_bytes = seal(record, args.manager_state)
         if jax.process_index() == 0:
             directory = epath.Path(directory)
-            if args.manager_state is not None:
-                (directory / MANAGER_FILE).write_text(json.dumps(args.manager_state, separators=(",", ":")))
-            (directory / RECORD_FILE).write_text(json.dumps(record, indent=1))
+            if manager_bytes is not None:  # before the record, which vouches for it
+                (directory / MANAGER_FILE).write_bytes(manager_bytes)
+            (directory / RECORD_FILE).write_bytes(record_bytes)
 
     def save(self, directory: epath.Path, args: _StateSave) -> None:
-        import asyncio
-
         async def run() -> None:
             for f in await self.async_save(directory, args):
                 f.result()
@@ -86,7 +107,9 @@ class _StateHandler(ocp.handlers.AsyncCheckpointHandler):
         asyncio.run(run())
 
     def restore(self, directory: epath.Path, args: Any = None) -> dict[str, Any]:
-        return json.loads((epath.Path(directory) / RECORD_FILE).read_text())
+        # easykv reads its record with `read_record` (verified); this is orbax's generic path.
+        path = epath.Path(directory) / RECORD_FILE
+        return parse_json(path.read_text(), what=str(path), error=CheckpointIntegrityError)
 
 
 @ocp.args.register_with_handler(_StateHandler, for_save=True)
@@ -105,8 +128,9 @@ class _StateRestore(ocp.args.CheckpointArgs):
 
 def orbax_manager(directory: epath.Path, *, read_only: bool, max_to_keep: int | None = None,
                   enable_async: bool = False) -> ocp.CheckpointManager:
-    """An orbax CheckpointManager over ``directory`` with easykv's two items; a writer also
-    removes temporary directories that interrupted saves left behind."""
+    """An orbax CheckpointManager over ``directory`` with easykv's two items. A writer's also
+    removes temporary directories that interrupted saves left behind: build one only while
+    holding the directory's writer lock (`checkpoint_writer`)."""
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=enable_async, cleanup_tmp_directories=not read_only,
@@ -118,30 +142,8 @@ def orbax_manager(directory: epath.Path, *, read_only: bool, max_to_keep: int | 
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
-# ---- array names ------------------------------------------------------------------------------
-def layer_key(i: int) -> str:
-    return f"layer_{i:03d}"
-
-
-def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[str, tuple[str, ...], Any]]:
-    """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta``."""
-    template = stored_template(meta, platform)
-    out = []
-    for i in range(meta.num_hidden_layers):
-        for kind in ("key_pages", "value_pages"):
-            layer = layer_key(i)
-            if isinstance(template, QuantizedPages):
-                out.append((f"{layer}.{kind}.values", (layer, kind, "values"), template.values))
-                out.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), template.scales))
-            else:
-                out.append((f"{layer}.{kind}", (layer, kind), template))
-    return out
-
-
 def check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return int(step)
+    return integer("step", step, lo=0, hi=None, hint="a checkpoint step number")
 
 
 # ---- finding and reading steps -------------------------------------------------------------------
@@ -184,52 +186,6 @@ def resolve_step(directory: epath.Path, step: int | None) -> tuple[int, list[int
     return step, complete
 
 
-def read_record(directory: str | Any, step: int) -> dict[str, Any]:
-    """The JSON record of ``step`` (format-checked), or a precise error."""
-    path = epath.Path(directory) / str(step) / STATE_ITEM / RECORD_FILE
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointIntegrityError(f"step {step} in {directory} lacks {STATE_ITEM}/{RECORD_FILE}; the step is "
-                                       "damaged — restore another step", step=step, directory=str(directory)) from err
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointIntegrityError(f"{path} is not valid JSON ({err}); the step is damaged — restore "
-                                       "another step",
-                                       step=step, directory=str(directory)) from err
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise NotACheckpointError(f"{path} is not an easykv checkpoint record (format "
-                                  f"{record.get('format') if isinstance(record, dict) else None!r})")
-    version = record.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointMismatchError(
-            f"step {step} in {directory} has checkpoint format version {version!r}; this easykv reads versions "
-            f"<= {FORMAT_VERSION}: upgrade easykv")
-    for key in ("metadata", "arrays", "storage"):
-        if key not in record:
-            raise CheckpointIntegrityError(f"{path} lacks {key!r}; the step is damaged", step=step,
-                                           directory=str(directory))
-    return record
-
-
-def read_manager_state(directory: str | Any, step: int) -> dict[str, Any] | None:
-    path = epath.Path(directory) / str(step) / STATE_ITEM / MANAGER_FILE
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointIntegrityError(f"{path} is not valid JSON ({err}); the step is damaged", step=step,
-                                       directory=str(directory)) from err
-
-
-def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
-    try:
-        return PagedAttentionCacheMetaData.from_dict(record["metadata"])
-    except (SerializationError, ValueError, TypeError) as err:
-        raise CheckpointIntegrityError(f"the cache metadata of step {step} in {directory} is unreadable: {err}",
-                                       step=step, directory=str(directory)) from err
-
-
 def _abstract_tree(entries: list[tuple[dict[str, Any], Any]]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for entry, sds in entries:
@@ -241,41 +197,80 @@ def _abstract_tree(entries: list[tuple[dict[str, Any], Any]]) -> dict[str, Any]:
     return tree
 
 
-def _leaf(tree: Mapping[str, Any], path: list[str]) -> Any:
+def _leaf(tree: Any, path: list[str]) -> Any:
     for p in path:
+        if not isinstance(tree, Mapping) or p not in tree:
+            return None
         tree = tree[p]
     return tree
 
 
+def _check_leaf(leaf: Any, sds: jax.ShapeDtypeStruct) -> str | None:
+    """Why what orbax returned is not the array asked for (None when it is)."""
+    if not isinstance(leaf, jax.Array):
+        # partial_restore hands back the request itself for a key its _METADATA lacks
+        return f"orbax returned a {type(leaf).__name__} instead of the array (its metadata lacks it)"
+    if tuple(leaf.shape) != tuple(sds.shape) or np.dtype(leaf.dtype) != np.dtype(sds.dtype):
+        return (f"orbax returned {tuple(leaf.shape)} {np.dtype(leaf.dtype).name}, expected {tuple(sds.shape)} "
+                f"{np.dtype(sds.dtype).name}")
+    if not leaf.sharding.is_equivalent_to(sds.sharding, leaf.ndim):
+        return f"orbax returned it with sharding {leaf.sharding}, expected {sds.sharding}"
+    return None
+
+
+def open_reader(directory: Any, step: int) -> ocp.CheckpointManager:
+    """A read-only orbax manager (it never deletes anything); orbax's failures to open the
+    directory become CheckpointIntegrityError."""
+    try:
+        return orbax_manager(epath.Path(directory), read_only=True)
+    except Exception as err:  # noqa: BLE001  orbax raises many types on damaged metadata
+        raise CheckpointIntegrityError(
+            f"orbax cannot open {directory} ({type(err).__name__}: {_short(err)}); restore another step or "
+            "check the directory", step=step, directory=str(directory)) from err
+
+
 def restore_arrays(mngr: ocp.CheckpointManager, step: int, entries: list[tuple[dict[str, Any], Any]],
-                    directory: Any) -> list[jax.Array]:
-    """Read every array with its target sharding; an unreadable one is named."""
+                   directory: Any) -> list[jax.Array]:
+    """Read every array with its target sharding; each must come back as a jax.Array of exactly
+    the requested shape, dtype and sharding. An unreadable or wrong one is named."""
     def run(subset: list[tuple[dict[str, Any], Any]]) -> list[jax.Array]:
         tree = _abstract_tree(subset)
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         out = mngr.restore(step, args=ocp.args.Composite(**{
             PAGES_ITEM: ocp.args.PyTreeRestore(item=tree, restore_args=restore_args, partial_restore=True)}))
         pages = out[PAGES_ITEM]
-        return jax.block_until_ready([_leaf(pages, e["path"]) for e, _ in subset])
+        leaves = [_leaf(pages, e["path"]) for e, _ in subset]
+        for (entry, sds), leaf in zip(subset, leaves):
+            problem = _check_leaf(leaf, sds)
+            if problem is not None:
+                raise CheckpointIntegrityError(
+                    f"array {entry['name']} of step {step} in {directory} cannot be read: {problem}; orbax's "
+                    f"metadata of the step is damaged — restore another step", array=entry["name"], step=step,
+                    directory=str(directory))
+        return jax.block_until_ready(leaves)
 
     try:
         return run(entries)
+    except CheckpointIntegrityError:
+        raise
     except Exception as err:  # noqa: BLE001  tensorstore/orbax raise many types; find the array
         bulk = err
     if len(entries) == 1:
         entry = entries[0][0]
         raise CheckpointIntegrityError(
             f"array {entry['name']} of step {step} in {directory} cannot be read ({type(bulk).__name__}: "
-            f"{_short(bulk)}); its data file is missing, truncated or corrupted — restore another step",
-            array=entry["name"], step=step, directory=str(directory)) from bulk
+            f"{_short(bulk)}); its data or metadata files are missing, truncated or corrupted — restore another "
+            "step", array=entry["name"], step=step, directory=str(directory)) from bulk
     for entry, sds in entries:
         try:
             run([(entry, sds)])
+        except CheckpointIntegrityError:
+            raise
         except Exception as err:  # noqa: BLE001
             raise CheckpointIntegrityError(
                 f"array {entry['name']} of step {step} in {directory} cannot be read ({type(err).__name__}: "
-                f"{_short(err)}); its data file is missing, truncated or corrupted — restore another step",
-                array=entry["name"], step=step, directory=str(directory)) from err
+                f"{_short(err)}); its data or metadata files are missing, truncated or corrupted — restore "
+                "another step", array=entry["name"], step=step, directory=str(directory)) from err
     raise CheckpointIntegrityError(
         f"the pages of step {step} in {directory} cannot be read ({type(bulk).__name__}: {_short(bulk)})",
         step=step, directory=str(directory)) from bulk
@@ -287,24 +282,19 @@ def _short(err: BaseException, n: int = 300) -> str:
 
 
 def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, directory: Any) -> None:
-    """Compare each array's fingerprint with the record; CheckpointIntegrityError names the first
-    damaged array (and counts the others)."""
-    if not record.get("fingerprint_algorithm"):
+    """Compare each array's fingerprint with the (schema-checked) record;
+    CheckpointIntegrityError names the first damaged array (and counts the others)."""
+    if record["fingerprint_algorithm"] is None:
         return
-    if record["fingerprint_algorithm"] != FINGERPRINT_ALGORITHM:
-        raise CheckpointMismatchError(
-            f"step {step} was fingerprinted with {record['fingerprint_algorithm']!r}; this easykv knows "
-            f"{FINGERPRINT_ALGORITHM!r}: upgrade easykv or restore with verify=False")
     got = fingerprints(arrays)
-    bad = [(e, g) for e, g in zip(record["arrays"], got) if e.get("fingerprint") != g]
+    bad = [(e, g) for e, g in zip(record["arrays"], got) if e["fingerprint"] != g]
     if bad:
         entry, digest = bad[0]
         more = f" (and {len(bad) - 1} more: {[e['name'] for e, _ in bad[1:4]]})" if len(bad) > 1 else ""
         raise CheckpointIntegrityError(
             f"array {entry['name']} of step {step} in {directory} does not match the fingerprint recorded at save "
-            f"time (saved {entry.get('fingerprint')}, read {digest}){more}: its data file is damaged — restore "
+            f"time (saved {entry['fingerprint']}, read {digest}){more}: its data file is damaged — restore "
             "another step", array=entry["name"], step=step, directory=str(directory))
-
 
 
 def list_steps(directory: str | Any) -> list[int]:
@@ -312,9 +302,9 @@ def list_steps(directory: str | Any) -> list[int]:
     return resolve_step(epath.Path(directory), None)[1]
 
 
-
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANAGER_FILE", "MARKER_FILE", "PAGES_ITEM", "RECORD_FILE", "STATE_ITEM",
-    "check_not_foreign", "check_step", "expected_leaves", "layer_key", "list_steps", "orbax_manager",
-    "read_manager_state", "read_record", "resolve_step", "restore_arrays", "saved_metadata", "verify_arrays",
+    "check_not_foreign", "check_step", "expected_leaves", "layer_key", "list_steps", "open_reader",
+    "orbax_manager", "read_manager_state", "read_record", "resolve_step", "restore_arrays", "saved_metadata",
+    "verify_arrays",
 ]

@@ -108,15 +108,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from easykv.errors import NotACheckpointError
-    from easykv.inspect import inspect_checkpoint
+    """Exit 0: every step intact; 1: damage (or a step this easykv cannot read) was found and
+    is described in the report; 2: not a checkpoint directory. Never a traceback."""
+    from easykv.errors import CheckpointError, NotACheckpointError
+    from easykv.inspect import inspect_report
 
     try:
-        report = inspect_checkpoint(args.directory, verify=not args.no_verify)
+        report, intact = inspect_report(args.directory, verify=not args.no_verify)
     except NotACheckpointError as err:
         raise UsageError(str(err)) from err
+    except (CheckpointError, OSError) as err:  # the directory itself cannot be listed or read
+        print(f"easykv inspect: {args.directory}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     print(report)
-    return 1 if "DAMAGED" in report else 0
+    return 0 if intact else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

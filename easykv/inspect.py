@@ -3,9 +3,12 @@
 `inspect_checkpoint` returns the printable report: the steps (and interrupted saves), and per
 step the cache shape and format, sizes in memory and on disk, the mesh it was saved with, the
 page-manager summary, the extra metadata, and (``verify=True``) the result of re-reading every
-array and checking its fingerprint. Verification reads one array at a time onto one device,
-so it needs no more memory than the largest array. Raises `NotACheckpointError` for a
-directory that is not an easykv checkpoint; damage is reported in the text, not raised.
+array and checking its fingerprint, and of checking the saved page-manager state against the
+record. The record itself is always verified (its sha256 and schema) before anything of it is
+shown. Verification reads one array at a time onto one device, so it needs no more memory than
+the largest array. Raises `NotACheckpointError` for a directory that is not an easykv
+checkpoint; damage (or a step this easykv cannot read) is reported in the text, not raised:
+`inspect_report` also says whether every step was intact, for the CLI's exit code.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint_format import (
-    orbax_manager,
+    open_reader,
+    read_manager_state,
     read_record,
     resolve_step,
     restore_arrays,
@@ -27,6 +31,7 @@ from easykv.checkpoint_format import (
     verify_arrays,
 )
 from easykv.checkpoint_integrity import CheckpointError, CheckpointIntegrityError, StepNotFoundError
+from easykv.checkpoint_record import is_legacy, legacy_note
 
 
 def _size(n: float) -> str:
@@ -56,11 +61,11 @@ def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None)
     fingerprint; returns the number of arrays checked or raises CheckpointIntegrityError."""
     directory = epath.Path(directory)
     record = read_record(directory, step) if record is None else record
-    if not record.get("fingerprint_algorithm"):
+    if record["fingerprint_algorithm"] is None:
         return 0
     device = jax.local_devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    mngr = orbax_manager(directory, read_only=True)
+    mngr = open_reader(directory, step)
     try:
         for entry in record["arrays"]:
             sds = jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]), sharding=sharding)
@@ -83,54 +88,69 @@ def _mesh_line(mesh: dict[str, Any]) -> str:
             f"{mesh.get('process_count', 1)} process(es)); kv heads over {heads}, pages over {pages}")
 
 
-def _step_report(directory: epath.Path, step: int, verify: bool) -> list[str]:
+def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[str], bool]:
+    """The lines of one step and whether it is intact."""
     try:
         record = read_record(directory, step)
         meta = saved_metadata(record, step, directory)
+    except CheckpointIntegrityError as err:
+        return [f"step {step}: DAMAGED — {err}"], False
     except CheckpointError as err:
-        return [f"step {step}: DAMAGED — {err}"]
+        return [f"step {step}: UNREADABLE — {err}"], False
     arrays = record["arrays"]
-    logical = sum(int(a.get("nbytes", 0)) for a in arrays)
+    logical = sum(a["nbytes"] for a in arrays)
     disk = _disk_bytes(directory / str(step))
-    stored = sorted({a.get("stored_dtype", "?") for a in arrays})
-    lines = [f"step {step}  (saved {record.get('created', '?')} by easykv {record.get('easykv_version', '?')}, "
-             f"format version {record.get('format_version')})"]
+    stored = sorted({a["stored_dtype"] for a in arrays})
+    lines = [f"step {step}  (saved {record['created']} by easykv {record['easykv_version']}, "
+             f"format version {record['format_version']})"]
     lines.append(f"  cache    {meta.num_hidden_layers} layers x {meta.num_kv_heads} kv heads x head_dim "
                  f"{meta.kv_head_dim_size}; page_size {meta.page_size}, {meta.num_pages_per_layer} pages per layer; "
                  f"batch_size {meta.batch_size}, max_sequences {meta.max_sequences}")
     lines.append(f"  format   {meta.dtype.name}, quantization {meta.quantization}; stored as {', '.join(stored)} "
-                 f"on {record['storage'].get('platform', '?')}")
+                 f"on {record['storage']['platform']}")
     lines.append(f"  size     {_size(logical)} in {len(arrays)} arrays"
                  + (f"; {_size(disk)} on disk" if disk is not None else ""))
-    lines.append(f"  mesh     {_mesh_line(record.get('mesh') or {})}")
-    mgr = record.get("manager")
+    lines.append(f"  mesh     {_mesh_line(record['mesh'])}")
+    mgr = record["manager"]
     if mgr:
-        lines.append(f"  manager  {mgr.get('active_sequences')} sequences, {mgr.get('tokens')} tokens; pages free "
-                     f"{mgr.get('free_pages')}, cached {mgr.get('cached_pages')}; "
-                     f"{mgr.get('prefix_pages')} prefix pages")
+        lines.append(f"  manager  {mgr['active_sequences']} sequences, {mgr['tokens']} tokens; pages free "
+                     f"{mgr['free_pages']}, cached {mgr['cached_pages']}; {mgr['prefix_pages']} prefix pages")
     else:
         lines.append("  manager  not saved")
-    extra = record.get("extra_metadata") or {}
+    extra = record["extra_metadata"]
     if extra:
         text = json.dumps(extra, sort_keys=True)
         lines.append(f"  extra    {text if len(text) <= 200 else text[:200] + '...'}")
-    if not record.get("fingerprint_algorithm"):
-        lines.append("  verify   no fingerprints (saved with integrity=False)")
-    elif verify:
-        try:
-            n = verify_step(directory, step, record)
-            lines.append(f"  verify   OK: {n} arrays match their fingerprints ({record['fingerprint_algorithm']})")
-        except CheckpointIntegrityError as err:
-            lines.append(f"  verify   DAMAGED: {err}")
-        except CheckpointError as err:
-            lines.append(f"  verify   cannot verify: {err}")
-    else:
+    if is_legacy(record):
+        lines.append(f"  note     {legacy_note(step, directory)}")
+    ok = True
+    if not verify:
         lines.append("  verify   skipped")
-    return lines
+        return lines, ok
+    if mgr:
+        try:
+            read_manager_state(directory, step, record)
+            lines.append("  verify   manager state matches the record")
+        except CheckpointError as err:
+            lines.append(f"  verify   DAMAGED: {err}")
+            ok = False
+    if record["fingerprint_algorithm"] is None:
+        lines.append("  verify   no array fingerprints (saved with integrity=False)")
+        return lines, ok
+    try:
+        n = verify_step(directory, step, record)
+        lines.append(f"  verify   OK: {n} arrays match their fingerprints ({record['fingerprint_algorithm']})")
+    except CheckpointIntegrityError as err:
+        lines.append(f"  verify   DAMAGED: {err}")
+        ok = False
+    except CheckpointError as err:
+        lines.append(f"  verify   cannot verify: {err}")
+        ok = False
+    return lines, ok
 
 
-def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
-    """The report `easykv inspect DIR` prints (see the module doc)."""
+def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
+    """(the report `easykv inspect DIR` prints, whether every step is intact)."""
     import orbax.checkpoint as ocp
 
     directory = epath.Path(directory)
@@ -140,10 +160,18 @@ def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
              f"  {len(steps)} complete step(s): {', '.join(map(str, steps)) or 'none'}"]
     if partial:
         lines.append(f"  {len(partial)} interrupted save(s), ignored: {', '.join(partial)}")
+    intact = True
     for step in reversed(steps):
         lines.append("")
-        lines.extend(_step_report(directory, step, verify))
-    return "\n".join(lines)
+        step_lines, ok = _step_report(directory, step, verify)
+        lines.extend(step_lines)
+        intact = intact and ok
+    return "\n".join(lines), intact
+
+
+def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
+    """The report `easykv inspect DIR` prints (see the module doc)."""
+    return inspect_report(directory, verify=verify)[0]
 
 
 def _has_steps(directory: epath.Path) -> bool:
@@ -155,4 +183,4 @@ def _has_steps(directory: epath.Path) -> bool:
         return False
 
 
-__all__ = ["inspect_checkpoint", "verify_step"]
+__all__ = ["inspect_checkpoint", "inspect_report", "verify_step"]

@@ -19,7 +19,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from cache_helpers import HEAD_DIM, LAYERS, bits, random_tokens
-from checkpoint_helpers import assert_same_bits, engine_run, new_qcache, qsetup, raw_leaves, write_step
+from checkpoint_helpers import (
+    assert_same_bits,
+    engine_run,
+    new_qcache,
+    qsetup,
+    raw_leaves,
+    write_record,
+    write_step,
+)
 from easykv.cache import gather_kv
 from easykv.checkpoint import (
     CacheCheckpointer,
@@ -318,13 +326,16 @@ def test_damaged_record_and_newer_format(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="not valid JSON"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
     record = json.loads(good)
-    record["format_version"] = 99
-    record_path.write_text(json.dumps(record))
+    record["format_version"] = 99  # what a newer easykv would write (sealed)
+    write_record(tmp_path, record)
     with pytest.raises(CheckpointMismatchError, match="upgrade easykv"):
+        restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
+    write_record(tmp_path, record, reseal=False)  # the same change as damage: the seal breaks
+    with pytest.raises(CheckpointIntegrityError, match="does not match its record_sha256"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
     record = json.loads(good)
     record["arrays"][2]["fingerprint"] = "0" * 32
-    record_path.write_text(json.dumps(record))
+    write_record(tmp_path, record)
     with pytest.raises(CheckpointIntegrityError, match="layer_001.key_pages"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
     record_path.unlink()

@@ -112,6 +112,43 @@ def test_inspect_reports_and_verifies_a_checkpoint(capsys, tmp_path):
     assert "step 7" in out and "verify   OK: 4 arrays match their fingerprints" in out
 
 
+def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
+    """Damaged data, a damaged manager state, a newer format: text and exit code 1, never a
+    traceback; an intact step beside them is still reported OK."""
+    import json
+
+    import jax.numpy as jnp
+
+    import easykv
+    from easykv.checkpoint_record import record_digest
+    from sharding import PartitionAxis, PartitionManager, create_mesh
+
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 2, 2, 32, 4, 8, 16, 0.9, jnp.bfloat16,
+                                                     partition_manager=pm, num_pages_per_layer=16)  # fmt: skip
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+    directory = tmp_path / "ck"
+    for step in range(4):
+        easykv.save_cache(str(directory), cache, easykv.PageManager(meta), step=step)
+    chunk = directory / "1" / "pages" / "layer_000.key_pages" / "0.0.0.0"
+    chunk.write_bytes(b"\x01" + chunk.read_bytes()[1:])  # the zero pages are no longer zero
+    (directory / "2" / "easykv" / "manager.json").write_text("{}")
+    record_path = directory / "3" / "easykv" / "checkpoint.json"
+    record = json.loads(record_path.read_text())
+    record["format_version"] = 7  # what a newer easykv might write, sealed as it would be
+    record["record_sha256"] = record_digest(record)
+    record_path.write_text(json.dumps(record))
+    code = main(["inspect", str(directory)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in out + err, err
+    report = {block.split()[1].rstrip(":"): block for block in out.split("\n\n")[1:]}
+    assert "verify   OK" in report["0"]
+    assert "DAMAGED" in report["1"] and "layer_000.key_pages" in report["1"]
+    assert "DAMAGED" in report["2"] and "manager.json does not match" in report["2"]
+    assert "UNREADABLE" in report["3"] and "upgrade easykv" in report["3"]
+
+
 def test_inspect_of_a_plain_directory_is_a_one_line_error(capsys, tmp_path):
     code = main(["inspect", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()

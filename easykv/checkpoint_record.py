@@ -1,0 +1,393 @@
+"""The JSON record of a checkpoint step and the saved PageManager state: sealing, reading, and
+the one schema check (used by checkpoint_format.py, checkpoint.py and inspect.py).
+
+Every byte easykv persists is verified on load. orbax keeps no checksum, and the page arrays
+carry their own fingerprints (`checkpoint_integrity`); this module covers the two JSON files:
+
+* ``manager.json`` is written once, as exact bytes, and the record carries their sha256
+  (``manager_sha256``; null when no manager was saved). A missing file the record says was
+  saved, or a file the record says was not, is damage, not "no manager".
+* ``checkpoint.json`` carries ``record_sha256``: the sha256 of its own canonical content,
+  ``json.dumps(record_without_that_field, sort_keys=True, separators=(",", ":"))``. Canonical
+  content (not bytes) so that the file stays readable by eye; a flipped byte changes the
+  content or breaks the JSON. A record that carries ``record_sha256`` is verified whatever
+  its ``format_version`` says: one flipped bit turns ``2`` into ``3`` or ``0``, and the version
+  is read only after the seal holds.
+* A verified record is then checked field by field (`check_record`): every field restore and
+  inspect read, its type and range, and its agreement with the cache metadata (array names,
+  paths, shapes, stored dtypes, sizes). A crafted record with a recomputed seal therefore
+  raises `CheckpointIntegrityError` naming the field, never a TypeError or KeyError later.
+
+Format version 1 (easykv 0.1) has neither hash: such a step still restores, with a warning
+that its record and manager state were checked for consistency only (schema, the manager
+summary against the state, the arrays' own fingerprints). Version 2 is written from now on.
+All JSON goes through `validation.parse_json` (nesting limit, NaN refused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from easykv.checkpoint_integrity import (
+    FINGERPRINT_ALGORITHM,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+)
+from easykv.checkpoint_reshard import stored_template
+from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.quantization import QuantizedPages
+from easykv.serialization import SerializationError
+from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
+
+FORMAT = "easykv.checkpoint"
+FORMAT_VERSION = 2
+LEGACY_VERSION = 1  # easykv 0.1: no record or manager hash
+STATE_ITEM = "easykv"
+RECORD_FILE = "checkpoint.json"
+MANAGER_FILE = "manager.json"
+RECORD_SEAL = "record_sha256"
+MANAGER_SEAL = "manager_sha256"
+# extra_metadata sits one level below the record, so it may nest one level less than any JSON.
+EXTRA_MAX_DEPTH = JSON_MAX_DEPTH - 1
+
+_KEYS_V1 = frozenset({"format", "format_version", "easykv_version", "step", "created", "metadata", "storage",
+                      "mesh", "arrays", "fingerprint_algorithm", "manager", "extra_metadata"})
+_KEYS = {1: _KEYS_V1, 2: _KEYS_V1 | {MANAGER_SEAL, RECORD_SEAL}}
+_ARRAY_KEYS = frozenset({"name", "path", "role", "shape", "stored_dtype", "nbytes", "fingerprint"})
+_SUMMARY_KEYS = ("active_sequences", "tokens", "free_pages", "cached_pages", "prefix_pages")
+_MESH_KEYS = frozenset({"platform", "device_kind", "num_devices", "process_count"})
+_MESH_LAYOUT_KEYS = frozenset({"axis_names", "shape", "kv_head_mesh_axes", "page_mesh_axes"})
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_ARRAY_FP = re.compile(r"[0-9a-f]{32}")
+
+
+# ---- names of the saved arrays ----------------------------------------------------------------
+def layer_key(i: int) -> str:
+    return f"layer_{i:03d}"
+
+
+def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta``."""
+    template = stored_template(meta, platform)
+    out = []
+    for i in range(meta.num_hidden_layers):
+        for kind in ("key_pages", "value_pages"):
+            layer = layer_key(i)
+            if isinstance(template, QuantizedPages):
+                out.append((f"{layer}.{kind}.values", (layer, kind, "values"), template.values))
+                out.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), template.scales))
+            else:
+                out.append((f"{layer}.{kind}", (layer, kind), template))
+    return out
+
+
+# ---- sealing (save side) -------------------------------------------------------------------------
+def canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def record_digest(record: Mapping[str, Any]) -> str:
+    """sha256 of the record's canonical content without its own seal."""
+    return hashlib.sha256(canonical({k: v for k, v in record.items() if k != RECORD_SEAL})).hexdigest()
+
+
+def seal(record: dict[str, Any], manager_state: Mapping[str, Any] | None) -> tuple[bytes, bytes | None]:
+    """(record bytes, manager bytes or None) to write: the record gets the manager's hash and
+    its own seal. The manager bytes are hashed exactly as written."""
+    manager_bytes = None if manager_state is None else json.dumps(manager_state, separators=(",", ":")).encode()
+    record[MANAGER_SEAL] = None if manager_bytes is None else hashlib.sha256(manager_bytes).hexdigest()
+    record[RECORD_SEAL] = record_digest(record)
+    return json.dumps(record, indent=1).encode(), manager_bytes
+
+
+def manager_summary(state: Any) -> dict[str, int] | None:
+    """What inspect shows of a manager state; None when the state is too malformed to count
+    (`PageManager.from_state_dict` then names the bad field)."""
+    try:
+        seqs, pool = state["sequences"], state["pool"]
+        out = {"active_sequences": len(seqs), "tokens": sum(s["length"] for s in seqs),
+               "free_pages": sum(len(h) for h in pool["free"]), "cached_pages": sum(len(q) for q in pool["lru"]),
+               "prefix_pages": len(pool["digests"])}
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out.values()):
+        return None
+    return out
+
+
+# ---- reading ---------------------------------------------------------------------------------------
+def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(f"{message}; step {step} of {directory} is damaged — restore another step",
+                                    step=step, directory=str(directory), **kw)
+
+
+def _read_json(path: epath.Path, step: int, directory: Any, *, data: bytes | None = None) -> Any:
+    if data is None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as err:
+            raise _damaged(f"{path} is missing", step, directory) from err
+        except OSError as err:
+            raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
+    try:
+        return parse_json(data.decode("utf-8"), what=str(path))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _damaged(str(err) if isinstance(err, ValueError) else f"{path} is not UTF-8 text ({err})", step,
+                       directory) from None
+
+
+def read_record(directory: Any, step: int) -> dict[str, Any]:
+    """The record of ``step``: parsed, its seal verified, every field checked (`check_record`).
+    CheckpointIntegrityError for damage, CheckpointMismatchError for a newer format."""
+    path = epath.Path(directory) / str(step) / STATE_ITEM / RECORD_FILE
+    if not path.exists():
+        raise _damaged(f"the step lacks {STATE_ITEM}/{RECORD_FILE}", step, directory)
+    record = _read_json(path, step, directory)
+    if not isinstance(record, dict):
+        raise _damaged(f"{path} holds a JSON {type(record).__name__}, not an easykv checkpoint record", step,
+                       directory)
+    if RECORD_SEAL in record:  # verified before any field is trusted, the version included
+        want, got = record[RECORD_SEAL], record_digest(record)  # parse_json: finite, shallow
+        if want != got:
+            raise _damaged(f"{path} does not match its {RECORD_SEAL} (recorded {show(want)}, content hashes "
+                           f"to {got})", step, directory)
+    if record.get("format") != FORMAT:
+        raise _damaged(f"{path} is not an easykv checkpoint record (format {show(record.get('format'))}, "
+                       f"expected {FORMAT!r})", step, directory)
+    version = _int(record.get("format_version"), "format_version", step, directory, lo=1, hi=INT32_MAX)
+    if version > FORMAT_VERSION:
+        raise CheckpointMismatchError(
+            f"step {step} in {directory} has checkpoint format version {version}; this easykv reads versions "
+            f"<= {FORMAT_VERSION}: upgrade easykv")
+    if version >= 2 and RECORD_SEAL not in record:
+        raise _damaged(f"{path} (format version {version}) lacks its {RECORD_SEAL}", step, directory)
+    if version == LEGACY_VERSION and RECORD_SEAL in record:
+        raise _damaged(f"{path} says format version 1 but carries a {RECORD_SEAL} (only version >= 2 does)",
+                       step, directory)
+    check_record(record, step, directory)
+    return record
+
+
+def is_legacy(record: Mapping[str, Any]) -> bool:
+    """True for a version-1 record: no hash of the record or manager state to verify."""
+    return record["format_version"] == LEGACY_VERSION
+
+
+def legacy_note(step: int, directory: Any) -> str:
+    return (f"step {step} in {directory} has checkpoint format version 1 (easykv 0.1): its record and page-"
+            "manager state carry no fingerprints and were checked for consistency only (the page arrays are "
+            "verified); save it again with this easykv to fingerprint every byte")
+
+
+def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The saved PageManager state of ``step`` (None when the record says none was saved),
+    verified against the record: its bytes' sha256 (version >= 2), its presence, and the
+    manager summary. The state's own fields are checked by `PageManager.from_state_dict`."""
+    record = read_record(directory, step) if record is None else record
+    path = epath.Path(directory) / str(step) / STATE_ITEM / MANAGER_FILE
+    saved = record[MANAGER_SEAL] is not None if not is_legacy(record) else record["manager"] is not None
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        data = None
+    except OSError as err:
+        raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
+    if data is None:
+        if saved:
+            raise _damaged(f"the record says a page manager was saved but {path} is missing", step, directory)
+        return None
+    if not saved:
+        raise _damaged(f"the record says no page manager was saved but {path} exists", step, directory)
+    if not is_legacy(record):
+        got = hashlib.sha256(data).hexdigest()
+        if got != record[MANAGER_SEAL]:
+            raise _damaged(f"{path} does not match the {MANAGER_SEAL} in the record (recorded "
+                           f"{record[MANAGER_SEAL]}, file hashes to {got})", step, directory)
+    state = _read_json(path, step, directory, data=data)
+    if not isinstance(state, dict):
+        raise _damaged(f"{path} holds a JSON {type(state).__name__}, not a PageManager state", step, directory)
+    summary = manager_summary(state)
+    if summary is not None and summary != record["manager"]:
+        raise _damaged(f"the page-manager state in {path} ({summary}) does not match the record's summary "
+                       f"({record['manager']})", step, directory)
+    return state
+
+
+def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
+    """The cache metadata of a record; CheckpointIntegrityError when it cannot be rebuilt."""
+    try:
+        return PagedAttentionCacheMetaData.from_dict(record["metadata"])
+    except (SerializationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as err:
+        raise _damaged(f"field 'metadata' of the record cannot be rebuilt: {err}", step, directory) from err
+
+
+# ---- the schema ------------------------------------------------------------------------------------
+def _bad(field: str, problem: str, step: int, directory: Any, **kw: Any) -> CheckpointIntegrityError:
+    return _damaged(f"record field {field} {problem}", step, directory, **kw)
+
+
+def _int(value: Any, field: str, step: int, directory: Any, *, lo: int | None = 0, hi: int | None = INT64_MAX) -> int:
+    try:
+        return integer(f"record field {field}", value, lo=lo, hi=hi)
+    except ValueError as err:
+        raise _damaged(str(err), step, directory) from None
+
+
+def _dict(value: Any, field: str, step: int, directory: Any, keys: frozenset[str] | None = None,
+          optional: frozenset[str] = frozenset()) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(field, f"must be a JSON object, got {show(value)}", step, directory)
+    if keys is not None:
+        missing, unknown = sorted(keys - set(value)), sorted(set(value) - keys - optional)
+        if missing or unknown:
+            raise _bad(field, f"must have the keys {sorted(keys)} (missing {missing}, unknown {unknown})", step,
+                       directory)
+    return value
+
+
+def _list(value: Any, field: str, step: int, directory: Any, *, max_len: int = 1 << 20) -> list[Any]:
+    if not isinstance(value, list) or len(value) > max_len:
+        raise _bad(field, f"must be a list of at most {max_len} items, got {show(value)}", step, directory)
+    return value
+
+
+def _str(value: Any, field: str, step: int, directory: Any, *, pattern: re.Pattern[str] | None = _NAME,
+         max_len: int = 64, allowed: Any = None) -> str:
+    ok = isinstance(value, str) and len(value) <= max_len and (pattern is None or pattern.fullmatch(value))
+    if ok and allowed is not None:
+        ok = value in allowed
+    if not ok:
+        what = f"one of {sorted(allowed)}" if allowed is not None else "a short name" if pattern is _NAME else \
+            f"a string matching {pattern.pattern}" if pattern is not None else f"a string of <= {max_len} characters"
+        raise _bad(field, f"must be {what}, got {show(value)}", step, directory)
+    return value
+
+
+def _optional(value: Any, check: Any, *args: Any, **kw: Any) -> Any:
+    return None if value is None else check(value, *args, **kw)
+
+
+def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
+    """Every field of a parsed record, its type, range and agreement with the metadata;
+    CheckpointIntegrityError names the first bad field (CheckpointMismatchError for an
+    unknown fingerprint algorithm, which a newer easykv may write). Returns the metadata."""
+    at = (step, directory)
+    version = record["format_version"]
+    _dict(record, "(top level)", *at, keys=_KEYS[version])
+    _str(record["easykv_version"], "easykv_version", *at)
+    if _int(record["step"], "step", *at) != step:
+        raise _bad("step", f"is {record['step']} but the record lies in step directory {step}", *at)
+    _str(record["created"], "created", *at, pattern=None)
+    _dict(record["extra_metadata"], "extra_metadata", *at)
+    _dict(record["metadata"], "metadata", *at)
+    meta = saved_metadata(record, *at)
+
+    storage = _dict(record["storage"], "storage", *at, keys=frozenset({"platform", "logical_dtype", "quantization"}))
+    platform = _str(storage["platform"], "storage.platform", *at)
+    if storage["logical_dtype"] != meta.dtype.name:
+        raise _bad("storage.logical_dtype", f"is {show(storage['logical_dtype'])} but the metadata says "
+                   f"{meta.dtype.name!r}", *at)
+    if storage["quantization"] != meta.quantization:
+        raise _bad("storage.quantization", f"is {show(storage['quantization'])} but the metadata says "
+                   f"{meta.quantization!r}", *at)
+
+    _check_mesh(record["mesh"], meta, platform, at)
+    algorithm = record["fingerprint_algorithm"]
+    if algorithm is not None:
+        _str(algorithm, "fingerprint_algorithm", *at, pattern=None)
+        if algorithm != FINGERPRINT_ALGORITHM:
+            raise CheckpointMismatchError(
+                f"record field fingerprint_algorithm of step {step} in {directory} is {algorithm!r}; this easykv "
+                f"knows {FINGERPRINT_ALGORITHM!r} only: a newer easykv wrote this step; upgrade easykv to read it")
+    _check_arrays(record["arrays"], meta, platform, algorithm is not None, at)
+
+    summary = record["manager"]
+    if summary is not None:
+        _dict(summary, "manager", *at, keys=frozenset(_SUMMARY_KEYS))
+        for key in _SUMMARY_KEYS:
+            _int(summary[key], f"manager.{key}", *at)
+    if version >= 2:
+        digest = _optional(record[MANAGER_SEAL], _str, MANAGER_SEAL, *at, pattern=_SHA256)
+        if (digest is None) != (summary is None):
+            raise _bad(MANAGER_SEAL, f"is {show(digest)} but the manager summary is {show(summary)}: both or "
+                       "neither must be set", *at)
+    return meta
+
+
+def _check_mesh(mesh: Any, meta: PagedAttentionCacheMetaData, platform: str, at: tuple[int, Any]) -> None:
+    """The mesh the cache was saved from (shown by inspect, returned as ``saved_mesh``): types,
+    and agreement with the storage platform and the metadata's layout axes."""
+    mesh = _dict(mesh, "mesh", *at, keys=_MESH_KEYS, optional=_MESH_LAYOUT_KEYS)
+    if _str(mesh["platform"], "mesh.platform", *at) != platform:
+        raise _bad("mesh.platform", f"is {mesh['platform']!r} but storage.platform is {platform!r}", *at)
+    _str(mesh["device_kind"], "mesh.device_kind", *at, pattern=None, max_len=256)
+    devices = _int(mesh["num_devices"], "mesh.num_devices", *at, lo=1, hi=1 << 24)
+    _int(mesh["process_count"], "mesh.process_count", *at, lo=1, hi=1 << 24)
+    if not set(mesh) & _MESH_LAYOUT_KEYS:
+        return
+    _dict(mesh, "mesh", *at, keys=_MESH_KEYS | _MESH_LAYOUT_KEYS)
+    axes = {}
+    for key in ("axis_names", "kv_head_mesh_axes", "page_mesh_axes"):
+        axes[key] = [_str(name, f"mesh.{key}[{i}]", *at)
+                     for i, name in enumerate(_list(mesh[key], f"mesh.{key}", *at, max_len=64))]
+    sizes = [_int(size, f"mesh.shape[{show(name)}]", *at, lo=1, hi=1 << 24)
+             for name, size in _dict(mesh["shape"], "mesh.shape", *at).items()]
+    if list(mesh["shape"]) != axes["axis_names"] or math.prod(sizes) != devices:
+        raise _bad("mesh.shape", f"is {show(mesh['shape'])} but axis_names is {axes['axis_names']} and "
+                   f"num_devices {devices}", *at)
+    for key in ("kv_head_mesh_axes", "page_mesh_axes"):
+        if axes[key] != list(getattr(meta, key)):
+            raise _bad(f"mesh.{key}", f"is {axes[key]} but the metadata says {list(getattr(meta, key))}", *at)
+
+
+def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str, fingerprinted: bool,
+                  at: tuple[int, Any]) -> None:
+    """The array list matches what the metadata implies, entry by entry."""
+    expected = expected_leaves(meta, platform)
+    # Stored as the saving platform stores them, or natively (a cache restored with
+    # storage_platform="gpu" on CPU devices and saved again): same width either way.
+    other = expected_leaves(meta, "gpu" if platform == "cpu" else "cpu")
+    entries = _list(entries, "arrays", *at)
+    if len(entries) != len(expected):
+        raise _bad("arrays", f"lists {len(entries)} arrays but the metadata implies {len(expected)}", *at)
+    for i, (entry, (name, path, sds), (_, _, alt)) in enumerate(zip(entries, expected, other)):
+        field = f"arrays[{i}]"
+        _dict(entry, field, *at, keys=_ARRAY_KEYS)
+        if entry["name"] != name:
+            raise _bad(f"{field}.name", f"is {show(entry['name'])}, expected {name!r}", *at)
+        if entry["path"] != list(path):
+            raise _bad(f"{field}.path", f"is {show(entry['path'])}, expected {list(path)}", *at, array=name)
+        role = path[-1] if len(path) == 3 else "pages"
+        if entry["role"] != role:
+            raise _bad(f"{field}.role", f"is {show(entry['role'])}, expected {role!r}", *at, array=name)
+        shape = [_int(d, f"{field}.shape[{j}]", *at) for j, d in
+                 enumerate(_list(entry["shape"], f"{field}.shape", *at, max_len=8))]
+        if shape != list(sds.shape):
+            raise _bad(f"{field}.shape", f"is {shape}, but the metadata implies {list(sds.shape)}", *at, array=name)
+        dtypes = {np.dtype(sds.dtype).name, np.dtype(alt.dtype).name}
+        stored = _str(entry["stored_dtype"], f"{field}.stored_dtype", *at, allowed=dtypes)
+        nbytes = _int(entry["nbytes"], f"{field}.nbytes", *at)
+        if nbytes != math.prod(shape) * np.dtype(stored).itemsize:
+            raise _bad(f"{field}.nbytes", f"is {nbytes}, but {shape} {stored} holds "
+                       f"{math.prod(shape) * np.dtype(stored).itemsize} bytes", *at, array=name)
+        fingerprint = entry["fingerprint"]
+        if fingerprinted:
+            _str(fingerprint, f"{field}.fingerprint", *at, pattern=_ARRAY_FP)
+        elif fingerprint is not None:
+            raise _bad(f"{field}.fingerprint", f"is {show(fingerprint)} but fingerprint_algorithm is null", *at)
+
+
+__all__ = [
+    "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
+    "RECORD_SEAL", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "is_legacy", "layer_key",
+    "legacy_note", "manager_summary", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+]

@@ -327,8 +327,8 @@ def _check_pending(m: PageManager, held: np.ndarray) -> None:
     scrub = set(pool.pending_scrubs().tolist())
     for dst, src in m._copies.items():
         field = f"copies[dst={dst}]"
-        if src == dst or src in m._copies:
-            raise Broken(field, f"copy {src} -> {dst} reads a page that is itself waiting for a copy")
+        if src == dst:
+            raise Broken(field, f"copy {src} -> {dst} copies a page onto itself")
         if pool.replica_of(src) != pool.replica_of(dst):
             raise Broken(field, f"copy {src} -> {dst} crosses data-parallel replicas")
         if dst in scrub:
@@ -342,20 +342,28 @@ def _check_pending(m: PageManager, held: np.ndarray) -> None:
         # either page meanwhile. So every holder of the destination, and every holder of the
         # source that has written into it, has the same length, the page at the same column,
         # and the same pages before it: anything else would copy one sequence's tokens into
-        # another's page.
+        # another's page. (A source freed and taken again as another copy's destination is
+        # read before that copy writes it: its new holders' tokens are not in it yet.)
         length = int(m._lens[holders[0][0]])
         col = length // ps
         before = m._table[holders[0][0], :col]
         if length % ps == 0:
             raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {holders[0][0]} "
                                 f"holds with {length} tokens written (a full page, not an unfinished one)")
-        writers = [(row, c) for row, c in where.get(src, []) if c * ps < int(m._lens[row])]
+        writers = [] if src in m._copies else [(r, c) for r, c in where.get(src, []) if c * ps < int(m._lens[r])]
+        partial = None  # the unfinished page's token ids, where the sequences know them
         for row, c in holders + writers:
             if int(m._lens[row]) != length or c != col or not np.array_equal(m._table[row, :col], before):
                 raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
                                     f"(sequence {row} holds page {m._table[row, c]} at column {c} with "
                                     f"{int(m._lens[row])} tokens; sequence {holders[0][0]} holds page {dst} at "
                                     f"column {col} with {length})")
+            if m._hashes.hashable[row]:
+                tokens = m._hashes.partial[row, : length % ps]
+                if partial is not None and not np.array_equal(tokens, partial):
+                    raise Broken(field, f"copy {src} -> {dst} joins unfinished pages holding different tokens "
+                                        f"(sequence {row}: {tokens.tolist()}, another: {partial.tolist()})")
+                partial = tokens
     for page in sorted(scrub):
         holders = where.get(page, [])
         if not holders:

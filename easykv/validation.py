@@ -189,14 +189,21 @@ def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueEr
                max_depth: int = JSON_MAX_DEPTH) -> Any:
     """Parse JSON that easykv reads (records, states, headers, metadata) or raise ``error``.
 
-    Refuses what Python's json would accept but no easykv file holds (NaN, Infinity) and
-    nesting deeper than ``max_depth`` (which would otherwise surface as a RecursionError).
+    Refuses what Python's json would accept but no easykv file holds (NaN, Infinity, numbers
+    such as 1e999 that overflow to infinity) and nesting deeper than ``max_depth`` (which would
+    otherwise surface as a RecursionError).
     """
     def no_constant(token: str) -> Any:
         raise ValueError(f"{token} is not allowed")
 
+    def finite(token: str) -> float:
+        number = float(token)
+        if not math.isfinite(number):  # 1e999 parses as inf
+            raise ValueError(f"{token} is not a finite number")
+        return number
+
     try:
-        data = json.loads(text, parse_constant=no_constant)
+        data = json.loads(text, parse_constant=no_constant, parse_float=finite)
     except RecursionError:
         raise error(f"{what} nests deeper than {max_depth} levels; it is not a file easykv wrote") from None
     except (ValueError, UnicodeDecodeError, TypeError) as err:

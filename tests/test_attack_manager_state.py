@@ -193,9 +193,9 @@ def _cases():
     def copy_onto_other_partial(s):  # the destination is sequence 2's unfinished page
         s["copies"][0][1] = _seq(s, 2)["pages"][-1]
 
-    def copy_from_pending(s):  # a copy reading a page that is itself waiting for its copy
+    def copy_onto_itself(s):
         src, dst = s["copies"][0]
-        s["copies"].append([dst, s["pool"]["free"][0][0]])
+        s["copies"][0] = [dst, dst]
 
     def float_length(s):
         _seq(s, 0)["length"] = 10.0
@@ -267,7 +267,7 @@ def _cases():
         "scrub of a live page": (scrub_live, r"pool\.scrub"),
         "copy onto another sequence's full page": (copy_onto_full, r"copies"),
         "copy onto another sequence's unfinished page": (copy_onto_other_partial, r"copies"),
-        "copy reading a pending destination": (copy_from_pending, r"copies"),
+        "copy of a page onto itself": (copy_onto_itself, r"copies"),
         "float length": (float_length, r"sequences\[0\]\.length"),
         "negative partial token": (negative_partial, r"sequences\[0\]\.partial"),
         "short salt": (short_salt, r"sequences\[0\]\.salt"),

@@ -46,7 +46,7 @@ from easykv.runtime import (
     increment_cache_lengths,
     stack_metadata,
 )
-from easykv.validation import INT64_MAX, boolean, integer, integer_array, non_negative_int, positive_int, show
+from easykv.validation import boolean, integer, integer_array, non_negative_int, positive_int, show
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,8 +269,10 @@ class PageManager:
             dst = pool.allocate(int(self._replica[row]), 1, overwritten=True)[0]
             self._table[row, col] = dst
             pool.release([src])
-            self._copies[dst] = self._copies.get(src, src)  # a pending copy's dst still holds its src
-            self._counters["copies"] += 1
+            origin = self._copies.get(src, src)  # a pending copy's destination does not hold its data yet
+            if origin != dst:  # else dst is that origin, freed and taken again: it still holds the data
+                self._copies[dst] = origin
+                self._counters["copies"] += 1
         if not grow.size:
             return
         g_rows, total = rows[grow], int(counts.sum())
@@ -484,8 +486,9 @@ class PageManager:
     def pending_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) int32 page ids the cache must copy, in every layer, before the next write;
         ``pad_to`` pads both with -1 (a fixed shape for the jitted copy)."""
-        return (_padded(self._copies.values(), len(self._copies), pad_to, "copies"),
-                _padded(self._copies.keys(), len(self._copies), pad_to, "copies"))
+        most = self._pool.num_pages
+        return (_padded(self._copies.values(), len(self._copies), pad_to, "copies", most),
+                _padded(self._copies.keys(), len(self._copies), pad_to, "copies", most))
 
     def take_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
@@ -497,7 +500,7 @@ class PageManager:
     def pending_scrubs(self, pad_to: int | None = None) -> np.ndarray:
         """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``."""
         pages = self._pool.pending_scrubs()
-        return _padded(pages, pages.size, pad_to, "scrubs")
+        return _padded(pages, pages.size, pad_to, "scrubs", self._pool.num_pages)
 
     def take_scrubs(self, pad_to: int | None = None) -> np.ndarray:
         """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
@@ -668,8 +671,11 @@ class PageManager:
                 "finish or truncate it, or create the metadata with a larger max_sequences")
 
 
-def _padded(values: Any, n: int, pad_to: int | None, what: str) -> np.ndarray:
-    size = n if pad_to is None else non_negative_int("pad_to", pad_to)
+def _padded(values: Any, n: int, pad_to: int | None, what: str, most: int) -> np.ndarray:
+    """``values`` padded with -1 to ``pad_to`` entries; never more than ``most`` (the pool's
+    pages: no more copies or scrubs can be pending), so a huge pad allocates nothing."""
+    size = n if pad_to is None else non_negative_int("pad_to", pad_to, hi=most,
+                                                     hint=f"at most one entry per page of the pool of {most}")
     if size < n:
         raise ValueError(f"pad_to={pad_to} is below the {n} pending {what}; pass at least {n} (or None)")
     out = np.full(size, -1, np.int32)

@@ -174,7 +174,7 @@ def read_state(m: PageManager, state: Any) -> None:
     m.enable_prefix_caching, m.scrub_released = got["enable_prefix_caching"], got["scrub_released"]
     m._pool.scrub_released = m.scrub_released
 
-    pool, ps, b = m._pool, m.page_size, m.batch_size
+    pool, b = m._pool, m.batch_size
     n, replicas = pool.num_pages, pool.num_replicas
     sequences = [_read_sequence(m, entry, i) for i, entry in enumerate(_list(state["sequences"], "sequences", b))]
     seen: set[int] = set()

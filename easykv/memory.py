@@ -9,7 +9,6 @@ host. Anything we cannot read is an error that tells the user to pass
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from numbers import Integral

@@ -280,8 +280,8 @@ def slots_from_table(table: Any, positions: Any, *, page_size: int, num_pages: i
     width = table.shape[-1] if pages_per_sequence is None else min(table.shape[-1], pages_per_sequence)
     in_table = (positions >= 0) & (logical < width)
     page = xp.take_along_axis(table, xp.where(in_table, logical, 0)[..., None], axis=-1)[..., 0]
-    fits = (INT32_MAX - page_size + 1) // page_size  # pages whose every slot fits int32
-    ok = in_table & (page >= 0) & (page < (fits if num_pages is None else min(num_pages, fits)))
+    last = (INT32_MAX + 1) // page_size - 1  # the last page whose every slot fits int32
+    ok = in_table & (page >= 0) & (page <= (last if num_pages is None else min(num_pages - 1, last)))
     slot = xp.where(ok, xp.where(ok, page, 0) * page_size + positions % page_size, INVALID_SLOT)
     return xp.where(positions == PAD_POSITION, PAD_SLOT, slot).astype(np.int32)
 

@@ -32,13 +32,13 @@ def reference_slot(table_row, pos, page_size, num_pages, width):
     if pos < 0 or pos // page_size >= width:
         return INVALID_SLOT
     page = int(table_row[pos // page_size])
-    slot = page * page_size + pos % page_size
-    if page < 0 or (num_pages is not None and page >= num_pages) or slot > INT32.max:
+    last_slot_of_page = page * page_size + page_size - 1  # a page is valid only if all its slots are
+    if page < 0 or (num_pages is not None and page >= num_pages) or last_slot_of_page > INT32.max:
         return INVALID_SLOT
-    return slot
+    return page * page_size + pos % page_size
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), page_size=st.sampled_from([1, 3, 4, 16, 64, 2**20]),
        num_pages=st.one_of(st.none(), st.integers(1, 2**31 - 1)))
 def test_slots_from_table_matches_exact_integer_arithmetic_on_host_and_device(data, page_size, num_pages):

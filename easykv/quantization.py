@@ -11,11 +11,12 @@ dequantize only the pages they gather. A quantizer is chosen once per cache, by 
 object, and recorded in the metadata by name (``register_quantizer`` makes a custom one
 nameable).
 
-Built in (absmax scaling per token and head):
-  * ``int8``: round(x / s), s = absmax / 127;
-  * ``fp8``:  float8_e4m3fn(x / s), s = absmax / 448;
-  * ``int4``: 16 levels on a half-integer grid, x ~ (u + 0.5) s with u = floor(x / s) in
-    [-8, 7] and s = absmax / 7.5 (all 16 codes used: 7% less error than 15 symmetric levels),
+Built in (absmax scaling per token and head; in float32, with r = 1 / s, exactly as written,
+so eager and jitted code, on any jax version, store the same codes):
+  * ``int8``: round(x * r), s = absmax * (1 / 127);
+  * ``fp8``:  float8_e4m3fn(x * r), s = absmax * (1 / 448);
+  * ``int4``: 16 levels on a half-integer grid, x ~ (u + 0.5) s with u = floor(x * r) in
+    [-8, 7] and s = absmax * (1 / 7.5) (all 16 codes used: 7% less error than 15 symmetric levels),
     two values per byte along head_dim (head_dim must be even); ``int4-g32`` etc. take one
     scale per group of 32 values.
 """
@@ -99,15 +100,20 @@ class NoQuantizer:
 
 
 def _absmax_scale(x: jax.Array, qmax: float, groups: int) -> tuple[jax.Array, jax.Array]:
-    """Per-group absmax scales (..., groups) and x grouped as (..., groups, head_dim / groups)."""
+    """Per-group absmax scales (..., groups) and x grouped as (..., groups, head_dim / groups).
+
+    The one formula, in float32: ``s = absmax * (1 / qmax)``. Written as multiplications by
+    reciprocals because XLA may turn ``a / b`` into ``a * (1 / b)`` inside a fused jit but not
+    in an eager op: codes of values on a grid point then differed by one step between paths
+    (and between jax versions)."""
     xg = x.astype(jnp.float32).reshape(x.shape[:-1] + (groups, x.shape[-1] // groups))
-    scale = jnp.max(jnp.abs(xg), axis=-1) / qmax
+    scale = jnp.max(jnp.abs(xg), axis=-1) * np.float32(1.0 / qmax)
     return scale, xg
 
 
-def _safe(scale: jax.Array) -> jax.Array:
-    # An all-zero token has scale 0: divide by 1 instead so it stores exact zeros.
-    return jnp.where(scale == 0, 1.0, scale)[..., None]
+def _scaled(xg: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x * (1 / s)`` per group; an all-zero group (s = 0) uses 1 so it stores exact zeros."""
+    return xg * (1.0 / jnp.where(scale == 0, 1.0, scale))[..., None]
 
 
 class _BytePerValueQuantizer:
@@ -134,7 +140,7 @@ class _BytePerValueQuantizer:
 
     def quantize(self, x: jax.Array) -> QuantizedPages:
         scale, xg = _absmax_scale(x, self._qmax, 1)
-        return QuantizedPages(self._encode(xg / _safe(scale)).reshape(x.shape), scale[..., 0], self)
+        return QuantizedPages(self._encode(_scaled(xg, scale)).reshape(x.shape), scale[..., 0], self)
 
     def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
         return (q.values.astype(jnp.float32) * q.scales[..., None]).astype(dtype)
@@ -142,7 +148,7 @@ class _BytePerValueQuantizer:
 
 @dataclasses.dataclass(frozen=True)
 class Int8Quantizer(_BytePerValueQuantizer):
-    """Symmetric int8: round(x / s) with s = absmax / 127, per token and head."""
+    """Symmetric int8: round(x * (1 / s)) with s = absmax * (1 / 127), per token and head."""
 
     name: str = "int8"
     _qmax: ClassVar[float] = 127.0
@@ -199,7 +205,7 @@ class Int4Quantizer:
 
     def quantize(self, x: jax.Array) -> QuantizedPages:
         scale, xg = _absmax_scale(x, 7.5, self._groups(x.shape[-1]))
-        q = jnp.clip(jnp.floor(xg / _safe(scale)), -8, 7).astype(jnp.int8).reshape(x.shape)
+        q = jnp.clip(jnp.floor(_scaled(xg, scale)), -8, 7).astype(jnp.int8).reshape(x.shape)
         nibbles = (q & 0xF).astype(jnp.uint8)
         packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
         return QuantizedPages(packed, scale if self.group_size is not None else scale[..., 0], self)

@@ -12,6 +12,7 @@ pages are stored as raw bits (see ``pages.py``) — use ``view.dtype`` for the l
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import warnings
 from functools import partial
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from easykv import cache_json
 from easykv.memory import MemoryUnavailableError, device_memory_budget
 from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.pages import (
@@ -51,13 +53,19 @@ from sharding import PartitionManager, ShardingAdjustedWarning
     data_fields=["key_pages", "value_pages"],
     meta_fields=["metadata", "layer_index", "layout"],
 )
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class PagedAttentionCacheView:
     """One layer's pages.
 
     key_pages, value_pages: (num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size),
     in the storage dtype of the platform. ``layout`` says how they are split over the mesh
     (None: one device, no shard_map).
+
+    As in EasyDeL, the ``write_*`` methods update this view and return it: inside jit the
+    view holds traced pages and the caller returns it (or the cache holding it); outside jit
+    the old page buffers are donated to the write, so a write costs what it writes, not the
+    size of the pool (an array taken from the view before the write is then deleted).
+    Engines that keep old pages use the functional ``PagedAttentionCache.write``.
     """
 
     metadata: PagedAttentionCacheMetaData
@@ -85,7 +93,7 @@ class PagedAttentionCacheView:
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
-        layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        metadata, layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         _check_fits(mesh, metadata, layers=1)
         k, v = allocate_pages((template, template), layout)
         return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
@@ -93,21 +101,42 @@ class PagedAttentionCacheView:
     def replace(self, **changes: Any) -> PagedAttentionCacheView:
         return dataclasses.replace(self, **changes)
 
+    # ---- EasyDeL's dict / JSON forms (small caches and debugging; see cache_json.py) ---------
+    def to_dict(self) -> dict[str, Any]:
+        return cache_json.view_to_dict(self)
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        return cache_json.view_from_dict(cls, data, mesh, partition_manager)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
+                  partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
+        return cls.from_dict(cache_json.loads(text, f"the JSON of a {cls.__name__}"), mesh=mesh,
+                             partition_manager=partition_manager)
+
     def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
             "a paged cache has no contiguous buffer to concatenate into; use "
             "write_prefill_to_cache / write_decodes_to_cache / write_tokens"
         )
 
-    # ---- writes (functional: they return the updated view) --------------------------------
+    # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
         slots = check_slots_on_host(slots, self.metadata.tokens_per_layer)  # a list is host data too
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
         check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
-        k, v = _scatter(self.key_pages, self.value_pages, key, value, slots, layout=self.layout)
-        return dataclasses.replace(self, key_pages=k, value_pages=v)
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((self.key_pages, self.value_pages)))
+        scatter = _scatter if traced else _scatter_in_place  # under a trace, donation means nothing
+        self.key_pages, self.value_pages = scatter(self.key_pages, self.value_pages, key, value, slots,
+                                                   layout=self.layout)
+        return self
 
     def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
         """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position."""
@@ -131,15 +160,45 @@ class PagedAttentionCacheView:
         return _token_slots(metadata, self.metadata)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["views"], meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class PagedAttentionCache:
-    """All layers' views (``views[i].layer_index == i``)."""
+class ViewList(list):
+    """``cache.views``: a list, as in EasyDeL, whose ``views[i] = view`` checks that ``view`` is
+    layer ``i`` of the same cache (a wrong one would fail later, inside a jitted step). Its
+    length is the number of layers: appending, inserting or deleting views is refused."""
 
-    views: tuple[PagedAttentionCacheView, ...]
+    def __setitem__(self, index: Any, view: Any) -> None:
+        if isinstance(index, slice):
+            raise ValueError("assign views one at a time: cache.views[i] = view")
+        i = integer("views index", index, lo=-len(self), hi=len(self) - 1, hint=f"the cache has {len(self)} layers")
+        old = self[i]
+        if isinstance(old, PagedAttentionCacheView):
+            if not isinstance(view, PagedAttentionCacheView):
+                raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
+            differs = [name for name, a, b in (("layer_index", view.layer_index, old.layer_index),
+                                               ("metadata", view.metadata, old.metadata),
+                                               ("layout", view.layout, old.layout)) if a != b]
+            if differs:
+                raise ValueError(f"cache.views[{i}] must be layer {old.layer_index} of this cache, but the view's "
+                                 f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it")
+        super().__setitem__(i, view)
+
+    def _fixed(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("a cache holds exactly one view per layer; replace one with cache.views[i] = view")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = __delitem__ = __iadd__ = __imul__ = _fixed
+
+
+jax.tree_util.register_pytree_node(ViewList, lambda views: (list(views), None), lambda _, views: ViewList(views))
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["views"], meta_fields=[])
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedAttentionCache:
+    """All layers' views (``views[i].layer_index == i``), as a list."""
+
+    views: list[PagedAttentionCacheView]
 
     def __post_init__(self) -> None:
-        views = tuple(self.views)
+        views = ViewList(self.views)
         object.__setattr__(self, "views", views)
         if not views:
             raise ValueError("PagedAttentionCache needs at least one view")
@@ -175,6 +234,24 @@ class PagedAttentionCache:
     def replace(self, **changes: Any) -> PagedAttentionCache:
         return dataclasses.replace(self, **changes)
 
+    # ---- EasyDeL's dict / JSON forms (small caches and debugging; see cache_json.py) ---------
+    def to_dict(self) -> dict[str, Any]:
+        return cache_json.cache_to_dict(self)
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        return cache_json.cache_from_dict(cls, data, mesh, partition_manager)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
+                  partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
+        return cls.from_dict(cache_json.loads(text, f"the JSON of a {cls.__name__}"), mesh=mesh,
+                             partition_manager=partition_manager)
+
     @classmethod
     def init_empty(cls, *args: Any, **kwargs: Any) -> None:
         """EasyDeL's placeholder: a paged cache is only made by init_cache."""
@@ -190,7 +267,7 @@ class PagedAttentionCache:
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCache:
         """Allocate every layer's pages in one call; each device creates only its own shard."""
-        layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        metadata, layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         _check_fits(mesh, metadata, layers=metadata.num_hidden_layers)
         arrays = allocate_pages((template,) * (2 * metadata.num_hidden_layers), layout)
         views = tuple(
@@ -251,8 +328,8 @@ def _token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMeta
 
 
 # One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.
-# Not donating: a view's writes are functional and the caller may keep the old view.
 _scatter = jax.jit(scatter_kv, static_argnames=("layout",))
+_scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argnums=(0, 1))
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -333,13 +410,15 @@ def _checked_layout(
     metadata: PagedAttentionCacheMetaData,
     partition_manager: PartitionManager | None,
     quantizer: str | Quantizer | None,
-) -> tuple[PageLayout, Any]:
-    """The placement and page template (shapes, storage dtypes) for ``metadata`` on ``mesh``, refusing any mismatch with
-    what the pool was sized for (a different split would change the bytes per device)."""
+) -> tuple[PagedAttentionCacheMetaData, PageLayout, Any]:
+    """The metadata completed for ``mesh`` (dtype and kv-head layout where it leaves them
+    open), the placement, and the page template (shapes, storage dtypes). Anything the
+    metadata does fix must agree: a different dtype, quantizer or split would change the bytes
+    per device the pool was sized for. Mesh axes of size 1 split nothing and are ignored."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     dt = canonical_dtype(dtype)
-    if dt != metadata.dtype:
+    if metadata.dtype is not None and dt != metadata.dtype:
         raise ValueError(
             f"dtype {dt.name} differs from metadata.dtype {metadata.dtype.name} that the pool was "
             "sized for; pass metadata.dtype or create the metadata with this dtype"
@@ -357,17 +436,27 @@ def _checked_layout(
         )
     for w in caught:
         warnings.warn(str(w.message), ShardingAdjustedWarning, stacklevel=4)
-    got = (plan.kv_head_mesh_axes, plan.kv_head_shards, plan.page_mesh_axes, plan.page_shards)
-    want = (metadata.kv_head_mesh_axes, metadata.kv_head_shards, metadata.page_mesh_axes, metadata.page_shards)
+
+    def splitting(axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+    head_axes, page_axes = splitting(plan.kv_head_mesh_axes), splitting(plan.page_mesh_axes)
+    got = (head_axes, plan.kv_head_shards, page_axes, plan.page_shards)
+    want = (splitting(metadata.kv_head_mesh_axes) if metadata.kv_head_mesh_axes is not None else head_axes,
+            metadata.kv_head_shards if metadata.kv_head_shards is not None else plan.kv_head_shards,
+            splitting(metadata.page_mesh_axes), metadata.page_shards)
     if got != want:
         raise ValueError(
             "the mesh and partition manager split the pages as (kv_head axes, shards, page axes, "
             f"shards) = {got}, but the metadata was sized for {want}; create the metadata with this "
             "mesh and partition manager"
         )
-    layout = PageLayout(mesh=mesh, head_axes=plan.kv_head_mesh_axes, page_axes=plan.page_mesh_axes)
+    if metadata.kv_head_mesh_axes is None:
+        metadata = metadata.replace(kv_head_mesh_axes=plan.kv_head_mesh_axes, kv_head_shards=plan.kv_head_shards)
+    resolved = metadata.replace(dtype=dt)
+    layout = PageLayout(mesh=mesh, head_axes=resolved.kv_head_mesh_axes, page_axes=resolved.page_mesh_axes)
     platform = mesh.devices.flat[0].platform
-    return layout, page_template(_page_shape(metadata), metadata.dtype, q, platform)
+    return resolved, layout, page_template(_page_shape(resolved), resolved.dtype, q, platform)
 
 
 def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, *, layers: int) -> None:

@@ -290,6 +290,9 @@ def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedA
     _dict(record["extra_metadata"], "extra_metadata", *at)
     _dict(record["metadata"], "metadata", *at)
     meta = saved_metadata(record, *at)
+    for field in ("dtype", "kv_head_mesh_axes"):  # a cache's metadata leaves nothing to init_cache
+        if getattr(meta, field) is None:
+            raise _bad(f"metadata.{field}", "is null, but the metadata of a saved cache is complete", *at)
 
     storage = _dict(record["storage"], "storage", *at, keys=frozenset({"platform", "logical_dtype", "quantization"}))
     platform = _str(storage["platform"], "storage.platform", *at)

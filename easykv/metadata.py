@@ -53,6 +53,12 @@ class PagedAttentionCacheMetaData(Serializable):
     ``(num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size)``; the kv-head axis is
     split into ``kv_head_shards`` over the mesh axes ``kv_head_mesh_axes`` and the page axis into
     ``page_shards`` over ``page_mesh_axes`` (one slice of the pool per data-parallel replica).
+
+    ``create`` fills every field. A metadata built from EasyDeL's nine fields alone leaves
+    ``dtype`` and the kv-head layout as None: ``init_cache`` then takes the dtype it is given and
+    the head layout of its mesh and partition manager, and the cache's views carry the
+    completed metadata (per-device figures of an incomplete one assume bfloat16 and
+    unsharded heads, an upper bound).
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionCacheMetaData"
@@ -67,10 +73,10 @@ class PagedAttentionCacheMetaData(Serializable):
     num_kv_heads: int
     kv_head_dim_size: int
     hbm_utilization: float
-    dtype: np.dtype = dataclasses.field(default=np.dtype("bfloat16"), metadata={"codec": "dtype"})
+    dtype: np.dtype | None = dataclasses.field(default=None, metadata={"codec": "dtype"})
     quantization: str = "none"
-    kv_head_mesh_axes: tuple[str, ...] = dataclasses.field(default=(), metadata={"codec": "tuple"})
-    kv_head_shards: int = 1
+    kv_head_mesh_axes: tuple[str, ...] | None = dataclasses.field(default=None, metadata={"codec": "tuple"})
+    kv_head_shards: int | None = None
     page_mesh_axes: tuple[str, ...] = dataclasses.field(default=(), metadata={"codec": "tuple"})
     page_shards: int = 1
     memory_bytes_per_device: int | None = None
@@ -78,18 +84,26 @@ class PagedAttentionCacheMetaData(Serializable):
     def __post_init__(self) -> None:
         for name in (
             "batch_size", "num_hidden_layers", "num_pages_per_layer", "num_pages_per_sequence",
-            "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size",
-            "kv_head_shards", "page_shards",
+            "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size", "page_shards",
         ):  # fmt: skip
             object.__setattr__(self, name, positive_int(name, getattr(self, name)))
         object.__setattr__(self, "hbm_utilization", real("hbm_utilization", self.hbm_utilization, lo=0, hi=1,
                                                          lo_open=True))
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         quantizer = get_quantizer(self.quantization)
-        quantizer.validate(self.kv_head_dim_size, self.dtype)
+        quantizer.validate(self.kv_head_dim_size, self.sizing_dtype)
         object.__setattr__(self, "quantization", quantizer.name)
+        if (self.kv_head_mesh_axes is None) != (self.kv_head_shards is None):
+            raise ValueError(
+                f"kv_head_mesh_axes={show(self.kv_head_mesh_axes)} and kv_head_shards={show(self.kv_head_shards)}: "
+                "give both (the head layout) or neither (init_cache derives it from the mesh)")
+        if self.kv_head_shards is not None:
+            object.__setattr__(self, "kv_head_shards", positive_int("kv_head_shards", self.kv_head_shards))
         for name in ("kv_head_mesh_axes", "page_mesh_axes"):
             raw = getattr(self, name)
+            if raw is None:
+                continue
             # One name is one axis (never its characters); lists come from JSON.
             axes = (raw,) if isinstance(raw, str) else tuple(raw) if isinstance(raw, (tuple, list)) else None
             if axes is None or not all(isinstance(a, str) and a for a in axes):
@@ -105,7 +119,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"num_pages_per_sequence={self.num_pages_per_sequence} does not match "
                 f"ceil(max_sequences / page_size) = ceil({self.max_sequences} / {self.page_size}) = {expected}"
             )
-        if self.num_kv_heads % self.kv_head_shards:
+        if self.num_kv_heads % self.head_shards:
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} is not divisible by kv_head_shards={self.kv_head_shards}"
             )
@@ -141,8 +155,19 @@ class PagedAttentionCacheMetaData(Serializable):
         return get_quantizer(self.quantization)
 
     @property
+    def sizing_dtype(self) -> np.dtype:
+        """``dtype``, or bfloat16 (EasyDeL's default) while the dtype is left to ``init_cache``."""
+        return np.dtype("bfloat16") if self.dtype is None else self.dtype
+
+    @property
+    def head_shards(self) -> int:
+        """``kv_head_shards``; 1 (every device holds every head) while the layout is left to
+        ``init_cache``, so per-device figures are an upper bound then."""
+        return 1 if self.kv_head_shards is None else self.kv_head_shards
+
+    @property
     def kv_heads_per_device(self) -> int:
-        return self.num_kv_heads // self.kv_head_shards
+        return self.num_kv_heads // self.head_shards
 
     @property
     def pages_per_shard(self) -> int:
@@ -151,7 +176,7 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def bytes_per_token_head(self) -> int:
-        return self.quantizer.bytes_per_token_head(self.kv_head_dim_size, self.dtype)
+        return self.quantizer.bytes_per_token_head(self.kv_head_dim_size, self.sizing_dtype)
 
     @property
     def page_bytes_per_device(self) -> int:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import numpy as np
 
+from easykv.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 
 if TYPE_CHECKING:
@@ -50,9 +51,13 @@ def _present(x: Any) -> bool:
     return np.ndim(x) > 0
 
 
+def _array_field() -> Any:
+    return dataclasses.field(default_factory=_absent, metadata={"codec": "array"})
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedAttentionMetadata:
+class PagedAttentionMetadata(Serializable):
     """The device-side description of one engine step.
 
     EasyDeL fields (absent parts are shape-() arrays):
@@ -69,19 +74,25 @@ class PagedAttentionMetadata:
       page_table:      (num_seqs, num_pages_per_sequence) physical pages per sequence.
       context_lens:    (num_seqs,) tokens cached per sequence after this step's writes.
       num_seqs:        () real sequences (the rest of the padded batch has no tokens).
+
+    ``to_dict`` / ``to_json`` write every array exactly (dtype, shape, bytes); ``from_dict`` /
+    ``from_json`` give numpy arrays back.
     """
 
-    prefill_length: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    prefill_position: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    prefill_page_table: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    decodes_position: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    decodes_page_table: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    slot_mapping: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    positions: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    query_start_loc: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    page_table: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    context_lens: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
-    num_seqs: jax.Array | np.ndarray = dataclasses.field(default_factory=_absent)
+    SCHEMA: ClassVar[str] = "easykv.PagedAttentionMetadata"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    prefill_length: jax.Array | np.ndarray = _array_field()
+    prefill_position: jax.Array | np.ndarray = _array_field()
+    prefill_page_table: jax.Array | np.ndarray = _array_field()
+    decodes_position: jax.Array | np.ndarray = _array_field()
+    decodes_page_table: jax.Array | np.ndarray = _array_field()
+    slot_mapping: jax.Array | np.ndarray = _array_field()
+    positions: jax.Array | np.ndarray = _array_field()
+    query_start_loc: jax.Array | np.ndarray = _array_field()
+    page_table: jax.Array | np.ndarray = _array_field()
+    context_lens: jax.Array | np.ndarray = _array_field()
+    num_seqs: jax.Array | np.ndarray = _array_field()
 
     # ---- EasyDeL's API -------------------------------------------------------------------
     @classmethod
@@ -105,9 +116,6 @@ class PagedAttentionMetadata:
 
     def is_mixed_mode(self) -> bool:
         return _present(self.slot_mapping)
-
-    def replace(self, **changes: Any) -> PagedAttentionMetadata:
-        return dataclasses.replace(self, **changes)
 
     @property
     def num_tokens(self) -> int:

@@ -8,8 +8,10 @@ Deliberately free of jax: dtypes go through numpy (with ml_dtypes for bfloat16 /
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import math
 from typing import Any, ClassVar, Mapping, TypeVar
 
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
@@ -19,6 +21,7 @@ from easykv.validation import parse_json, show
 
 _T = TypeVar("_T", bound="Serializable")
 _SCHEMA_KEY = "__schema__"
+_ARRAY_KEY = "__ndarray__"
 _VERSION_KEY = "__version__"
 _DTYPE_EXAMPLES = "float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4, uint8"
 
@@ -87,12 +90,52 @@ def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
             f"{_DTYPE_EXAMPLES}") from None
 
 
+def encode_array(value: Any, field: str = "array") -> dict[str, Any]:
+    """An array as JSON: its dtype name, its shape and its bytes (C order, base64). Never
+    ``str(array)``, which drops digits and elides the middle of large arrays."""
+    try:
+        arr = np.asarray(value)
+    except Exception as err:  # noqa: BLE001  a jax array with shards on other processes, a deleted buffer
+        raise SerializationError(
+            f"field {field!r}: cannot bring the array to this host ({type(err).__name__}: {err}); JSON holds only "
+            "small, fully addressable arrays: save real pools with easykv.save_cache") from None
+    if arr.dtype.kind not in "biuf" or arr.dtype.hasobject:
+        raise SerializationError(f"field {field!r}: arrays of dtype {arr.dtype} have no JSON form here")
+    data = base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+    return {_ARRAY_KEY: data, "dtype": arr.dtype.name, "shape": list(arr.shape)}
+
+
+def decode_array(data: Any, field: str = "array") -> np.ndarray:
+    """The array `encode_array` wrote; a SerializationError names what does not fit (the
+    bytes must be exactly what dtype and shape imply, so nothing larger is ever allocated)."""
+    if not isinstance(data, Mapping) or set(data) != {_ARRAY_KEY, "dtype", "shape"}:
+        raise SerializationError(f"field {field!r} must be an encoded array {{{_ARRAY_KEY!r}, 'dtype', 'shape'}}, "
+                                 f"got {show(data)}")
+    dtype = decode_dtype(data["dtype"], field)
+    shape = data["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape):
+        raise SerializationError(f"field {field!r}: shape must be a list of non-negative ints, got {show(shape)}")
+    try:
+        raw = base64.b64decode(data[_ARRAY_KEY], validate=True) if isinstance(data[_ARRAY_KEY], str) else None
+    except ValueError:
+        raw = None
+    if raw is None:
+        raise SerializationError(f"field {field!r}: the array bytes are not base64 text")
+    if dtype.hasobject or len(raw) != math.prod(shape) * dtype.itemsize:
+        raise SerializationError(f"field {field!r}: {len(raw)} bytes do not hold a {dtype.name} array of shape "
+                                 f"{tuple(shape)}")
+    return np.frombuffer(raw, dtype).reshape(shape).copy()
+
+
 def _encode(f: dataclasses.Field, value: Any) -> Any:
     codec = f.metadata.get("codec")
     if value is None:
         return None
     if codec == "dtype":
         return encode_dtype(value, f.name)
+    if codec == "array":
+        return encode_array(value, f.name)
     if codec not in (None, "tuple"):
         raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
     return _to_lists(value)
@@ -104,6 +147,8 @@ def _decode(f: dataclasses.Field, value: Any) -> Any:
         return None
     if codec == "dtype":
         return decode_dtype(value, f.name)
+    if codec == "array":
+        return decode_array(value, f.name)
     if codec == "tuple":
         return _to_tuples(value)
     if codec is not None:

@@ -156,7 +156,7 @@ FIELDS = [
 # Values that are legitimate for the field (so a sealed record with them is not damage): the
 # restore must then succeed with bit-identical pages.
 VALID = {("easykv_version", "string"), ("created", "string"), ("mesh.device_kind", "string"),
-         ("mesh.page_mesh_axes", "list"), ("extra_metadata", "dict"), ("metadata.dtype", "missing")}
+         ("mesh.page_mesh_axes", "list"), ("extra_metadata", "dict")}
 MISMATCH = {("fingerprint_algorithm", "string")}  # another algorithm: a newer easykv's
 
 

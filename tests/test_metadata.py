@@ -225,15 +225,17 @@ def test_direct_construction_validates_consistency():
     with pytest.raises(ValueError, match=r"num_pages_per_sequence=5 does not match .* = ceil\(16 / 4\) = 4"):
         PagedAttentionCacheMetaData(**{**base, "num_pages_per_sequence": 5})
     with pytest.raises(ValueError, match=r"num_kv_heads=8 is not divisible by kv_head_shards=3"):
-        PagedAttentionCacheMetaData(**base, kv_head_shards=3)
+        PagedAttentionCacheMetaData(**base, kv_head_mesh_axes=("tp",), kv_head_shards=3)
+    with pytest.raises(ValueError, match=r"give both .the head layout. or neither"):
+        PagedAttentionCacheMetaData(**base, kv_head_shards=2)
     with pytest.raises(ValueError, match=r"exceeds int32 slot ids"):
         PagedAttentionCacheMetaData(**{**base, "num_pages_per_layer": 2**30})
     with pytest.raises(ValueError, match=r"kv_head_mesh_axes must be a tuple of mesh axis names"):
-        PagedAttentionCacheMetaData(**base, kv_head_mesh_axes=("tp", ""))
+        PagedAttentionCacheMetaData(**base, kv_head_mesh_axes=("tp", ""), kv_head_shards=1)
     with pytest.raises(ValueError, match=r"page_mesh_axes must be a tuple of mesh axis names, got 5"):
         PagedAttentionCacheMetaData(**base, page_mesh_axes=5)
     # A single name is one axis, not a string of one-letter axes.
-    assert PagedAttentionCacheMetaData(**base, kv_head_mesh_axes="tp").kv_head_mesh_axes == ("tp",)
+    assert PagedAttentionCacheMetaData(**base, kv_head_mesh_axes="tp", kv_head_shards=1).kv_head_mesh_axes == ("tp",)
 
 
 # ------------------------------------------------------------------------------ JSON
@@ -350,8 +352,10 @@ def easydel_json(**over):
 def test_easydel_json_accepted():
     meta = PagedAttentionCacheMetaData.from_json(easydel_json())
     assert tuple(meta.to_dict()[f] for f in EASYDEL_FIELDS) == (32, 2, 100, 8, 128, 16, 8, 64, 0.9)
-    assert meta.dtype == np.dtype(jnp.bfloat16)
-    assert (meta.quantization, meta.kv_head_shards, meta.page_shards) == ("none", 1, 1)
+    # EasyDeL passes the dtype to init_cache and has no head layout: both stay open until then,
+    # and sizing figures assume bfloat16 with every head on every device.
+    assert meta.dtype is None and meta.sizing_dtype == np.dtype(jnp.bfloat16)
+    assert (meta.quantization, meta.kv_head_shards, meta.head_shards, meta.page_shards) == ("none", None, 1, 1)
     assert meta.memory_bytes_per_device is None
     # From then on it is ours: it round-trips with schema and dtype.
     assert PagedAttentionCacheMetaData.from_json(meta.to_json()) == meta

@@ -103,13 +103,12 @@ def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array,
     """One engine step for all layers in one jit: write each layer's new K/V into its pages
     (the cache is donated) and attend through the page tables of the mixed metadata."""
 
-    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, views: tuple) -> tuple[jax.Array, tuple]:
-        view = views[i].write_mixed_to_cache(k.astype(views[i].dtype), v.astype(views[i].dtype), metadata)
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedAttentionCache) -> tuple[jax.Array, Any]:
+        view = cache[i].write_mixed_to_cache(k.astype(cache[i].dtype), v.astype(cache[i].dtype), metadata)  # in place
         out = view_attention(q.astype(view.dtype), view, metadata)
-        return out.astype(q.dtype), views[:i] + (view,) + views[i + 1 :]
+        return out.astype(q.dtype), cache
 
-    logits, views = _forward(model, tokens, metadata.positions, cache.views, attend)
-    return logits, PagedAttentionCache(views)
+    return _forward(model, tokens, metadata.positions, cache, attend)
 
 
 def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,

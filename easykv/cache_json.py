@@ -1,0 +1,122 @@
+"""The JSON form of a cache view and of a whole cache (EasyDeL's ``to_dict`` / ``from_dict`` /
+``to_json`` / ``from_json``): every page array written exactly (dtype, shape, bytes).
+
+Meant for small caches, tests and debugging: a JSON of a real pool is the pool's size again,
+base64-encoded, built on one host. Checkpoints (`easykv.save_cache`) are for real pools: they
+write each shard from its own device, verify every byte and restore onto other meshes.
+
+Pages are written as stored (bf16 as raw uint16 on CPU, see ``pages.py``) and read back into
+the storage of the devices they are placed on, bit for bit. The mesh cannot be written: a view
+read back lives on ``mesh`` (laid out as its metadata says, like ``init_cache``), or on one
+device when no mesh is given.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.pages import page_template
+from easykv.quantization import QuantizedPages
+from easykv.serialization import SerializationError, decode_array, encode_array
+from easykv.validation import integer, parse_json, show
+
+if TYPE_CHECKING:
+    from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
+
+VIEW_SCHEMA = "easykv.PagedAttentionCacheView"
+CACHE_SCHEMA = "easykv.PagedAttentionCache"
+_VERSION = 1
+
+
+def _encode_pages(pages: Any, field: str) -> Any:
+    if isinstance(pages, QuantizedPages):
+        return {"values": encode_array(pages.values, f"{field}.values"),
+                "scales": encode_array(pages.scales, f"{field}.scales")}
+    return encode_array(pages, field)
+
+
+def view_to_dict(view: PagedAttentionCacheView) -> dict[str, Any]:
+    return {"__schema__": VIEW_SCHEMA, "__version__": _VERSION, "metadata": view.metadata.to_dict(),
+            "layer_index": view.layer_index, "key_pages": _encode_pages(view.key_pages, "key_pages"),
+            "value_pages": _encode_pages(view.value_pages, "value_pages")}
+
+
+def cache_to_dict(cache: PagedAttentionCache) -> dict[str, Any]:
+    return {"__schema__": CACHE_SCHEMA, "__version__": _VERSION, "views": [view_to_dict(v) for v in cache.views]}
+
+
+def _header(data: Any, schema: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise SerializationError(f"a {schema} dict is needed, got {type(data).__name__}")
+    if data.get("__schema__") != schema:
+        raise SerializationError(f"the dict is a {show(data.get('__schema__'))}, not a {schema!r}")
+    if data.get("__version__") != _VERSION:
+        raise SerializationError(f"{schema} version {show(data.get('__version__'))}: this easykv reads version "
+                                 f"{_VERSION}; upgrade easykv")
+    fields = {"__schema__", "__version__", *keys}
+    if set(data) != fields:
+        raise SerializationError(f"a {schema} dict has exactly the keys {sorted(fields)}, got {sorted(map(str, data))}")
+    return data
+
+
+def _decode_pages(data: Any, template: Any, field: str) -> Any:
+    """Stored arrays checked against the template: same shape, same width (bitcast to the
+    target platform's storage, e.g. raw uint16 bits written on CPU, bfloat16 on GPU)."""
+    if isinstance(template, QuantizedPages):
+        if not isinstance(data, dict) or set(data) != {"values", "scales"}:
+            raise SerializationError(f"field {field!r} of quantized pages must hold 'values' and 'scales'")
+        return QuantizedPages(_decode_pages(data["values"], template.values, f"{field}.values"),
+                              _decode_pages(data["scales"], template.scales, f"{field}.scales"), template.quantizer)
+    arr = decode_array(data, field)
+    want = np.dtype(template.dtype)
+    if arr.shape != tuple(template.shape) or arr.dtype.itemsize != want.itemsize:
+        raise SerializationError(f"field {field!r} is {arr.dtype.name}{list(arr.shape)} but the metadata implies "
+                                 f"{want.name}{list(template.shape)}")
+    return arr.view(want)
+
+
+def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | None,
+                   partition_manager: Any) -> PagedAttentionCacheView:
+    from easykv.cache import _checked_layout  # the rule init_cache follows, one place
+
+    data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
+    meta = PagedAttentionCacheMetaData.from_dict(data["metadata"])
+    if meta.dtype is None:
+        raise SerializationError("the view's metadata has no dtype; a view's metadata is complete")
+    layer = integer("layer_index", data["layer_index"], lo=0, hi=meta.num_hidden_layers - 1)
+    if mesh is None:
+        device = jax.devices()[0]
+        layout, sharding = None, lambda ndim: SingleDeviceSharding(device)
+        template = page_template((meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size),
+                                 meta.dtype, meta.quantizer, device.platform)
+    else:
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+        meta, layout, template = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
+        sharding = layout.sharding_for
+    pages = [_decode_pages(data[name], template, name) for name in ("key_pages", "value_pages")]
+    k, v = (jax.tree.map(lambda a: jax.device_put(a, sharding(a.ndim)), p) for p in pages)
+    return cls(metadata=meta, layer_index=layer, key_pages=k, value_pages=v, layout=layout)
+
+
+def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None,
+                    partition_manager: Any) -> PagedAttentionCache:
+    from easykv.cache import PagedAttentionCacheView
+
+    data = _header(data, CACHE_SCHEMA, ("views",))
+    views = data["views"]
+    if not isinstance(views, list) or not views:
+        raise SerializationError(f"'views' must be a non-empty list of view dicts, got {show(views)}")
+    return cls([view_from_dict(PagedAttentionCacheView, v, mesh, partition_manager) for v in views])
+
+
+def loads(text: Any, what: str) -> Any:
+    return parse_json(text, what=what, error=SerializationError)
+
+
+__all__ = ["cache_from_dict", "cache_to_dict", "loads", "view_from_dict", "view_to_dict"]

@@ -31,6 +31,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from easykv import manager_state
@@ -46,7 +47,7 @@ from easykv.runtime import (
     increment_cache_lengths,
     stack_metadata,
 )
-from easykv.validation import boolean, integer, integer_array, non_negative_int, positive_int, show
+from easykv.validation import INT32_MAX, boolean, integer, integer_array, non_negative_int, positive_int, show
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,8 @@ class PageManager:
         self._active[ids] = True
 
     def contains(self, seq_id: int) -> bool:
-        return self._check_id(seq_id, strict=False) >= 0 and bool(self._active[int(seq_id)])
+        sid = self._check_id(seq_id, strict=False)  # the checked value, never the object again
+        return sid >= 0 and bool(self._active[sid])
 
     __contains__ = contains
 
@@ -360,7 +362,8 @@ class PageManager:
         self._table[child, :k] = self._table[row, :k]
         self._npages[child] = k
         self._active[child] = True
-        self._lens[child], self._replica[child] = self._lens[row], self._replica[row]
+        # A parent that holds only pages reserved ahead shares none: the child is unbound.
+        self._lens[child], self._replica[child] = self._lens[row], (self._replica[row] if k else -1)
         self._hashes.copy_row(row, child)
         return child
 
@@ -407,13 +410,15 @@ class PageManager:
         enter the prefix cache. ``token_ids``: one id per sequence (decode), an ``(n, k)``
         array (``k`` each, multi-step decode), or one sequence of ids per sequence (prefill)."""
         rows = self._rows(seq_ids)
-        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
-            raise ValueError(f"token_ids={show(token_ids)} is not a sequence; pass one id per sequence or one list per sequence")
+        if isinstance(token_ids, jax.Array):
+            token_ids = np.asarray(token_ids)
+        if not isinstance(token_ids, (list, tuple, np.ndarray)):
+            raise ValueError(f"token_ids={show(token_ids)} is not a list or array; pass one id per sequence or one "
+                             "list per sequence")
         if isinstance(token_ids, np.ndarray) or all(isinstance(t, (int, np.integer)) for t in token_ids):
-            arr = np.asarray(token_ids)
+            arr = integer_array("token_ids", token_ids, lo=0, hi=INT32_MAX, hint="token ids")
             if arr.ndim not in (1, 2) or arr.shape[0] != rows.size:
                 raise ValueError(f"token_ids has shape {arr.shape}; pass ({rows.size},) or ({rows.size}, k) ids for {rows.size} sequences")
-            arr = as_token_ids(arr.reshape(-1)).reshape(arr.shape)
             self._commit(rows, np.full(rows.size, 1 if arr.ndim == 1 else arr.shape[1], np.int64), arr)
         else:
             if len(token_ids) != rows.size:
@@ -512,14 +517,37 @@ class PageManager:
     def apply_pending(self, cache: Any) -> tuple[Any, int]:
         """Apply the pending device work to ``cache`` in the required order: copy-on-write
         copies, then scrubs. Call after building a step's metadata, before its writes. Returns
-        the updated cache (the one passed in is donated) and the number of pages copied."""
-        src, dst = self.take_copies()
+        the updated cache (the one passed in is donated) and the number of pages copied.
+
+        The work is forgotten only once the device has taken it: when ``cache`` is not a live
+        cache of this pool (deleted by an earlier donation, another pool) nothing is applied
+        and everything stays pending, so a retry with the right cache still copies and
+        scrubs (a lost copy would leave a fork reading whatever its page held before)."""
+        self._check_cache(cache)
+        src, dst = self.pending_copies()
         if src.size:
             cache = cache.copy_pages(src, dst)
-        scrubs = self.take_scrubs()
+        self._copies.clear()
+        scrubs = self.pending_scrubs()
         if scrubs.size:
             cache = cache.zero_pages(scrubs)
+        self._pool.take_scrubs()
         return cache, int(src.size)
+
+    def _check_cache(self, cache: Any) -> None:
+        """A cache this manager can hand device work to: the same pool, every buffer alive.
+        (Duck-typed: the manager does not import the storage layer.)"""
+        meta = getattr(cache, "metadata", None)
+        if not callable(getattr(cache, "copy_pages", None)) or meta is None:
+            raise ValueError(f"apply_pending needs the PagedAttentionCache this manager schedules, got "
+                             f"{type(cache).__name__}")
+        pool = {f: getattr(self.metadata, f) for f in ("num_pages_per_layer", "page_size", "page_shards")}
+        theirs = {f: getattr(meta, f, None) for f in pool}
+        if theirs != pool:
+            raise ValueError(f"apply_pending got a cache of another pool ({theirs}, this manager's: {pool})")
+        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
+            raise ValueError("apply_pending got a cache whose buffers were donated to an earlier call; pass the "
+                             "cache that call returned (nothing was applied; the work stays pending)")
 
     # ---- inspection -------------------------------------------------------------------------------
     def length(self, seq_id: int) -> int:
@@ -631,11 +659,12 @@ class PageManager:
         return sid
 
     def _row(self, seq_id: Any) -> int:
-        if not self.contains(seq_id):
+        sid = self._check_id(seq_id, strict=False)
+        if sid < 0 or not self._active[sid]:
             raise UnknownSequenceError(
-                f"sequence id {seq_id!r:.40} is not claimed (never claimed, or already released); "
+                f"sequence id {show(seq_id)} is not claimed (never claimed, or already released); "
                 f"claimed ids: {self.active_ids[:16]}{'...' if self._active.sum() > 16 else ''}")
-        return int(seq_id)
+        return sid
 
     def _rows(self, seq_ids: Any) -> np.ndarray:
         rows = integer_array("seq_ids", seq_ids, ndim=1, lo=None, hi=None, dtype=np.int64)

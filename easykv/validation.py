@@ -65,7 +65,7 @@ def integer(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32
         raise ValueError(f"{name} must be {_kind(lo)}, got {value!r}{_note(lo, hi, hint, 'a bool')}")
     try:
         number = operator.index(value)
-    except TypeError:
+    except Exception:  # noqa: BLE001  TypeError, or whatever a misbehaving __index__ raises
         kind = type(value).__name__
         if "Tracer" in kind:
             raise ValueError(f"{name} is a traced value ({kind}); pass a static Python int, known on the "
@@ -107,7 +107,7 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
         _refuse_bools(name, value, (), lo, hi, hint)
     try:
         arr = np.asarray(value)
-    except (ValueError, TypeError, OverflowError, RecursionError) as err:  # ragged, unconvertible, too deep
+    except Exception as err:  # noqa: BLE001  ragged, unconvertible, too deep, or a misbehaving object
         raise ValueError(f"{name} must be a regular array of ints, got {show(value)}{_note(None, None, hint, str(err))}") from None
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}{_note(None, None, hint)}")
@@ -121,9 +121,11 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
         # A list mixing ints with floats, or ints too large for int64, comes back as float64
         # or object: look at the caller's own entries to name the first bad one exactly.
         entries = arr if isinstance(value, np.ndarray) else np.asarray(value, dtype=object)
-        for index, entry in zip(np.ndindex(entries.shape), entries.reshape(-1)):
-            integer(f"{name}[{', '.join(map(str, index))}]", entry, lo=lo, hi=hi, hint=hint)
-        return np.array([int(e) for e in entries.reshape(-1)], dtype).reshape(arr.shape)
+        # The checked values themselves, never the objects converted again (an object may
+        # answer __index__ and __int__ differently).
+        checked = [integer(f"{name}[{', '.join(map(str, index))}]", entry, lo=lo, hi=hi, hint=hint)
+                   for index, entry in zip(np.ndindex(entries.shape), entries.reshape(-1))]
+        return np.array(checked, dtype).reshape(arr.shape)
     low, high = int(arr.min()), int(arr.max())
     for bad, ok in ((low, lo is None or low >= lo), (high, hi is None or high <= hi)):
         if not ok:

@@ -258,16 +258,21 @@ def test_fork_shares_pages_and_the_first_writer_copies():
 
 
 class RecordingCache:
-    """Stands in for PagedAttentionCache: records the page operations applied, in order."""
+    """Stands in for PagedAttentionCache: records the page operations applied, in order;
+    ``fail`` makes the named operation raise (as a donated, deleted cache would)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, metadata, fail=None):
+        self.metadata, self.fail, self.calls = metadata, fail, []
 
     def copy_pages(self, src, dst):
+        if self.fail == "copy":
+            raise RuntimeError("Array has been deleted")
         self.calls.append(("copy", src.tolist(), dst.tolist()))
         return self
 
     def zero_pages(self, pages):
+        if self.fail == "zero":
+            raise RuntimeError("Array has been deleted")
         self.calls.append(("zero", pages.tolist()))
         return self
 
@@ -280,12 +285,61 @@ def test_apply_pending_copies_then_scrubs_once():
     b = pm.fork(a)
     pm.build_step_metadata([b], [1])  # b writes into the shared partial page 1: copy 1 -> 3
     pm.release(other)  # page 2 (partial, never cached) leaves every owner: to be scrubbed
-    cache = RecordingCache()
+    before = pm.state_dict()
+    with pytest.raises(RuntimeError):  # the device work failed: it stays pending
+        pm.apply_pending(RecordingCache(pm.metadata, fail="copy"))
+    assert pm.state_dict() == before
+    with pytest.raises(ValueError, match="another pool"):
+        pm.apply_pending(RecordingCache(make_meta(pages=12)))
+    with pytest.raises(ValueError, match="needs the PagedAttentionCache"):
+        pm.apply_pending(object())
+    assert pm.state_dict() == before
+    cache = RecordingCache(pm.metadata)
     out, copied = pm.apply_pending(cache)
     assert out is cache and copied == 1
     assert cache.calls == [("copy", [1], [3]), ("zero", [2])]
     cache.calls.clear()
     assert pm.apply_pending(cache) == (cache, 0) and cache.calls == []  # nothing applied twice
+
+
+def test_a_failed_scrub_after_applied_copies_keeps_the_scrubs_pending():
+    pm = make(scrub_released=True)
+    [a, other] = pm.claim(2)
+    prefill(pm, a, [1, 2, 3, 4, 5, 6])
+    prefill(pm, other, [9, 9])
+    b = pm.fork(a)
+    pm.build_step_metadata([b], [1])
+    pm.release(other)
+    with pytest.raises(RuntimeError):
+        pm.apply_pending(RecordingCache(pm.metadata, fail="zero"))
+    assert pm.pending_copies()[0].size == 0 and pm.pending_scrubs().tolist() == [2]
+
+
+def test_a_fork_of_a_sequence_with_only_reserved_pages_is_unbound():
+    pm = make(shards=2, pages=20)
+    [a] = pm.claim(1)
+    pm.reserve(a, 4)  # a page reserved ahead, nothing written
+    b = pm.fork(a)
+    assert pm.pages(b) == [] and pm.replica(b) is None
+    pm.check_invariants()
+    assert PageManager.from_state_dict(pm.metadata, pm.state_dict()).state_dict() == pm.state_dict()
+
+
+def test_an_object_whose_index_and_int_disagree_is_read_once():
+    class Two:  # passes the bound as 1, would be committed as -4 if converted again
+        def __index__(self):
+            return 1
+
+        def __int__(self):
+            return -4
+
+    pm = make()
+    [a] = pm.claim(1)
+    prefill(pm, a, list(range(9)))
+    pm.reserve(a, 1)
+    pm.advance([a], [Two()])
+    assert pm.length(a) == 10
+    pm.check_invariants()
 
 
 def test_fork_keeps_reserved_pages_private_and_commit_into_shared_page_fails():
@@ -444,7 +498,7 @@ BAD_CALLS = [
     (lambda pm: pm.step([0], [[1, 2, 3, 4]]), ValueError, "room for 3 more tokens but 4"),
     (lambda pm: pm.step([0, 1], [1]), ValueError, r"shape \(1,\)"),
     (lambda pm: pm.step([0], [[-5]]), ValueError, r"token_ids\[0\]\[0\] = -5 is out of range"),
-    (lambda pm: pm.step([0], 5), ValueError, "token_ids=5 is not a sequence"),
+    (lambda pm: pm.step([0], 5), ValueError, "token_ids=5 is not a list or array"),
     (lambda pm: pm.append_tokens(1, [1.5]), ValueError, r"token_ids\[0\]\[0\] must be a non-negative int, got 1\.5"),
     (lambda pm: pm.advance(1, 1), ValueError, "reserve them first"),
     (lambda pm: pm.match_prefix(0, [1, 2]), ValueError, "call match_prefix right after claim"),

@@ -94,3 +94,27 @@ def test_shared_then_diverging_sequences_read_back_exactly(layout):
     eng.check()
     if layout == "dp":
         assert pm.replica(a) == pm.replica(c) == pm.replica(d)
+
+
+def test_apply_pending_with_a_donated_cache_applies_nothing_and_keeps_the_work():
+    """A stale cache (donated to an earlier call) must not swallow the copy-on-write copies:
+    the retry with the live cache still copies, and the fork reads its own tokens."""
+    eng = Engine("heads")
+    [a] = eng.pm.claim(1)
+    eng.want[a] = []
+    eng.prefill(a, list(range(6)))
+    b = eng.pm.fork(a)
+    eng.want[b] = list(eng.want[a])
+    eng.pm.build_step_metadata([b], [1])  # b writes into the shared partial page: a copy is pending
+    stale = eng.cache
+    eng.cache = eng.cache.zero_pages(np.full(8, -1, np.int32))  # donates `stale`
+    before = eng.pm.state_dict()
+    with pytest.raises(ValueError, match="donated to an earlier call"):
+        eng.pm.apply_pending(stale)
+    assert eng.pm.state_dict() == before and eng.pm.pending_copies()[0].size == 1
+    eng.cache, copied = eng.pm.apply_pending(eng.cache)
+    assert copied == 1
+    for layer in range(LAYERS):
+        for seq in (a, b):
+            k, _ = gather_kv(eng.cache, layer, np.asarray(eng.pm.pages(seq)), 6)
+            assert np.array_equal(bits(k), np.stack([w[0][layer] for w in eng.want[seq][:6]]))

@@ -286,7 +286,7 @@ def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, direc
     CheckpointIntegrityError names the first damaged array (and counts the others)."""
     if record["fingerprint_algorithm"] is None:
         return
-    got = fingerprints(arrays)
+    got = fingerprints(arrays, algorithm=record["fingerprint_algorithm"])  # check_record knows it
     bad = [(e, g) for e, g in zip(record["arrays"], got) if e["fingerprint"] != g]
     if bad:
         entry, digest = bad[0]

@@ -37,7 +37,7 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint_integrity import (
-    FINGERPRINT_ALGORITHM,
+    KNOWN_FINGERPRINT_ALGORITHMS,
     CheckpointIntegrityError,
     CheckpointMismatchError,
 )
@@ -307,10 +307,11 @@ def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedA
     algorithm = record["fingerprint_algorithm"]
     if algorithm is not None:
         _str(algorithm, "fingerprint_algorithm", *at, pattern=None)
-        if algorithm != FINGERPRINT_ALGORITHM:
+        if algorithm not in KNOWN_FINGERPRINT_ALGORITHMS:
             raise CheckpointMismatchError(
-                f"record field fingerprint_algorithm of step {step} in {directory} is {algorithm!r}; this easykv "
-                f"knows {FINGERPRINT_ALGORITHM!r} only: a newer easykv wrote this step; upgrade easykv to read it")
+                f"record field fingerprint_algorithm of step {step} in {directory} is {show(algorithm)}; this "
+                f"easykv knows {list(KNOWN_FINGERPRINT_ALGORITHMS)}: a newer easykv wrote this step; upgrade "
+                "easykv to read it")
     _check_arrays(record["arrays"], meta, platform, algorithm is not None, at)
 
     summary = record["manager"]

@@ -39,7 +39,14 @@ from easykv.checkpoint import (
     restore_cache,
     save_cache,
 )
-from easykv.checkpoint_integrity import _cell_sums_device, _cell_sums_host, fingerprints
+from easykv.checkpoint_integrity import (
+    LEGACY_FINGERPRINT_ALGORITHM,
+    _cell_crcs_device,
+    _cell_crcs_host,
+    _cell_sums_device,
+    _cell_sums_host,
+    fingerprints,
+)
 from easykv.inspect import inspect_checkpoint
 from easykv.manager import PageManager
 
@@ -470,8 +477,27 @@ def test_fingerprint_is_layout_independent_and_sensitive():
     z = x.copy()
     z[:, [3, 4]] = z[:, [4, 3]]  # two pages swapped
     assert len({fingerprints([a])[0] for a in (x, y, z)}) == 3
-    odd = rng.integers(0, 255, size=(2, 3, 3), dtype=np.uint8)  # 3-byte cells: widened bytes
-    assert np.array_equal(_cell_sums_host(odd), np.asarray(_cell_sums_device(jax.numpy.asarray(odd))))
+    for odd in (rng.integers(0, 255, size=(2, 3, 3), dtype=np.uint8),  # 3-byte cells: trailing bytes
+                rng.integers(0, 2**16, size=(2, 3, 4, 5), dtype=np.uint16)):
+        assert np.array_equal(_cell_crcs_host(odd), np.asarray(_cell_crcs_device(jax.numpy.asarray(odd))))
+        assert np.array_equal(_cell_sums_host(odd), np.asarray(_cell_sums_device(jax.numpy.asarray(odd))))
+
+
+def test_fingerprint_sees_the_damage_a_word_sum_missed():
+    """Two flips of one bit position in opposite directions, and tokens swapped inside a page,
+    left the legacy sum of words unchanged; the CRC of each page sees them."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 2**16, size=(4, 6, 4, 8), dtype=np.uint16)
+    x[1, 2, 0, 1] |= 0x8000
+    x[1, 2, 3, 5] &= 0x7FFF
+    flipped = x.copy()
+    flipped[1, 2, 0, 1] ^= 0x8000  # 1 -> 0
+    flipped[1, 2, 3, 5] ^= 0x8000  # 0 -> 1: the sum of the page's words is unchanged
+    swapped = x.copy()
+    swapped[2, 4, [0, 1]] = swapped[2, 4, [1, 0]]  # two tokens of one page exchanged
+    legacy = {fingerprints([a], algorithm=LEGACY_FINGERPRINT_ALGORITHM)[0] for a in (x, flipped, swapped)}
+    assert len(legacy) == 1  # what the old fingerprint could not see
+    assert len({fingerprints([a])[0] for a in (x, flipped, swapped)}) == 3
 
 
 def test_inspect_reports_steps_sizes_mesh_and_verification(tmp_path):

@@ -49,6 +49,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import threading
@@ -65,6 +66,8 @@ from jax.sharding import Mesh
 
 from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
 from easykv.checkpoint_format import (
+    STORAGE_PLATFORMS,
+    checkpoint_path,
     FORMAT,
     FORMAT_VERSION,
     MARKER_FILE,
@@ -107,7 +110,7 @@ from easykv.errors import CheckpointLockedError, CheckpointWriteError
 from easykv.metadata import PagedAttentionCacheMetaData
 from easykv.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
-from easykv.validation import boolean, optional_int, parse_json
+from easykv.validation import boolean, optional_int, parse_json, show
 
 
 # ---- what is saved ----------------------------------------------------------------------------
@@ -152,16 +155,17 @@ def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
 
 
 def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
-    if not callable(getattr(manager, "state_dict", None)):
-        raise ValueError(f"manager must be a PageManager (with state_dict()), got {type(manager).__name__}")
-    mmeta = getattr(manager, "metadata", None)
-    if mmeta is not None:
-        fields = ("batch_size", "num_pages_per_layer", "page_size", "max_sequences", "page_shards")
-        diff = [f"{f}: cache {getattr(meta, f)}, manager {getattr(mmeta, f, None)}" for f in fields
-                if getattr(mmeta, f, None) != getattr(meta, f)]
-        if diff:
-            raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
-                             "with the manager that schedules it")
+    from easykv.manager import PageManager
+
+    if not isinstance(manager, PageManager):
+        raise ValueError(f"manager must be the PageManager that schedules this cache, got {type(manager).__name__}")
+    mmeta = manager.metadata
+    fields = ("batch_size", "num_pages_per_layer", "page_size", "max_sequences", "page_shards")
+    diff = [f"{f}: cache {getattr(meta, f)}, manager {getattr(mmeta, f, None)}" for f in fields
+            if getattr(mmeta, f, None) != getattr(meta, f)]
+    if diff:
+        raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
+                         "with the manager that schedules it")
     state = manager.state_dict()
     try:
         json.dumps(state, allow_nan=False)
@@ -182,11 +186,33 @@ def _check_extra(extra: Any) -> dict[str, Any]:
         text = json.dumps(dict(extra), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as err:
         raise ValueError(f"extra_metadata is not JSON-safe ({err}); keep to str/int/float/bool/None/list/dict") from err
-    # What is saved must read back: restore parses with a nesting limit.
-    return parse_json(text, what="extra_metadata", max_depth=EXTRA_MAX_DEPTH)
+    # What is saved must read back, and read back the same: restore parses with a nesting limit,
+    # and JSON would turn int keys into strings and tuples into lists without a word.
+    back = parse_json(text, what="extra_metadata", max_depth=EXTRA_MAX_DEPTH)
+    if back != extra or not _same_types(back, extra):
+        raise ValueError("extra_metadata would not read back unchanged from JSON (keys must be str, sequences "
+                         "lists, numbers finite); pass it in that form")
+    return back
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, Mapping) and all(_same_types(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and all(_same_types(x, y) for x, y in zip(a, b))
+    return type(a) is type(b)
 
 
 # ---- the checkpointer ---------------------------------------------------------------------------
+def _one_call_at_a_time(method: Any) -> Any:
+    @functools.wraps(method)
+    def serialized(self: CacheCheckpointer, *args: Any, **kwargs: Any) -> Any:
+        with self._calls:
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
 _LIVE: weakref.WeakSet[CacheCheckpointer] = weakref.WeakSet()
 _LIVE_LOCK = threading.Lock()
 
@@ -226,7 +252,7 @@ class CacheCheckpointer:
                  integrity: bool = True):
         max_to_keep = optional_int("max_to_keep", max_to_keep, lo=1, hi=None, hint="None keeps every step")
         async_save, integrity = boolean("async_save", async_save), boolean("integrity", integrity)
-        self.directory = epath.Path(directory)
+        self.directory = checkpoint_path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise NotACheckpointError(f"{self.directory} is a file, not a checkpoint directory")
         if self.directory.is_dir():
@@ -235,6 +261,8 @@ class CacheCheckpointer:
         self.async_save = async_save
         self.integrity = integrity
         self._closed = True  # until the lock and orbax's manager are both held
+        # One call at a time: two threads saving at once would write one temporary step twice.
+        self._calls = threading.RLock()
         self._in_flight: int | None = None  # the step being written, for the error message
         # The lock first: orbax's manager deletes temporary directories (another writer's
         # unfinished steps) as soon as it is built.
@@ -256,6 +284,7 @@ class CacheCheckpointer:
             _LIVE.add(self)
 
     # ---- saving ------------------------------------------------------------------------------
+    @_one_call_at_a_time
     def save(self, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
              extra_metadata: Mapping[str, Any] | None = None) -> int:
         """Save ``cache`` (and ``manager``'s state) as ``step`` (default: latest + 1, or 0).
@@ -320,6 +349,7 @@ class CacheCheckpointer:
             self._wait()
         return step
 
+    @_one_call_at_a_time
     def wait_until_finished(self) -> None:
         """Block until every started save is committed; a failed one raises
         `CheckpointWriteError` (once)."""
@@ -334,6 +364,7 @@ class CacheCheckpointer:
             raise write_error(err, step=step, directory=self.directory) from err
         self._in_flight = None
 
+    @_one_call_at_a_time
     def close(self) -> None:
         """Finish pending saves, release orbax's resources and the directory's writer lock
         (released even when the last save failed; that failure is raised)."""
@@ -354,6 +385,7 @@ class CacheCheckpointer:
         self.close()
 
     # ---- reading -----------------------------------------------------------------------------
+    @_one_call_at_a_time
     def all_steps(self) -> list[int]:
         """Complete steps, ascending (interrupted or failed saves are not steps)."""
         self._check_open()
@@ -467,9 +499,9 @@ def restore_cache(
         raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. sharding.create_mesh), got {type(mesh).__name__}")
     convert, verify = boolean("convert", convert), boolean("verify", verify)
     restore_manager = boolean("restore_manager", restore_manager)
-    if storage_platform is not None and not isinstance(storage_platform, str):
-        raise ValueError(f"storage_platform must be None or a platform name such as 'gpu', got {storage_platform!r}")
-    directory = epath.Path(directory)
+    if storage_platform is not None and storage_platform not in STORAGE_PLATFORMS:
+        raise ValueError(f"storage_platform must be None or one of {STORAGE_PLATFORMS}, got {show(storage_platform)}")
+    directory = checkpoint_path(directory)
     step, _ = resolve_step(directory, step)
     record = read_record(directory, step)  # sealed, schema-checked
     if is_legacy(record):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,7 @@ from easykv.checkpoint_record import (
     saved_metadata,
     seal,
 )
-from easykv.validation import integer, parse_json
+from easykv.validation import integer, parse_json, show
 
 MARKER_FILE = "easykv_checkpoint.json"
 PAGES_ITEM = "pages"
@@ -156,6 +157,17 @@ def check_not_foreign(directory: epath.Path) -> None:
             raise NotACheckpointError(
                 f"{directory} holds step directories (e.g. {child.name}) that are not easykv checkpoints (no "
                 f"{MARKER_FILE}, no {STATE_ITEM}/{RECORD_FILE}); use another directory for the cache")
+
+
+# Platforms whose page storage restore knows (see pages.storage_dtype: raw bits on CPU only).
+STORAGE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
+def checkpoint_path(directory: Any) -> epath.Path:
+    """A checkpoint directory argument (a str, a path, or an epath for object stores)."""
+    if isinstance(directory, (str, os.PathLike, epath.Path)) and str(directory):
+        return epath.Path(directory)
+    raise ValueError(f"a checkpoint directory must be a path (str or os.PathLike), got {show(directory)}")
 
 
 def resolve_step(directory: epath.Path, step: int | None) -> tuple[int, list[int]]:
@@ -299,10 +311,11 @@ def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, direc
 
 def list_steps(directory: str | Any) -> list[int]:
     """Complete steps of an easykv checkpoint directory, ascending."""
-    return resolve_step(epath.Path(directory), None)[1]
+    return resolve_step(checkpoint_path(directory), None)[1]
 
 
 __all__ = [
+    "STORAGE_PLATFORMS", "checkpoint_path",
     "FORMAT", "FORMAT_VERSION", "MANAGER_FILE", "MARKER_FILE", "PAGES_ITEM", "RECORD_FILE", "STATE_ITEM",
     "check_not_foreign", "check_step", "expected_leaves", "layer_key", "list_steps", "open_reader",
     "orbax_manager", "read_manager_state", "read_record", "resolve_step", "restore_arrays", "saved_metadata",

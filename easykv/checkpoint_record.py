@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,14 +131,42 @@ def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIn
                                     step=step, directory=str(directory), **kw)
 
 
+RECORD_MAX_BYTES = 16 << 20  # a record lists a few hundred bytes per array
+
+
+def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> bytes | None:
+    """A JSON file of a step, or None when it does not exist. Only a regular file of at most
+    ``limit`` bytes is read: a link to /dev/zero, a FIFO or a huge file is damage, not input
+    to read until memory runs out (the read itself is bounded too: the file may change)."""
+    try:
+        if not path.exists():
+            return None
+        info = path.stat()  # epath's is_file() is true for devices and FIFOs: ask the mode
+        if info.is_directory or (info.mode and not stat.S_ISREG(info.mode)):
+            raise _damaged(f"{path} is not a regular file", step, directory)
+        size = info.length
+        if size > limit:
+            raise _damaged(f"{path} holds {size} bytes, more than the {limit} such a file can hold", step, directory)
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+    except OSError as err:
+        raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
+    if len(data) > limit:
+        raise _damaged(f"{path} grew past {limit} bytes while being read", step, directory)
+    return data
+
+
+def manager_max_bytes(meta: PagedAttentionCacheMetaData) -> int:
+    """The most bytes a PageManager state of this pool can take in JSON: every page id a few
+    times (tables, free and cached lists, digests) plus a sequence's fields per slot."""
+    return (1 << 20) + 256 * (meta.num_pages_per_layer + meta.batch_size * (meta.num_pages_per_sequence + 64))
+
+
 def _read_json(path: epath.Path, step: int, directory: Any, *, data: bytes | None = None) -> Any:
     if data is None:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError as err:
-            raise _damaged(f"{path} is missing", step, directory) from err
-        except OSError as err:
-            raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
+        data = read_small_file(path, RECORD_MAX_BYTES, step, directory)
+        if data is None:
+            raise _damaged(f"{path} is missing", step, directory)
     try:
         return parse_json(data.decode("utf-8"), what=str(path))
     except (ValueError, UnicodeDecodeError) as err:
@@ -195,12 +224,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     record = read_record(directory, step) if record is None else record
     path = epath.Path(directory) / str(step) / STATE_ITEM / MANAGER_FILE
     saved = record[MANAGER_SEAL] is not None if not is_legacy(record) else record["manager"] is not None
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        data = None
-    except OSError as err:
-        raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
+    data = read_small_file(path, manager_max_bytes(saved_metadata(record, step, directory)), step, directory)
     if data is None:
         if saved:
             raise _damaged(f"the record says a page manager was saved but {path} is missing", step, directory)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.checkpoint_integrity import CheckpointMismatchError
-from easykv.metadata import PagedAttentionCacheMetaData, plan_layout
+from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.pages import PageLayout, encode_tokens, from_storage, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 
@@ -122,7 +122,7 @@ def convert_pages(pages: Any, src: PagedAttentionCacheMetaData, dst: PagedAttent
 
 def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any, convert: bool) -> tuple[np.dtype, str]:
     """(target dtype, target quantizer name), refusing a change of format unless ``convert``."""
-    want_dtype = saved.dtype if dtype is None else np.dtype(dtype)
+    want_dtype = saved.dtype if dtype is None else canonical_dtype(dtype)
     want_q = saved.quantization if quantizer is None else get_quantizer(quantizer).name
     if (want_dtype, want_q) != (saved.dtype, saved.quantization) and not convert:
         raise CheckpointMismatchError(

@@ -7,6 +7,7 @@ Bad flags give one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -37,15 +38,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+_MAX_AXIS = 1 << 20  # devices along one mesh axis: far beyond any pod
+_MAX_CPU_DEVICES = 512  # simulated CPU devices: each costs the process memory and start-up time
+
+
 def parse_bytes(text: str) -> int:
     """'16GiB', '1.5G', '800MB' or a plain number of bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise UsageError(f"--memory {text!r} is not a size; write e.g. 16GiB, 800MB or 1073741824")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise UsageError(f"--memory {text!r} must be positive")
-    return value
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 0 < number < 2**63:  # also a number of 400 digits, which float reads as inf
+        raise UsageError(f"--memory {text!r} must be a positive size below 8 EiB")
+    return int(number)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -57,7 +62,10 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise UsageError(f"--mesh {text!r}: {part!r} is not NAME=SIZE; write e.g. dp=1,tp=8")
         if m.group(1) in axes:
             raise UsageError(f"--mesh {text!r} names axis {m.group(1)!r} twice")
-        axes[m.group(1)] = int(m.group(2))
+        size = int(m.group(2))
+        if abs(size) > _MAX_AXIS:
+            raise UsageError(f"--mesh {text!r}: axis {m.group(1)} of size {size}; a mesh axis holds at most {_MAX_AXIS} devices")
+        axes[m.group(1)] = size
     return axes
 
 
@@ -140,10 +148,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     n = jax.device_count()
     mesh = parse_mesh(args.mesh) if args.mesh else {"tp": n}
     restore = parse_mesh(args.restore_mesh) if args.restore_mesh else ({"dp": 2, "tp": n // 2} if n % 2 == 0 else {"tp": n})
+    for flag, axes in (("--mesh", mesh), ("--restore-mesh", restore)):  # checked before half a demo runs
+        size = math.prod(axes.values())
+        if any(v <= 0 for v in axes.values()) or size > n:
+            raise UsageError(f"{flag} {axes} needs {size} devices of positive axis sizes; this process has {n}")
     options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant, dtype=args.dtype,
                           mesh=mesh, restore_mesh=restore, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
                           progress=not args.no_progress)  # fmt: skip
-    report = run_demo(options)
+    from easykv.errors import CheckpointError
+
+    try:
+        report = run_demo(options)
+    except CheckpointError as err:  # e.g. --checkpoint-dir names a file or an unwritable place
+        print(f"easykv demo: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
     return 0 if report.matched else 1
 
 
@@ -172,8 +190,8 @@ def _mesh(args: argparse.Namespace) -> Any:
     from sharding import create_mesh
 
     if args.cpu_devices is not None:
-        if args.cpu_devices <= 0:
-            raise UsageError(f"--cpu-devices {args.cpu_devices} must be positive")
+        if not 1 <= args.cpu_devices <= _MAX_CPU_DEVICES:
+            raise UsageError(f"--cpu-devices {args.cpu_devices} is out of range; use 1..{_MAX_CPU_DEVICES}")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     axes = parse_mesh(args.mesh) if args.mesh else None
     if args.memory is not None and axes is not None:

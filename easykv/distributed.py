@@ -99,7 +99,11 @@ def initialize(
 
 def fingerprint(state: Mapping[str, Any]) -> bytes:
     """sha256 of a JSON-safe state in canonical form (sorted keys, no whitespace)."""
-    text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    try:
+        text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as err:  # objects, mixed key types, NaN, cycles
+        raise ValueError(f"the state to compare across processes is not plain JSON ({err}); pass a PageManager "
+                         "or a mapping of str keys to JSON values") from None
     return hashlib.sha256(text.encode()).digest()
 
 

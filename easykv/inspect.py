@@ -22,6 +22,7 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint_format import (
+    checkpoint_path,
     open_reader,
     read_manager_state,
     read_record,
@@ -59,7 +60,7 @@ def _disk_bytes(path: epath.Path) -> int | None:
 def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None) -> int:
     """Re-read every array of ``step`` (one at a time, onto one device) and check its
     fingerprint; returns the number of arrays checked or raises CheckpointIntegrityError."""
-    directory = epath.Path(directory)
+    directory = checkpoint_path(directory)
     record = read_record(directory, step) if record is None else record
     if record["fingerprint_algorithm"] is None:
         return 0
@@ -153,7 +154,7 @@ def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
     """(the report `easykv inspect DIR` prints, whether every step is intact)."""
     import orbax.checkpoint as ocp
 
-    directory = epath.Path(directory)
+    directory = checkpoint_path(directory)
     _, steps = resolve_step(directory, None) if _has_steps(directory) else (None, [])
     partial = sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
     lines = [f"easykv checkpoint {directory}",

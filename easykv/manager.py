@@ -81,6 +81,9 @@ class PageManagerMetrics:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+_MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
+
+
 class PageManager:
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
@@ -97,6 +100,11 @@ class PageManager:
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
         scrub_released = boolean("scrub_released", scrub_released)
+        if metadata.batch_size * metadata.num_pages_per_sequence > _MAX_TABLE_ENTRIES:
+            raise ValueError(
+                f"batch_size={metadata.batch_size} sequences x num_pages_per_sequence={metadata.num_pages_per_sequence} "
+                f"is a block table of {metadata.batch_size * metadata.num_pages_per_sequence} entries, more than the "
+                f"{_MAX_TABLE_ENTRIES} one host manages; lower batch_size or max_sequences")
         self.metadata = metadata
         self.page_size = ps = int(metadata.page_size)
         self.batch_size = b = int(metadata.batch_size)

@@ -315,6 +315,9 @@ def plan_layout(
 ) -> LayoutPlan:
     """Resolve the kv-head and page axes against ``mesh``, reporting every adjustment."""
     positive_int("num_kv_heads", num_kv_heads)
+    if partition_manager is not None and not isinstance(partition_manager, PartitionManager):
+        raise ValueError(f"partition_manager must be a sharding.PartitionManager or None, got "
+                         f"{type(partition_manager).__name__}")
     pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
     page_axes = pm.paxis.mesh_axes(PAGE)
     # The page axis length is chosen by sizing, always as a multiple of its shard count, so

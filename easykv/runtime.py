@@ -302,6 +302,9 @@ def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int,
     without a host round trip [MAX: increment_cache_lengths]. A token whose next page the
     table lacks, or names outside the pool (``num_pages``), gets ``INVALID_SLOT``: the write
     drops and counts it, never writes another sequence's page."""
+    if not isinstance(metadata, PagedAttentionMetadata) or not metadata.is_mixed_mode():
+        raise ValueError(f"increment_cache_lengths takes mixed-form decode metadata (build_decode_metadata, "
+                         f"for_mixed), got {type(metadata).__name__}")
     page_size = integer("page_size", page_size, lo=1)
     num_pages = optional_int("num_pages", num_pages, lo=1)
     xp = array_module(metadata.positions)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from easykv.validation import non_negative_int, positive_int
+from easykv.validation import INT64_MAX, non_negative_int, positive_int
 
 
 def estimated_memory_size(metadata: Any, available_cache_memory: int, *, max_batch_size: int | None = None,
@@ -15,14 +15,14 @@ def estimated_memory_size(metadata: Any, available_cache_memory: int, *, max_bat
     and never more than ``available_cache_memory`` (per device) holds."""
     per_page, per_seq, shards = _page_cost(metadata, max_seq_len)
     batch = positive_int("max_batch_size", metadata.batch_size if max_batch_size is None else max_batch_size)
-    budget = non_negative_int("available_cache_memory", available_cache_memory) // per_page
+    budget = non_negative_int("available_cache_memory", available_cache_memory, hi=INT64_MAX) // per_page
     return min(-(-batch // shards) * per_seq, budget) * per_page
 
 def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_seq_len: int | None = None) -> int:
     """How many sequences of ``max_seq_len`` tokens (default the metadata's max_sequences)
     ``available_cache_memory`` bytes per device hold, over all data-parallel replicas."""
     per_page, per_seq, shards = _page_cost(metadata, max_seq_len)
-    pages = non_negative_int("available_cache_memory", available_cache_memory) // per_page
+    pages = non_negative_int("available_cache_memory", available_cache_memory, hi=INT64_MAX) // per_page
     if pages < per_seq:
         raise ValueError(
             f"available_cache_memory={available_cache_memory} bytes per device hold {pages} pages but one "
@@ -32,6 +32,10 @@ def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_
 
 def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
     """(bytes per page on one device across layers, pages per sequence, data-parallel replicas)."""
+    from easykv.metadata import PagedAttentionCacheMetaData
+
+    if not isinstance(metadata, PagedAttentionCacheMetaData):
+        raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     length = positive_int("max_seq_len", metadata.max_sequences if max_seq_len is None else max_seq_len)
     per_page = int(metadata.page_bytes_per_device) * int(metadata.num_hidden_layers)
     return per_page, -(-length // int(metadata.page_size)), int(getattr(metadata, "page_shards", 1))

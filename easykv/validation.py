@@ -101,7 +101,7 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     info = np.iinfo(dtype)  # an open bound is still the dtype's: the conversion must not wrap
     lo = info.min if lo is None else max(lo, int(info.min))
     hi = info.max if hi is None else min(hi, int(info.max))
-    if isinstance(value, (str, bytes, bytearray, memoryview, dict, set)) or value is None:
+    if isinstance(value, (str, bytes, bytearray, memoryview, dict, set, np.ma.MaskedArray)) or value is None:
         raise ValueError(f"{name} must be an array of ints, got {show(value)}{_note(lo, hi, hint, f'a {kind}')}")
     if isinstance(value, (list, tuple)):
         _refuse_bools(name, value, (), lo, hi, hint)

@@ -31,6 +31,8 @@ def token_slots(
     metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int, pages_per_sequence: int | None = None
 ) -> Any:
     """The slot of every token row a write with ``metadata`` receives, shape (num_tokens,)."""
+    if not isinstance(metadata, PagedAttentionMetadata):
+        raise ValueError(f"the runtime metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
     if metadata.is_mixed_mode():
         return metadata.slot_mapping
     if metadata.is_decode_mode():

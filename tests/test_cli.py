@@ -59,7 +59,7 @@ def test_plan_on_local_simulated_devices(capsys):
         (["--layers", "2"], "--preset NAME or all of"),
         (["--preset", "nope"], "invalid choice"),
         (["--preset", "mistral-7b", "--memory", "12 parsecs"], "is not a size"),
-        (["--preset", "mistral-7b", "--memory", "0"], "must be positive"),
+        (["--preset", "mistral-7b", "--memory", "0"], "must be a positive size"),
         (["--preset", "mistral-7b", "--mesh", "tp:8"], "is not NAME=SIZE"),
         (["--preset", "mistral-7b", "--mesh", "tp=2,tp=4", "--memory", "1GiB"], "twice"),
         (["--preset", "mistral-7b", "--dtype", "int8", "--memory", "1GiB", "--mesh", "tp=8"], "quantizer"),

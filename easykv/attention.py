@@ -98,7 +98,8 @@ def paged_attention(
         :func:`paged_attention_implementation`).
       pages_per_block: pages per key/value block of the XLA path (default: 256 tokens' worth).
       query_block: query rows per block for prefill and mixed batches (default 32); a
-        sequence's last rows go in smaller power-of-two blocks.
+        sequence's last block is masked past its end, except that fewer than 4 rows left (a
+        decode) go row by row.
 
     Returns:
       ``q.shape`` in ``q.dtype``; padding rows are zeros.
@@ -230,6 +231,11 @@ def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
     return 0 if cfg.layout is None else cfg.layout.local_page_offset(local_pages)
 
 
+# What is left of a sequence after its full query blocks goes row by row below this many rows
+# (a decode: one row), in one masked block of query_block rows from there on.
+_SINGLE_ROWS_BELOW = 4
+
+
 def _attend_local(
     q: jax.Array,
     kp: Any,
@@ -319,28 +325,30 @@ def _attend_local(
             return jax.lax.dynamic_update_slice_in_dim(out, res, b, axis=0)
 
     else:
-        # A sequence's rows go in blocks of qb, then the remainder in blocks of descending powers
-        # of two (each at most once): a decode inside a mixed batch costs one row, not qb.
-        sizes = [qb] + [1 << k for k in reversed(range(qb.bit_length())) if (1 << k) < qb]
+        # A sequence's rows go in blocks of qb, the last one masked past the sequence's end; a
+        # remainder shorter than _SINGLE_ROWS_BELOW (a decode inside a mixed batch) goes row by
+        # row instead, so a decode costs one row, not qb. Only two block shapes are traced: each
+        # costs compile time, under every layer.
+        rows_t = jnp.arange(qb)
 
-        def run_block(size: int, r0: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
-            pos = jax.lax.dynamic_slice_in_dim(pospad, r0, size)
+        def run_block(size: int, r0: jax.Array, end: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
+            mine = rows_t[:size] < end - r0  # rows of this sequence (the others belong to the next)
+            pos = jnp.where(mine, jax.lax.dynamic_slice_in_dim(pospad, r0, size), -1)
             res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, r0, size), pos, row)
+            res = jnp.where(mine[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, r0, size))
             return jax.lax.dynamic_update_slice_in_dim(out, res, r0, axis=0)
 
         def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
             row, start, count = table[b], starts[b], counts[b]
-            full = count // qb
-            out = jax.lax.fori_loop(0, full, lambda j, o: run_block(qb, start + j * qb, row, o), out)
-            done = full * qb
-            for size in sizes[1:]:
-                take = count - done >= size
-                at = start + done
-                # A cond, not a 0/1-trip loop: XLA hoists a loop body whose inputs are all
-                # loop-invariant out of the loop, which would run every block size every time.
-                out = jax.lax.cond(take, partial(run_block, size, at, row), lambda o: o, out)
-                done = done + jnp.where(take, size, 0)
-            return out
+            end = start + count
+            rest = count % qb
+            singles = jnp.where(rest < _SINGLE_ROWS_BELOW, rest, 0)
+            blocks = count // qb + (rest > singles)
+            out = jax.lax.fori_loop(0, blocks, lambda j, o: run_block(qb, start + j * qb, end, row, o), out)
+            if qb == 1:
+                return out
+            first = end - singles
+            return jax.lax.fori_loop(0, singles, lambda j, o: run_block(1, first + j, end, row, o), out)
 
     out = jax.lax.fori_loop(0, num_seqs, seq_body, out0)
     out = out[:tokens].reshape(tokens, q_heads, head_dim).astype(q.dtype)

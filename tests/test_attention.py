@@ -37,7 +37,10 @@ from sharding import PartitionAxis, PartitionManager, create_mesh
 
 PAGES, PS, D, WIDTH = 48, 4, 16, 6  # pool pages, page size, head dim, page-table columns
 GROUP = 4  # q heads per kv head
-BLOCK = dict(pages_per_block=2, query_block=4)  # several key blocks; query blocks of 4, 2 and 1 rows
+# Several key blocks. query_block 4: the 6- and 7-row chunks take one full block and go on row
+# by row (fewer than 4 left), the 3-row chunk row by row; query_block 8: they take one block
+# masked past their end.
+BLOCK = dict(pages_per_block=2, query_block=4)
 COLLECTIVES = re.compile(r"all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter")
 
 # layout name -> (mesh axes, kv heads, head axes, page axes)
@@ -220,8 +223,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("query_block", [4, 8])
 @pytest.mark.parametrize("name,dtype,mode,options", CASES, ids=["-".join(map(str, c[:3])) for c in CASES])
-def test_fast_path_matches_reference(name, dtype, mode, options):
+def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     rng = np.random.default_rng(zlib.crc32(f"{name}{dtype}{mode}".encode()))
     (hk, hv), (k, v) = make_pages(rng, name, dtype)
     md = MAKERS[mode](rng, name)
@@ -232,7 +236,7 @@ def test_fast_path_matches_reference(name, dtype, mode, options):
     heads = LAYOUTS[name][1]
     q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
     q = q.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else q
-    got = paged_attention(q, k, v, md, dtype=dtype, **BLOCK, **options)
+    got = paged_attention(q, k, v, md, dtype=dtype, **{**BLOCK, "query_block": query_block}, **options)
     want = paged_attention_reference(q, hk, hv, md, dtype=dtype, **options)
     assert got.shape == q.shape and got.dtype == q.dtype
     assert_close(got, want, dtype)

@@ -316,8 +316,12 @@ def plan_layout(
     """Resolve the kv-head and page axes against ``mesh``, reporting every adjustment."""
     positive_int("num_kv_heads", num_kv_heads)
     if partition_manager is not None and not isinstance(partition_manager, PartitionManager):
+        hint = ""
+        if type(partition_manager).__module__.startswith(("eformer", "easydel")):
+            hint = (" (an eformer/EasyDeL one converts with easykv.integrations.easydel."
+                    "partition_manager_from_easydel(pm, mesh=mesh))")
         raise ValueError(f"partition_manager must be a sharding.PartitionManager or None, got "
-                         f"{type(partition_manager).__name__}")
+                         f"{type(partition_manager).__name__}{hint}")
     pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
     page_axes = pm.paxis.mesh_axes(PAGE)
     # The page axis length is chosen by sizing, always as a multiple of its shard count, so

@@ -1,0 +1,36 @@
+"""EasyDeL 0.3 integration tests: 8 simulated CPU devices; every module skips itself where EasyDeL
+is not installed (``pip install 'easykv[easydel]'``).
+
+Run: ``. /work/venv-easydel/bin/activate && python -m pytest tests_easydel -q -p no:cacheprovider``
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))  # helpers.py
+
+# EasyDeL points JAX's persistent compilation cache at ~/.cache when imported; tests compile afresh.
+jax.config.update("jax_enable_compilation_cache", False)
+
+
+def pytest_configure(config):
+    # EasyDeL 0.3 on flax 0.12 warns on every Variable.value access; not ours to fix.
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:easydel.*")
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning:flax.*")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(tmp_path_factory):
+    from helpers import make_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(str(path))
+    return str(path)

@@ -22,8 +22,8 @@ from easykv.errors import (
     UnknownSequenceError,
 )
 from easykv.manager import PageManager, PageManagerMetrics
-from easykv.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
-from easykv.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
+from easykv.spec.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
+from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
 from easykv.pages import PageLayout, storage_dtype
 from easykv.quantization import (
     QuantizedPages,
@@ -33,7 +33,7 @@ from easykv.quantization import (
     register_quantizer,
 )
 from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
-from easykv.serialization import SerializationError
+from easykv.spec.serialization import SerializationError
 
 __version__ = "0.1.0"
 

@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from easykv import cache_json
-from easykv.memory import MemoryUnavailableError, device_memory_budget
-from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
+from easykv.spec.memory import MemoryUnavailableError, device_memory_budget
+from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.pages import (
     PageLayout,
     allocate_pages,

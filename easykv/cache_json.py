@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.pages import page_template
 from easykv.quantization import QuantizedPages
-from easykv.serialization import SerializationError, decode_array, encode_array
+from easykv.spec.serialization import SerializationError, decode_array, encode_array
 from easykv.validation import integer, parse_json, show
 
 if TYPE_CHECKING:

@@ -107,7 +107,7 @@ from easykv.checkpoint_reshard import (
 )
 from easykv.checkpoint_writer import WriterLock, write_error
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
 from easykv.validation import boolean, optional_int, parse_json, show

@@ -43,9 +43,9 @@ from easykv.checkpoint_integrity import (
     CheckpointMismatchError,
 )
 from easykv.checkpoint_reshard import stored_template
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import QuantizedPages
-from easykv.serialization import SerializationError
+from easykv.spec.serialization import SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"

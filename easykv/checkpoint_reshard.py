@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.checkpoint_integrity import CheckpointMismatchError
-from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
+from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.pages import PageLayout, encode_tokens, from_storage, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 

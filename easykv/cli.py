@@ -205,7 +205,7 @@ def _mesh(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
-    from easykv.metadata import PagedAttentionCacheMetaData, plan_layout
+    from easykv.spec.metadata import PagedAttentionCacheMetaData, plan_layout
     from sharding import PartitionAxis, PartitionManager
 
     layers, heads, dim, model = _model_dims(args)

@@ -38,7 +38,7 @@ from easykv import manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.page_pool import PagePool
 from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
-from easykv import sizing
+from easykv.spec import sizing
 from easykv.runtime import (
     PAD_PAGE,
     PagedAttentionMetadata,
@@ -94,7 +94,7 @@ class PageManager:
     """
 
     def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False):
-        from easykv.metadata import PagedAttentionCacheMetaData
+        from easykv.spec.metadata import PagedAttentionCacheMetaData
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
@@ -649,7 +649,7 @@ class PageManager:
         """A copy of this manager for ``metadata``: the same pool split into
         ``metadata.page_shards`` data-parallel slices (restoring a checkpoint onto another
         mesh). ValueError when a sequence's pages would straddle two slices."""
-        from easykv.metadata import PagedAttentionCacheMetaData
+        from easykv.spec.metadata import PagedAttentionCacheMetaData
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")

@@ -42,7 +42,7 @@ import numpy as np
 from easykv.cache import PagedAttentionCache
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager import PageManager
-from easykv.metadata import SUPPORTED_DTYPES, canonical_dtype
+from easykv.spec.metadata import SUPPORTED_DTYPES, canonical_dtype
 from easykv.pages import from_storage, read_pages, run_local, to_storage
 from easykv.prefix_hash import salt_digest
 from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing

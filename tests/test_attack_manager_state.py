@@ -20,7 +20,7 @@ import pytest
 from easykv.errors import ManagerStateError
 from easykv.manager import PageManager
 from easykv.manager_state import STATE_FORMAT
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 PS = 4
 

@@ -15,7 +15,7 @@ import pytest
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.manager import PageManager, increment_cache_lengths
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.runtime import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 
 PS = 4

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager import PageManager
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.prefix_hash import iter_page_digests, salt_digest
 
 PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16

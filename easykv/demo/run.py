@@ -24,7 +24,7 @@ from easykv.demo.engine import Engine, Request, reference_generate
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
 from easykv.demo.workload import decode, make_requests
 from easykv.manager import PageManager
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import get_quantizer, is_compressing
 from sharding import PartitionAxis, PartitionManager, create_mesh
 

@@ -24,7 +24,7 @@ from easykv.integrations._easydel_config import (
     quantizer_from_easydel,
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.pages import PageLayout
 from easykv.writes import scatter_kv
 from sharding import PartitionManager

@@ -43,7 +43,7 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from easykv.attention import paged_attention, paged_attention_implementation
-    from easykv.pages import PageLayout
+    from easykv.storage.pages import PageLayout
     from easykv.runtime import PagedAttentionMetadata, build_mixed
     from sharding import create_mesh
 

@@ -6,7 +6,7 @@ from easykv.attention import (
     paged_attention_reference,
     view_attention,
 )
-from easykv.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
 from easykv.errors import (
     CacheFullError,
     CheckpointError,
@@ -24,7 +24,7 @@ from easykv.errors import (
 from easykv.manager import PageManager, PageManagerMetrics
 from easykv.spec.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
-from easykv.pages import PageLayout, storage_dtype
+from easykv.storage.pages import PageLayout, storage_dtype
 from easykv.quantization import (
     QuantizedPages,
     Quantizer,

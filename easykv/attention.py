@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from easykv.attention_checks import IMPLEMENTATIONS, _Config, _prepare, _stored, _view_pages
-from easykv.pages import PageLayout, read_pages
+from easykv.storage.pages import PageLayout, read_pages
 from easykv.runtime import PagedAttentionMetadata
 
 
@@ -113,7 +113,7 @@ def paged_attention(
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
-    """:func:`paged_attention` over one layer's :class:`~easykv.cache.PagedAttentionCacheView`:
+    """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
     its pages, its layout and its logical dtype (``options`` are paged_attention's keywords but
     ``layout`` and ``dtype``)."""
     for key in ("layout", "dtype"):

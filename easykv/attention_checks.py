@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from easykv.validation import as_dtype, optional_int, real, show
-from easykv.pages import PageLayout
+from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata
 

@@ -64,7 +64,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
 from easykv.checkpoint_format import (
     STORAGE_PLATFORMS,
     checkpoint_path,
@@ -108,7 +108,7 @@ from easykv.checkpoint_reshard import (
 from easykv.checkpoint_writer import WriterLock, write_error
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout
+from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
 from easykv.validation import boolean, optional_int, parse_json, show
 

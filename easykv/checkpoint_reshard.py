@@ -20,7 +20,7 @@ import numpy as np
 
 from easykv.checkpoint_integrity import CheckpointMismatchError
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
-from easykv.pages import PageLayout, encode_tokens, from_storage, page_template
+from easykv.storage.pages import PageLayout, encode_tokens, from_storage, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 
 # Fields that describe the model and the pool: a restore never changes them.

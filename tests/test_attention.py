@@ -31,7 +31,7 @@ from easykv.attention import (
     paged_attention_reference,
     view_attention,
 )
-from easykv.pages import PageLayout
+from easykv.storage.pages import PageLayout
 from easykv.runtime import build_mixed
 from sharding import PartitionAxis, PartitionManager, create_mesh
 

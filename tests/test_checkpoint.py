@@ -28,7 +28,7 @@ from checkpoint_helpers import (
     write_record,
     write_step,
 )
-from easykv.cache import gather_kv
+from easykv.storage.cache import gather_kv
 from easykv.checkpoint import (
     CacheCheckpointer,
     CheckpointIntegrityError,

@@ -12,7 +12,7 @@ import pytest
 
 from cache_helpers import LAYERS, bits
 from checkpoint_helpers import engine_run, new_qcache, qsetup, raw_leaves
-from easykv.cache import gather_kv
+from easykv.storage.cache import gather_kv
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager import PageManager
 from easykv.sequence_transfer import SequenceExport, export_sequence, import_sequence

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
 from easykv.manager import PageManager
 from easykv.runtime import PAD_POSITION

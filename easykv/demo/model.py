@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from easykv.attention import view_attention
-from easykv.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache
 from easykv.runtime import PagedAttentionMetadata
 
 VOCAB = 256  # bytes

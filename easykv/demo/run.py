@@ -18,7 +18,7 @@ from typing import TextIO
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache
 from easykv.checkpoint import restore_cache, save_cache
 from easykv.demo.engine import Engine, Request, reference_generate
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel

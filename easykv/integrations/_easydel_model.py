@@ -25,8 +25,8 @@ from easykv.integrations._easydel_config import (
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout
-from easykv.writes import scatter_kv
+from easykv.storage.pages import PageLayout
+from easykv.storage.writes import scatter_kv
 from sharding import PartitionManager
 
 RAGGED_MECHANISMS = ("ragged_page_attention_v3", "ragged_page_attention_v2")

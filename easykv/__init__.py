@@ -1,6 +1,6 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
 
-from easykv.attention import (
+from easykv.attention.api import (
     paged_attention,
     paged_attention_implementation,
     paged_attention_reference,

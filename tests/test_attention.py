@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from easykv.attention import (
+from easykv.attention.api import (
     _prepare,
     _run,
     paged_attention,

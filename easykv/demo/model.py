@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from easykv.attention import view_attention
+from easykv.attention.api import view_attention
 from easykv.storage.cache import PagedAttentionCache
 from easykv.runtime import PagedAttentionMetadata
 

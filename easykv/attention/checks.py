@@ -1,7 +1,7 @@
 """Validation for paged attention: every shape, dtype, option and host-side metadata value is
 checked here before anything runs, and the static configuration of a call is built.
 
-Split from attention.py so the computation reads on its own; messages quote what they got.
+Split from api.py so the computation reads on its own; messages quote what they got.
 """
 
 from __future__ import annotations

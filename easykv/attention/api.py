@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from easykv.attention_checks import IMPLEMENTATIONS, _Config, _prepare, _stored, _view_pages
+from easykv.attention.checks import IMPLEMENTATIONS, _Config, _prepare, _stored, _view_pages
 from easykv.storage.pages import PageLayout, read_pages
 from easykv.runtime import PagedAttentionMetadata
 

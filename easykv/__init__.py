@@ -21,7 +21,7 @@ from easykv.errors import (
     StepNotFoundError,
     UnknownSequenceError,
 )
-from easykv.manager import PageManager, PageManagerMetrics
+from easykv.manager.manager import PageManager, PageManagerMetrics
 from easykv.spec.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout, storage_dtype

@@ -155,7 +155,7 @@ def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
 
 
 def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
-    from easykv.manager import PageManager
+    from easykv.manager.manager import PageManager
 
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the PageManager that schedules this cache, got {type(manager).__name__}")
@@ -544,7 +544,7 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
     state = read_manager_state(directory, step)
     if state is None:
         return None
-    from easykv.manager import PageManager
+    from easykv.manager.manager import PageManager
 
     try:
         manager = PageManager.from_state_dict(saved, state)

@@ -15,7 +15,7 @@ import numpy as np
 
 from cache_helpers import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 from sharding import PartitionManager, ShardingAdjustedWarning
 
 

@@ -48,7 +48,7 @@ from easykv.checkpoint_integrity import (
     fingerprints,
 )
 from easykv.inspect import inspect_checkpoint
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 
 TESTS = Path(__file__).parent
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.

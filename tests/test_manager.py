@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.manager import PageManager, increment_cache_lengths
+from easykv.manager.manager import PageManager, increment_cache_lengths
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.runtime import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 

@@ -14,7 +14,7 @@ from cache_helpers import LAYERS, bits
 from checkpoint_helpers import engine_run, new_qcache, qsetup, raw_leaves
 from easykv.storage.cache import gather_kv
 from easykv.errors import CacheFullError, UnknownSequenceError
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 from easykv.sequence_transfer import SequenceExport, export_sequence, import_sequence
 
 PROMPT_A = list(range(10)) + [40, 41]  # what engine_run committed for sequence 0 (a)

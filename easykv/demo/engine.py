@@ -23,7 +23,7 @@ import numpy as np
 
 from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 from easykv.runtime import PAD_POSITION
 
 

@@ -34,10 +34,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from easykv import manager_state
+from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.page_pool import PagePool
-from easykv.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
+from easykv.manager.page_pool import PagePool
+from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv.spec import sizing
 from easykv.runtime import (
     PAD_PAGE,

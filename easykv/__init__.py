@@ -39,9 +39,10 @@ __version__ = "0.1.0"
 
 # Checkpointing brings orbax (about 0.35 s to import): load it on first use only.
 _LAZY = {
-    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"), "easykv.checkpoint"),
-    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.sequence_transfer"),
-    "inspect_checkpoint": "easykv.inspect",
+    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"),
+                    "easykv.checkpoint.checkpointer"),
+    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.checkpoint.transfer"),
+    "inspect_checkpoint": "easykv.checkpoint.inspect",
 }
 
 

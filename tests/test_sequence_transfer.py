@@ -15,7 +15,7 @@ from checkpoint_helpers import engine_run, new_qcache, qsetup, raw_leaves
 from easykv.storage.cache import gather_kv
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
-from easykv.sequence_transfer import SequenceExport, export_sequence, import_sequence
+from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 
 PROMPT_A = list(range(10)) + [40, 41]  # what engine_run committed for sequence 0 (a)
 

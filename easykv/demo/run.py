@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.storage.cache import PagedAttentionCache
-from easykv.checkpoint import restore_cache, save_cache
+from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import Engine, Request, reference_generate
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
 from easykv.demo.workload import decode, make_requests

@@ -38,7 +38,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from checkpoint_helpers import file_kind, flip_fixture, flip_outcome, raw_leaves  # noqa: E402
-from easykv.checkpoint import save_cache  # noqa: E402
+from easykv.checkpoint.checkpointer import save_cache  # noqa: E402
 
 
 def main() -> int:

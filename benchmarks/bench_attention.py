@@ -8,7 +8,7 @@ Setup (issue 4): 32 sequences, 8 kv heads split over tp=8, 32 q heads (GQA 4), h
 bf16 (pages stored as raw uint16 bits, as the CPU cache stores them), page_size 16, pages of
 each sequence scattered over the pool by a random permutation.
 
-* paged vs dense: `easykv.attention.paged_attention` over the pages vs the same attention over a
+* paged vs dense: `easykv.attention.api.paged_attention` over the pages vs the same attention over a
   dense contiguous cache (batch, 2048, kv_heads, head_dim) holding the same tokens (one jitted
   masked softmax, head-sharded like the pages; bf16 operands with float32 accumulation, the
   faster of the two dense forms measured — the float32-upcast form is shown too).
@@ -42,8 +42,8 @@ def main() -> None:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from easykv.attention import paged_attention, paged_attention_implementation
-    from easykv.pages import PageLayout
+    from easykv.attention.api import paged_attention, paged_attention_implementation
+    from easykv.storage.pages import PageLayout
     from easykv.runtime import PagedAttentionMetadata, build_mixed
     from sharding import create_mesh
 

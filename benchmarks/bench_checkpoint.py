@@ -36,8 +36,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData  # noqa: E402
-from easykv.checkpoint import CacheCheckpointer, restore_cache, save_cache  # noqa: E402
-from easykv.checkpoint_integrity import fingerprints  # noqa: E402
+from easykv.checkpoint.checkpointer import CacheCheckpointer, restore_cache, save_cache  # noqa: E402
+from easykv.checkpoint.integrity import fingerprints  # noqa: E402
 from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16

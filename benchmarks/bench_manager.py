@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from easykv.manager import PageManager  # noqa: E402
-from easykv.metadata import PagedAttentionCacheMetaData  # noqa: E402
+from easykv.manager.manager import PageManager  # noqa: E402
+from easykv.spec.metadata import PagedAttentionCacheMetaData  # noqa: E402
 
 PAGE = 16
 

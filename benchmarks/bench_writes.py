@@ -55,7 +55,7 @@ def _cache(num_pages: int, native: bool, devices: int = 8):
     import jax.numpy as jnp
 
     import easykv
-    from easykv.pages import allocate_pages
+    from easykv.storage.pages import allocate_pages
     from sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": devices}, devices=jax.devices()[:devices])
@@ -86,8 +86,8 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import easykv
-    from easykv.cache import _write_all
-    from easykv.writes import token_slots
+    from easykv.storage.cache import _write_all
+    from easykv.storage.writes import token_slots
 
     meta, cache = _cache(num_pages, native, devices)
     mesh = cache[0].layout.mesh

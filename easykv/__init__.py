@@ -1,12 +1,12 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
 
-from easykv.attention import (
+from easykv.attention.api import (
     paged_attention,
     paged_attention_implementation,
     paged_attention_reference,
     view_attention,
 )
-from easykv.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
 from easykv.errors import (
     CacheFullError,
     CheckpointError,
@@ -15,15 +15,16 @@ from easykv.errors import (
     CheckpointMismatchError,
     CheckpointWriteError,
     InvariantError,
+    LockstepError,
     ManagerStateError,
     NotACheckpointError,
     StepNotFoundError,
     UnknownSequenceError,
 )
-from easykv.manager import PageManager, PageManagerMetrics
-from easykv.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
-from easykv.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
-from easykv.pages import PageLayout, storage_dtype
+from easykv.manager.manager import PageManager, PageManagerMetrics
+from easykv.spec.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
+from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
+from easykv.storage.pages import PageLayout, storage_dtype
 from easykv.quantization import (
     QuantizedPages,
     Quantizer,
@@ -32,15 +33,16 @@ from easykv.quantization import (
     register_quantizer,
 )
 from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
-from easykv.serialization import SerializationError
+from easykv.spec.serialization import SerializationError
 
 __version__ = "0.1.0"
 
 # Checkpointing brings orbax (about 0.35 s to import): load it on first use only.
 _LAZY = {
-    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"), "easykv.checkpoint"),
-    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.sequence_transfer"),
-    "inspect_checkpoint": "easykv.inspect",
+    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"),
+                    "easykv.checkpoint.checkpointer"),
+    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.checkpoint.transfer"),
+    "inspect_checkpoint": "easykv.checkpoint.inspect",
 }
 
 
@@ -72,6 +74,7 @@ __all__ = [
     "save_cache",
     "CacheFullError",
     "InvariantError",
+    "LockstepError",
     "PageManager",
     "PageManagerMetrics",
     "QuantizedPages",

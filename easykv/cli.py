@@ -119,7 +119,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """Exit 0: every step intact; 1: damage (or a step this easykv cannot read) was found and
     is described in the report; 2: not a checkpoint directory. Never a traceback."""
     from easykv.errors import CheckpointError, NotACheckpointError
-    from easykv.inspect import inspect_report
+    from easykv.checkpoint.inspect import inspect_report
 
     try:
         report, intact = inspect_report(args.directory, verify=not args.no_verify)
@@ -205,7 +205,7 @@ def _mesh(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
-    from easykv.metadata import PagedAttentionCacheMetaData, plan_layout
+    from easykv.spec.metadata import PagedAttentionCacheMetaData, plan_layout
     from sharding import PartitionAxis, PartitionManager
 
     layers, heads, dim, model = _model_dims(args)

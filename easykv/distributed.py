@@ -55,11 +55,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from easykv.errors import LockstepError
 from easykv.validation import boolean, positive_int, real
-
-
-class LockstepError(RuntimeError):
-    """Hosts that must hold identical state do not."""
 
 
 def initialize(

@@ -1,4 +1,5 @@
-"""easykv's typed errors: the page manager's, one per tier of trouble, and the checkpoints'.
+"""easykv's typed errors: the page manager's, one per tier of trouble, the multi-process
+one (`LockstepError`, raised by ``easykv.distributed.assert_lockstep``) and the checkpoints'.
 
 A caller must be able to tell three things apart without parsing messages:
 
@@ -61,8 +62,13 @@ class ManagerStateError(ValueError):
 __all__ = [
     "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
     "CheckpointMismatchError", "CheckpointWriteError", "InvariantError", "ManagerStateError",
-    "NotACheckpointError", "StepNotFoundError", "UnknownSequenceError",
+    "LockstepError", "NotACheckpointError", "StepNotFoundError", "UnknownSequenceError",
 ]
+
+
+# ---- several processes ---------------------------------------------------------------------
+class LockstepError(RuntimeError):
+    """Hosts that must hold identical state do not."""
 
 
 # ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,

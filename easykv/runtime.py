@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import jax
 import numpy as np
 
-from easykv.serialization import Serializable
+from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 
 if TYPE_CHECKING:
-    from easykv.metadata import PagedAttentionCacheMetaData
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 PAD_SLOT = -1
 INVALID_SLOT = -2

@@ -15,7 +15,7 @@ import numpy as np
 
 from cache_helpers import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 from sharding import PartitionManager, ShardingAdjustedWarning
 
 
@@ -112,7 +112,7 @@ def write_record(directory, record: dict, step: int = 0, *, reseal: bool = True)
     the schema (or the manager's own checks) can catch what was changed."""
     import json
 
-    from easykv.checkpoint_record import RECORD_SEAL, record_digest
+    from easykv.checkpoint.record import RECORD_SEAL, record_digest
 
     if reseal and RECORD_SEAL in record:
         record = {**record, RECORD_SEAL: record_digest(record)}
@@ -195,9 +195,9 @@ def flip_outcome(directory, path, position: int, bit: int, mesh, pm, want_bits, 
     (every array bit-identical, the manager state and metadata equal), the CheckpointError's
     class name, or "SILENT" / "RAW <type>" (both bugs). With ``inspect``, (outcome, what
     `inspect_report` said of the damaged directory: "intact", "damaged" or "RAW <type>")."""
-    from easykv.checkpoint import restore_cache
+    from easykv.checkpoint.checkpointer import restore_cache
     from easykv.errors import CheckpointError
-    from easykv.inspect import inspect_report
+    from easykv.checkpoint.inspect import inspect_report
 
     data = path.read_bytes()
     damaged = bytearray(data)

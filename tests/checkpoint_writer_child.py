@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import conftest  # noqa: E402,F401  8 simulated CPU devices
 
 from checkpoint_helpers import engine_run, flip_fixture, qsetup, raw_leaves  # noqa: E402
-from easykv.checkpoint import CacheCheckpointer, list_steps, restore_cache, save_cache  # noqa: E402
+from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache  # noqa: E402
 from easykv.errors import CheckpointWriteError  # noqa: E402
 
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from easykv.errors import ManagerStateError
-from easykv.manager import PageManager
-from easykv.manager_state import STATE_FORMAT
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.manager.manager import PageManager
+from easykv.manager.state import STATE_FORMAT
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 PS = 4
 

@@ -23,15 +23,15 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from easykv.attention import (
-    _prepare,
-    _run,
+from easykv.attention.api import (
     paged_attention,
     paged_attention_implementation,
     paged_attention_reference,
+    run,
     view_attention,
 )
-from easykv.pages import PageLayout
+from easykv.attention.checks import prepare
+from easykv.storage.pages import PageLayout
 from easykv.runtime import build_mixed
 from sharding import PartitionAxis, PartitionManager, create_mesh
 
@@ -246,7 +246,7 @@ def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     assert np.abs(np.asarray(want, np.float32)[real]).sum(axis=(1, 2)).min() > 0
     layout = page_layout(name)
     if layout is not None:  # the layout is read off the pages' sharding, and the output is head-split
-        assert _prepare(q, k, v, md, dtype=dtype, **options).layout == layout
+        assert prepare(q, k, v, md, dtype=dtype, **options).layout == layout
         if layout.head_axes:
             assert got.sharding.is_equivalent_to(NamedSharding(layout.mesh, P(None, "tp", None)), 3)
 
@@ -344,10 +344,10 @@ def test_pallas_tpu_wiring_in_interpret_mode():
     table = rng.permutation(16)[:12].reshape(3, 4).astype(np.int32)
     md = PagedAttentionMetadata(decodes_position=np.array([0, 37, -1], np.int32), decodes_page_table=table)
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
-    cfg = _prepare(q, k, v, md, logit_soft_cap=2.0)
+    cfg = prepare(q, k, v, md, logit_soft_cap=2.0)
     assert cfg.implementation == "xla"  # on CPU; force the TPU path below
     with pltpu.force_tpu_interpret_mode():
-        got = _run(q, k, v, md, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
+        got = run(q, k, v, md, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
     assert_close(got, paged_attention_reference(q, k, v, md, logit_soft_cap=2.0), "bfloat16")
     assert not np.asarray(got)[2].any()
 

@@ -15,7 +15,7 @@ from cache_helpers import (
     random_tokens, setup, snapshot,
 )  # fmt: skip
 from easykv import PagedAttentionCache, PagedAttentionCacheView, PagedAttentionMetadata, gather_kv
-from easykv.pages import storage_dtype
+from easykv.storage.pages import storage_dtype
 from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 
 # layout -> (spec of the pages, shape of each device's shard, number of shards)

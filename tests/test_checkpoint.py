@@ -1,6 +1,7 @@
-"""Checkpoint and restore (easykv.checkpoint): bit-exact round trips for every page format with a
-manager mid-run, restore onto other meshes and storage platforms, async saves under donation,
-damage detection, crashes mid-save, and every bad input — with the live cache untouched."""
+"""Checkpoint and restore (easykv.checkpoint.checkpointer): bit-exact round trips for every page
+format with a manager mid-run, restore onto other meshes and storage platforms, async saves
+under donation, damage detection, crashes mid-save, and every bad input — with the live cache
+untouched."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from checkpoint_helpers import (
     write_record,
     write_step,
 )
-from easykv.cache import gather_kv
-from easykv.checkpoint import (
+from easykv.storage.cache import gather_kv
+from easykv.checkpoint.checkpointer import (
     CacheCheckpointer,
     CheckpointIntegrityError,
     CheckpointMismatchError,
@@ -39,7 +40,7 @@ from easykv.checkpoint import (
     restore_cache,
     save_cache,
 )
-from easykv.checkpoint_integrity import (
+from easykv.checkpoint.integrity import (
     LEGACY_FINGERPRINT_ALGORITHM,
     _cell_crcs_device,
     _cell_crcs_host,
@@ -47,8 +48,8 @@ from easykv.checkpoint_integrity import (
     _cell_sums_host,
     fingerprints,
 )
-from easykv.inspect import inspect_checkpoint
-from easykv.manager import PageManager
+from easykv.checkpoint.inspect import inspect_checkpoint
+from easykv.manager.manager import PageManager
 
 TESTS = Path(__file__).parent
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.
@@ -394,8 +395,8 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import conftest  # 8 CPU devices
     from checkpoint_helpers import engine_run
-    import easykv.checkpoint as ck
-    import easykv.checkpoint_format as fmt
+    import easykv.checkpoint.checkpointer as ck
+    import easykv.checkpoint.format as fmt
     mode, directory = sys.argv[1], sys.argv[2]
     cache, manager, rng = engine_run("heads")
     if mode == "kill":

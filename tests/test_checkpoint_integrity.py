@@ -31,16 +31,16 @@ from checkpoint_helpers import (
     write_manager,
     write_record,
 )
-from easykv.checkpoint import (
+from easykv.checkpoint.checkpointer import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
     restore_cache,
     save_cache,
 )
-from easykv.checkpoint_record import RECORD_SEAL
+from easykv.checkpoint.record import RECORD_SEAL
 from easykv.cli import main
 from easykv.errors import CheckpointError
-from easykv.inspect import inspect_checkpoint
+from easykv.checkpoint.inspect import inspect_checkpoint
 
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.
 pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from checkpoint_helpers import assert_same_bits, engine_run, qsetup
-from easykv.checkpoint import CacheCheckpointer, list_steps, restore_cache, save_cache
-from easykv.checkpoint_writer import WriterLock, errno_of, lock_file_name
+from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache
+from easykv.checkpoint.writer import WriterLock, errno_of, lock_file_name
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
 
 TESTS = Path(__file__).parent
@@ -63,7 +63,7 @@ def _listing(directory: Path) -> dict[str, int]:
 def gated_saves(monkeypatch):
     """``arm()`` holds every later save in its background write (before the record is written)
     until the returned event is set."""
-    import easykv.checkpoint_format as fmt
+    import easykv.checkpoint.format as fmt
 
     event = threading.Event()
     original = fmt._StateHandler._write
@@ -130,7 +130,7 @@ def test_lock_files_per_process_index(tmp_path):
 
 
 def test_lock_released_by_close_even_when_the_last_save_failed(tmp_path, monkeypatch):
-    import easykv.checkpoint_format as fmt
+    import easykv.checkpoint.format as fmt
 
     cache, manager, _ = engine_run("heads")
     save_cache(tmp_path, cache, manager, step=0)

@@ -120,7 +120,7 @@ def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
     import jax.numpy as jnp
 
     import easykv
-    from easykv.checkpoint_record import record_digest
+    from easykv.checkpoint.record import record_digest
     from sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})

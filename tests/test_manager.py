@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.manager import PageManager, increment_cache_lengths
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.manager.manager import PageManager, increment_cache_lengths
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.runtime import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 
 PS = 4

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from cache_helpers import HEAD_DIM, LAYERS, bits, new_cache, random_tokens, setup
-from easykv.cache import gather_kv
-from easykv.manager import PageManager
+from easykv.storage.cache import gather_kv
+from easykv.manager.manager import PageManager
 
 
 class Engine:

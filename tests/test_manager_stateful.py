@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from easykv.errors import CacheFullError, UnknownSequenceError
-from easykv.manager import PageManager
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.prefix_hash import iter_page_digests, salt_digest
+from easykv.manager.manager import PageManager
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.manager.prefix_hash import iter_page_digests, salt_digest
 
 PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
 BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')

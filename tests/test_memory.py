@@ -7,7 +7,7 @@ import os
 import jax
 import pytest
 
-from easykv.memory import (
+from easykv.spec.memory import (
     HostMemory,
     MemoryBudget,
     MemoryUnavailableError,

@@ -11,7 +11,7 @@ import pytest
 
 from easykv import PAD_SLOT, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.runtime import INVALID_SLOT
-from easykv.writes import token_slots
+from easykv.storage.writes import token_slots
 
 META = PagedAttentionCacheMetaData(
     batch_size=4, num_hidden_layers=1, num_pages_per_layer=12, num_pages_per_sequence=4,

@@ -12,10 +12,10 @@ import pytest
 
 from cache_helpers import LAYERS, bits
 from checkpoint_helpers import engine_run, new_qcache, qsetup, raw_leaves
-from easykv.cache import gather_kv
+from easykv.storage.cache import gather_kv
 from easykv.errors import CacheFullError, UnknownSequenceError
-from easykv.manager import PageManager
-from easykv.sequence_transfer import SequenceExport, export_sequence, import_sequence
+from easykv.manager.manager import PageManager
+from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 
 PROMPT_A = list(range(10)) + [40, 41]  # what engine_run committed for sequence 0 (a)
 

@@ -24,8 +24,8 @@ from cache_helpers import HEAD_DIM, LAYERS, mesh_for
 from checkpoint_helpers import engine_run, new_qcache, qsetup, raw_leaves
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.errors import CacheFullError, UnknownSequenceError
-from easykv.manager import PageManager
-from easykv.sequence_transfer import SequenceExport, export_sequence, import_sequence
+from easykv.manager.manager import PageManager
+from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 
 BF16 = np.dtype(jnp.bfloat16)

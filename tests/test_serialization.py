@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from easykv.serialization import Serializable, SerializationError
+from easykv.spec.serialization import Serializable, SerializationError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from cache_helpers import (
     random_tokens, setup, slot, snapshot,
 )  # fmt: skip
 from easykv import PagedAttentionCache, PagedAttentionMetadata
-from easykv.cache import _write_all
+from easykv.storage.cache import _write_all
 
 T = 12  # every write in these tests uses a 12-token axis: one compile per layout and form
 LAYOUT_NAMES = ["single", "heads", "replicated", "dp"]

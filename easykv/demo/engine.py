@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
-from easykv.manager import PageManager
+from easykv.manager.manager import PageManager
 from easykv.runtime import PAD_POSITION
 
 

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from easykv.attention import view_attention
-from easykv.cache import PagedAttentionCache
+from easykv.attention.api import view_attention
+from easykv.storage.cache import PagedAttentionCache
 from easykv.runtime import PagedAttentionMetadata
 
 VOCAB = 256  # bytes

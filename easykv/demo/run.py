@@ -18,13 +18,13 @@ from typing import TextIO
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.cache import PagedAttentionCache
-from easykv.checkpoint import restore_cache, save_cache
+from easykv.storage.cache import PagedAttentionCache
+from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import Engine, Request, reference_generate
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
 from easykv.demo.workload import decode, make_requests
-from easykv.manager import PageManager
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.manager.manager import PageManager
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import get_quantizer, is_compressing
 from sharding import PartitionAxis, PartitionManager, create_mesh
 

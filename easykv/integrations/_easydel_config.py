@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.validation import parse_json, positive_int, show
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager

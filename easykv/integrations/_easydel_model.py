@@ -24,9 +24,9 @@ from easykv.integrations._easydel_config import (
     quantizer_from_easydel,
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout
-from easykv.writes import scatter_kv
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import PageLayout
+from easykv.storage.writes import scatter_kv
 from sharding import PartitionManager
 
 RAGGED_MECHANISMS = ("ragged_page_attention_v3", "ragged_page_attention_v2")
@@ -230,7 +230,7 @@ ATTENTION_OPTIONS = ("query_block", "pages_per_block", "implementation")
 
 def attention_options(options: Any) -> tuple[tuple[str, Any], ...]:
     """use_easykv's ``attention_options``, checked now (not at trace time inside eSurge)."""
-    from easykv.attention_checks import IMPLEMENTATIONS
+    from easykv.attention.checks import IMPLEMENTATIONS
     from easykv.validation import positive_int, show
 
     if options is None:

@@ -95,7 +95,7 @@ from easykv.integrations._easydel_config import (
     quantizer_from_easydel,
 )
 from easykv.integrations._easydel_runtime import runtime_from_easydel
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 _INSTALL = "pip install 'easykv[easydel]'"
 _MODEL_NAMES = ("EasyKVCache", "EasyKVCacheView", "EasyKVRaggedPageAttnV2", "EasyKVRaggedPageAttnV3")

@@ -101,7 +101,7 @@ def check_restored(restored, k, v) -> None:
 def checkpoint_mode(directory: str, action: str) -> None:
     """save: write, attend and save from both processes; restore: restore a checkpoint (written
     by 1 or 2 processes) onto dp=2 x tp=4 and check every value."""
-    from easykv.checkpoint import restore_cache, save_cache
+    from easykv.checkpoint.checkpointer import restore_cache, save_cache
 
     k, v, q = shared_data()
     if action == "save":

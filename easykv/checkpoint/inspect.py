@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from easykv.checkpoint_format import (
+from easykv.checkpoint.format import (
     checkpoint_path,
     open_reader,
     read_manager_state,
@@ -31,8 +31,8 @@ from easykv.checkpoint_format import (
     saved_metadata,
     verify_arrays,
 )
-from easykv.checkpoint_integrity import CheckpointError, CheckpointIntegrityError, StepNotFoundError
-from easykv.checkpoint_record import is_legacy, legacy_note
+from easykv.checkpoint.integrity import CheckpointError, CheckpointIntegrityError, StepNotFoundError
+from easykv.checkpoint.record import is_legacy, legacy_note
 
 
 def _size(n: float) -> str:

@@ -1,12 +1,12 @@
-"""The on-disk format of easykv checkpoints, and reading it back (used by checkpoint.py and
-inspect.py; users call `easykv.checkpoint`).
+"""The on-disk format of easykv checkpoints, and reading it back (used by checkpointer.py
+and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
     DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints (only its
                                       presence is read)
     DIR/.easykv-writer-<i>.lock       the writer lock of process index i: a `CacheCheckpointer`
                                       holds an exclusive flock on it from construction to close
                                       (its text names the holder: pid, host, since when); see
-                                      `easykv.checkpoint_writer`. Readers take no lock.
+                                      `easykv.checkpoint.writer`. Readers take no lock.
     DIR/<step>/pages/                 every layer's pages (+ quantization scales), an orbax PyTree:
                                       one zarr array per page array, one chunk file per shard,
                                       no compression (K/V pages do not compress), plus orbax's own
@@ -49,14 +49,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from easykv.checkpoint_integrity import (
+from easykv.checkpoint.integrity import (
     CheckpointIntegrityError,
     NotACheckpointError,
     PendingFingerprints,
     StepNotFoundError,
     fingerprints,
 )
-from easykv.checkpoint_record import (
+from easykv.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
     MANAGER_FILE,

@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from easykv.memory import MemoryBudget, device_memory_budget
+from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
-from easykv.serialization import Serializable, SerializationError
+from easykv.spec.serialization import Serializable, SerializationError
 from easykv.validation import INT64_MAX, as_dtype, positive_int, real, show
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from easykv import cache_json
-from easykv.memory import MemoryUnavailableError, device_memory_budget
-from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
-from easykv.pages import (
+from easykv.storage import cache_json
+from easykv.spec.memory import MemoryUnavailableError, device_memory_budget
+from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
+from easykv.storage.pages import (
     PageLayout,
     allocate_pages,
     page_template,
@@ -37,7 +37,7 @@ from easykv.pages import (
 )
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.runtime import PagedAttentionMetadata
-from easykv.writes import (
+from easykv.storage.writes import (
     check_new_tokens,
     check_slots_on_host,
     count_dropped,

@@ -1,5 +1,5 @@
 """The JSON record of a checkpoint step and the saved PageManager state: sealing, reading, and
-the one schema check (used by checkpoint_format.py, checkpoint.py and inspect.py).
+the one schema check (used by format.py, checkpointer.py and inspect.py).
 
 Every byte easykv persists is verified on load. orbax keeps no checksum, and the page arrays
 carry their own fingerprints (`checkpoint_integrity`); this module covers the two JSON files:
@@ -37,15 +37,15 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from easykv.checkpoint_integrity import (
+from easykv.checkpoint.integrity import (
     KNOWN_FINGERPRINT_ALGORITHMS,
     CheckpointIntegrityError,
     CheckpointMismatchError,
 )
-from easykv.checkpoint_reshard import stored_template
-from easykv.metadata import PagedAttentionCacheMetaData
+from easykv.checkpoint.reshard import stored_template
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import QuantizedPages
-from easykv.serialization import SerializationError
+from easykv.spec.serialization import SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"

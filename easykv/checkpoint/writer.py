@@ -1,5 +1,5 @@
 """What a checkpoint writer needs beyond orbax: one writer per directory, and write failures
-reported as `CheckpointWriteError` (used by `easykv.checkpoint.CacheCheckpointer`).
+reported as `CheckpointWriteError` (used by `easykv.checkpoint.checkpointer.CacheCheckpointer`).
 
 One writer per directory. orbax's CheckpointManager deletes every ``*.orbax-checkpoint-tmp*``
 directory when it is built, and its ``max_to_keep`` deletes old steps: two writers on one

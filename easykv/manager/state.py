@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from easykv.errors import ManagerStateError
-from easykv.prefix_hash import DIGEST_BYTES, ROOT_DIGEST
+from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST
 from easykv.runtime import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
 
 if TYPE_CHECKING:
-    from easykv.manager import PageManager
+    from easykv.manager.manager import PageManager
 
 STATE_FORMAT = "easykv.PageManager/1"
 _CONFIG_INTS = ("batch_size", "num_pages_per_layer", "num_pages_per_sequence", "max_sequences", "page_size",

@@ -39,15 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache
 from easykv.errors import CacheFullError, InvariantError
-from easykv.manager import PageManager
-from easykv.metadata import SUPPORTED_DTYPES, canonical_dtype
-from easykv.pages import from_storage, read_pages, run_local, to_storage
-from easykv.prefix_hash import salt_digest
+from easykv.manager.manager import PageManager
+from easykv.spec.metadata import SUPPORTED_DTYPES, canonical_dtype
+from easykv.storage.pages import from_storage, read_pages, run_local, to_storage
+from easykv.manager.prefix_hash import salt_digest
 from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, parse_json, positive_int
-from easykv.writes import scatter_encoded_local  # the encoded-token scatter every write uses
+from easykv.storage.writes import scatter_encoded_local  # the encoded-token scatter every write uses
 
 _EXPORT_FORMAT = "easykv.SequenceExport/1"
 _HEADER_FIELDS = ("format", "length", "num_hidden_layers", "num_kv_heads", "kv_head_dim_size", "dtype",

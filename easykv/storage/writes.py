@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout, encode_tokens, run_local
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import PageLayout, encode_tokens, run_local
 from easykv.validation import integer_array
 from easykv.runtime import (
     PAD_SLOT,

@@ -19,14 +19,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.pages import page_template
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import page_template
 from easykv.quantization import QuantizedPages
-from easykv.serialization import SerializationError, decode_array, encode_array
+from easykv.spec.serialization import SerializationError, decode_array, encode_array
 from easykv.validation import integer, parse_json, show
 
 if TYPE_CHECKING:
-    from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
+    from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
 
 VIEW_SCHEMA = "easykv.PagedAttentionCacheView"
 CACHE_SCHEMA = "easykv.PagedAttentionCache"
@@ -82,7 +82,7 @@ def _decode_pages(data: Any, template: Any, field: str) -> Any:
 
 def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | None,
                    partition_manager: Any) -> PagedAttentionCacheView:
-    from easykv.cache import _checked_layout  # the rule init_cache follows, one place
+    from easykv.storage.cache import _checked_layout  # the rule init_cache follows, one place
 
     data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
     meta = PagedAttentionCacheMetaData.from_dict(data["metadata"])
@@ -106,7 +106,7 @@ def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | N
 
 def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None,
                     partition_manager: Any) -> PagedAttentionCache:
-    from easykv.cache import PagedAttentionCacheView
+    from easykv.storage.cache import PagedAttentionCacheView
 
     data = _header(data, CACHE_SCHEMA, ("views",))
     views = data["views"]

@@ -1,7 +1,8 @@
 """Validation for paged attention: every shape, dtype, option and host-side metadata value is
 checked here before anything runs, and the static configuration of a call is built.
 
-Split from attention.py so the computation reads on its own; messages quote what they got.
+Split from the computation (api.py, xla.py, pallas.py, reference.py) so it reads on its own;
+messages quote what they got.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from easykv.validation import as_dtype, optional_int, real, show
-from easykv.pages import PageLayout
+from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata
 
@@ -142,7 +143,7 @@ def _platform(layout: PageLayout | None, pages: Any) -> str:
     return jax.default_backend()
 
 
-def _prepare(
+def prepare(
     q: Any,
     key_pages: Any,
     value_pages: Any,

@@ -1,7 +1,7 @@
 """Retargeting a saved cache onto another mesh, storage platform, dtype or quantizer.
 
-Two pieces, both used by `easykv.checkpoint.restore_cache` (the page manager follows the pages
-with `PageManager.reshard`: the manager owns its state format):
+Two pieces, both used by `easykv.checkpoint.checkpointer.restore_cache` (the page manager
+follows the pages with `PageManager.reshard`: the manager owns its state format):
 
 * `target_metadata`: the saved metadata with the layout fields of the target mesh (kv-head and
   page axes and shard counts) and, with ``convert=True``, another dtype or quantizer. The pool
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.checkpoint_integrity import CheckpointMismatchError
-from easykv.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
-from easykv.pages import PageLayout, encode_tokens, from_storage, page_template
+from easykv.checkpoint.integrity import CheckpointMismatchError
+from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
+from easykv.storage.pages import PageLayout, encode_tokens, from_storage, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 
 # Fields that describe the model and the pool: a restore never changes them.

@@ -180,7 +180,7 @@ class PagePool:
     def load_state(self, *, free: list[Any], lru: list[Any], digests: list[tuple[int, bytes]], scrub: list[int],
                    evictions: int, scrubs: int, refcount: np.ndarray) -> None:
         """Replace this (fresh) pool's state with values already checked for type and range
-        (`manager_state.read_state`); ``refcount`` comes from the owners. Whether they agree
+        (`state.read_state`); ``refcount`` comes from the owners. Whether they agree
         with each other is for `check`."""
         self.refcount = np.asarray(refcount, np.int32).copy()
         self._free = [sorted(int(p) for p in h) for h in free]

@@ -7,7 +7,7 @@
     restored = easykv.restore_cache(path, mesh=other_mesh, partition_manager=pm)
     cache, manager = restored                 # also .metadata, .step, .extra_metadata
 
-Layout on disk: see `easykv.checkpoint_format` (pages as an orbax PyTree, a JSON record with
+Layout on disk: see `easykv.checkpoint.format` (pages as an orbax PyTree, a JSON record with
 the metadata, storage, mesh and fingerprints, the PageManager state, and the writer locks).
 
 Atomicity is orbax's: a step is written under ``<step>.orbax-checkpoint-tmp-*`` and renamed
@@ -20,7 +20,7 @@ fingerprints and the commit finish in the background. A process that exits clean
 finishes its saves.
 
 One writer per directory: a `CacheCheckpointer` (and so `save_cache`) holds the directory's
-writer lock from construction to `close` (`easykv.checkpoint_writer`); a second writer, in
+writer lock from construction to `close` (`easykv.checkpoint.writer`); a second writer, in
 this process or another, gets `CheckpointLockedError` and changes nothing. A write that fails
 (disk full, file too large, permission, I/O) raises `CheckpointWriteError` naming the step,
 the directory and the errno — from `save` when synchronous, else from the next `save`,
@@ -64,8 +64,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from easykv.cache import PagedAttentionCache, PagedAttentionCacheView
-from easykv.checkpoint_format import (
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
+from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
     checkpoint_path,
     FORMAT,
@@ -88,7 +88,7 @@ from easykv.checkpoint_format import (
     saved_metadata,
     verify_arrays,
 )
-from easykv.checkpoint_integrity import (
+from easykv.checkpoint.integrity import (
     FINGERPRINT_ALGORITHM,
     CheckpointError,
     CheckpointIntegrityError,
@@ -97,18 +97,18 @@ from easykv.checkpoint_integrity import (
     PendingFingerprints,
     StepNotFoundError,
 )
-from easykv.checkpoint_record import EXTRA_MAX_DEPTH, is_legacy, legacy_note, manager_summary
-from easykv.checkpoint_reshard import (
+from easykv.checkpoint.record import EXTRA_MAX_DEPTH, is_legacy, legacy_note, manager_summary
+from easykv.checkpoint.reshard import (
     check_format,
     convert_pages,
     stored_template,
     target_metadata,
     to_storage_dtypes,
 )
-from easykv.checkpoint_writer import WriterLock, write_error
+from easykv.checkpoint.writer import WriterLock, write_error
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
-from easykv.metadata import PagedAttentionCacheMetaData
-from easykv.pages import PageLayout
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
 from easykv.validation import boolean, optional_int, parse_json, show
 
@@ -155,7 +155,7 @@ def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
 
 
 def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
-    from easykv.manager import PageManager
+    from easykv.manager.manager import PageManager
 
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the PageManager that schedules this cache, got {type(manager).__name__}")
@@ -544,7 +544,7 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
     state = read_manager_state(directory, step)
     if state is None:
         return None
-    from easykv.manager import PageManager
+    from easykv.manager.manager import PageManager
 
     try:
         manager = PageManager.from_state_dict(saved, state)

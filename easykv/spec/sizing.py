@@ -32,7 +32,7 @@ def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_
 
 def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
     """(bytes per page on one device across layers, pages per sequence, data-parallel replicas)."""
-    from easykv.metadata import PagedAttentionCacheMetaData
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
 
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")

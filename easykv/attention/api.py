@@ -1,0 +1,203 @@
+"""Paged attention: queries attend to keys and values read through page tables.
+
+One entry point serves the three forms of :class:`~easykv.runtime.PagedAttentionMetadata`:
+
+* **decode** (EasyDeL's decode form): ``q`` is ``(batch, num_q_heads, head_dim)``, one query per
+  sequence; sequence ``b`` sees keys ``0 .. decodes_position[b]`` (its new token already written).
+* **chunked prefill** (EasyDeL's prefill form): ``q`` is ``(padded_len, num_q_heads, head_dim)``;
+  query ``t`` at ``prefill_position[t]`` sees keys ``0 .. prefill_position[t]`` (the cached prefix
+  and the chunk itself, causally). Rows ``>= prefill_length`` are padding.
+* **mixed** (continuous batching): ``q`` is ``(num_tokens, num_q_heads, head_dim)``; token ``t`` of
+  sequence ``b`` (``query_start_loc[b] <= t < query_start_loc[b + 1]``, ``b < num_seqs``) sees keys
+  ``0 .. positions[t]`` of sequence ``b``.
+
+Padding rows (position -1, or outside every sequence) come back as zeros. Options: grouped-query
+attention (q heads a multiple of kv heads; q head ``i`` reads kv head ``i // group``), a sliding
+window (a query at ``p`` sees keys in ``(p - window, p]``), a logit soft cap
+(``cap * tanh(s / cap)``) and the softmax scale (default ``head_dim ** -0.5``). Scores, softmax and
+the weighted sum are float32; the output has q's dtype.
+
+The entry points and the jitted dispatch live here: :func:`run` places the computation in
+``shard_map`` over the page layout and calls, per device, the XLA path (``xla.py``) or the
+Pallas TPU kernel (``pallas.py``); :func:`paged_attention_reference` runs the dense reference
+(``reference.py``). Every argument is checked first, in ``checks.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from easykv.attention.checks import IMPLEMENTATIONS, _Config, _view_pages, prepare
+from easykv.attention.pallas import _pallas_decode_local
+from easykv.attention.reference import _reference
+from easykv.attention.xla import _attend_local
+from easykv.storage.pages import PageLayout
+from easykv.runtime import PagedAttentionMetadata
+
+
+# ---- public API ---------------------------------------------------------------------------------
+def paged_attention(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    layout: PageLayout | None = None,
+    dtype: Any = None,
+    implementation: str = "auto",
+    pages_per_block: int | None = None,
+    query_block: int | None = None,
+) -> jax.Array:
+    """Attention of ``q`` over the cached keys/values named by ``metadata``'s page tables.
+
+    Args:
+      q: decode ``(batch, num_q_heads, head_dim)``; prefill ``(padded_len, num_q_heads,
+        head_dim)``; mixed ``(num_tokens, num_q_heads, head_dim)``. float32/bfloat16/float16.
+      key_pages, value_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical
+        dtype or its storage dtype (raw uint bits on CPU).
+      metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
+        are checked against the pool before anything runs.
+      scale: softmax scale, default ``head_dim ** -0.5``.
+      sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
+      logit_soft_cap: scores become ``cap * tanh(score / cap)`` (after scaling).
+      layout: how the pages are split over the mesh. ``None``: taken from the pages' own
+        ``NamedSharding`` when they are concrete arrays, else one device. Inside an outer ``jit``
+        pass it (or use :func:`view_attention`) so the computation stays shard-local.
+      dtype: logical dtype of the pages; needed when they are stored as raw bits (uint16/uint8).
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas_tpu"`` (see
+        :func:`paged_attention_implementation`).
+      pages_per_block: pages per key/value block of the XLA path (default: 256 tokens' worth).
+      query_block: query rows per block for prefill and mixed batches (default 32); a
+        sequence's last block is masked past its end, except that fewer than 4 rows left (a
+        decode) go row by row.
+
+    Returns:
+      ``q.shape`` in ``q.dtype``; padding rows are zeros.
+    """
+    cfg = prepare(
+        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, layout=layout, dtype=dtype, implementation=implementation,
+        pages_per_block=pages_per_block, query_block=query_block,
+    )  # fmt: skip
+    return run(q, key_pages, value_pages, metadata, cfg=cfg)
+
+
+def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
+    """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
+    its pages, its layout and its logical dtype (``options`` are paged_attention's keywords but
+    ``layout`` and ``dtype``)."""
+    for key in ("layout", "dtype"):
+        if key in options:
+            raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
+    keys, values = _view_pages(view)
+    return paged_attention(
+        q, keys, values, metadata, layout=view.layout, dtype=view.dtype, **options
+    )
+
+
+def paged_attention_implementation(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    **options: Any,
+) -> str:
+    """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
+    ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
+    cfg = prepare(q, key_pages, value_pages, metadata, **options)
+    return cfg.implementation
+
+
+def paged_attention_reference(
+    q: Any,
+    key_pages: Any,
+    value_pages: Any,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    logit_soft_cap: float | None = None,
+    dtype: Any = None,
+) -> jax.Array:
+    """Dense reference: gather every sequence's whole page-table row into contiguous keys and
+    values, then masked softmax attention in float32 for every query row. Memory and time grow
+    with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving."""
+    cfg = prepare(
+        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
+        logit_soft_cap=logit_soft_cap, layout=None, dtype=dtype, implementation="xla",
+        pages_per_block=None, query_block=None, infer_layout=False,
+    )  # fmt: skip
+    return _reference(q, key_pages, value_pages, metadata, cfg=cfg)
+
+
+# ---- the computation ----------------------------------------------------------------------------
+@partial(jax.jit, static_argnames=("cfg",))
+def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+    q = jnp.asarray(q)
+    # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
+    # on its leading (kv head, page) axes.
+    kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
+    rows = _rows(metadata, cfg.mode, q.shape[0])
+    layout = cfg.layout
+    if cfg.implementation == "pallas_tpu":
+        local = partial(_pallas_decode_local, cfg=cfg)
+    else:
+        local = partial(_attend_local, cfg=cfg)
+    if layout is None:
+        return local(q, kp, vp, *rows)
+    heads = layout.spec[0]
+    q_spec = PartitionSpec(None, heads, None)
+    def page_specs(pages: Any) -> Any:
+        return jax.tree.map(lambda leaf: PartitionSpec(*tuple(layout.spec)[: leaf.ndim]), pages)
+
+    mapped = jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(q_spec, page_specs(kp), page_specs(vp)) + tuple(PartitionSpec() for _ in rows),
+        out_specs=q_spec,
+        # The loops' carries start replicated and become head-/replica-varying: skip the
+        # varying-axes type check rather than cast every carry.
+        check_vma=False,
+    )
+    return mapped(q, kp, vp, *rows)
+
+
+def _rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> tuple[jax.Array, ...]:
+    """Every mode as sequences of query rows: (positions (T,) with -1 for padding, first row
+    (S,), row count (S,), page table (S, P), number of real sequences ())."""
+    i32 = jnp.int32
+    if mode == "decode":
+        pos = jnp.asarray(md.decodes_position, i32)
+        table = jnp.asarray(md.decodes_page_table, i32)
+        starts = jnp.arange(tokens, dtype=i32)
+        return pos, starts, jnp.ones(tokens, i32), table, jnp.asarray(tokens, i32)
+    if mode == "prefill":
+        length = jnp.asarray(md.prefill_length, i32)
+        pos = jnp.where(jnp.arange(tokens) < length, jnp.asarray(md.prefill_position, i32), -1)
+        table = jnp.asarray(md.prefill_page_table, i32)[None]
+        return pos, jnp.zeros(1, i32), jnp.minimum(length, tokens)[None], table, jnp.asarray(1, i32)
+    qsl = jnp.asarray(md.query_start_loc, i32)
+    num = jnp.asarray(md.num_seqs, i32)
+    seqs = qsl.shape[0] - 1
+    real_end = qsl[jnp.clip(num, 0, seqs)]
+    pos = jnp.where(jnp.arange(tokens) < real_end, jnp.asarray(md.positions, i32), -1)
+    starts = jnp.clip(qsl[:-1], 0, tokens)
+    counts = jnp.clip(qsl[1:], 0, tokens) - starts
+    return pos, starts, jnp.maximum(counts, 0), jnp.asarray(md.page_table, i32), jnp.clip(num, 0, seqs)
+
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "paged_attention",
+    "paged_attention_implementation",
+    "paged_attention_reference",
+    "view_attention",
+]

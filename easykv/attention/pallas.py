@@ -1,0 +1,44 @@
+"""The Pallas TPU path of paged attention (``api.py`` holds the entry points).
+
+Pallas TPU path
+---------------
+On TPU, decode without a sliding window, on pages stored in their own dtype (bf16/f32) with
+``head_dim % 128 == 0`` and an unsplit page axis, goes to JAX's Pallas ``paged_attention`` kernel
+(whose page layout is ours), called per device inside the same ``shard_map``.
+:func:`paged_attention_implementation` says which path a call takes; ``implementation=`` forces
+one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from easykv.attention.checks import _Config
+
+
+def _pallas_decode_local(
+    q: jax.Array,
+    kp: jax.Array,
+    vp: jax.Array,
+    positions: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    table: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    cfg: _Config,
+) -> jax.Array:
+    """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads)."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
+
+    del starts, counts, num_seqs
+    width = table.shape[1]
+    block = next(b for b in (16, 8, 4, 2, 1) if width % b == 0)
+    lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
+    out = pallas_paged(
+        (q.astype(jnp.float32) * cfg.scale).astype(q.dtype),
+        kp, vp, lengths, jnp.maximum(table, 0),
+        attn_logits_soft_cap=cfg.cap, pages_per_compute_block=block,
+    )  # fmt: skip
+    return jnp.where((positions >= 0)[:, None, None], out, 0).astype(q.dtype)

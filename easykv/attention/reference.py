@@ -1,0 +1,65 @@
+"""The dense reference of paged attention (``paged_attention_reference`` in ``api.py``): every
+sequence's whole page-table row gathered into contiguous keys and values, then masked softmax
+attention in float32. For tests, not for serving.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from easykv.attention.checks import _Config
+from easykv.runtime import PagedAttentionMetadata
+from easykv.storage.pages import read_pages
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+    """Dense masked softmax attention, written independently of the fast path's row layout."""
+    q = jnp.asarray(q)
+    tokens, q_heads, head_dim = q.shape
+    every = jnp.arange(cfg.num_pages)
+    k_all = read_pages(jax.tree.map(jnp.asarray, key_pages), every, cfg.dtype).astype(jnp.float32)
+    v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
+    kv_heads, num_pages, page_size, _ = k_all.shape
+    t = jnp.arange(tokens)
+    if cfg.mode == "decode":
+        seq = t
+        pos = jnp.asarray(md.decodes_position)
+        table = jnp.asarray(md.decodes_page_table)
+    elif cfg.mode == "prefill":
+        seq = jnp.zeros(tokens, jnp.int32)
+        pos = jnp.where(t < md.prefill_length, jnp.asarray(md.prefill_position), -1)
+        table = jnp.asarray(md.prefill_page_table)[None]
+    else:
+        qsl = jnp.asarray(md.query_start_loc)
+        seq = jnp.searchsorted(qsl, t, side="right") - 1  # qsl[seq] <= t < qsl[seq + 1]
+        real = t < qsl[md.num_seqs]
+        seq = jnp.clip(seq, 0, md.page_table.shape[0] - 1)
+        pos = jnp.where(real, jnp.asarray(md.positions), -1)
+        table = jnp.asarray(md.page_table)
+    ids = jnp.clip(table, 0, num_pages - 1)  # (S, P); pages past a sequence's length are masked
+    seq_len = ids.shape[1] * page_size
+
+    def dense(pages: jax.Array) -> jax.Array:  # (S, kv_heads, P * page_size, dim)
+        picked = pages[:, ids]  # (kv_heads, S, P, page_size, dim)
+        return jnp.transpose(picked, (1, 0, 2, 3, 4)).reshape(ids.shape[0], kv_heads, seq_len, head_dim)
+
+    keys, values = dense(k_all)[seq], dense(v_all)[seq]  # (T, kv_heads, L, dim)
+    qg = q.astype(jnp.float32).reshape(tokens, kv_heads, q_heads // kv_heads, head_dim)
+    s = jnp.einsum("thgd,thld->thgl", qg, keys) * cfg.scale
+    if cfg.cap is not None:
+        s = cfg.cap * jnp.tanh(s / cfg.cap)
+    j = jnp.arange(seq_len)[None, :]
+    p_ = pos[:, None]
+    mask = (p_ >= 0) & (j <= p_)
+    if cfg.window is not None:
+        mask &= j > p_ - cfg.window
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    w = jax.nn.softmax(s, axis=-1, where=mask[:, None, None, :])
+    w = jnp.where(mask[:, None, None, :], w, 0.0)
+    out = jnp.einsum("thgl,thld->thgd", w, values)
+    return out.reshape(tokens, q_heads, head_dim).astype(q.dtype)

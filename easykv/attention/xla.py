@@ -1,0 +1,177 @@
+"""The XLA path of paged attention, on one device's shard of the pages (``api.py`` holds the
+entry points, the three metadata forms and the ``shard_map`` placement).
+
+The XLA path (every backend)
+----------------------------
+Cost follows the tokens actually cached, not ``batch x max length``: a loop over sequences runs,
+for each query block of a sequence, a ``while_loop`` over blocks of ``pages_per_block`` pages
+whose trip count is that block's own need (``ceil((max position + 1) / block_tokens)``, starting
+at the window's first block), with an online (flash-decoding) softmax across blocks. Only the
+pages a sequence really uses are gathered, so a batch with lengths uniform in ``[1, L]`` costs
+about half the batch all at ``L``.
+
+Placement: the computation runs in ``shard_map`` over the page layout. Each device holds some kv
+heads and the matching q heads (split in the same contiguous groups), so head-sharded pages need
+no cross-device traffic at all. With the page axis split over data-parallel replicas each
+sequence's pages live in one replica's slice (checked on the host): the replica holding the page
+of a query block's last key computes that block, the others skip it (zero trips), and one
+all-reduce of the *output* (tokens x q heads x head_dim, never pages) over the page axes combines
+them. Inside jit, page ids outside the pool (or outside this replica's slice) are never read: their
+keys are masked out, never clipped onto another page.
+
+Pages are read through one function, :func:`_load_pages`, which turns stored pages (raw bits on
+CPU, see ``storage/pages.py``) into float32 values; quantized pages will be dequantized there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from easykv.attention.checks import _Config, _stored
+from easykv.storage.pages import read_pages
+
+
+def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
+    """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of every
+    local kv head as float32 tokens ``(heads, len(ids) * page_size, head_dim)``, and whether each
+    token lies on a present page. Plain pages (raw bits too) and quantized pages (values +
+    scales, dequantized here, only for the pages read) go through `pages.read_pages`."""
+    heads, count, page_size = _stored(pages).shape[:3]
+    present = (ids >= 0) & (ids < count)
+    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype).astype(jnp.float32)
+    return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
+
+
+def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
+    return 0 if cfg.layout is None else cfg.layout.local_page_offset(local_pages)
+
+
+# What is left of a sequence after its full query blocks goes row by row below this many rows
+# (a decode: one row), in one masked block of query_block rows from there on.
+_SINGLE_ROWS_BELOW = 4
+
+
+def _attend_local(
+    q: jax.Array,
+    kp: Any,
+    vp: Any,
+    positions: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    table: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    cfg: _Config,
+) -> jax.Array:
+    """The XLA path on one device's shard (or the whole pool without a mesh)."""
+    heads, local_pages, page_size = _stored(kp).shape[:3]
+    tokens, q_heads, head_dim = q.shape
+    group = q_heads // heads
+    qb = 1 if cfg.mode == "decode" else min(cfg.query_block, max(tokens, 1))
+    pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
+    blk = pb * page_size
+    f32 = jnp.float32
+
+    offset = _page_offset(cfg, local_pages)
+    split_pages = cfg.layout is not None and cfg.layout.page_shards > 1
+    qpad = jnp.pad(q.astype(f32) * cfg.scale, ((0, qb), (0, 0), (0, 0))).reshape(tokens + qb, heads, group, head_dim)
+    pospad = jnp.pad(positions, (0, qb), constant_values=-1)
+    # Extra -1 columns so a block's dynamic slice never runs off the table (and is never clipped
+    # back onto real pages).
+    table = jnp.pad(table, ((0, 0), (0, pb)), constant_values=-1)
+    window = cfg.window
+    big = jnp.iinfo(jnp.int32).max
+
+    def attend_block(qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
+        """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
+        sequence's pages ``row``: (rows, heads, group, dim) float32, zeros for invalid rows."""
+        rows = qblk.shape[0]
+        valid = pos >= 0
+        hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
+        lo = 0
+        if window is not None:
+            lo = jnp.maximum(jnp.min(jnp.where(valid, pos, big)) - window + 1, 0)
+        first, last = lo // blk, (hi + blk - 1) // blk
+        if split_pages:
+            # The replica holding the page of the last key computes this block; others skip it.
+            tail = row[jnp.maximum(hi - 1, 0) // page_size] - offset
+            last = jnp.where((hi > 0) & (tail >= 0) & (tail < local_pages), last, first)
+        qm = jnp.transpose(qblk, (1, 0, 2, 3)).reshape(heads, rows * group, head_dim)
+        pm = jnp.repeat(pos, group)  # (rows * group,)
+        m0 = jnp.full((heads, rows * group), -jnp.inf, f32)
+        l0 = jnp.zeros((heads, rows * group), f32)
+        a0 = jnp.zeros((heads, rows * group, head_dim), f32)
+
+        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+            m, l, acc = carry
+            ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
+            k, present = _load_pages(kp, ids, cfg.dtype)
+            v, _ = _load_pages(vp, ids, cfg.dtype)
+            kpos = i * blk + jnp.arange(blk)
+            usable = present & (kpos < hi) & (kpos >= lo)
+            v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in
+            s = jnp.einsum("hmd,hkd->hmk", qm, k, preferred_element_type=f32)
+            if cfg.cap is not None:
+                s = cfg.cap * jnp.tanh(s / cfg.cap)
+            seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
+            if window is not None:
+                seen &= kpos[None, :] > pm[:, None] - window
+            s = jnp.where(seen[None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            alpha = jnp.exp(m - m_use)
+            p = jnp.exp(s - m_use[..., None])
+            l = l * alpha + jnp.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + jnp.einsum("hmk,hkd->hmd", p, v, preferred_element_type=f32)
+            return m_new, l, acc
+
+        _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        return jnp.transpose(out.reshape(heads, rows, group, head_dim), (1, 0, 2, 3))
+
+    out0 = jnp.zeros((tokens + qb, heads, group, head_dim), f32)
+
+    if cfg.mode == "decode":
+        # One query row per sequence, row b: no query-block loop.
+        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+            row = table[b]
+            pos = jax.lax.dynamic_slice_in_dim(pospad, b, 1)
+            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, b, 1), pos, row)
+            return jax.lax.dynamic_update_slice_in_dim(out, res, b, axis=0)
+
+    else:
+        # A sequence's rows go in blocks of qb, the last one masked past the sequence's end; a
+        # remainder shorter than _SINGLE_ROWS_BELOW (a decode inside a mixed batch) goes row by
+        # row instead, so a decode costs one row, not qb. Only two block shapes are traced: each
+        # costs compile time, under every layer.
+        rows_t = jnp.arange(qb)
+
+        def run_block(size: int, r0: jax.Array, end: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
+            mine = rows_t[:size] < end - r0  # rows of this sequence (the others belong to the next)
+            pos = jnp.where(mine, jax.lax.dynamic_slice_in_dim(pospad, r0, size), -1)
+            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, r0, size), pos, row)
+            res = jnp.where(mine[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, r0, size))
+            return jax.lax.dynamic_update_slice_in_dim(out, res, r0, axis=0)
+
+        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+            row, start, count = table[b], starts[b], counts[b]
+            end = start + count
+            rest = count % qb
+            singles = jnp.where(rest < _SINGLE_ROWS_BELOW, rest, 0)
+            blocks = count // qb + (rest > singles)
+            out = jax.lax.fori_loop(0, blocks, lambda j, o: run_block(qb, start + j * qb, end, row, o), out)
+            if qb == 1:
+                return out
+            first = end - singles
+            return jax.lax.fori_loop(0, singles, lambda j, o: run_block(1, first + j, end, row, o), out)
+
+    out = jax.lax.fori_loop(0, num_seqs, seq_body, out0)
+    out = out[:tokens].reshape(tokens, q_heads, head_dim).astype(q.dtype)
+    if split_pages:
+        # Each sequence was computed by the one replica holding its pages; the others hold zeros.
+        out = jax.lax.psum(out, cfg.layout.page_axes)
+    return out

@@ -1,0 +1,192 @@
+"""How the page manager's sequences get pages: room reserved ahead of writes (new pages at
+page boundaries, bound to one data-parallel replica, all or nothing), a private copy of a shared,
+partly filled page before it is written (copy-on-write), fork, and the step metadata built right
+after reserving [MAX: fetch, increment_cache_lengths].
+
+``_Growth`` is a mixin of `PageManager` (manager.py), never used alone: its methods read and
+change the manager's block table, lengths, replicas and pool, and use its input checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from easykv.errors import CacheFullError
+from easykv.runtime import PagedAttentionMetadata, build_mixed, check_padding, increment_cache_lengths, stack_metadata
+from easykv.validation import positive_int
+
+
+class _Growth:
+    """`PageManager`'s reservation, copy-on-write, fork and step metadata (see the module doc)."""
+
+    # ---- growth ------------------------------------------------------------------------------
+    def reserve(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
+        """Make room for ``num_tokens`` more tokens of each sequence: new pages at page
+        boundaries, and a private copy of a shared, partly filled last page (copy-on-write; see
+        `take_copies`). All or nothing: on CacheFullError no sequence got anything."""
+        rows = self._rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        self._reserve(rows, self._counts(num_tokens, rows.size))
+
+    def _reserve(self, rows: np.ndarray, new: np.ndarray) -> None:
+        ps, pool = self.page_size, self._pool
+        lens = self._lens[rows]
+        ends = lens + new
+        if ends.size and ends.max() > self.max_length:
+            i = int(np.argmax(ends))
+            self._check_extent(int(rows[i]), int(ends[i]), f"{int(lens[i])} cached + {int(new[i])} new tokens")
+        held = self._npages[rows]
+        need = (ends + (ps - 1)) // ps - held
+        grow = np.flatnonzero(need > 0)
+        cow = self._copy_on_write_rows(rows, lens, new)
+        if not grow.size and not cow:
+            return
+        counts = need[grow]
+        rep = self._replica[rows]
+        if pool.num_replicas == 1:
+            demand = int(counts.sum()) + len(cow)
+            if demand > pool.num_available(0):
+                self._raise_full(0, demand)
+            self._replica[rows[grow]] = 0
+        else:
+            rep = self._bind_replicas(rows, grow, counts, cow)
+        # Checks passed: nothing below can fail.
+        for i in cow:
+            row, col = int(rows[i]), int(lens[i]) // ps
+            src = int(self._table[row, col])
+            dst = pool.allocate(int(self._replica[row]), 1, overwritten=True)[0]
+            self._table[row, col] = dst
+            pool.release([src])
+            origin = self._copies.get(src, src)  # a pending copy's destination does not hold its data yet
+            if origin != dst:  # else dst is that origin, freed and taken again: it still holds the data
+                self._copies[dst] = origin
+                self._counters["copies"] += 1
+        if not grow.size:
+            return
+        g_rows, total = rows[grow], int(counts.sum())
+        if pool.num_replicas == 1:
+            pages = pool.allocate(0, total)
+        else:  # one allocation per replica, handed out in batch order
+            pages = np.empty(total, np.int32)
+            owner = np.repeat(rep[grow], counts)
+            for r in np.unique(owner).tolist():
+                mask = owner == r
+                pages[mask] = pool.allocate(r, int(mask.sum()))
+        if total == grow.size:  # one page each: the decode case
+            self._table[g_rows, held[grow]] = pages
+        else:
+            starts = np.cumsum(counts) - counts
+            cols = np.arange(total) - np.repeat(starts - held[grow], counts)
+            self._table[np.repeat(g_rows, counts), cols] = pages
+        self._npages[g_rows] += counts.astype(np.int32)
+
+    def _bind_replicas(self, rows: np.ndarray, grow: np.ndarray, counts: np.ndarray, cow: list[int]) -> np.ndarray:
+        """Check per-replica capacity, binding unbound sequences to the least loaded replica
+        (then the lowest index); returns the batch's replicas. Raises CacheFullError."""
+        pool = self._pool
+        demand = np.zeros(rows.size, np.int64)
+        demand[grow] = counts
+        demand[cow] += 1
+        rep = self._replica[rows].copy()
+        avail = pool.available_per_replica()
+        bound = rep >= 0
+        left = avail - np.bincount(rep[bound], weights=demand[bound], minlength=pool.num_replicas).astype(np.int64)
+        for i in np.flatnonzero(~bound & (demand > 0)):
+            r = int(np.argmax(left))
+            rep[i] = r
+            left[r] -= demand[i]
+        if left.min() < 0:
+            r = int(np.argmin(left))
+            self._raise_full(r, int(avail[r] - left[r]))
+        self._replica[rows] = np.where(demand > 0, rep, self._replica[rows])
+        return rep
+
+    def _raise_full(self, replica: int, needed: int) -> None:
+        pool = self._pool
+        split = pool.num_replicas > 1
+        raise CacheFullError(
+            f"the step needs {needed} page{'s' * (needed != 1)}{f' in data-parallel replica {replica}' if split else ''} but only "
+            f"{pool.num_available(replica)} are free or evictable ({pool.num_used(replica)} in use by running "
+            "sequences); release or preempt sequences, or give the cache more pages",
+            resource="pages", needed=needed, available=pool.num_available(replica), replica=replica if split else None)
+
+    def _copy_on_write_rows(self, rows: np.ndarray, lens: np.ndarray, new: np.ndarray) -> list[int]:
+        """Indices of ``rows`` that write into a partly filled page another sequence shares.
+        Processed in batch order, the last writer of a page keeps the original. Only forks
+        share partly filled pages, so without live forks this costs nothing."""
+        live = self._shared_partial
+        if live:
+            live.difference_update([p for p in live if self._pool.refcount[p] <= 1])
+        if not live:
+            return []
+        idx = np.flatnonzero((new > 0) & (lens % self.page_size != 0))
+        pages = self._table[rows[idx], lens[idx] // self.page_size]
+        refs = self._pool.refcount[pages]
+        out, left = [], {}
+        for j in np.flatnonzero(refs > 1):
+            page = int(pages[j])
+            count = left.get(page, int(refs[j]))
+            if count > 1:
+                out.append(int(idx[j]))
+                left[page] = count - 1
+        return out
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence with the same history (parallel sampling, beam search). Written pages
+        are shared; whichever sequence next writes into a shared partly filled page gets a
+        private copy. Pages reserved ahead but not written stay with ``seq_id``."""
+        row = self._row(seq_id)
+        free = np.flatnonzero(~self._active)
+        if not free.size:
+            raise CacheFullError(
+                f"fork({row}) needs a free sequence slot but all batch_size={self.batch_size} are claimed; "
+                "release a sequence first", resource="sequence slots", needed=1, available=0)
+        child, k = int(free[0]), -(-int(self._lens[row]) // self.page_size)
+        if self._lens[row] % self.page_size:
+            self._shared_partial.add(int(self._table[row, k - 1]))
+        self._pool.share(self._table[row, :k].tolist())
+        self._table[child, :k] = self._table[row, :k]
+        self._npages[child] = k
+        self._active[child] = True
+        # A parent that holds only pages reserved ahead shares none: the child is unbound.
+        self._lens[child], self._replica[child] = self._lens[row], (self._replica[row] if k else -1)
+        self._hashes.copy_row(row, child)
+        return child
+
+    # ---- step metadata [MAX: fetch, increment_cache_lengths] --------------------------------------
+    def build_step_metadata(self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int], *,
+                            pad_tokens_to: int | None = None, pad_seqs_to: int | None = None) -> PagedAttentionMetadata:
+        """Reserve pages and build the mixed-form metadata of one step in which sequence
+        ``seq_ids[b]`` appends ``num_new_tokens[b]`` tokens (a prefill chunk, a decode, or 0).
+        Lengths advance only when the tokens are committed (`step`), after the device wrote them.
+        ``pad_tokens_to`` / ``pad_seqs_to`` fix the shapes so jit sees few of them."""
+        rows = self._rows(seq_ids)
+        new = self._counts(num_new_tokens, rows.size)
+        pad_tokens_to, pad_seqs_to = check_padding(self.metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
+        self._reserve(rows, new)
+        return build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32), page_size=self.page_size,
+                           pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
+
+    def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
+                              stacked: bool = False) -> list[PagedAttentionMetadata] | PagedAttentionMetadata:
+        """Metadata for ``num_steps`` decode steps ahead, with pages reserved for all of them,
+        so a multi-step loop needs no host round trip. Step ``j`` writes position ``length + j``.
+        Returns a list, or with ``stacked=True`` one metadata whose mixed fields carry a leading
+        step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
+        from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids)."""
+        rows = self._rows(seq_ids)
+        k = positive_int("num_steps", num_steps)
+        _, pad_seqs_to = check_padding(self.metadata, rows.size, rows.size, None, pad_seqs_to)
+        self._reserve(rows, np.full(rows.size, k, np.int64))
+        meta = build_mixed(self._table[rows], self._lens[rows], np.ones(rows.size, np.int32),
+                           page_size=self.page_size, pad_tokens_to=pad_seqs_to, pad_seqs_to=pad_seqs_to)
+        steps = [meta]
+        for _ in range(k - 1):
+            steps.append(self.increment_cache_lengths(steps[-1]))
+        return stack_metadata(steps) if stacked else steps
+
+    def increment_cache_lengths(self, metadata: PagedAttentionMetadata) -> PagedAttentionMetadata:
+        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly);
+        the manager's lengths do not change (see `build_decode_metadata`)."""
+        return increment_cache_lengths(metadata, page_size=self.page_size, num_pages=self._pool.num_pages)

@@ -34,7 +34,8 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     """easykv's mixed form of an EasyDeL step, traceable (no host sync).
 
     Token ``t`` belongs to sequence ``b`` when ``query_start_loc[b] <= t < query_start_loc[b+1]``
-    and ``b < num_seqs``; its position is ``context_lens[b] - (query_start_loc[b+1] - t)`` (the
+    and ``b < num_seqs`` (a step whose ``query_start_loc`` decreases among its real sequences
+    is all padding); its position is ``context_lens[b] - (query_start_loc[b+1] - t)`` (the
     new tokens are the last of the sequence) and its slot comes from row ``b`` of the page table,
     bounded: a page outside the pool or the row gives an invalid slot that the write drops and
     counts, never another sequence's page. Tokens past the real ones are padding (position -1).
@@ -51,9 +52,15 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     ctx, qsl, table = ctx[:seqs], jnp.clip(qsl[: seqs + 1], 0, num_tokens), table[:seqs]
     num = jnp.clip(jnp.asarray(md.num_seqs, i32).reshape(-1)[0], 0, seqs)
     t = jnp.arange(num_tokens, dtype=i32)
-    owner = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right").astype(i32), seqs - 1)
+    # Entries past the real sequences are not ordered (EasyDeL pads them freely): search real ones.
+    bounds = jnp.where(jnp.arange(seqs) < num, qsl[1:], qsl[num])
+    owner = jnp.minimum(jnp.searchsorted(bounds, t, side="right").astype(i32), seqs - 1)
     pos = ctx[owner] - (qsl[owner + 1] - t)
-    real = (t < qsl[num]) & (pos >= 0)
+    # query_start_loc out of order would make ranges overlap and searchsorted name a sequence
+    # that does not hold the token: such a step writes nothing (every token dropped) rather
+    # than into another sequence's pages.
+    ordered = jnp.all((qsl[1:] >= qsl[:-1]) | (jnp.arange(seqs) >= num))
+    real = ordered & (t < qsl[num]) & (owner < num) & (pos >= 0)
     positions = jnp.where(real, pos, PAD_POSITION).astype(i32)
     slots = slots_from_table(table[owner], positions, page_size=page_size, num_pages=num_pages,
                              pages_per_sequence=pages_per_sequence)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import re
 import zlib
@@ -31,6 +32,7 @@ from easykv.attention.api import (
     view_attention,
 )
 from easykv.attention.checks import prepare
+from easykv.attention.options import AttentionOptions
 from easykv.storage.pages import PageLayout
 from easykv.runtime import build_mixed
 from sharding import PartitionAxis, PartitionManager, create_mesh
@@ -246,7 +248,7 @@ def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     assert np.abs(np.asarray(want, np.float32)[real]).sum(axis=(1, 2)).min() > 0
     layout = page_layout(name)
     if layout is not None:  # the layout is read off the pages' sharding, and the output is head-split
-        assert prepare(q, k, v, md, dtype=dtype, **options).layout == layout
+        assert prepare(q, k, v, md, AttentionOptions(dtype=dtype, **options)).layout == layout
         if layout.head_axes:
             assert got.sharding.is_equivalent_to(NamedSharding(layout.mesh, P(None, "tp", None)), 3)
 
@@ -344,7 +346,7 @@ def test_pallas_tpu_wiring_in_interpret_mode():
     table = rng.permutation(16)[:12].reshape(3, 4).astype(np.int32)
     md = PagedAttentionMetadata(decodes_position=np.array([0, 37, -1], np.int32), decodes_page_table=table)
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
-    cfg = prepare(q, k, v, md, logit_soft_cap=2.0)
+    cfg = prepare(q, k, v, md, AttentionOptions(logit_soft_cap=2.0))
     assert cfg.implementation == "xla"  # on CPU; force the TPU path below
     with pltpu.force_tpu_interpret_mode():
         got = run(q, k, v, md, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
@@ -433,3 +435,35 @@ def test_bad_layouts_and_views():
         view_attention(q, view, md, dtype="float32")
     with pytest.raises(ValueError, match=r"view must be a PagedAttentionCacheView"):
         view_attention(q, object(), md)
+
+
+# ---------------------------------------------------------------------- options
+def test_entry_point_keywords_are_the_options():
+    """AttentionOptions is the one list of the options: paged_attention's keyword-only parameters
+    are its fields (names, order, defaults), paged_attention_reference's a subset of them."""
+    fields = [(f.name, f.default) for f in dataclasses.fields(AttentionOptions)]
+
+    def keywords(fn):
+        return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+    assert keywords(paged_attention) == fields
+    assert set(keywords(paged_attention_reference)) <= set(fields)
+
+
+def test_equal_options_hash_equal_and_reuse_one_compile():
+    """Options are normalized when built (numpy scalars, dtype spellings), so equal options are
+    one jit static argument: a second call with the same options in other spellings does not
+    compile again."""
+    rng = np.random.default_rng(10)
+    k, v = (rng.standard_normal((2, PAGES, PS, D)).astype(np.float32) for _ in range(2))
+    md = decode_md(rng, "single")
+    q = rng.standard_normal((md.num_tokens, 8, D)).astype(np.float32)
+    opts = dict(scale=0.5, sliding_window=8, logit_soft_cap=30.0, pages_per_block=2, query_block=4)
+    other = dict(opts, scale=np.float32(0.5), sliding_window=np.int64(8), pages_per_block=np.int32(2))
+    a, b = AttentionOptions(dtype="float32", **opts), AttentionOptions(dtype=np.float32, **other)
+    assert a == b and hash(a) == hash(b) and type(b.sliding_window) is int and type(b.scale) is float
+    first = paged_attention(q, k, v, md, dtype="float32", **opts)
+    compiled = run._cache_size()
+    second = paged_attention(q, k, v, md, dtype=np.float32, **other)
+    assert run._cache_size() == compiled
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(second))

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from easykv.attention.checks import IMPLEMENTATIONS, _Config, _view_pages, prepare
+from easykv.attention.checks import _Config, _view_pages, prepare
+from easykv.attention.options import IMPLEMENTATIONS, AttentionOptions
 from easykv.attention.pallas import _pallas_decode_local
 from easykv.attention.reference import _reference
 from easykv.attention.xla import _attend_local
@@ -82,12 +83,8 @@ def paged_attention(
     Returns:
       ``q.shape`` in ``q.dtype``; padding rows are zeros.
     """
-    cfg = prepare(
-        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap, layout=layout, dtype=dtype, implementation=implementation,
-        pages_per_block=pages_per_block, query_block=query_block,
-    )  # fmt: skip
-    return run(q, key_pages, value_pages, metadata, cfg=cfg)
+    options = AttentionOptions.from_arguments(locals())  # first thing: locals() are the arguments
+    return run(q, key_pages, value_pages, metadata, cfg=prepare(q, key_pages, value_pages, metadata, options))
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
@@ -112,8 +109,7 @@ def paged_attention_implementation(
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
-    cfg = prepare(q, key_pages, value_pages, metadata, **options)
-    return cfg.implementation
+    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options)).implementation
 
 
 def paged_attention_reference(
@@ -130,11 +126,9 @@ def paged_attention_reference(
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving."""
-    cfg = prepare(
-        q, key_pages, value_pages, metadata, scale=scale, sliding_window=sliding_window,
-        logit_soft_cap=logit_soft_cap, layout=None, dtype=dtype, implementation="xla",
-        pages_per_block=None, query_block=None, infer_layout=False,
-    )  # fmt: skip
+    # The reference has no layout (it runs unsplit) and no kernel choice.
+    options = AttentionOptions.from_arguments(locals(), implementation="xla")
+    cfg = prepare(q, key_pages, value_pages, metadata, options, infer_layout=False)
     return _reference(q, key_pages, value_pages, metadata, cfg=cfg)
 
 

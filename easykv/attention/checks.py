@@ -1,5 +1,6 @@
-"""Validation for paged attention: every shape, dtype, option and host-side metadata value is
-checked here before anything runs, and the static configuration of a call is built.
+"""Validation for paged attention: every shape, dtype and host-side metadata value is checked
+here, against the call's options (checked on their own in ``options.py``), before anything runs,
+and the static configuration of a call is built.
 
 Split from the computation (api.py, xla.py, pallas.py, reference.py) so it reads on its own;
 messages quote what they got.
@@ -15,13 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from easykv.validation import as_dtype, optional_int, real, show
+from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu")
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 # Default block sizes of the XLA path (measured on XLA:CPU, see benchmarks/bench_attention.py):
 # tokens per key/value block, and query rows per block for prefill / mixed batches.
@@ -86,33 +85,24 @@ def _is_host(*xs: Any) -> bool:
     return all(isinstance(x, (np.ndarray, np.generic, int)) for x in xs)
 
 
-def _positive_int_or_none(name: str, value: Any) -> int | None:
-    return optional_int(name, value, lo=1)
-
-
-def _positive_float_or_none(name: str, value: Any) -> float | None:
-    return None if value is None else real(name, value, lo=0, hi=math.inf, lo_open=True, hi_open=True)
-
-
-def _logical_dtype(dtype: Any, stored: np.dtype) -> np.dtype:
+def _logical_dtype(dtype: np.dtype | None, stored: np.dtype) -> np.dtype:
+    """The pages' logical dtype: ``dtype`` (an option, already a float dtype) when given, which
+    the stored pages must hold as such or as raw bits of its width; else the stored dtype."""
     if dtype is None:
-        if stored.name in _FLOAT_DTYPES:
+        if stored.name in FLOAT_DTYPES:
             return stored
-        fits = [d for d in _FLOAT_DTYPES if np.dtype(d).itemsize == stored.itemsize]
+        fits = [d for d in FLOAT_DTYPES if np.dtype(d).itemsize == stored.itemsize]
         raise ValueError(
             f"the pages are stored as {stored.name} (raw bits); pass dtype= with their logical "
             f"dtype ({' or '.join(fits) or 'a float dtype'}), or use view_attention, which takes "
             "it from the view"
         )
-    dt = as_dtype("dtype", dtype, choices=", ".join(_FLOAT_DTYPES))
-    if dt.name not in _FLOAT_DTYPES:
-        raise ValueError(f"dtype={dt.name} is not a page dtype; use one of {', '.join(_FLOAT_DTYPES)}")
-    if stored != dt and not (stored.kind == "u" and stored.itemsize == dt.itemsize):
+    if stored != dtype and not (stored.kind == "u" and stored.itemsize == dtype.itemsize):
         raise ValueError(
-            f"pages stored as {stored.name} cannot hold {dt.name} values (expected {dt.name} or "
-            f"uint{8 * dt.itemsize} raw bits); pass the dtype the cache was created with"
+            f"pages stored as {stored.name} cannot hold {dtype.name} values (expected {dtype.name} or "
+            f"uint{8 * dtype.itemsize} raw bits); pass the dtype the cache was created with"
         )
-    return dt
+    return dtype
 
 
 def _infer_layout(pages: Any) -> PageLayout | None:
@@ -148,29 +138,24 @@ def prepare(
     key_pages: Any,
     value_pages: Any,
     metadata: Any,
+    options: AttentionOptions = AttentionOptions(),
     *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
-    layout: PageLayout | None = None,
-    dtype: Any = None,
-    implementation: str = "auto",
-    pages_per_block: int | None = None,
-    query_block: int | None = None,
     infer_layout: bool = True,
 ) -> _Config:
-    """Check every shape, dtype, option and (host) metadata value; return the static config."""
+    """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
+    their own when built); return the static config, the options resolved against the pages.
+    ``infer_layout=False``: no layout is read off the pages' sharding (the dense reference)."""
     # -- q and pages -----------------------------------------------------------------------------
     qs = _shape(q)
     if len(qs) != 3:
         raise ValueError(f"q must be (tokens, num_q_heads, head_dim), got shape {qs}")
     q_dtype = _dtype_of(q)
-    if q_dtype.name not in _FLOAT_DTYPES:
-        raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(_FLOAT_DTYPES)}")
+    if q_dtype.name not in FLOAT_DTYPES:
+        raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
     quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
     if quantized:
         _check_quantized(key_pages, value_pages, qs[-1])
-        if dtype is None:
+        if options.dtype is None:
             raise ValueError("quantized pages need dtype= (the logical cache dtype), or use view_attention")
     ks = _logical_page_shape(key_pages, qs[-1])
     vs = _logical_page_shape(value_pages, qs[-1])
@@ -194,25 +179,19 @@ def prepare(
         )
     if min(num_pages, page_size, head_dim) <= 0:
         raise ValueError(f"pages of shape {ks} hold nothing; every dimension must be positive")
-    logical = _logical_dtype(dtype, k_dtype) if not quantized else _logical_dtype(dtype, np.dtype(dtype))
+    logical = _logical_dtype(options.dtype, options.dtype if quantized else k_dtype)
 
-    # -- options ---------------------------------------------------------------------------------
-    scale = head_dim**-0.5 if scale is None else _positive_float_or_none("scale", scale)
-    window = _positive_int_or_none("sliding_window", sliding_window)
-    cap = _positive_float_or_none("logit_soft_cap", logit_soft_cap)
-    block_pages = _positive_int_or_none("pages_per_block", pages_per_block)
-    if block_pages is None:
-        block_pages = max(1, _DEFAULT_BLOCK_TOKENS // page_size)
-    qblock = _positive_int_or_none("query_block", query_block) or _DEFAULT_QUERY_BLOCK
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={show(implementation)}; use one of {', '.join(map(repr, IMPLEMENTATIONS))}")
+    # -- options' defaults, resolved against the pages -------------------------------------------
+    scale = head_dim**-0.5 if options.scale is None else options.scale
+    block_pages = options.pages_per_block or max(1, _DEFAULT_BLOCK_TOKENS // page_size)
+    qblock = options.query_block or _DEFAULT_QUERY_BLOCK
+    window = options.sliding_window
 
     # -- layout ----------------------------------------------------------------------------------
+    layout = options.layout
     if layout is None and infer_layout:
         layout = _infer_layout(_stored(key_pages))
     if layout is not None:
-        if not isinstance(layout, PageLayout):
-            raise ValueError(f"layout must be a PageLayout or None, got {type(layout).__name__}")
         head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
         if num_kv_heads % head_shards:
             raise ValueError(
@@ -234,18 +213,18 @@ def prepare(
     )
 
     cfg = _Config(
-        mode=mode, dtype=logical, scale=float(scale), window=window, cap=cap, layout=layout,
+        mode=mode, dtype=logical, scale=float(scale), window=window, cap=options.logit_soft_cap, layout=layout,
         implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
     why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, _stored(key_pages)))
     if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
         why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
-    if implementation == "pallas_tpu":
+    if options.implementation == "pallas_tpu":
         if why_not:
             raise ValueError(f"implementation='pallas_tpu' cannot run this call: {why_not}; use 'xla' or 'auto'")
         cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
-    elif implementation == "auto" and not why_not:
+    elif options.implementation == "auto" and not why_not:
         cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
     return cfg
 

@@ -230,7 +230,7 @@ ATTENTION_OPTIONS = ("query_block", "pages_per_block", "implementation")
 
 def attention_options(options: Any) -> tuple[tuple[str, Any], ...]:
     """use_easykv's ``attention_options``, checked now (not at trace time inside eSurge)."""
-    from easykv.attention.checks import IMPLEMENTATIONS
+    from easykv.attention.options import IMPLEMENTATIONS
     from easykv.validation import positive_int, show
 
     if options is None:

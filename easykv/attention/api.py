@@ -36,6 +36,7 @@ from easykv.attention.checks import _Config, _view_pages, prepare
 from easykv.attention.options import IMPLEMENTATIONS, AttentionOptions
 from easykv.attention.pallas import _pallas_decode_local
 from easykv.attention.reference import _reference
+from easykv.attention.rows import query_rows
 from easykv.attention.xla import _attend_local
 from easykv.storage.pages import PageLayout
 from easykv.runtime import PagedAttentionMetadata
@@ -139,14 +140,14 @@ def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetada
     # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
     # on its leading (kv head, page) axes.
     kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
-    rows = _rows(metadata, cfg.mode, q.shape[0])
+    rows = query_rows(metadata, cfg.mode, q.shape[0])
     layout = cfg.layout
     if cfg.implementation == "pallas_tpu":
         local = partial(_pallas_decode_local, cfg=cfg)
     else:
         local = partial(_attend_local, cfg=cfg)
     if layout is None:
-        return local(q, kp, vp, *rows)
+        return local(q, kp, vp, rows)
     heads = layout.spec[0]
     q_spec = PartitionSpec(None, heads, None)
     def page_specs(pages: Any) -> Any:
@@ -155,37 +156,13 @@ def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetada
     mapped = jax.shard_map(
         local,
         mesh=layout.mesh,
-        in_specs=(q_spec, page_specs(kp), page_specs(vp)) + tuple(PartitionSpec() for _ in rows),
+        in_specs=(q_spec, page_specs(kp), page_specs(vp), PartitionSpec()),  # rows: replicated
         out_specs=q_spec,
         # The loops' carries start replicated and become head-/replica-varying: skip the
         # varying-axes type check rather than cast every carry.
         check_vma=False,
     )
-    return mapped(q, kp, vp, *rows)
-
-
-def _rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> tuple[jax.Array, ...]:
-    """Every mode as sequences of query rows: (positions (T,) with -1 for padding, first row
-    (S,), row count (S,), page table (S, P), number of real sequences ())."""
-    i32 = jnp.int32
-    if mode == "decode":
-        pos = jnp.asarray(md.decodes_position, i32)
-        table = jnp.asarray(md.decodes_page_table, i32)
-        starts = jnp.arange(tokens, dtype=i32)
-        return pos, starts, jnp.ones(tokens, i32), table, jnp.asarray(tokens, i32)
-    if mode == "prefill":
-        length = jnp.asarray(md.prefill_length, i32)
-        pos = jnp.where(jnp.arange(tokens) < length, jnp.asarray(md.prefill_position, i32), -1)
-        table = jnp.asarray(md.prefill_page_table, i32)[None]
-        return pos, jnp.zeros(1, i32), jnp.minimum(length, tokens)[None], table, jnp.asarray(1, i32)
-    qsl = jnp.asarray(md.query_start_loc, i32)
-    num = jnp.asarray(md.num_seqs, i32)
-    seqs = qsl.shape[0] - 1
-    real_end = qsl[jnp.clip(num, 0, seqs)]
-    pos = jnp.where(jnp.arange(tokens) < real_end, jnp.asarray(md.positions, i32), -1)
-    starts = jnp.clip(qsl[:-1], 0, tokens)
-    counts = jnp.clip(qsl[1:], 0, tokens) - starts
-    return pos, starts, jnp.maximum(counts, 0), jnp.asarray(md.page_table, i32), jnp.clip(num, 0, seqs)
+    return mapped(q, kp, vp, rows)
 
 
 __all__ = [

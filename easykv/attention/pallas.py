@@ -15,24 +15,23 @@ import jax
 import jax.numpy as jnp
 
 from easykv.attention.checks import _Config
+from easykv.attention.rows import Rows
 
 
 def _pallas_decode_local(
     q: jax.Array,
     kp: jax.Array,
     vp: jax.Array,
-    positions: jax.Array,
-    starts: jax.Array,
-    counts: jax.Array,
-    table: jax.Array,
-    num_seqs: jax.Array,
+    rows: Rows,
     *,
     cfg: _Config,
 ) -> jax.Array:
-    """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads)."""
+    """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads): ``q``
+    ``(batch, local q heads, head_dim)``; one query row per sequence, so only the rows' positions
+    and page table are read."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
 
-    del starts, counts, num_seqs
+    positions, table = rows.positions, rows.table
     width = table.shape[1]
     block = next(b for b in (16, 8, 4, 2, 1) if width % b == 0)
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.attention.checks import _Config, _stored
+from easykv.attention.rows import Rows
 from easykv.storage.pages import read_pages
 
 
@@ -59,15 +60,14 @@ def _attend_local(
     q: jax.Array,
     kp: Any,
     vp: Any,
-    positions: jax.Array,
-    starts: jax.Array,
-    counts: jax.Array,
-    table: jax.Array,
-    num_seqs: jax.Array,
+    rows: Rows,
     *,
     cfg: _Config,
 ) -> jax.Array:
-    """The XLA path on one device's shard (or the whole pool without a mesh)."""
+    """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
+    local q heads, head_dim)`` over ``kp``/``vp`` ``(local kv heads, local pages, page_size,
+    head_dim)`` (or quantized pages); returns ``q``'s shape and dtype."""
+    positions, starts, counts, table, num_seqs = rows
     heads, local_pages, page_size = _stored(kp).shape[:3]
     tokens, q_heads, head_dim = q.shape
     group = q_heads // heads

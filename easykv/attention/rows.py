@@ -1,0 +1,47 @@
+"""Every metadata form (decode, prefill, mixed) as one shape of runtime input: sequences of query
+rows. ``api.run`` builds :class:`Rows` from the metadata inside jit and hands them, replicated, to
+the per-device paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one
+signature and never look at the metadata's form themselves.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from easykv.runtime import PagedAttentionMetadata
+
+
+class Rows(NamedTuple):
+    """The query rows of a call, as sequences (a pytree: it passes through jit and shard_map)."""
+
+    positions: jax.Array  # (T,) int32: each query row's position; -1 for padding
+    starts: jax.Array  # (S,) int32: each sequence's first query row
+    counts: jax.Array  # (S,) int32: each sequence's number of query rows
+    table: jax.Array  # (S, P) int32: each sequence's page-table row (global page ids)
+    num_seqs: jax.Array  # () int32: how many of the S sequences are real
+
+
+def query_rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> Rows:
+    """``md`` (of form ``mode``, with ``tokens`` query rows) as :class:`Rows`."""
+    i32 = jnp.int32
+    if mode == "decode":
+        pos = jnp.asarray(md.decodes_position, i32)
+        table = jnp.asarray(md.decodes_page_table, i32)
+        starts = jnp.arange(tokens, dtype=i32)
+        return Rows(pos, starts, jnp.ones(tokens, i32), table, jnp.asarray(tokens, i32))
+    if mode == "prefill":
+        length = jnp.asarray(md.prefill_length, i32)
+        pos = jnp.where(jnp.arange(tokens) < length, jnp.asarray(md.prefill_position, i32), -1)
+        table = jnp.asarray(md.prefill_page_table, i32)[None]
+        return Rows(pos, jnp.zeros(1, i32), jnp.minimum(length, tokens)[None], table, jnp.asarray(1, i32))
+    qsl = jnp.asarray(md.query_start_loc, i32)
+    num = jnp.asarray(md.num_seqs, i32)
+    seqs = qsl.shape[0] - 1
+    real_end = qsl[jnp.clip(num, 0, seqs)]
+    pos = jnp.where(jnp.arange(tokens) < real_end, jnp.asarray(md.positions, i32), -1)
+    starts = jnp.clip(qsl[:-1], 0, tokens)
+    counts = jnp.clip(qsl[1:], 0, tokens) - starts
+    return Rows(pos, starts, jnp.maximum(counts, 0), jnp.asarray(md.page_table, i32), jnp.clip(num, 0, seqs))

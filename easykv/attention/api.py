@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from easykv.attention.checks import _Config, _view_pages, prepare
+from easykv.attention.checks import Config, prepare, view_pages
 from easykv.attention.options import IMPLEMENTATIONS, AttentionOptions
-from easykv.attention.pallas import _pallas_decode_local
-from easykv.attention.reference import _reference
+from easykv.attention.pallas import pallas_decode_local
+from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
-from easykv.attention.xla import _attend_local
+from easykv.attention.xla import attend_local
 from easykv.storage.pages import PageLayout
 from easykv.runtime import PagedAttentionMetadata
 
@@ -95,7 +95,7 @@ def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **option
     for key in ("layout", "dtype"):
         if key in options:
             raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
-    keys, values = _view_pages(view)
+    keys, values = view_pages(view)
     return paged_attention(
         q, keys, values, metadata, layout=view.layout, dtype=view.dtype, **options
     )
@@ -130,12 +130,12 @@ def paged_attention_reference(
     # The reference has no layout (it runs unsplit) and no kernel choice.
     options = AttentionOptions.from_arguments(locals(), implementation="xla")
     cfg = prepare(q, key_pages, value_pages, metadata, options, infer_layout=False)
-    return _reference(q, key_pages, value_pages, metadata, cfg=cfg)
+    return dense_reference(q, key_pages, value_pages, metadata, cfg=cfg)
 
 
 # ---- the computation ----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
     q = jnp.asarray(q)
     # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
     # on its leading (kv head, page) axes.
@@ -143,9 +143,9 @@ def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetada
     rows = query_rows(metadata, cfg.mode, q.shape[0])
     layout = cfg.layout
     if cfg.implementation == "pallas_tpu":
-        local = partial(_pallas_decode_local, cfg=cfg)
+        local = partial(pallas_decode_local, cfg=cfg)
     else:
-        local = partial(_attend_local, cfg=cfg)
+        local = partial(attend_local, cfg=cfg)
     if layout is None:
         return local(q, kp, vp, rows)
     heads = layout.spec[0]

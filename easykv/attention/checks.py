@@ -31,8 +31,10 @@ _DEFAULT_QUERY_BLOCK = 32
 
 # ---- configuration and validation ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Config:
-    """Everything static about one call (hashable: a jit static argument)."""
+class Config:
+    """Everything static about one call (hashable: a jit static argument): the call's
+    :class:`AttentionOptions` resolved against its pages and metadata (defaults filled in, the
+    layout and implementation chosen), built by :func:`prepare`."""
 
     mode: str  # "decode" | "prefill" | "mixed"
     dtype: np.dtype  # logical dtype of the pages
@@ -47,7 +49,8 @@ class _Config:
     page_size: int
 
 
-def _view_pages(view: Any) -> tuple[Any, Any]:
+def view_pages(view: Any) -> tuple[Any, Any]:
+    """A cache view's ``(key_pages, value_pages)``; anything that is not a view is refused by name."""
     if not all(hasattr(view, a) for a in ("key_pages", "value_pages", "layout", "dtype")):
         raise ValueError(
             f"view must be a PagedAttentionCacheView (key_pages, value_pages, layout, dtype), got "
@@ -141,7 +144,7 @@ def prepare(
     options: AttentionOptions = AttentionOptions(),
     *,
     infer_layout: bool = True,
-) -> _Config:
+) -> Config:
     """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
     their own when built); return the static config, the options resolved against the pages.
     ``infer_layout=False``: no layout is read off the pages' sharding (the dense reference)."""
@@ -165,7 +168,7 @@ def prepare(
         )
     if ks != vs:
         raise ValueError(f"key_pages has shape {ks} but value_pages has shape {vs}; they must match")
-    k_dtype, v_dtype = _dtype_of(_stored(key_pages)), _dtype_of(_stored(value_pages))
+    k_dtype, v_dtype = _dtype_of(stored_pages(key_pages)), _dtype_of(stored_pages(value_pages))
     if k_dtype != v_dtype:
         raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
     num_kv_heads, num_pages, page_size, head_dim = ks
@@ -190,7 +193,7 @@ def prepare(
     # -- layout ----------------------------------------------------------------------------------
     layout = options.layout
     if layout is None and infer_layout:
-        layout = _infer_layout(_stored(key_pages))
+        layout = _infer_layout(stored_pages(key_pages))
     if layout is not None:
         head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
         if num_kv_heads % head_shards:
@@ -212,12 +215,12 @@ def prepare(
         mode, metadata, tokens=tokens, num_pages=num_pages, page_size=page_size, layout=layout, window=window
     )
 
-    cfg = _Config(
+    cfg = Config(
         mode=mode, dtype=logical, scale=float(scale), window=window, cap=options.logit_soft_cap, layout=layout,
         implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, _stored(key_pages)))
+    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, stored_pages(key_pages)))
     if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
         why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
     if options.implementation == "pallas_tpu":
@@ -229,7 +232,7 @@ def prepare(
     return cfg
 
 
-def _pallas_unfit(cfg: _Config, stored: np.dtype, head_dim: int, platform: str) -> str:
+def _pallas_unfit(cfg: Config, stored: np.dtype, head_dim: int, platform: str) -> str:
     """Why the Pallas TPU kernel cannot take this call ('' when it can)."""
     if platform != "tpu":
         return f"it runs on TPU only and the pages are on {platform}"
@@ -390,7 +393,7 @@ def _check_rows(
 
 
 
-def _stored(pages: Any) -> Any:
+def stored_pages(pages: Any) -> Any:
     """The array whose shape, dtype and sharding describe the pages (values when quantized)."""
     return pages.values if isinstance(pages, QuantizedPages) else pages
 

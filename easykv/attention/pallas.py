@@ -14,17 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from easykv.attention.checks import _Config
+from easykv.attention.checks import Config
 from easykv.attention.rows import Rows
 
 
-def _pallas_decode_local(
+def pallas_decode_local(
     q: jax.Array,
     kp: jax.Array,
     vp: jax.Array,
     rows: Rows,
     *,
-    cfg: _Config,
+    cfg: Config,
 ) -> jax.Array:
     """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads): ``q``
     ``(batch, local q heads, head_dim)``; one query row per sequence, so only the rows' positions

@@ -11,13 +11,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from easykv.attention.checks import _Config
+from easykv.attention.checks import Config
 from easykv.runtime import PagedAttentionMetadata
 from easykv.storage.pages import read_pages
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def _reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: _Config) -> jax.Array:
+def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
     """Dense masked softmax attention, written independently of the fast path's row layout."""
     q = jnp.asarray(q)
     tokens, q_heads, head_dim = q.shape

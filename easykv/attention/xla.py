@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.attention.checks import _Config, _stored
+from easykv.attention.checks import Config, stored_pages
 from easykv.attention.rows import Rows
 from easykv.storage.pages import read_pages
 
@@ -41,13 +41,13 @@ def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array,
     local kv head as float32 tokens ``(heads, len(ids) * page_size, head_dim)``, and whether each
     token lies on a present page. Plain pages (raw bits too) and quantized pages (values +
     scales, dequantized here, only for the pages read) go through `pages.read_pages`."""
-    heads, count, page_size = _stored(pages).shape[:3]
+    heads, count, page_size = stored_pages(pages).shape[:3]
     present = (ids >= 0) & (ids < count)
     values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype).astype(jnp.float32)
     return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
 
 
-def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
+def _page_offset(cfg: Config, local_pages: int) -> jax.Array | int:
     return 0 if cfg.layout is None else cfg.layout.local_page_offset(local_pages)
 
 
@@ -56,19 +56,19 @@ def _page_offset(cfg: _Config, local_pages: int) -> jax.Array | int:
 _SINGLE_ROWS_BELOW = 4
 
 
-def _attend_local(
+def attend_local(
     q: jax.Array,
     kp: Any,
     vp: Any,
     rows: Rows,
     *,
-    cfg: _Config,
+    cfg: Config,
 ) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
     local q heads, head_dim)`` over ``kp``/``vp`` ``(local kv heads, local pages, page_size,
     head_dim)`` (or quantized pages); returns ``q``'s shape and dtype."""
     positions, starts, counts, table, num_seqs = rows
-    heads, local_pages, page_size = _stored(kp).shape[:3]
+    heads, local_pages, page_size = stored_pages(kp).shape[:3]
     tokens, q_heads, head_dim = q.shape
     group = q_heads // heads
     qb = 1 if cfg.mode == "decode" else min(cfg.query_block, max(tokens, 1))

@@ -458,8 +458,8 @@ def test_equal_options_hash_equal_and_reuse_one_compile():
     k, v = (rng.standard_normal((2, PAGES, PS, D)).astype(np.float32) for _ in range(2))
     md = decode_md(rng, "single")
     q = rng.standard_normal((md.num_tokens, 8, D)).astype(np.float32)
-    opts = dict(scale=0.5, sliding_window=8, logit_soft_cap=30.0, pages_per_block=2, query_block=4)
-    other = dict(opts, scale=np.float32(0.5), sliding_window=np.int64(8), pages_per_block=np.int32(2))
+    opts = {"scale": 0.5, "sliding_window": 8, "logit_soft_cap": 30.0, "pages_per_block": 2, "query_block": 4}
+    other = {**opts, "scale": np.float32(0.5), "sliding_window": np.int64(8), "pages_per_block": np.int32(2)}
     a, b = AttentionOptions(dtype="float32", **opts), AttentionOptions(dtype=np.float32, **other)
     assert a == b and hash(a) == hash(b) and type(b.sliding_window) is int and type(b.scale) is float
     first = paged_attention(q, k, v, md, dtype="float32", **opts)

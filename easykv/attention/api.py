@@ -84,8 +84,9 @@ def paged_attention(
     Returns:
       ``q.shape`` in ``q.dtype``; padding rows are zeros.
     """
-    options = AttentionOptions.from_arguments(locals())  # first thing: locals() are the arguments
-    return run(q, key_pages, value_pages, metadata, cfg=prepare(q, key_pages, value_pages, metadata, options))
+    options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
+    cfg = prepare(q, key_pages, value_pages, metadata, options)
+    return run(q, key_pages, value_pages, metadata, cfg=cfg)
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
@@ -127,7 +128,8 @@ def paged_attention_reference(
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving."""
-    # The reference has no layout (it runs unsplit) and no kernel choice.
+    # First statement (locals() holds the arguments only). The reference runs unsplit (no layout)
+    # and has no kernel choice.
     options = AttentionOptions.from_arguments(locals(), implementation="xla")
     cfg = prepare(q, key_pages, value_pages, metadata, options, infer_layout=False)
     return dense_reference(q, key_pages, value_pages, metadata, cfg=cfg)

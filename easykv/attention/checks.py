@@ -141,7 +141,7 @@ def prepare(
     key_pages: Any,
     value_pages: Any,
     metadata: Any,
-    options: AttentionOptions = AttentionOptions(),
+    options: AttentionOptions,
     *,
     infer_layout: bool = True,
 ) -> Config:

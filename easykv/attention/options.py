@@ -48,14 +48,14 @@ class AttentionOptions:
     query_block: int | None = None
 
     def __post_init__(self) -> None:
-        checked = dict(
-            scale=_positive_float_or_none("scale", self.scale),
-            sliding_window=optional_int("sliding_window", self.sliding_window, lo=1),
-            logit_soft_cap=_positive_float_or_none("logit_soft_cap", self.logit_soft_cap),
-            pages_per_block=optional_int("pages_per_block", self.pages_per_block, lo=1),
-            query_block=optional_int("query_block", self.query_block, lo=1),
-            dtype=None if self.dtype is None else _page_dtype(self.dtype),
-        )
+        checked = {
+            "scale": _positive_float_or_none("scale", self.scale),
+            "sliding_window": optional_int("sliding_window", self.sliding_window, lo=1),
+            "logit_soft_cap": _positive_float_or_none("logit_soft_cap", self.logit_soft_cap),
+            "pages_per_block": optional_int("pages_per_block", self.pages_per_block, lo=1),
+            "query_block": optional_int("query_block", self.query_block, lo=1),
+            "dtype": None if self.dtype is None else _page_dtype(self.dtype),
+        }
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation={show(self.implementation)}; use one of {', '.join(map(repr, IMPLEMENTATIONS))}"

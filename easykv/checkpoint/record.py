@@ -45,7 +45,7 @@ from easykv.checkpoint.integrity import (
 from easykv.checkpoint.reshard import stored_template
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import QuantizedPages
-from easykv.spec.serialization import SerializationError
+from easykv.errors import SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"

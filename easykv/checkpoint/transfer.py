@@ -667,7 +667,8 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         else:
             cache, dropped = cache.write(window(keys), window(values), step_meta)
             if int(dropped):
-                raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}")
+                raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}",
+                                     where="import_sequence")
     except BaseException:
         manager.release(seq)
         raise

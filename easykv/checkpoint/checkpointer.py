@@ -97,7 +97,7 @@ from easykv.checkpoint.integrity import (
     PendingFingerprints,
     StepNotFoundError,
 )
-from easykv.checkpoint.record import EXTRA_MAX_DEPTH, is_legacy, legacy_note, manager_summary
+from easykv.checkpoint.record import EXTRA_MAX_DEPTH, is_legacy, legacy_note
 from easykv.checkpoint.reshard import (
     check_format,
     convert_pages,
@@ -107,6 +107,7 @@ from easykv.checkpoint.reshard import (
 )
 from easykv.checkpoint.writer import WriterLock, write_error
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
+from easykv.manager.state import summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages, is_compressing
@@ -171,7 +172,7 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
         json.dumps(state, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"manager.state_dict() is not JSON-safe: {err}") from err
-    if manager_summary(state) is None:
+    if summarize_state(state) is None:
         raise ValueError("manager.state_dict() is not a PageManager state (no sequences / pool to summarize); "
                          "save the PageManager that schedules this cache")
     return state
@@ -324,7 +325,7 @@ class CacheCheckpointer:
                 for name, path, arr, role in leaves
             ],
             "fingerprint_algorithm": FINGERPRINT_ALGORITHM if self.integrity else None,
-            "manager": manager_summary(manager_state) if manager_state is not None else None,
+            "manager": summarize_state(manager_state) if manager_state is not None else None,
             "extra_metadata": extra,
             # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
         }

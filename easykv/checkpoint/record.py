@@ -43,6 +43,7 @@ from easykv.checkpoint.integrity import (
     CheckpointMismatchError,
 )
 from easykv.checkpoint.reshard import stored_template
+from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import QuantizedPages
 from easykv.errors import SerializationError
@@ -110,21 +111,6 @@ def seal(record: dict[str, Any], manager_state: Mapping[str, Any] | None) -> tup
     return json.dumps(record, indent=1).encode(), manager_bytes
 
 
-def manager_summary(state: Any) -> dict[str, int] | None:
-    """What inspect shows of a manager state; None when the state is too malformed to count
-    (`PageManager.from_state_dict` then names the bad field)."""
-    try:
-        seqs, pool = state["sequences"], state["pool"]
-        out = {"active_sequences": len(seqs), "tokens": sum(s["length"] for s in seqs),
-               "free_pages": sum(len(h) for h in pool["free"]), "cached_pages": sum(len(q) for q in pool["lru"]),
-               "prefix_pages": len(pool["digests"])}
-    except (KeyError, TypeError, IndexError, AttributeError):
-        return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out.values()):
-        return None
-    return out
-
-
 # ---- reading ---------------------------------------------------------------------------------------
 def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIntegrityError:
     return CheckpointIntegrityError(f"{message}; step {step} of {directory} is damaged — restore another step",
@@ -154,12 +140,6 @@ def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> 
     if len(data) > limit:
         raise _damaged(f"{path} grew past {limit} bytes while being read", step, directory)
     return data
-
-
-def manager_max_bytes(meta: PagedAttentionCacheMetaData) -> int:
-    """The most bytes a PageManager state of this pool can take in JSON: every page id a few
-    times (tables, free and cached lists, digests) plus a sequence's fields per slot."""
-    return (1 << 20) + 256 * (meta.num_pages_per_layer + meta.batch_size * (meta.num_pages_per_sequence + 64))
 
 
 def _read_json(path: epath.Path, step: int, directory: Any, *, data: bytes | None = None) -> Any:
@@ -224,7 +204,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     record = read_record(directory, step) if record is None else record
     path = epath.Path(directory) / str(step) / STATE_ITEM / MANAGER_FILE
     saved = record[MANAGER_SEAL] is not None if not is_legacy(record) else record["manager"] is not None
-    data = read_small_file(path, manager_max_bytes(saved_metadata(record, step, directory)), step, directory)
+    data = read_small_file(path, max_state_bytes(saved_metadata(record, step, directory)), step, directory)
     if data is None:
         if saved:
             raise _damaged(f"the record says a page manager was saved but {path} is missing", step, directory)
@@ -239,7 +219,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     state = _read_json(path, step, directory, data=data)
     if not isinstance(state, dict):
         raise _damaged(f"{path} holds a JSON {type(state).__name__}, not a PageManager state", step, directory)
-    summary = manager_summary(state)
+    summary = summarize_state(state)
     if summary is not None and summary != record["manager"]:
         raise _damaged(f"the page-manager state in {path} ({summary}) does not match the record's summary "
                        f"({record['manager']})", step, directory)
@@ -417,5 +397,5 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
 __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
     "RECORD_SEAL", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "is_legacy", "layer_key",
-    "legacy_note", "manager_summary", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+    "legacy_note", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
 ]

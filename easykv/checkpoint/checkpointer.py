@@ -77,7 +77,6 @@ from easykv.checkpoint.format import (
     check_not_foreign,
     check_step,
     expected_leaves,
-    layer_key,
     list_steps,
     open_reader,
     orbax_manager,
@@ -97,7 +96,7 @@ from easykv.checkpoint.integrity import (
     PendingFingerprints,
     StepNotFoundError,
 )
-from easykv.checkpoint.record import EXTRA_MAX_DEPTH, is_legacy, legacy_note
+from easykv.checkpoint.record import EXTRA_MAX_DEPTH, is_legacy, leaf_role, legacy_note, nest, page_layers, page_leaves
 from easykv.checkpoint.reshard import (
     check_format,
     convert_pages,
@@ -110,28 +109,14 @@ from easykv.errors import CheckpointLockedError, CheckpointWriteError
 from easykv.manager.state import summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout
-from easykv.quantization import QuantizedPages, is_compressing
 from easykv.validation import boolean, optional_int, parse_json, show
 
 
 # ---- what is saved ----------------------------------------------------------------------------
 def _cache_arrays(cache: PagedAttentionCache) -> tuple[dict[str, Any], list[tuple[str, tuple[str, ...], Any, str]]]:
-    """The PyTree orbax saves and its leaves as (name, path, array, role), in a fixed order."""
-    tree: dict[str, Any] = {}
-    leaves: list[tuple[str, tuple[str, ...], Any, str]] = []
-    for view in cache.views:
-        layer = layer_key(view.layer_index)
-        tree[layer] = {}
-        for kind in ("key_pages", "value_pages"):
-            pages = getattr(view, kind)
-            if isinstance(pages, QuantizedPages):
-                tree[layer][kind] = {"values": pages.values, "scales": pages.scales}
-                leaves.append((f"{layer}.{kind}.values", (layer, kind, "values"), pages.values, "values"))
-                leaves.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), pages.scales, "scales"))
-            else:
-                tree[layer][kind] = pages
-                leaves.append((f"{layer}.{kind}", (layer, kind), pages, "pages"))
-    return tree, leaves
+    """The PyTree orbax saves and its leaves as (name, path, array, role), in the record's order."""
+    leaves = page_leaves([(view.key_pages, view.value_pages) for view in cache.views])
+    return nest((path, arr) for _, path, arr in leaves), [(n, p, a, leaf_role(p)) for n, p, a in leaves]
 
 
 def _platform(cache: PagedAttentionCache) -> str:
@@ -574,15 +559,9 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
     same_format = target.replace(dtype=saved.dtype, quantization=saved.quantization)
     arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in expected_leaves(same_format, platform)])
     dst_template = stored_template(target, platform) if target != same_format else None
-    per_layer = len(arrays) // saved.num_hidden_layers
+    layers = page_layers(stored_template(same_format, platform), saved.num_hidden_layers, arrays)
     views = []
-    for i in range(saved.num_hidden_layers):
-        chunk = arrays[i * per_layer:(i + 1) * per_layer]
-        if is_compressing(saved.quantizer):  # values, scales of K, then of V
-            q = saved.quantizer
-            k, v = QuantizedPages(chunk[0], chunk[1], q), QuantizedPages(chunk[2], chunk[3], q)
-        else:
-            k, v = chunk
+    for i, (k, v) in enumerate(layers):
         if dst_template is not None:
             k = convert_pages(k, same_format, target, dst_template, layout)
             v = convert_pages(v, same_format, target, dst_template, layout)

@@ -31,9 +31,10 @@ import json
 import math
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -45,7 +46,6 @@ from easykv.checkpoint.integrity import (
 from easykv.checkpoint.reshard import stored_template
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.quantization import QuantizedPages
 from easykv.errors import SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
@@ -77,19 +77,53 @@ def layer_key(i: int) -> str:
     return f"layer_{i:03d}"
 
 
+_KINDS = ("key_pages", "value_pages")
+
+
+def page_leaves(layers: Sequence[tuple[Any, Any]]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(name, path, leaf) of every saved array of ``layers``, one (K pages, V pages) per layer,
+    each an array or `QuantizedPages` (of arrays or ShapeDtypeStructs).
+
+    The one definition of the order the record lists (and restore rebuilds) the arrays in: layer
+    by layer, K before V, a quantized page array's values before its scales -- the order
+    ``jax.tree_util`` flattens ``layers`` in. A path is ``(layer_007, key_pages)``, or
+    ``(layer_007, key_pages, values|scales)`` for quantized pages; its name joins it with dots.
+    """
+    out = []
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(list(layers))[0]:
+        layer, kind, *part = keys  # list index, tuple index, then QuantizedPages' field
+        path = (layer_key(layer.idx), _KINDS[kind.idx], *(k.name for k in part))
+        out.append((".".join(path), path, leaf))
+    return out
+
+
+def page_layers(template: Any, num_layers: int, leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per layer,
+    both with the structure of ``template`` (one page array, e.g. `stored_template`)."""
+    return jax.tree_util.tree_structure([(template, template)] * num_layers).unflatten(leaves)
+
+
+def leaf_role(path: Sequence[str]) -> str:
+    """``"pages"``, or ``"values"`` / ``"scales"`` for a quantized page array's parts."""
+    return path[-1] if len(path) == 3 else "pages"
+
+
+def nest(leaves: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """The nested dict (the PyTree orbax saves) holding each leaf at its path."""
+    tree: dict[str, Any] = {}
+    for path, leaf in leaves:
+        node = tree
+        *parents, last = path
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return tree
+
+
 def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[str, tuple[str, ...], Any]]:
     """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta``."""
     template = stored_template(meta, platform)
-    out = []
-    for i in range(meta.num_hidden_layers):
-        for kind in ("key_pages", "value_pages"):
-            layer = layer_key(i)
-            if isinstance(template, QuantizedPages):
-                out.append((f"{layer}.{kind}.values", (layer, kind, "values"), template.values))
-                out.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), template.scales))
-            else:
-                out.append((f"{layer}.{kind}", (layer, kind), template))
-    return out
+    return page_leaves([(template, template)] * meta.num_hidden_layers)
 
 
 # ---- sealing (save side) -------------------------------------------------------------------------
@@ -374,7 +408,7 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
             raise _bad(f"{field}.name", f"is {show(entry['name'])}, expected {name!r}", *at)
         if entry["path"] != list(path):
             raise _bad(f"{field}.path", f"is {show(entry['path'])}, expected {list(path)}", *at, array=name)
-        role = path[-1] if len(path) == 3 else "pages"
+        role = leaf_role(path)
         if entry["role"] != role:
             raise _bad(f"{field}.role", f"is {show(entry['role'])}, expected {role!r}", *at, array=name)
         shape = [_int(d, f"{field}.shape[{j}]", *at) for j, d in
@@ -397,5 +431,5 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
 __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
     "RECORD_SEAL", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "is_legacy", "layer_key",
-    "legacy_note", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+    "leaf_role", "legacy_note", "nest", "page_layers", "page_leaves", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
 ]

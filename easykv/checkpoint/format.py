@@ -122,6 +122,8 @@ class _StateSave(ocp.args.CheckpointArgs):
     fingerprints: PendingFingerprints | None
 
 
+# Never built by easykv, but needed: orbax's CheckpointManager looks up a restore-args class for
+# every item it finds in a step (saving, listing and inspecting fail with "no handler" without it).
 @ocp.args.register_with_handler(_StateHandler, for_restore=True)
 @dataclasses.dataclass
 class _StateRestore(ocp.args.CheckpointArgs):

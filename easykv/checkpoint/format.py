@@ -1,5 +1,5 @@
-"""The on-disk format of easykv checkpoints, and reading it back (used by checkpointer.py
-and inspect.py; users call `easykv.checkpoint.checkpointer`).
+"""The on-disk format of easykv checkpoints, and reading it back (used by checkpointer.py,
+restore.py and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
     DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints (only its
                                       presence is read)

@@ -1,5 +1,5 @@
 """The JSON record of a checkpoint step and the saved PageManager state: sealing, reading, and
-the one schema check (used by format.py, checkpointer.py and inspect.py).
+the one schema check (used by format.py, checkpointer.py, restore.py and inspect.py).
 
 Every byte easykv persists is verified on load. orbax keeps no checksum, and the page arrays
 carry their own fingerprints (`checkpoint_integrity`); this module covers the two JSON files:

@@ -17,12 +17,15 @@ from easykv.errors import (
     InvariantError,
     LockstepError,
     ManagerStateError,
+    MemoryUnavailableError,
+    MultiProcessError,
     NotACheckpointError,
+    SerializationError,
     StepNotFoundError,
     UnknownSequenceError,
 )
 from easykv.manager.manager import PageManager, PageManagerMetrics
-from easykv.spec.memory import MemoryBudget, MemoryUnavailableError, device_memory_budget
+from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout, storage_dtype
 from easykv.quantization import (
@@ -33,7 +36,6 @@ from easykv.quantization import (
     register_quantizer,
 )
 from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
-from easykv.spec.serialization import SerializationError
 
 __version__ = "0.1.0"
 
@@ -83,6 +85,7 @@ __all__ = [
     "register_quantizer",
     "MemoryBudget",
     "MemoryUnavailableError",
+    "MultiProcessError",
     "PAD_PAGE",
     "PAD_SLOT",
     "PageLayout",

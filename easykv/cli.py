@@ -70,11 +70,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if abs(n) < 1024:
+            return f"{n:.2f} {unit}"
+    return f"{n / 1024:.2f} TiB"
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from easykv.errors import LockstepError
+from easykv.errors import LockstepError, MultiProcessError
 from easykv.validation import boolean, positive_int, real
 
 
@@ -208,25 +208,6 @@ _MAX_LOCAL_PROCESSES = 256
 # The last words of a process that JAX aborted because *another* one failed.
 _JAX_FOLLOWER = "JAX distributed service detected fatal errors"
 _POLL_S = 0.02
-
-
-class MultiProcessError(RuntimeError):
-    """A local multi-process run failed: a worker died, the run exceeded its time bound, or the
-    launcher was stopped by a signal; every worker was killed.
-
-    ``process`` is the worker that failed first (the first still running at a timeout; None when
-    the launcher was stopped), ``returncode`` its exit code (negative: the signal that killed it;
-    None if it was still running), ``log_path`` its log, ``hung`` the workers still running at the
-    timeout (empty otherwise).
-    """
-
-    def __init__(self, message: str, *, process: int | None = None, returncode: int | None = None,
-                 log_path: str | None = None, hung: tuple[int, ...] = ()):  # fmt: skip
-        super().__init__(message)
-        self.process = process
-        self.returncode = returncode
-        self.log_path = log_path
-        self.hung = hung
 
 
 def initialize_from_env(**timeouts: int) -> int:

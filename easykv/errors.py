@@ -1,5 +1,8 @@
 """easykv's typed errors: the page manager's, one per tier of trouble, the multi-process
-one (`LockstepError`, raised by ``easykv.distributed.assert_lockstep``) and the checkpoints'.
+ones (`LockstepError`, raised by ``easykv.distributed.assert_lockstep``; `MultiProcessError`,
+raised by ``easykv.distributed.launch_local``), the checkpoints', and the metadata and memory
+sizing ones (`SerializationError`, `MemoryUnavailableError`). Every public exception class of
+easykv is defined here (the modules that raise them import them from here).
 
 A caller must be able to tell three things apart without parsing messages:
 
@@ -41,10 +44,11 @@ class UnknownSequenceError(KeyError, ValueError):
 
 
 class InvariantError(AssertionError):
-    """The page manager's bookkeeping is inconsistent. This is a bug in easykv, never bad input."""
+    """easykv's own bookkeeping (the page manager's, a sequence transfer's, the demo engine's) is
+    inconsistent. This is a bug in easykv, never bad input."""
 
-    def __init__(self, message: str):
-        super().__init__(f"easykv bug: page manager invariant broken: {message}. Please report it with the calls that led here.")
+    def __init__(self, message: str, *, where: str = "page manager"):
+        super().__init__(f"easykv bug: {where} invariant broken: {message}. Please report it with the calls that led here.")
         self.detail = message
 
 
@@ -62,13 +66,42 @@ class ManagerStateError(ValueError):
 __all__ = [
     "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
     "CheckpointMismatchError", "CheckpointWriteError", "InvariantError", "ManagerStateError",
-    "LockstepError", "NotACheckpointError", "StepNotFoundError", "UnknownSequenceError",
+    "LockstepError", "MemoryUnavailableError", "MultiProcessError", "NotACheckpointError",
+    "SerializationError", "StepNotFoundError", "UnknownSequenceError",
 ]
 
 
 # ---- several processes ---------------------------------------------------------------------
 class LockstepError(RuntimeError):
     """Hosts that must hold identical state do not."""
+
+
+class MultiProcessError(RuntimeError):
+    """A local multi-process run failed: a worker died, the run exceeded its time bound, or the
+    launcher was stopped by a signal; every worker was killed.
+
+    ``process`` is the worker that failed first (the first still running at a timeout; None when
+    the launcher was stopped), ``returncode`` its exit code (negative: the signal that killed it;
+    None if it was still running), ``log_path`` its log, ``hung`` the workers still running at the
+    timeout (empty otherwise).
+    """
+
+    def __init__(self, message: str, *, process: int | None = None, returncode: int | None = None,
+                 log_path: str | None = None, hung: tuple[int, ...] = ()):  # fmt: skip
+        super().__init__(message)
+        self.process = process
+        self.returncode = returncode
+        self.log_path = log_path
+        self.hung = hung
+
+
+# ---- metadata JSON and device memory -------------------------------------------------------
+class SerializationError(ValueError):
+    """A dict/JSON cannot become (or an object cannot be written as) a Serializable class."""
+
+
+class MemoryUnavailableError(RuntimeError):
+    """The device's memory could not be determined; pass ``memory_bytes_per_device=``."""
 
 
 # ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,

@@ -1,5 +1,5 @@
-"""The on-disk format of easykv checkpoints, and reading it back (used by checkpointer.py
-and inspect.py; users call `easykv.checkpoint.checkpointer`).
+"""The on-disk format of easykv checkpoints, and reading it back (used by checkpointer.py,
+restore.py and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
     DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints (only its
                                       presence is read)
@@ -64,6 +64,7 @@ from easykv.checkpoint.record import (
     STATE_ITEM,
     expected_leaves,
     layer_key,
+    nest,
     read_manager_state,
     read_record,
     saved_metadata,
@@ -121,6 +122,8 @@ class _StateSave(ocp.args.CheckpointArgs):
     fingerprints: PendingFingerprints | None
 
 
+# Never built by easykv, but needed: orbax's CheckpointManager looks up a restore-args class for
+# every item it finds in a step (saving, listing and inspecting fail with "no handler" without it).
 @ocp.args.register_with_handler(_StateHandler, for_restore=True)
 @dataclasses.dataclass
 class _StateRestore(ocp.args.CheckpointArgs):
@@ -198,17 +201,6 @@ def resolve_step(directory: epath.Path, step: int | None) -> tuple[int, list[int
     return step, complete
 
 
-def _abstract_tree(entries: list[tuple[dict[str, Any], Any]]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for entry, sds in entries:
-        node = tree
-        *parents, last = entry["path"]
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = sds
-    return tree
-
-
 def _leaf(tree: Any, path: list[str]) -> Any:
     for p in path:
         if not isinstance(tree, Mapping) or p not in tree:
@@ -246,7 +238,7 @@ def restore_arrays(mngr: ocp.CheckpointManager, step: int, entries: list[tuple[d
     """Read every array with its target sharding; each must come back as a jax.Array of exactly
     the requested shape, dtype and sharding. An unreadable or wrong one is named."""
     def run(subset: list[tuple[dict[str, Any], Any]]) -> list[jax.Array]:
-        tree = _abstract_tree(subset)
+        tree = nest((entry["path"], sds) for entry, sds in subset)
         restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
         out = mngr.restore(step, args=ocp.args.Composite(**{
             PAGES_ITEM: ocp.args.PyTreeRestore(item=tree, restore_args=restore_args, partial_restore=True)}))

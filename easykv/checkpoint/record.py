@@ -1,5 +1,5 @@
 """The JSON record of a checkpoint step and the saved PageManager state: sealing, reading, and
-the one schema check (used by format.py, checkpointer.py and inspect.py).
+the one schema check (used by format.py, checkpointer.py, restore.py and inspect.py).
 
 Every byte easykv persists is verified on load. orbax keeps no checksum, and the page arrays
 carry their own fingerprints (`checkpoint_integrity`); this module covers the two JSON files:
@@ -31,9 +31,10 @@ import json
 import math
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -43,9 +44,9 @@ from easykv.checkpoint.integrity import (
     CheckpointMismatchError,
 )
 from easykv.checkpoint.reshard import stored_template
+from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.quantization import QuantizedPages
-from easykv.spec.serialization import SerializationError
+from easykv.errors import SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"
@@ -76,19 +77,53 @@ def layer_key(i: int) -> str:
     return f"layer_{i:03d}"
 
 
+_KINDS = ("key_pages", "value_pages")
+
+
+def page_leaves(layers: Sequence[tuple[Any, Any]]) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(name, path, leaf) of every saved array of ``layers``, one (K pages, V pages) per layer,
+    each an array or `QuantizedPages` (of arrays or ShapeDtypeStructs).
+
+    The one definition of the order the record lists (and restore rebuilds) the arrays in: layer
+    by layer, K before V, a quantized page array's values before its scales -- the order
+    ``jax.tree_util`` flattens ``layers`` in. A path is ``(layer_007, key_pages)``, or
+    ``(layer_007, key_pages, values|scales)`` for quantized pages; its name joins it with dots.
+    """
+    out = []
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(list(layers))[0]:
+        layer, kind, *part = keys  # list index, tuple index, then QuantizedPages' field
+        path = (layer_key(layer.idx), _KINDS[kind.idx], *(k.name for k in part))
+        out.append((".".join(path), path, leaf))
+    return out
+
+
+def page_layers(template: Any, num_layers: int, leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per layer,
+    both with the structure of ``template`` (one page array, e.g. `stored_template`)."""
+    return jax.tree_util.tree_structure([(template, template)] * num_layers).unflatten(leaves)
+
+
+def leaf_role(path: Sequence[str]) -> str:
+    """``"pages"``, or ``"values"`` / ``"scales"`` for a quantized page array's parts."""
+    return path[-1] if len(path) == 3 else "pages"
+
+
+def nest(leaves: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """The nested dict (the PyTree orbax saves) holding each leaf at its path."""
+    tree: dict[str, Any] = {}
+    for path, leaf in leaves:
+        node = tree
+        *parents, last = path
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return tree
+
+
 def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[str, tuple[str, ...], Any]]:
     """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta``."""
     template = stored_template(meta, platform)
-    out = []
-    for i in range(meta.num_hidden_layers):
-        for kind in ("key_pages", "value_pages"):
-            layer = layer_key(i)
-            if isinstance(template, QuantizedPages):
-                out.append((f"{layer}.{kind}.values", (layer, kind, "values"), template.values))
-                out.append((f"{layer}.{kind}.scales", (layer, kind, "scales"), template.scales))
-            else:
-                out.append((f"{layer}.{kind}", (layer, kind), template))
-    return out
+    return page_leaves([(template, template)] * meta.num_hidden_layers)
 
 
 # ---- sealing (save side) -------------------------------------------------------------------------
@@ -108,21 +143,6 @@ def seal(record: dict[str, Any], manager_state: Mapping[str, Any] | None) -> tup
     record[MANAGER_SEAL] = None if manager_bytes is None else hashlib.sha256(manager_bytes).hexdigest()
     record[RECORD_SEAL] = record_digest(record)
     return json.dumps(record, indent=1).encode(), manager_bytes
-
-
-def manager_summary(state: Any) -> dict[str, int] | None:
-    """What inspect shows of a manager state; None when the state is too malformed to count
-    (`PageManager.from_state_dict` then names the bad field)."""
-    try:
-        seqs, pool = state["sequences"], state["pool"]
-        out = {"active_sequences": len(seqs), "tokens": sum(s["length"] for s in seqs),
-               "free_pages": sum(len(h) for h in pool["free"]), "cached_pages": sum(len(q) for q in pool["lru"]),
-               "prefix_pages": len(pool["digests"])}
-    except (KeyError, TypeError, IndexError, AttributeError):
-        return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out.values()):
-        return None
-    return out
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -154,12 +174,6 @@ def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> 
     if len(data) > limit:
         raise _damaged(f"{path} grew past {limit} bytes while being read", step, directory)
     return data
-
-
-def manager_max_bytes(meta: PagedAttentionCacheMetaData) -> int:
-    """The most bytes a PageManager state of this pool can take in JSON: every page id a few
-    times (tables, free and cached lists, digests) plus a sequence's fields per slot."""
-    return (1 << 20) + 256 * (meta.num_pages_per_layer + meta.batch_size * (meta.num_pages_per_sequence + 64))
 
 
 def _read_json(path: epath.Path, step: int, directory: Any, *, data: bytes | None = None) -> Any:
@@ -224,7 +238,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     record = read_record(directory, step) if record is None else record
     path = epath.Path(directory) / str(step) / STATE_ITEM / MANAGER_FILE
     saved = record[MANAGER_SEAL] is not None if not is_legacy(record) else record["manager"] is not None
-    data = read_small_file(path, manager_max_bytes(saved_metadata(record, step, directory)), step, directory)
+    data = read_small_file(path, max_state_bytes(saved_metadata(record, step, directory)), step, directory)
     if data is None:
         if saved:
             raise _damaged(f"the record says a page manager was saved but {path} is missing", step, directory)
@@ -239,7 +253,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     state = _read_json(path, step, directory, data=data)
     if not isinstance(state, dict):
         raise _damaged(f"{path} holds a JSON {type(state).__name__}, not a PageManager state", step, directory)
-    summary = manager_summary(state)
+    summary = summarize_state(state)
     if summary is not None and summary != record["manager"]:
         raise _damaged(f"the page-manager state in {path} ({summary}) does not match the record's summary "
                        f"({record['manager']})", step, directory)
@@ -394,7 +408,7 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
             raise _bad(f"{field}.name", f"is {show(entry['name'])}, expected {name!r}", *at)
         if entry["path"] != list(path):
             raise _bad(f"{field}.path", f"is {show(entry['path'])}, expected {list(path)}", *at, array=name)
-        role = path[-1] if len(path) == 3 else "pages"
+        role = leaf_role(path)
         if entry["role"] != role:
             raise _bad(f"{field}.role", f"is {show(entry['role'])}, expected {role!r}", *at, array=name)
         shape = [_int(d, f"{field}.shape[{j}]", *at) for j, d in
@@ -417,5 +431,5 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
 __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
     "RECORD_SEAL", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "is_legacy", "layer_key",
-    "legacy_note", "manager_summary", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+    "leaf_role", "legacy_note", "nest", "page_layers", "page_leaves", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
 ]

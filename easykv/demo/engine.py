@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.errors import InvariantError
 from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
 from easykv.manager.manager import PageManager
@@ -100,7 +101,7 @@ class Engine:
             if parent.prompt_logits is None:
                 continue
             if len(parent.output) != 1 or parent.done:
-                raise AssertionError(f"easykv demo bug: request {r.rid} missed its fork point (parent {parent.rid})")
+                raise InvariantError(f"request {r.rid} missed its fork point (parent {parent.rid})", where="demo engine")
             r.seq = self.manager.fork(parent.seq)
             r.fed, r.cached = len(r.prompt), parent.cached
             r.output.append(_sample(parent.prompt_logits, second=True))
@@ -137,7 +138,8 @@ class Engine:
         tokens = np.zeros(self.token_budget, np.int32)
         flat = [t for _, ids in batch for t in ids]
         tokens[: len(flat)] = flat
-        assert np.all((meta.positions != PAD_POSITION)[: len(flat)])
+        if not np.all((meta.positions != PAD_POSITION)[: len(flat)]):
+            raise InvariantError("a scheduled token got a padding position", where="demo engine")
         logits = self._device_step(tokens, meta, np.repeat(seqs, counts))
         ends = np.asarray(meta.query_start_loc[1 : len(batch) + 1]) - 1
         last = np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))

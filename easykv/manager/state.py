@@ -374,6 +374,29 @@ def _check_pending(m: PageManager, held: np.ndarray) -> None:
                                        f"(column {col}){' and is shared' if others else ''}")
 
 
+# ---- what a checkpoint records of a state ------------------------------------------------------
+def summarize_state(state: Any) -> dict[str, int] | None:
+    """The counts a checkpoint records (and ``inspect_checkpoint`` shows) of a state: active
+    sequences, committed tokens, free, cached and prefix-cached pages. None when the state is too
+    malformed to count (`PageManager.from_state_dict` then names the bad field)."""
+    try:
+        seqs, pool = state["sequences"], state["pool"]
+        out = {"active_sequences": len(seqs), "tokens": sum(s["length"] for s in seqs),
+               "free_pages": sum(len(h) for h in pool["free"]), "cached_pages": sum(len(q) for q in pool["lru"]),
+               "prefix_pages": len(pool["digests"])}
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out.values()):
+        return None
+    return out
+
+
+def max_state_bytes(meta: Any) -> int:
+    """The most bytes a state of ``meta``'s pool can take in JSON: every page id a few times
+    (tables, free and cached lists, digests) plus a sequence's fields per slot."""
+    return (1 << 20) + 256 * (meta.num_pages_per_layer + meta.batch_size * (meta.num_pages_per_sequence + 64))
+
+
 # ---- re-splitting over data-parallel replicas -------------------------------------------------------
 def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
     """A (validated, canonical) state for ``new_shards`` page slices instead of its own.
@@ -435,5 +458,5 @@ def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
     return state
 
 
-__all__ = ["Broken", "COUNTERS", "STATE_FORMAT", "check_consistency", "config", "read_state", "reshard_state",
-           "write_state"]
+__all__ = ["Broken", "COUNTERS", "STATE_FORMAT", "check_consistency", "config", "max_state_bytes", "read_state",
+           "reshard_state", "summarize_state", "write_state"]

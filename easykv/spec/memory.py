@@ -16,14 +16,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from easykv.errors import MemoryUnavailableError
 from easykv.validation import INT64_MAX, positive_int, real
 
 _GIB = 2**30
 _CGROUP_V1_UNLIMITED = 2**60  # v1 reports "no limit" as a huge page-rounded number
-
-
-class MemoryUnavailableError(RuntimeError):
-    """The device's memory could not be determined; pass ``memory_bytes_per_device=``."""
 
 
 @dataclass(frozen=True)

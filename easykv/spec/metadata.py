@@ -17,7 +17,8 @@ import numpy as np
 
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
-from easykv.spec.serialization import Serializable, SerializationError
+from easykv.errors import SerializationError
+from easykv.spec.serialization import Serializable
 from easykv.validation import INT64_MAX, as_dtype, positive_int, real, show
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 

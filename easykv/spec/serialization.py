@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Mapping, TypeVar
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np
 
+from easykv.errors import SerializationError
 from easykv.validation import parse_json, show
 
 _T = TypeVar("_T", bound="Serializable")
@@ -24,10 +25,6 @@ _SCHEMA_KEY = "__schema__"
 _ARRAY_KEY = "__ndarray__"
 _VERSION_KEY = "__version__"
 _DTYPE_EXAMPLES = "float32, bfloat16, float16, float8_e4m3fn, float8_e5m2, int8, int4, uint8"
-
-
-class SerializationError(ValueError):
-    """A dict/JSON cannot become (or an object cannot be written as) a Serializable class."""
 
 
 def _to_lists(value: Any) -> Any:

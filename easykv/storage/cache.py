@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from easykv.storage import cache_json
-from easykv.spec.memory import MemoryUnavailableError, device_memory_budget
+from easykv.errors import MemoryUnavailableError
+from easykv.spec.memory import device_memory_budget
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.storage.pages import (
     PageLayout,

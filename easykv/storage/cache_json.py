@@ -22,7 +22,8 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import page_template
 from easykv.quantization import QuantizedPages
-from easykv.spec.serialization import SerializationError, decode_array, encode_array
+from easykv.errors import SerializationError
+from easykv.spec.serialization import decode_array, encode_array
 from easykv.validation import integer, parse_json, show
 
 if TYPE_CHECKING:

@@ -1,0 +1,185 @@
+"""Restoring a checkpoint step (`restore_cache`): onto another mesh, partition rule, storage
+platform, and (with ``convert=True``) dtype or quantizer; the saving side is
+`easykv.checkpoint.checkpointer`, which re-exports everything here.
+
+Every persisted byte the restore uses is verified before it becomes a cache (see the
+checkpointer's module doc); errors are `CheckpointError`s and nothing is restored (and no
+live cache is touched) when one is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from jax.sharding import Mesh
+
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
+from easykv.checkpoint.format import (
+    STORAGE_PLATFORMS,
+    checkpoint_path,
+    expected_leaves,
+    open_reader,
+    read_manager_state,
+    read_record,
+    resolve_step,
+    restore_arrays,
+    saved_metadata,
+    verify_arrays,
+)
+from easykv.checkpoint.integrity import (
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+)
+from easykv.checkpoint.record import is_legacy, legacy_note, page_layers
+from easykv.checkpoint.reshard import (
+    check_format,
+    convert_pages,
+    stored_template,
+    target_metadata,
+    to_storage_dtypes,
+)
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import PageLayout
+from easykv.validation import boolean, show
+
+
+# ---- restoring -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RestoredCache:
+    """What `restore_cache` returns; unpacks as ``cache, manager = restored``."""
+
+    cache: PagedAttentionCache
+    manager: Any  # PageManager, or None when none was saved (or restore_manager=False)
+    metadata: PagedAttentionCacheMetaData  # the restored cache's (laid out for the target mesh)
+    step: int
+    saved_metadata: PagedAttentionCacheMetaData
+    saved_mesh: dict[str, Any]
+    extra_metadata: dict[str, Any]
+
+    def __iter__(self) -> Iterator[Any]:
+        yield self.cache
+        yield self.manager
+
+
+def restore_cache(
+    directory: str | Any,
+    *,
+    mesh: Any,
+    partition_manager: Any = None,
+    step: int | None = None,
+    metadata: PagedAttentionCacheMetaData | None = None,
+    dtype: Any = None,
+    quantizer: Any = None,
+    convert: bool = False,
+    verify: bool = True,
+    restore_manager: bool = True,
+    storage_platform: str | None = None,
+) -> RestoredCache:
+    """Restore ``step`` (default: the latest complete one) of ``directory`` onto ``mesh``.
+
+    ``partition_manager`` gives the target's sharding rule (kv heads over ``tp``, pages
+    optionally over ``dp``); the metadata's layout fields are rebuilt for it and the pool keeps
+    its size. ``metadata``: the target's metadata, checked against the saved model and pool
+    shape (layers, kv heads, head_dim, page_size, pages, ...). ``dtype`` / ``quantizer``: the
+    target format (None: the ``metadata``'s, else the saved one; ``quantizer="none"`` asks for
+    unquantized pages); a change needs ``convert=True``. ``verify``: check every array's
+    fingerprint. ``restore_manager``: rebuild the PageManager when one was saved (re-split for
+    another number of data-parallel page slices; a sequence whose pages would straddle two
+    slices is refused). ``storage_platform``: whose storage dtypes the pages use (default the
+    mesh's; e.g. ``"gpu"`` to hold bf16 natively).
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. sharding.create_mesh), got {type(mesh).__name__}")
+    convert, verify = boolean("convert", convert), boolean("verify", verify)
+    restore_manager = boolean("restore_manager", restore_manager)
+    if storage_platform is not None and storage_platform not in STORAGE_PLATFORMS:
+        raise ValueError(f"storage_platform must be None or one of {STORAGE_PLATFORMS}, got {show(storage_platform)}")
+    directory = checkpoint_path(directory)
+    step, _ = resolve_step(directory, step)
+    record = read_record(directory, step)  # sealed, schema-checked
+    if is_legacy(record):
+        warnings.warn(legacy_note(step, directory), UserWarning, stacklevel=2)
+    saved = saved_metadata(record, step, directory)
+    if metadata is not None:
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        dtype = metadata.dtype if dtype is None else dtype
+        quantizer = metadata.quantization if quantizer is None else quantizer
+    want_dtype, want_q = check_format(saved, dtype, quantizer, convert)
+    target = target_metadata(saved, mesh, partition_manager, dtype=want_dtype, quantization=want_q, expected=metadata)
+    platform = storage_platform or mesh.devices.flat[0].platform
+    manager = _restore_manager(directory, step, saved, target) if restore_manager else None
+    if manager is None and saved.page_shards != target.page_shards and target.page_shards > 1:
+        warnings.warn(
+            f"restoring onto {target.page_shards} data-parallel page slices (saved with {saved.page_shards}) without a "
+            "PageManager: whoever schedules this cache must keep each sequence's pages inside one slice of "
+            f"{target.pages_per_shard} pages", stacklevel=2)
+
+    # Read the saved arrays as stored, each shard straight onto its target device; check them.
+    layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
+    abstract = _saved_arrays(record, layout)
+    mngr = open_reader(directory, step)
+    try:
+        arrays = restore_arrays(mngr, step, abstract, directory)
+    finally:
+        mngr.close()
+    if verify:
+        verify_arrays(record, arrays, step, directory)
+    cache = _build_cache(arrays, saved, target, layout, platform)
+    return RestoredCache(cache=cache, manager=manager, metadata=target, step=step, saved_metadata=saved,
+                         saved_mesh=dict(record["mesh"]), extra_metadata=dict(record["extra_metadata"]))
+
+
+def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCacheMetaData,
+                     target: PagedAttentionCacheMetaData) -> Any:
+    """The saved PageManager, validated against the pool it was saved with, then re-split for
+    the target's page slices; None when none was saved."""
+    state = read_manager_state(directory, step)
+    if state is None:
+        return None
+    from easykv.manager.manager import PageManager
+
+    try:
+        manager = PageManager.from_state_dict(saved, state)
+    except ValueError as err:
+        raise CheckpointIntegrityError(f"the page-manager state of step {step} in {directory} cannot be rebuilt: "
+                                       f"{err}", step=step, directory=str(directory)) from err
+    try:
+        return manager.reshard(target)
+    except ValueError as err:
+        raise CheckpointMismatchError(f"the page manager of step {step} in {directory} cannot follow the pages "
+                                      f"onto the target mesh: {err}") from err
+
+
+def _saved_arrays(record: Mapping[str, Any], layout: PageLayout) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
+    """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array
+    (`check_record` has matched each entry against the saved metadata)."""
+    return [(entry, jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]),
+                                         sharding=layout.sharding_for(len(entry["shape"]))))
+            for entry in record["arrays"]]
+
+
+def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, target: PagedAttentionCacheMetaData,
+                 layout: PageLayout, platform: str) -> PagedAttentionCache:
+    """The restored arrays bitcast to ``platform``'s storage and, when ``target`` asks for another
+    dtype or quantizer, re-encoded; then wrapped as the cache's views."""
+    same_format = target.replace(dtype=saved.dtype, quantization=saved.quantization)
+    arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in expected_leaves(same_format, platform)])
+    dst_template = stored_template(target, platform) if target != same_format else None
+    layers = page_layers(stored_template(same_format, platform), saved.num_hidden_layers, arrays)
+    views = []
+    for i, (k, v) in enumerate(layers):
+        if dst_template is not None:
+            k = convert_pages(k, same_format, target, dst_template, layout)
+            v = convert_pages(v, same_format, target, dst_template, layout)
+        views.append(PagedAttentionCacheView(metadata=target, layer_index=i, key_pages=k, value_pages=v, layout=layout))
+    return PagedAttentionCache(tuple(views))
+
+
+__all__ = ["RestoredCache", "restore_cache"]

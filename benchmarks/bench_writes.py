@@ -86,7 +86,7 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import easykv
-    from easykv.storage.cache import _write_all
+    from easykv.storage.cache import write_all
     from easykv.storage.writes import token_slots
 
     meta, cache = _cache(num_pages, native, devices)
@@ -112,7 +112,7 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
         return run
 
     def step_only():
-        state["cache"], _ = _write_all(state["cache"], kd, kd, slots)
+        state["cache"], _ = write_all(state["cache"], kd, kd, slots)
         jax.block_until_ready(state["cache"])
 
     return {"decode": full(kd, decode), "prefill": full(kp, prefill), "decode_step": step_only}

@@ -14,7 +14,7 @@ from cache_helpers import (
     random_tokens, setup, slot, snapshot,
 )  # fmt: skip
 from easykv import PagedAttentionCache, PagedAttentionMetadata
-from easykv.storage.cache import _write_all
+from easykv.storage.cache import write_all
 
 T = 12  # every write in these tests uses a 12-token axis: one compile per layout and form
 LAYOUT_NAMES = ["single", "heads", "replicated", "dp"]
@@ -200,7 +200,7 @@ def test_compiled_write_has_no_collectives(layout):
     _, _, meta = setup(layout)
     cache = new_cache(layout)
     keys = jnp.zeros((LAYERS, T, meta.num_kv_heads, HEAD_DIM), jnp.bfloat16)
-    hlo = _write_all.lower(cache, keys, keys, jnp.zeros(T, jnp.int32)).compile().as_text()
+    hlo = write_all.lower(cache, keys, keys, jnp.zeros(T, jnp.int32)).compile().as_text()
     assert "scatter" in hlo  # it is the write
     assert not COLLECTIVES.findall(hlo)
     # The same check on the user-level step: a jitted wrapper around cache.write.

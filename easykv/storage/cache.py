@@ -292,7 +292,7 @@ class PagedAttentionCache:
         num_tokens = int(np.shape(slots)[0])
         keys = _per_layer(keys, "keys", meta, num_tokens)
         values = _per_layer(values, "values", meta, num_tokens)
-        return _write_all(self, keys, values, slots)
+        return write_all(self, keys, values, slots)
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
@@ -333,8 +333,8 @@ _scatter = jax.jit(scatter_kv, static_argnames=("layout",))
 _scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argnums=(0, 1))
 
 
-@partial(jax.jit, donate_argnums=0)
-def _write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
+@partial(jax.jit, donate_argnums=0)  # public for the write benchmark and tests: cache.write without host checks
+def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
     views = []
     for i, view in enumerate(cache.views):
         k, v = keys[i], values[i]

@@ -72,6 +72,7 @@ from easykv.checkpoint.format import (
     _StateSave,
     check_not_foreign,
     check_step,
+    drain_pages,
     list_steps,
     orbax_manager,
 )
@@ -311,6 +312,7 @@ class CacheCheckpointer:
             raise ValueError(f"step {step} already exists in {self.directory}: {err}") from err
         except Exception as err:  # noqa: BLE001  orbax/tensorstore/OS errors of the write itself
             self._in_flight = None
+            drain_pages(self._mngr)
             raise write_error(err, step=step, directory=self.directory) from err
         if not self.async_save:
             self._wait()
@@ -328,6 +330,7 @@ class CacheCheckpointer:
             self._mngr.wait_until_finished()
         except Exception as err:  # noqa: BLE001  the background write's failure, whatever its type
             step, self._in_flight = self._in_flight, None
+            drain_pages(self._mngr)
             raise write_error(err, step=step, directory=self.directory) from err
         self._in_flight = None
 

@@ -130,6 +130,39 @@ class _StateRestore(ocp.args.CheckpointArgs):
     pass
 
 
+def _pages_handler() -> ocp.PyTreeCheckpointHandler:
+    """orbax's PyTree handler for the pages, remembering the commit futures of its last save.
+    orbax waits on a step's items in name order and stops at the first failure ("easykv" sorts
+    before "pages"), so after a failed state write the page files may still be landing;
+    `drain_pages` waits for them, so the writer lock is never released (and no next writer
+    clears the directory) while they do. (orbax checks a handler's exact class against its args
+    registry, hence a wrapped method rather than a subclass.)"""
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=USE_OCDBT)
+    save = handler.async_save
+    handler.easykv_pending = []
+
+    async def async_save(directory: epath.Path, *args: Any, **kwargs: Any) -> Any:
+        futures = await save(directory, *args, **kwargs)
+        handler.easykv_pending = list(futures or ())
+        return futures
+
+    handler.async_save = async_save
+    return handler
+
+
+def drain_pages(mngr: ocp.CheckpointManager) -> None:
+    """After a failed save: wait until the page files of that save are written (or failed)."""
+    handler = getattr(mngr, "easykv_pages_handler", None)
+    if handler is None:
+        return
+    pending, handler.easykv_pending = handler.easykv_pending, []
+    for f in pending:
+        try:
+            f.result()
+        except Exception:  # noqa: BLE001  the step already failed; its first error is the one raised
+            pass
+
+
 def orbax_manager(directory: epath.Path, *, read_only: bool, max_to_keep: int | None = None,
                   enable_async: bool = False) -> ocp.CheckpointManager:
     """An orbax CheckpointManager over ``directory`` with easykv's two items. A writer's also
@@ -139,11 +172,11 @@ def orbax_manager(directory: epath.Path, *, read_only: bool, max_to_keep: int | 
         max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=enable_async, cleanup_tmp_directories=not read_only,
     )
-    handlers = {
-        PAGES_ITEM: ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=USE_OCDBT),
-        STATE_ITEM: _StateHandler(),
-    }
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    pages = _pages_handler()
+    mngr = ocp.CheckpointManager(directory, options=options, item_handlers={PAGES_ITEM: pages,
+                                                                             STATE_ITEM: _StateHandler()})
+    mngr.easykv_pages_handler = pages  # for drain_pages
+    return mngr
 
 
 def check_step(step: Any) -> int:

@@ -152,9 +152,7 @@ def _pages_handler() -> ocp.PyTreeCheckpointHandler:
 
 def drain_pages(mngr: ocp.CheckpointManager) -> None:
     """After a failed save: wait until the page files of that save are written (or failed)."""
-    handler = getattr(mngr, "easykv_pages_handler", None)
-    if handler is None:
-        return
+    handler = mngr.easykv_pages_handler  # every manager comes from orbax_manager
     pending, handler.easykv_pending = handler.easykv_pending, []
     for f in pending:
         try:

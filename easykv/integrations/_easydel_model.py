@@ -229,24 +229,18 @@ ATTENTION_OPTIONS = ("query_block", "pages_per_block", "implementation")
 
 
 def attention_options(options: Any) -> tuple[tuple[str, Any], ...]:
-    """use_easykv's ``attention_options``, checked now (not at trace time inside eSurge)."""
-    from easykv.attention.options import IMPLEMENTATIONS
-    from easykv.validation import positive_int, show
+    """use_easykv's ``attention_options``, checked now (not at trace time inside eSurge) by the
+    rules ``easykv.paged_attention`` applies."""
+    from easykv.attention.options import AttentionOptions
+    from easykv.validation import show
 
     if options is None:
         return ()
     if not isinstance(options, dict) or set(options) - set(ATTENTION_OPTIONS):
         raise ValueError(f"attention_options={show(options)}: a dict of {ATTENTION_OPTIONS} (keywords of "
                          "easykv.paged_attention)")
-    out = []
-    for key, value in sorted(options.items()):
-        if key == "implementation":
-            if value not in IMPLEMENTATIONS:
-                raise ValueError(f"attention_options['implementation']={show(value)}; use one of {IMPLEMENTATIONS}")
-        else:
-            value = positive_int(f"attention_options[{key!r}]", value)
-        out.append((key, value))
-    return tuple(out)
+    checked = AttentionOptions(**options)
+    return tuple((key, getattr(checked, key)) for key in sorted(options))
 
 
 def install_attention(model: Any, options: tuple[tuple[str, Any], ...] = ()) -> int:

@@ -102,7 +102,7 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
     heads = NamedSharding(mesh, P(None, None, "tp", None))
     kd = jax.device_put(jnp.asarray(rng.normal(size=(LAYERS, 32, HEADS, HEAD_DIM)), jnp.bfloat16), heads)
     kp = jax.device_put(jnp.asarray(rng.normal(size=(LAYERS, 512, HEADS, HEAD_DIM)), jnp.bfloat16), heads)
-    slots = jax.device_put(token_slots(decode, page_size=PAGE, num_pages=num_pages), NamedSharding(mesh, P()))
+    slots = jax.device_put(token_slots(decode, meta), NamedSharding(mesh, P()))
     state = {"cache": cache}
 
     def full(k, rt):

@@ -107,26 +107,29 @@ class MemoryUnavailableError(RuntimeError):
 # ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,
 # damaged data ------------------------------------------------------------------------------
 class CheckpointError(Exception):
-    """Base class of the errors raised by easykv's checkpoint functions."""
+    """Base class of the errors raised by easykv's checkpoint functions; ``step`` and
+    ``directory`` say where, when known (None otherwise)."""
+
+    def __init__(self, message: str = "", *, step: int | None = None, directory: str | None = None):
+        super().__init__(message)
+        self.step = step
+        self.directory = directory
+
+    def __str__(self) -> str:  # the OSError subclasses would format (errno, strerror)
+        return str(self.args[0]) if self.args else ""
 
 
 class NotACheckpointError(CheckpointError, FileNotFoundError):
     """The directory does not exist or holds no easykv checkpoint."""
 
-    def __str__(self) -> str:  # OSError would format (errno, strerror)
-        return str(self.args[0]) if self.args else ""
-
 
 class StepNotFoundError(CheckpointError, FileNotFoundError):
-    """The requested step is not a complete checkpoint in the directory."""
+    """The requested step is not a complete checkpoint in the directory; ``available`` lists
+    the complete ones."""
 
     def __init__(self, message: str, *, step: int | None = None, available: Sequence[int] = ()):
-        super().__init__(message)
-        self.step = step
+        super().__init__(message, step=step)
         self.available = list(available)
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 class CheckpointMismatchError(CheckpointError, ValueError):
@@ -140,19 +143,13 @@ class CheckpointIntegrityError(CheckpointError):
 
     def __init__(self, message: str, *, array: str | None = None, step: int | None = None,
                  directory: str | None = None):
-        super().__init__(message)
+        super().__init__(message, step=step, directory=directory)
         self.array = array
-        self.step = step
-        self.directory = directory
 
 
 class CheckpointLockedError(CheckpointError):
     """Another writer (a `CacheCheckpointer` or `save_cache`, in this process or another) holds
-    the checkpoint directory; two writers would delete each other's unfinished steps."""
-
-    def __init__(self, message: str, *, directory: str | None = None):
-        super().__init__(message)
-        self.directory = directory
+    the checkpoint ``directory``; two writers would delete each other's unfinished steps."""
 
 
 class CheckpointWriteError(CheckpointError):
@@ -162,7 +159,5 @@ class CheckpointWriteError(CheckpointError):
 
     def __init__(self, message: str, *, step: int | None = None, directory: str | None = None,
                  errno: int | None = None):
-        super().__init__(message)
-        self.step = step
-        self.directory = directory
+        super().__init__(message, step=step, directory=directory)
         self.errno = errno

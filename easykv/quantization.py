@@ -116,15 +116,24 @@ def _scaled(xg: jax.Array, scale: jax.Array) -> jax.Array:
     return xg * (1.0 / jnp.where(scale == 0, 1.0, scale))[..., None]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """A one-byte code: values in ``[-qmax, qmax]`` stored as ``dtype``; ``rounds``: an integer
+    grid (float8 rounds in its own cast)."""
+
+    qmax: float
+    dtype: Any
+    rounds: bool
+
+
 class _BytePerValueQuantizer:
     """One byte per value with one absmax scale per token and head; subclasses set the grid."""
 
     name: str
-    _qmax: ClassVar[float]
-    _value_dtype: ClassVar[Any]
+    _grid: ClassVar[_Grid]
 
     def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
-        return (head_dim,), np.dtype(self._value_dtype)
+        return (head_dim,), np.dtype(self._grid.dtype)
 
     def scale_shape(self, head_dim: int) -> tuple[int, ...]:
         return ()
@@ -136,10 +145,11 @@ class _BytePerValueQuantizer:
         return None
 
     def _encode(self, scaled: jax.Array) -> jax.Array:
-        raise NotImplementedError  # each subclass defines its grid
+        grid = self._grid
+        return jnp.clip(jnp.round(scaled) if grid.rounds else scaled, -grid.qmax, grid.qmax).astype(grid.dtype)
 
     def quantize(self, x: jax.Array) -> QuantizedPages:
-        scale, xg = _absmax_scale(x, self._qmax, 1)
+        scale, xg = _absmax_scale(x, self._grid.qmax, 1)
         return QuantizedPages(self._encode(_scaled(xg, scale)).reshape(x.shape), scale[..., 0], self)
 
     def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
@@ -151,11 +161,7 @@ class Int8Quantizer(_BytePerValueQuantizer):
     """Symmetric int8: round(x * (1 / s)) with s = absmax * (1 / 127), per token and head."""
 
     name: str = "int8"
-    _qmax: ClassVar[float] = 127.0
-    _value_dtype: ClassVar[Any] = np.int8
-
-    def _encode(self, scaled: jax.Array) -> jax.Array:
-        return jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+    _grid: ClassVar[_Grid] = _Grid(127.0, np.int8, rounds=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +169,7 @@ class Fp8Quantizer(_BytePerValueQuantizer):
     """float8_e4m3fn values, absmax per token and head mapped to 448 (the format's maximum)."""
 
     name: str = "fp8"
-    _qmax: ClassVar[float] = 448.0
-    _value_dtype: ClassVar[Any] = jnp.float8_e4m3fn
-
-    def _encode(self, scaled: jax.Array) -> jax.Array:
-        return jnp.clip(scaled, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    _grid: ClassVar[_Grid] = _Grid(448.0, jnp.float8_e4m3fn, rounds=False)
 
 
 @dataclasses.dataclass(frozen=True)

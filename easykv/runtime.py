@@ -25,20 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
 
+from easykv import runtime_checks as checks
+from easykv.runtime_checks import HostChecked, check_distinct_slots, check_padding, mark_checked
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 
 if TYPE_CHECKING:
     from easykv.spec.metadata import PagedAttentionCacheMetaData
 
-PAD_SLOT = -1
+PAD_SLOT = checks.PAD_SLOT
 INVALID_SLOT = -2
-PAD_PAGE = -1
+PAD_PAGE = checks.PAD_PAGE
 PAD_POSITION = -1
 
 
@@ -120,13 +122,27 @@ class PagedAttentionMetadata(Serializable):
     @property
     def num_tokens(self) -> int:
         """Static number of token rows a write with this metadata expects."""
-        if self.is_mixed_mode():
-            return int(np.shape(self.slot_mapping)[0])
-        if self.is_decode_mode():
-            return int(np.shape(self.decodes_position)[0])
-        if self.is_prefill_mode():
-            return int(np.shape(self.prefill_position)[0])
-        raise ValueError("this PagedAttentionMetadata is empty (init_empty); it names no tokens")
+        return int(np.shape(getattr(self, FORM_FIELDS[step_form(self)]["tokens"]))[0])
+
+    def check_values(self, cache_metadata: PagedAttentionCacheMetaData, *, sliding_window: int | None = None) -> None:
+        """Opt-in value checks of this step, device arrays included, against the pool of
+        ``cache_metadata``: every slot padding or a distinct slot of the pool, sequence offsets in
+        order, positions cached, every page a query reads (with ``sliding_window``: inside its
+        window) a page of the pool and of one replica's slice. Raises the ValueError the write or
+        attention would raise on host arrays.
+
+        Device values are pulled to the host, a sync: for debugging and tests, not for a step
+        (as JAX's ``dynamic_validate_inputs``). Inside jit the write drops and counts a bad slot
+        and attention reads nothing of a page outside the pool; this says which value it was."""
+        meta = cache_metadata
+        window = optional_int("sliding_window", sliding_window, lo=1)
+        host = jax.tree.map(np.asarray, jax.device_get(self))
+        step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
+                        pages_per_sequence=meta.num_pages_per_sequence)
+        checks.check_slots(step.rt.slot_mapping, meta.tokens_per_layer)
+        if step_form(host) != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
+            checks.check_step(step.rt, step.names, num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
+                              page_shards=meta.page_shards, window=window)
 
     # ---- host-side constructors (validated) ---------------------------------------------
     @classmethod
@@ -143,8 +159,8 @@ class PagedAttentionMetadata(Serializable):
 
         ``padded_length`` (default ``length``) fixes the token axis so that jit sees few shapes.
         """
-        row = _page_ids("page_table_row", page_table_row, cache_metadata, ndim=1)
-        limit = _max_tokens(cache_metadata)
+        row = checks.page_table("page_table_row", page_table_row, cache_metadata, ndim=1)
+        limit = checks.max_tokens(cache_metadata)
         hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
         length = integer("length", length, lo=0, hi=limit, hint=hint)
         start = integer("start", start, lo=0, hi=limit, hint=hint)
@@ -152,16 +168,12 @@ class PagedAttentionMetadata(Serializable):
         padded = length if padded is None else padded
         if padded < length:
             raise ValueError(f"padded_length={padded} is shorter than length={length}; pass >= length")
-        _check_extent(start + length, cache_metadata, what=f"prefill up to start + length = {start + length}")
+        checks.check_extent(start + length, cache_metadata, what=f"prefill up to start + length = {start + length}")
         positions = np.full(padded, PAD_POSITION, np.int32)
         positions[:length] = np.arange(start, start + length, dtype=np.int32)
-        _check_pages_assigned(row[None, :], positions[None, :length], cache_metadata.page_size)
-        check_distinct_slots(_host_slots(row[None, :], positions[None, :length], cache_metadata.page_size), "prefill")
-        return cls(
-            prefill_length=np.asarray(length, np.int32),
-            prefill_position=positions,
-            prefill_page_table=row,
-        )
+        end_pages = np.asarray([-(-(start + length) // cache_metadata.page_size) if length else 0])
+        rt = cls(prefill_length=np.asarray(length, np.int32), prefill_position=positions, prefill_page_table=row)
+        return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill")
 
     @classmethod
     def for_decode(
@@ -172,17 +184,17 @@ class PagedAttentionMetadata(Serializable):
         cache_metadata: PagedAttentionCacheMetaData,
     ) -> PagedAttentionMetadata:
         """A batch of decodes: sequence ``b`` writes one token at ``positions[b]`` (-1: padding)."""
-        table = _page_ids("page_table", page_table, cache_metadata, ndim=2)
-        pos = integer_array("positions", positions, ndim=1, lo=PAD_POSITION, hi=_max_tokens(cache_metadata) - 1,
+        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2)
+        pos = integer_array("positions", positions, ndim=1, lo=PAD_POSITION, hi=checks.max_tokens(cache_metadata) - 1,
                             hint="a token's index in its sequence, -1 for padding")
         if table.shape[0] != pos.shape[0]:
             raise ValueError(
                 f"page_table has {table.shape[0]} rows but positions has {pos.shape[0]} entries; "
                 "give one position per sequence (-1 for padding rows)"
             )
-        _check_pages_assigned(table, pos[:, None], cache_metadata.page_size)
-        check_distinct_slots(_host_slots(table, pos[:, None], cache_metadata.page_size), "decode")
-        return cls(decodes_position=pos, decodes_page_table=table)
+        end_pages = (pos + cache_metadata.page_size) // cache_metadata.page_size  # 0 for padding (-1)
+        rt = cls(decodes_position=pos, decodes_page_table=table)
+        return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode")
 
     @classmethod
     def for_mixed(
@@ -197,8 +209,8 @@ class PagedAttentionMetadata(Serializable):
     ) -> PagedAttentionMetadata:
         """A ragged batch: sequence ``b`` has ``cached_lens[b]`` tokens cached and appends
         ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1)."""
-        table = _page_ids("page_table", page_table, cache_metadata, ndim=2)
-        limit = _max_tokens(cache_metadata)
+        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2)
+        limit = checks.max_tokens(cache_metadata)
         hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
         cached = integer_array("cached_lens", cached_lens, ndim=1, lo=0, hi=limit, hint=hint)
         new = integer_array("new_lens", new_lens, ndim=1, lo=0, hi=limit, hint=hint)
@@ -211,7 +223,7 @@ class PagedAttentionMetadata(Serializable):
             )
         ends = cached.astype(np.int64) + new
         worst = int(np.argmax(ends)) if ends.size else 0
-        _check_extent(int(ends.max(initial=0)), cache_metadata, what=f"sequence {worst}: cached + new")
+        checks.check_extent(int(ends.max(initial=0)), cache_metadata, what=f"sequence {worst}: cached + new")
         needed = -(-ends // cache_metadata.page_size) * (new > 0)
         if np.any(needed > table.shape[1]):
             b = int(np.argmax(needed > table.shape[1]))
@@ -219,14 +231,38 @@ class PagedAttentionMetadata(Serializable):
                 f"sequence {b} reaches {int(ends[b])} tokens, which needs {int(needed[b])} pages, but "
                 f"the page table has only {table.shape[1]} columns; widen the table"
             )
-        meta = build_mixed(
+        rt = build_mixed(
             table, cached, new, page_size=cache_metadata.page_size,
             pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
         )
         rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
-        _check_pages_assigned(table[rows], meta.positions[: rows.size, None], cache_metadata.page_size, rows)
-        check_distinct_slots(meta.slot_mapping, "mixed")
-        return meta
+        return _checked(rt, table, rt.positions[: rows.size, None], needed, cache_metadata, "mixed", rows,
+                        slots=rt.slot_mapping)
+
+
+def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarray, end_pages: np.ndarray,
+             meta: PagedAttentionCacheMetaData, what: str, row_ids: np.ndarray | None = None, *,
+             slots: np.ndarray | None = None) -> PagedAttentionMetadata:
+    """The constructors' last checks, then ``rt`` marked with what they proved.
+
+    ``table`` (rows of in-pool page ids, each row's ``positions`` of new tokens, its sequence
+    ``row_ids``) is read by row ``b`` over its first ``end_pages[b]`` pages. When all of them are
+    assigned the reads are proved (for attention with or without a window) and so is every new
+    token's page; otherwise each new token's page must be assigned (a windowed caller may have
+    released older ones) and attention checks the reads against its window.
+    """
+    reads = checks.reads_assigned(table, end_pages)
+    if reads and meta.page_shards > 1:
+        reads = not checks.bad_read("page_table", table, np.zeros_like(end_pages), end_pages,
+                                    end_pages * meta.page_size - 1, num_pages=meta.num_pages_per_layer,
+                                    page_size=meta.page_size, page_shards=meta.page_shards)
+    if not reads:
+        checks.check_pages_assigned(table if row_ids is None else table[row_ids], positions, meta.page_size, row_ids)
+    if slots is None:
+        slots = checks.host_slots(table, positions, meta.page_size)
+    check_distinct_slots(slots, what)
+    return mark_checked(rt, HostChecked(num_pages=meta.num_pages_per_layer, page_size=meta.page_size, reads=reads,
+                                        page_shards=meta.page_shards))
 
 
 def build_mixed(
@@ -271,6 +307,96 @@ def build_mixed(
         context_lens=context,
         num_seqs=np.asarray(num_seqs, np.int32),
     )
+
+
+# ---- the one internal form ---------------------------------------------------------------------
+# Each form by the fields a message names: the one whose length is the step's token rows, the
+# positions and the page table. `step_form` is the one place the three forms are told apart.
+FORM_FIELDS: dict[str, dict[str, str]] = {
+    "mixed": {"tokens": "slot_mapping", "positions": "positions", "page_table": "page_table"},
+    "decode": {"tokens": "decodes_position", "positions": "decodes_position", "page_table": "decodes_page_table"},
+    "prefill": {"tokens": "prefill_position", "positions": "prefill_position", "page_table": "prefill_page_table"},
+}
+
+
+def step_form(metadata: Any) -> str:
+    """``"mixed"``, ``"decode"`` or ``"prefill"``; anything else is refused by name."""
+    if not isinstance(metadata, PagedAttentionMetadata):
+        raise ValueError(f"the runtime metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
+    if metadata.is_mixed_mode():
+        return "mixed"
+    if metadata.is_decode_mode():
+        return "decode"
+    if metadata.is_prefill_mode():
+        return "prefill"
+    raise ValueError(
+        "metadata names no step: it is empty (init_empty), or holds both decodes_page_table and "
+        "prefill_page_table; give it one form, slot_mapping (mixed), decodes_page_table (decode) or "
+        "prefill_page_table (prefill), with PagedAttentionMetadata.for_mixed / for_decode / for_prefill"
+    )
+
+
+class MixedStep(NamedTuple):
+    """A step in the one form the write and attention read (see `as_mixed`)."""
+
+    rt: PagedAttentionMetadata  # the mixed form
+    decode_only: bool  # EasyDeL's decode form: query row b is sequence b's one token (a static hint)
+    names: dict[str, str]  # the caller's names of the token, position and page-table fields
+
+
+def as_mixed(metadata: Any, *, page_size: int, num_pages: int | None = None,
+             pages_per_sequence: int | None = None) -> MixedStep:
+    """``metadata`` in the mixed form: EasyDeL's decode form as ``B`` one-token sequences, its
+    prefill form as one sequence of ``prefill_length`` tokens (rows past it are padding).
+
+    Works on numpy arrays (host results stay numpy and keep their dtype, so value checks see
+    what the caller passed) and on jax arrays, inside jit too. Slots of the converted forms come
+    from `slots_from_table` against ``num_pages`` and ``pages_per_sequence``: a token past the
+    table or on a page outside the pool gets ``INVALID_SLOT``. The static structure of EasyDeL's
+    fields (integer arrays, shapes that agree) is checked here, always; a host
+    ``prefill_length`` must lie in ``0 .. padded length``. A validated constructor's mark
+    carries over to the result.
+    """
+    form = step_form(metadata)
+    names = FORM_FIELDS[form]
+    if form == "mixed":
+        return MixedStep(metadata, False, names)
+    md = metadata
+    if form == "decode":
+        checks.int_field("decodes_position", md.decodes_position, ndim=1)
+        checks.int_field("decodes_page_table", md.decodes_page_table, ndim=2)
+        pos, table = md.decodes_position, md.decodes_page_table
+        batch = checks.shape_of(pos)[0]
+        if checks.shape_of(table)[0] != batch:
+            raise ValueError(f"metadata.decodes_page_table has {checks.shape_of(table)[0]} rows but "
+                             f"decodes_position has {batch} entries")
+        xp = array_module(pos, table)
+        pos, table = xp.asarray(pos), xp.asarray(table)
+        owner_table = table
+        qsl = xp.arange(batch + 1, dtype=np.int32)
+        context = xp.where(pos >= 0, pos + 1, 0)
+        num = batch
+    else:
+        checks.int_field("prefill_length", md.prefill_length, shape=())
+        checks.int_field("prefill_position", md.prefill_position, ndim=1)
+        checks.int_field("prefill_page_table", md.prefill_page_table, ndim=1)
+        padded = checks.shape_of(md.prefill_position)[0]
+        if checks.is_host(md.prefill_length) and not 0 <= int(md.prefill_length) <= padded:
+            raise ValueError(f"metadata.prefill_length={int(md.prefill_length)} is outside 0..{padded} (the padded "
+                             "chunk)")
+        xp = array_module(md.prefill_length, md.prefill_position, md.prefill_page_table)
+        length = xp.clip(xp.asarray(md.prefill_length), 0, padded)
+        pos = xp.where(xp.arange(padded) < length, xp.asarray(md.prefill_position), PAD_POSITION)
+        table = xp.asarray(md.prefill_page_table)[None]
+        owner_table = xp.broadcast_to(table, (padded, table.shape[1]))
+        qsl = xp.stack([xp.zeros((), length.dtype), length]).astype(np.int32)
+        context = (xp.max(pos, initial=PAD_POSITION) + 1)[None]
+        num = 1
+    slots = slots_from_table(owner_table, pos, page_size=page_size, num_pages=num_pages,
+                             pages_per_sequence=pages_per_sequence)
+    rt = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
+                                context_lens=context, num_seqs=np.asarray(num, np.int32))
+    return MixedStep(checks.carry_mark(metadata, rt), form == "decode", names)
 
 
 def slots_from_table(table: Any, positions: Any, *, page_size: int, num_pages: int | None,
@@ -340,107 +466,3 @@ def array_module(*arrays: Any) -> Any:
     return jnp
 
 
-# ---- validation helpers ----------------------------------------------------------------------
-def _max_tokens(meta: PagedAttentionCacheMetaData) -> int:
-    return meta.num_pages_per_sequence * meta.page_size
-
-
-def _page_ids(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim: int) -> np.ndarray:
-    """A page table (or row): ids in ``-1 .. num_pages - 1``, at most ``num_pages_per_sequence``
-    columns, no physical page twice in one row (the sequence would read or write it twice)."""
-    table = integer_array(name, value, ndim=ndim, lo=PAD_PAGE, hi=meta.num_pages_per_layer - 1,
-                          hint=f"page ids of a pool of {meta.num_pages_per_layer} pages, -1 unassigned")
-    if table.shape[-1] > meta.num_pages_per_sequence:
-        raise ValueError(
-            f"{name} has {table.shape[-1]} pages per sequence but the cache allows "
-            f"num_pages_per_sequence={meta.num_pages_per_sequence}; trim the table"
-        )
-    rows = table.reshape(-1, table.shape[-1])
-    if rows.shape[1] > 1:
-        ordered = np.sort(rows, axis=1)
-        twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-        if twice.any():
-            r = int(np.argmax(twice.any(axis=1)))
-            page = int(ordered[r, 1:][twice[r]][0])
-            where = f"{name}[{r}]" if ndim == 2 else name
-            raise ValueError(f"{where} names page {page} twice; a sequence's pages must be distinct (one "
-                             "physical page cannot hold two of its logical pages)")
-    return table
-
-
-def check_padding(meta: PagedAttentionCacheMetaData, tokens: int, seqs: int, pad_tokens_to: Any,
-                  pad_seqs_to: Any) -> tuple[int | None, int | None]:
-    """Padded token and sequence counts of a step: at least its real ones, at most what one
-    step of this cache can hold (``batch_size`` sequences of ``max_sequences`` tokens)."""
-    most_seqs = max(meta.batch_size, seqs)
-    most_tokens = max(meta.batch_size * _max_tokens(meta), tokens)
-    out = []
-    for name, pad, real, most, what in (("pad_tokens_to", pad_tokens_to, tokens, most_tokens, "tokens"),
-                                        ("pad_seqs_to", pad_seqs_to, seqs, most_seqs, "sequences")):
-        pad = optional_int(name, pad, lo=0, hi=most, hint=f"one step holds at most {most} {what} of this cache")
-        if pad is not None and pad < real:
-            raise ValueError(f"{name}={pad} is below the {real} {'new tokens' if what == 'tokens' else what} of "
-                             f"this step; pass at least {real}")
-        out.append(pad)
-    return out[0], out[1]
-
-
-def _host_slots(table: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
-    """Slots of real tokens given per-row positions (host; pages already checked assigned)."""
-    real = positions >= 0
-    logical = np.where(real, positions // page_size, 0)
-    pages = np.take_along_axis(table, logical, axis=1)
-    return np.where(real, pages.astype(np.int64) * page_size + positions % page_size, PAD_SLOT)
-
-
-def check_distinct_slots(slots: np.ndarray, what: str) -> None:
-    """No two real tokens of one step share a slot: the scatter would keep one and lose the
-    other (two sequences sharing a page they both write, or a crafted table)."""
-    real = np.asarray(slots).reshape(-1)
-    real = real[real >= 0]
-    if real.size > 1:
-        ordered = np.sort(real)
-        twice = ordered[1:] == ordered[:-1]
-        if twice.any():
-            slot = int(ordered[1:][twice][0])
-            raise ValueError(f"two tokens of this {what} step write the same slot {slot}; each token needs its own "
-                             "slot (sequences may share pages they read, never a page they write: copy-on-write "
-                             "first)")
-
-
-def _check_extent(end: int, meta: PagedAttentionCacheMetaData, *, what: str) -> None:
-    limit = meta.num_pages_per_sequence * meta.page_size
-    if end > limit:
-        raise ValueError(
-            f"{what} reaches {end} tokens, beyond num_pages_per_sequence * page_size = {limit}; "
-            "raise max_sequences in the cache metadata or shorten the sequence"
-        )
-
-
-def _check_pages_assigned(
-    table: np.ndarray, positions: np.ndarray, page_size: int, row_ids: np.ndarray | None = None
-) -> None:
-    """Every real token (position >= 0) must land on an assigned page of its row.
-
-    ``row_ids`` names, for the error message, the sequence each row of ``table`` belongs to
-    (default: the row index)."""
-    real = positions >= 0
-    if not np.any(real):
-        return
-    logical = np.where(real, positions // page_size, 0)
-    if np.any(logical >= table.shape[1]):
-        row, col = (int(i) for i in np.argwhere(real & (logical >= table.shape[1]))[0])
-        seq = row if row_ids is None else int(row_ids[row])
-        raise ValueError(
-            f"position {int(positions[row, col])} of row {seq} needs logical page {int(logical[row, col])} "
-            f"but the page table has only {table.shape[1]} columns; widen the table"
-        )
-    pages = np.take_along_axis(table, logical, axis=1)
-    missing = real & (pages == PAD_PAGE)
-    if np.any(missing):
-        row, col = (int(i) for i in np.argwhere(missing)[0])
-        seq = row if row_ids is None else int(row_ids[row])
-        raise ValueError(
-            f"position {int(positions[row, col])} of row {seq} falls on logical page "
-            f"{int(logical[row, col])}, which is unassigned (-1) in the page table; allocate it first"
-        )

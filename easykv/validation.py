@@ -135,6 +135,13 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     return arr.astype(dtype)
 
 
+def page_ids(name: str, value: Any, *, num_pages: int, ndim: int | None = None, pad: str = "for padding") -> np.ndarray:
+    """Host page ids of a pool of ``num_pages``: each in ``0 .. num_pages - 1`` or -1 (``pad``
+    says what -1 means where they are read), as int32."""
+    return integer_array(name, value, ndim=ndim, lo=-1, hi=num_pages - 1,
+                         hint=f"page ids of a pool of {num_pages} pages, -1 {pad}")
+
+
 def _refuse_bools(name: str, items: list | tuple, where: tuple[int, ...], lo: int | None, hi: int | None,
                   hint: str) -> None:
     """numpy reads ``[1, True]`` as ints: find a bool among a list's entries before it does
@@ -222,5 +229,5 @@ def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueEr
 
 __all__ = [
     "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "as_dtype", "boolean", "integer", "integer_array", "non_negative_int",
-    "optional_int", "parse_json", "positive_int", "real", "show",
+    "optional_int", "page_ids", "parse_json", "positive_int", "real", "show",
 ]

@@ -50,6 +50,9 @@ def test_wrong_types_raise_value_errors_not_type_or_attribute_errors(run, tmp_pa
         restore_cache(tmp_path, mesh=mesh, partition_manager=1)
     with pytest.raises(ValueError, match="storage_platform must be None or one of"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm, storage_platform="xx")
+    for bad in (None, "tp", {"tp": 1}):  # used to fail with AttributeError deep in the partition rules
+        with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh or AbstractMesh, got .*create_mesh"):
+            PagedAttentionCacheMetaData.create(bad, 4, 1, 64, 16, 8, 8, 0.9, num_pages_per_layer=64)
 
 
 def test_what_would_change_silently_is_refused(run, tmp_path):

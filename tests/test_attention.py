@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.attention.api import (
+    REFERENCE_OPTIONS,
     paged_attention,
     paged_attention_implementation,
     paged_attention_reference,
@@ -248,7 +249,7 @@ def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     assert np.abs(np.asarray(want, np.float32)[real]).sum(axis=(1, 2)).min() > 0
     layout = page_layout(name)
     if layout is not None:  # the layout is read off the pages' sharding, and the output is head-split
-        assert prepare(q, k, v, md, AttentionOptions(dtype=dtype, **options)).layout == layout
+        assert prepare(q, k, v, md, AttentionOptions(dtype=dtype, **options))[0].layout == layout
         if layout.head_axes:
             assert got.sharding.is_equivalent_to(NamedSharding(layout.mesh, P(None, "tp", None)), 3)
 
@@ -346,10 +347,10 @@ def test_pallas_tpu_wiring_in_interpret_mode():
     table = rng.permutation(16)[:12].reshape(3, 4).astype(np.int32)
     md = PagedAttentionMetadata(decodes_position=np.array([0, 37, -1], np.int32), decodes_page_table=table)
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
-    cfg = prepare(q, k, v, md, AttentionOptions(logit_soft_cap=2.0))
+    cfg, rt = prepare(q, k, v, md, AttentionOptions(logit_soft_cap=2.0))
     assert cfg.implementation == "xla"  # on CPU; force the TPU path below
     with pltpu.force_tpu_interpret_mode():
-        got = run(q, k, v, md, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
+        got = run(q, k, v, rt, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
     assert_close(got, paged_attention_reference(q, k, v, md, logit_soft_cap=2.0), "bfloat16")
     assert not np.asarray(got)[2].any()
 
@@ -382,9 +383,9 @@ def _bad_cases():
     yield (q, k, k, dec), {"pages_per_block": 0}, r"pages_per_block must be a positive int, got 0"
     yield (q, k, k, dec), {"layout": "tp"}, r"layout must be a PageLayout or None, got str"
     yield (q, k, k, {"positions": 1}), {}, r"metadata must be a PagedAttentionMetadata, got dict"
-    yield (q, k, k, PagedAttentionMetadata()), {}, r"metadata names no attention mode"
+    yield (q, k, k, PagedAttentionMetadata()), {}, r"metadata names no step: it is empty \(init_empty\)"
     # decode
-    yield (q[:5], k, k, dec), {}, r"decode q has 5 rows but metadata.decodes_position has 6 sequences"
+    yield (q[:5], k, k, dec), {}, r"q has 5 rows but metadata.decodes_position has 6; give one query row per token"
     yield (q, k, k, dec.replace(decodes_page_table=t[:5])), {}, r"decodes_page_table has 5 rows but decodes_position has 6"
     yield (q, k, k, dec.replace(decodes_position=dec.decodes_position.astype(np.float32))), {}, r"decodes_position must hold integers, got dtype float32"
     bad = t.copy()
@@ -397,10 +398,10 @@ def _bad_cases():
     yield (q, k, k, dec.replace(decodes_position=np.array([0, 3, -2, 1, 1, 1], np.int32))), {}, r"decodes_position\[2\] = -2"
     # prefill
     qp = np.zeros((10, 8, D), np.float32)
-    yield (qp[:9], k, k, pre), {}, r"prefill q has 9 rows but metadata.prefill_position has 10"
+    yield (qp[:9], k, k, pre), {}, r"q has 9 rows but metadata.prefill_position has 10"
     yield (qp, k, k, pre.replace(prefill_length=np.asarray(11, np.int32))), {}, r"prefill_length=11 is outside 0..10"
     # mixed
-    yield (qm[:13], k, k, mix), {}, r"mixed q has 13 rows but metadata.positions has 14 tokens"
+    yield (qm[:13], k, k, mix), {}, r"q has 13 rows but metadata.positions has 14"
     yield (qm, k, k, mix.replace(query_start_loc=mix.query_start_loc[:-1])), {}, r"query_start_loc needs 7 entries and context_lens 6; got 6 and 6"
     yield (qm, k, k, mix.replace(num_seqs=np.asarray(7, np.int32))), {}, r"num_seqs=7 is outside 0..6"
     yield (qm, k, k, mix.replace(query_start_loc=np.array([0, 3, 2, 10, 11, 11, 11], np.int32))), {}, r"query_start_loc \[0, 3, 2, .*\] must start at 0, never decrease"
@@ -447,7 +448,12 @@ def test_entry_point_keywords_are_the_options():
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
 
     assert keywords(paged_attention) == fields
-    assert set(keywords(paged_attention_reference)) <= set(fields)
+    assert set(REFERENCE_OPTIONS) < {name for name, _ in fields}
+    q, k = np.zeros((1, 2, D), np.float32), np.zeros((2, PAGES, PS, D), np.float32)
+    md = PagedAttentionMetadata(decodes_position=np.zeros(1, np.int32), decodes_page_table=np.zeros((1, 1), np.int32))
+    for name in ("layout", "implementation", "query_block", "scael"):
+        with pytest.raises(ValueError, match=rf"takes the options scale, sliding_window, logit_soft_cap, dtype; got {name}"):
+            paged_attention_reference(q, k, k, md, **{name: None})
 
 
 def test_equal_options_hash_equal_and_reuse_one_compile():

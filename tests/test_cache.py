@@ -264,7 +264,7 @@ def test_gather_kv_reads_only_the_pages_it_needs_and_checks_them():
     before = snapshot(cache)
     with pytest.raises(ValueError, match=r"page_table_row\[1\] = -1 is unassigned but is needed for length=6"):
         gather_kv(cache, 0, [17, -1, 3], 6)
-    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is out of range \(valid: -1\.\.23\)"):
+    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is out of range \(valid: -1\.\.23; page ids of a pool of 24 pages, -1 unassigned\)"):
         gather_kv(cache, 0, [24], 2)
     with pytest.raises(ValueError, match=r"length=9 needs 3 pages but page_table_row has 2"):
         gather_kv(cache, 0, [17, 2], 9)

@@ -30,16 +30,13 @@ from checkpoint_helpers import (
     write_step,
 )
 from easykv.storage.cache import gather_kv
-from easykv.checkpoint.checkpointer import (
-    CacheCheckpointer,
+from easykv.errors import (
     CheckpointIntegrityError,
     CheckpointMismatchError,
     NotACheckpointError,
     StepNotFoundError,
-    list_steps,
-    restore_cache,
-    save_cache,
 )
+from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache
 from easykv.checkpoint.integrity import (
     LEGACY_FINGERPRINT_ALGORITHM,
     _cell_crcs_device,

@@ -31,15 +31,10 @@ from checkpoint_helpers import (
     write_manager,
     write_record,
 )
-from easykv.checkpoint.checkpointer import (
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    restore_cache,
-    save_cache,
-)
+from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.checkpoint.record import RECORD_SEAL
 from easykv.cli import main
-from easykv.errors import CheckpointError
+from easykv.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 from easykv.checkpoint.inspect import inspect_checkpoint
 
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.

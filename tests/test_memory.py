@@ -7,13 +7,8 @@ import os
 import jax
 import pytest
 
-from easykv.spec.memory import (
-    HostMemory,
-    MemoryBudget,
-    MemoryUnavailableError,
-    device_memory_budget,
-    read_host_memory,
-)
+from easykv.errors import MemoryUnavailableError
+from easykv.spec.memory import HostMemory, MemoryBudget, device_memory_budget, read_host_memory
 
 GIB = 2**30
 

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from easykv.distributed import MultiProcessError, launch_local
+from easykv.errors import MultiProcessError
+from easykv.distributed import launch_local
 
 HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "multihost" / "worker.py")

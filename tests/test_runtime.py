@@ -11,7 +11,7 @@ import pytest
 
 from easykv import PAD_SLOT, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.runtime import INVALID_SLOT
-from easykv.storage.writes import token_slots
+from easykv.runtime import as_mixed
 
 META = PagedAttentionCacheMetaData(
     batch_size=4, num_hidden_layers=1, num_pages_per_layer=12, num_pages_per_sequence=4,
@@ -21,6 +21,11 @@ META = PagedAttentionCacheMetaData(
 
 def slots_of(md):
     return np.asarray(token_slots(md, page_size=4, num_pages=12, pages_per_sequence=4))
+
+
+def token_slots(md, **pool):
+    """The slots a write reads: the mixed form's (EasyDeL's forms converted by as_mixed)."""
+    return as_mixed(md, **pool).rt.slot_mapping
 
 
 def eq(a, b):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from easykv.spec.serialization import Serializable, SerializationError
+from easykv.errors import SerializationError
+from easykv.spec.serialization import Serializable
 
 
 @dataclass(frozen=True)

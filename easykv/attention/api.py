@@ -85,8 +85,8 @@ def paged_attention(
       ``q.shape`` in ``q.dtype``; padding rows are zeros.
     """
     options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
-    cfg = prepare(q, key_pages, value_pages, metadata, options)
-    return run(q, key_pages, value_pages, metadata, cfg=cfg)
+    cfg, rt = prepare(q, key_pages, value_pages, metadata, options)
+    return run(q, key_pages, value_pages, rt, cfg=cfg)
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
@@ -111,38 +111,40 @@ def paged_attention_implementation(
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
-    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options)).implementation
+    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options))[0].implementation
 
 
 def paged_attention_reference(
-    q: Any,
-    key_pages: Any,
-    value_pages: Any,
-    metadata: PagedAttentionMetadata,
-    *,
-    scale: float | None = None,
-    sliding_window: int | None = None,
-    logit_soft_cap: float | None = None,
-    dtype: Any = None,
+    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, **options: Any
 ) -> jax.Array:
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
-    with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving."""
-    # First statement (locals() holds the arguments only). The reference runs unsplit (no layout)
-    # and has no kernel choice.
-    options = AttentionOptions.from_arguments(locals(), implementation="xla")
-    cfg = prepare(q, key_pages, value_pages, metadata, options, infer_layout=False)
-    return dense_reference(q, key_pages, value_pages, metadata, cfg=cfg)
+    with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving.
+
+    ``options``: :func:`paged_attention`'s ``scale``, ``sliding_window``, ``logit_soft_cap`` and
+    ``dtype``. The reference runs unsplit and unblocked, with no kernel choice, so the others
+    are refused."""
+    unknown = sorted(set(options) - set(REFERENCE_OPTIONS))
+    if unknown:
+        raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "
+                         f"{', '.join(unknown)}")
+    cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options, implementation="xla"),
+                      infer_layout=False)
+    return dense_reference(q, key_pages, value_pages, rt, cfg=cfg)
+
+
+REFERENCE_OPTIONS = ("scale", "sliding_window", "logit_soft_cap", "dtype")
 
 
 # ---- the computation ----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
+def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
+    """The checked call: ``rt`` in the mixed form, ``cfg`` from `checks.prepare`."""
     q = jnp.asarray(q)
     # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
     # on its leading (kv head, page) axes.
     kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
-    rows = query_rows(metadata, cfg.mode, q.shape[0])
+    rows = query_rows(rt, q.shape[0])
     layout = cfg.layout
     if cfg.implementation == "pallas_tpu":
         local = partial(pallas_decode_local, cfg=cfg)
@@ -169,6 +171,7 @@ def run(q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetada
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "REFERENCE_OPTIONS",
     "paged_attention",
     "paged_attention_implementation",
     "paged_attention_reference",

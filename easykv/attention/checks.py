@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages
-from easykv.runtime import PagedAttentionMetadata
+from easykv.runtime import PagedAttentionMetadata, as_mixed, step_form
+from easykv.runtime_checks import check_step, dtype_of, shape_of
 
 
 # Default block sizes of the XLA path (measured on XLA:CPU, see benchmarks/bench_attention.py):
@@ -36,7 +37,7 @@ class Config:
     :class:`AttentionOptions` resolved against its pages and metadata (defaults filled in, the
     layout and implementation chosen), built by :func:`prepare`."""
 
-    mode: str  # "decode" | "prefill" | "mixed"
+    decode_only: bool  # EasyDeL's decode form: query row b is sequence b's one token
     dtype: np.dtype  # logical dtype of the pages
     scale: float
     window: int | None
@@ -57,35 +58,6 @@ def view_pages(view: Any) -> tuple[Any, Any]:
             f"{type(view).__name__}"
         )
     return view.key_pages, view.value_pages
-
-
-def _mode(metadata: Any) -> str:
-    if not isinstance(metadata, PagedAttentionMetadata):
-        raise ValueError(f"metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
-    if metadata.is_mixed_mode():
-        return "mixed"
-    if metadata.is_decode_mode():
-        return "decode"
-    if metadata.is_prefill_mode():
-        return "prefill"
-    raise ValueError(
-        "metadata names no attention mode: it needs decodes_page_table (decode), "
-        "prefill_page_table (prefill) or slot_mapping (mixed), and only one of them; build it "
-        "with PagedAttentionMetadata.for_decode / for_prefill / for_mixed"
-    )
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(int(d) for d in np.shape(x))
-
-
-def _dtype_of(x: Any) -> np.dtype:
-    dt = getattr(x, "dtype", None)  # arrays and tracers: never pull values to the host
-    return np.dtype(dt) if dt is not None else np.asarray(x).dtype
-
-
-def _is_host(*xs: Any) -> bool:
-    return all(isinstance(x, (np.ndarray, np.generic, int)) for x in xs)
 
 
 def _logical_dtype(dtype: np.dtype | None, stored: np.dtype) -> np.dtype:
@@ -144,15 +116,17 @@ def prepare(
     options: AttentionOptions,
     *,
     infer_layout: bool = True,
-) -> Config:
+) -> tuple[Config, PagedAttentionMetadata]:
     """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
-    their own when built); return the static config, the options resolved against the pages.
+    their own when built); return the static config, the options resolved against the pages,
+    and the metadata in the mixed form (`runtime.as_mixed`). Host values a validated
+    constructor already checked against this pool are not checked again.
     ``infer_layout=False``: no layout is read off the pages' sharding (the dense reference)."""
     # -- q and pages -----------------------------------------------------------------------------
-    qs = _shape(q)
+    qs = shape_of(q)
     if len(qs) != 3:
         raise ValueError(f"q must be (tokens, num_q_heads, head_dim), got shape {qs}")
-    q_dtype = _dtype_of(q)
+    q_dtype = dtype_of(q)
     if q_dtype.name not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
     quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
@@ -168,7 +142,7 @@ def prepare(
         )
     if ks != vs:
         raise ValueError(f"key_pages has shape {ks} but value_pages has shape {vs}; they must match")
-    k_dtype, v_dtype = _dtype_of(stored_pages(key_pages)), _dtype_of(stored_pages(value_pages))
+    k_dtype, v_dtype = dtype_of(stored_pages(key_pages)), dtype_of(stored_pages(value_pages))
     if k_dtype != v_dtype:
         raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
     num_kv_heads, num_pages, page_size, head_dim = ks
@@ -210,17 +184,16 @@ def prepare(
             layout = None
 
     # -- metadata --------------------------------------------------------------------------------
-    mode = _mode(metadata)
-    _check_metadata(
-        mode, metadata, tokens=tokens, num_pages=num_pages, page_size=page_size, layout=layout, window=window
-    )
+    step = as_mixed(metadata, page_size=page_size, num_pages=num_pages)
+    check_step(step.rt, step.names, tokens=tokens, num_pages=num_pages, page_size=page_size,
+               page_shards=1 if layout is None else layout.page_shards, window=window)
 
     cfg = Config(
-        mode=mode, dtype=logical, scale=float(scale), window=window, cap=options.logit_soft_cap, layout=layout,
-        implementation="xla", block_pages=block_pages, query_block=qblock,
+        decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, cap=options.logit_soft_cap,
+        layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, stored_pages(key_pages)))
+    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, stored_pages(key_pages)), step_form(metadata))
     if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
         why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
     if options.implementation == "pallas_tpu":
@@ -229,15 +202,15 @@ def prepare(
         cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
     elif options.implementation == "auto" and not why_not:
         cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
-    return cfg
+    return cfg, step.rt
 
 
-def _pallas_unfit(cfg: Config, stored: np.dtype, head_dim: int, platform: str) -> str:
+def _pallas_unfit(cfg: Config, stored: np.dtype, head_dim: int, platform: str, form: str) -> str:
     """Why the Pallas TPU kernel cannot take this call ('' when it can)."""
     if platform != "tpu":
         return f"it runs on TPU only and the pages are on {platform}"
-    if cfg.mode != "decode":
-        return f"it serves decode only, this is {cfg.mode} metadata"
+    if not cfg.decode_only:
+        return f"it serves decode only (EasyDeL's decode form), this is {form} metadata"
     if cfg.window is not None:
         return "it has no sliding window"
     if stored != cfg.dtype or cfg.dtype.name not in ("bfloat16", "float32"):
@@ -249,150 +222,6 @@ def _pallas_unfit(cfg: Config, stored: np.dtype, head_dim: int, platform: str) -
     return ""
 
 
-def _int_array(name: str, x: Any, shape: tuple[int, ...] | None = None, ndim: int | None = None) -> None:
-    s = _shape(x)
-    if shape is not None and s != shape:
-        raise ValueError(f"metadata.{name} must have shape {shape}, got {s}")
-    if ndim is not None and len(s) != ndim:
-        raise ValueError(f"metadata.{name} must have {ndim} dimension(s), got shape {s}")
-    dt = _dtype_of(x)
-    if not np.issubdtype(dt, np.integer):
-        raise ValueError(f"metadata.{name} must hold integers, got dtype {dt.name}")
-
-
-def _check_metadata(
-    mode: str, md: PagedAttentionMetadata, *, tokens: int, num_pages: int, page_size: int,
-    layout: PageLayout | None, window: int | None,
-) -> None:  # fmt: skip
-    """Shapes always; values when they are host (numpy) arrays."""
-    rows = dict(num_pages=num_pages, page_size=page_size, layout=layout, window=window)
-    if mode == "decode":
-        _int_array("decodes_position", md.decodes_position, ndim=1)
-        _int_array("decodes_page_table", md.decodes_page_table, ndim=2)
-        batch = _shape(md.decodes_position)[0]
-        if batch != tokens:
-            raise ValueError(f"decode q has {tokens} rows but metadata.decodes_position has {batch} sequences")
-        if _shape(md.decodes_page_table)[0] != batch:
-            raise ValueError(
-                f"metadata.decodes_page_table has {_shape(md.decodes_page_table)[0]} rows but "
-                f"decodes_position has {batch} entries"
-            )
-        if _is_host(md.decodes_position, md.decodes_page_table):
-            pos = np.asarray(md.decodes_position, np.int64)
-            _check_positions("decodes_position", pos)
-            table = np.asarray(md.decodes_page_table, np.int64)
-            _check_rows("decodes_page_table", table, np.arange(batch), pos, **rows)
-    elif mode == "prefill":
-        _int_array("prefill_length", md.prefill_length, shape=())
-        _int_array("prefill_position", md.prefill_position, ndim=1)
-        _int_array("prefill_page_table", md.prefill_page_table, ndim=1)
-        padded = _shape(md.prefill_position)[0]
-        if padded != tokens:
-            raise ValueError(f"prefill q has {tokens} rows but metadata.prefill_position has {padded}")
-        if _is_host(md.prefill_length, md.prefill_position, md.prefill_page_table):
-            length = int(md.prefill_length)
-            if not 0 <= length <= padded:
-                raise ValueError(f"metadata.prefill_length={length} is outside 0..{padded} (the padded chunk)")
-            pos = np.asarray(md.prefill_position, np.int64)[:length]
-            _check_positions("prefill_position", pos)
-            table = np.asarray(md.prefill_page_table, np.int64)[None]
-            _check_rows("prefill_page_table", table, np.zeros(length, np.int64), pos, **rows)
-    else:
-        _int_array("positions", md.positions, ndim=1)
-        _int_array("query_start_loc", md.query_start_loc, ndim=1)
-        _int_array("page_table", md.page_table, ndim=2)
-        _int_array("context_lens", md.context_lens, ndim=1)
-        _int_array("num_seqs", md.num_seqs, shape=())
-        n_tok = _shape(md.positions)[0]
-        if n_tok != tokens:
-            raise ValueError(f"mixed q has {tokens} rows but metadata.positions has {n_tok} tokens")
-        seqs = _shape(md.page_table)[0]
-        if _shape(md.query_start_loc)[0] != seqs + 1 or _shape(md.context_lens)[0] != seqs:
-            raise ValueError(
-                f"metadata.page_table has {seqs} rows, so query_start_loc needs {seqs + 1} entries and "
-                f"context_lens {seqs}; got {_shape(md.query_start_loc)[0]} and {_shape(md.context_lens)[0]}"
-            )
-        arrays = (md.positions, md.query_start_loc, md.page_table, md.context_lens, md.num_seqs)
-        if _is_host(*arrays):
-            pos, qsl, table, ctx = (np.asarray(a, np.int64) for a in arrays[:4])
-            n = int(md.num_seqs)
-            if not 0 <= n <= seqs:
-                raise ValueError(f"metadata.num_seqs={n} is outside 0..{seqs} (the rows of page_table)")
-            if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] > n_tok:
-                raise ValueError(
-                    f"metadata.query_start_loc {qsl.tolist()} must start at 0, never decrease and end "
-                    f"at most at the {n_tok} tokens"
-                )
-            real = int(qsl[n])
-            pos = pos[:real]  # tokens past the real sequences are padding
-            _check_positions("positions", pos)
-            owner = np.searchsorted(qsl[1:], np.arange(real), side="right")
-            last = np.full(seqs, -1, np.int64)
-            np.maximum.at(last, owner, pos)
-            over = last >= ctx
-            if np.any(over):
-                b = int(np.argmax(over))
-                raise ValueError(
-                    f"sequence {b} has a query at position {int(last[b])} but context_lens[{b}] = "
-                    f"{int(ctx[b])}; a query sees keys up to its own position, which must be cached"
-                )
-            _check_rows("page_table", table, owner, pos, **rows)
-
-
-def _check_positions(name: str, pos: np.ndarray) -> None:
-    if np.any(pos < -1):
-        i = int(np.argmax(pos < -1))
-        raise ValueError(f"metadata.{name}[{i}] = {int(pos[i])}; positions are >= 0, or -1 for padding")
-
-
-def _check_rows(
-    name: str, table: np.ndarray, owner: np.ndarray, pos: np.ndarray, *, num_pages: int,
-    page_size: int, layout: PageLayout | None, window: int | None,
-) -> None:  # fmt: skip
-    """Every page holding a key that a query (row ``owner[t]`` of ``table``, at ``pos[t]``;
-    -1: padding) can see must be a page of the pool; with a split pool, of one replica's slice.
-    With a sliding window the pages before the window may be unassigned (-1)."""
-    real = pos >= 0
-    owner, pos = owner[real], pos[real]
-    seqs, width = table.shape
-    hi = np.full(seqs, -1, np.int64)  # last key seen by the row
-    np.maximum.at(hi, owner, pos)
-    lo = np.full(seqs, np.iinfo(np.int64).max, np.int64)  # first key seen by the row
-    np.minimum.at(lo, owner, pos if window is None else np.maximum(pos - window + 1, 0))
-    if window is None:
-        lo = np.minimum(lo, 0)
-    first, end = lo // page_size, (hi + page_size) // page_size  # pages [first, end) are read
-    if np.any(end > width):
-        b = int(np.argmax(end > width))
-        raise ValueError(
-            f"row {b} of metadata.{name} must cover {int(hi[b]) + 1} tokens ({int(end[b])} pages of "
-            f"{page_size}) but the table has only {width} columns"
-        )
-    cols = np.arange(width)[None, :]
-    used = (cols >= first[:, None]) & (cols < end[:, None])
-    bad = used & ((table < 0) | (table >= num_pages))
-    if np.any(bad):
-        b, c = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is not a page of the pool (0..{num_pages - 1}) "
-            f"but row {b} reads it (keys up to position {int(hi[b])})"
-        )
-    if layout is not None and layout.page_shards > 1:
-        per = num_pages // layout.page_shards
-        replica = np.where(used, table // per, -1)
-        home = replica.max(axis=1, keepdims=True)
-        split = used & (replica != home)
-        if np.any(split):
-            b, c = (int(i) for i in np.argwhere(split)[0])
-            other = int(np.argmax(replica[b] == home[b, 0]))
-            raise ValueError(
-                f"row {b} of metadata.{name} uses pages of two data-parallel replicas (page "
-                f"{int(table[b, c])} in slice {int(replica[b, c])}, page {int(table[b, other])} in slice "
-                f"{int(home[b, 0])}; {per} pages per slice); a sequence's pages must stay in one slice"
-            )
-
-
-
 def stored_pages(pages: Any) -> Any:
     """The array whose shape, dtype and sharding describe the pages (values when quantized)."""
     return pages.values if isinstance(pages, QuantizedPages) else pages
@@ -400,8 +229,8 @@ def stored_pages(pages: Any) -> Any:
 
 def _logical_page_shape(pages: Any, head_dim: int) -> tuple[int, ...]:
     if isinstance(pages, QuantizedPages):
-        return _shape(pages.values)[:3] + (head_dim,)
-    return _shape(pages)
+        return shape_of(pages.values)[:3] + (head_dim,)
+    return shape_of(pages)
 
 
 def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int) -> None:
@@ -410,7 +239,7 @@ def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int) -> None:
             raise ValueError(f"{name} is not quantized but the other pages are; pass both as QuantizedPages or neither")
         q = pages.quantizer
         tail, _ = q.value_shape(head_dim)
-        vshape, sshape = _shape(pages.values), _shape(pages.scales)
+        vshape, sshape = shape_of(pages.values), shape_of(pages.scales)
         want_s = vshape[:3] + tuple(q.scale_shape(head_dim))
         if len(vshape) != 3 + len(tail) or vshape[3:] != tuple(tail) or sshape != want_s:
             raise ValueError(

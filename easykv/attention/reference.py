@@ -18,7 +18,8 @@ from easykv.storage.pages import read_pages
 
 @partial(jax.jit, static_argnames=("cfg",))
 def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
-    """Dense masked softmax attention, written independently of the fast path's row layout."""
+    """Dense masked softmax attention over ``md`` (the mixed form), written independently of the
+    fast path's row layout."""
     q = jnp.asarray(q)
     tokens, q_heads, head_dim = q.shape
     every = jnp.arange(cfg.num_pages)
@@ -26,21 +27,12 @@ def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttention
     v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
     kv_heads, num_pages, page_size, _ = k_all.shape
     t = jnp.arange(tokens)
-    if cfg.mode == "decode":
-        seq = t
-        pos = jnp.asarray(md.decodes_position)
-        table = jnp.asarray(md.decodes_page_table)
-    elif cfg.mode == "prefill":
-        seq = jnp.zeros(tokens, jnp.int32)
-        pos = jnp.where(t < md.prefill_length, jnp.asarray(md.prefill_position), -1)
-        table = jnp.asarray(md.prefill_page_table)[None]
-    else:
-        qsl = jnp.asarray(md.query_start_loc)
-        seq = jnp.searchsorted(qsl, t, side="right") - 1  # qsl[seq] <= t < qsl[seq + 1]
-        real = t < qsl[md.num_seqs]
-        seq = jnp.clip(seq, 0, md.page_table.shape[0] - 1)
-        pos = jnp.where(real, jnp.asarray(md.positions), -1)
-        table = jnp.asarray(md.page_table)
+    qsl = jnp.asarray(md.query_start_loc)
+    seq = jnp.searchsorted(qsl, t, side="right") - 1  # qsl[seq] <= t < qsl[seq + 1]
+    real = t < qsl[md.num_seqs]
+    seq = jnp.clip(seq, 0, md.page_table.shape[0] - 1)
+    pos = jnp.where(real, jnp.asarray(md.positions), -1)
+    table = jnp.asarray(md.page_table)
     ids = jnp.clip(table, 0, num_pages - 1)  # (S, P); pages past a sequence's length are masked
     seq_len = ids.shape[1] * page_size
 

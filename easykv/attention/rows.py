@@ -1,7 +1,6 @@
-"""Every metadata form (decode, prefill, mixed) as one shape of runtime input: sequences of query
-rows. ``api.run`` builds :class:`Rows` from the metadata inside jit and hands them, replicated, to
-the per-device paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one
-signature and never look at the metadata's form themselves.
+"""The mixed form of a step (every form becomes it: ``runtime.as_mixed``) as sequences of query
+rows. ``api.run`` builds :class:`Rows` inside jit and hands them, replicated, to the per-device
+paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one signature.
 """
 
 from __future__ import annotations
@@ -24,19 +23,9 @@ class Rows(NamedTuple):
     num_seqs: jax.Array  # () int32: how many of the S sequences are real
 
 
-def query_rows(md: PagedAttentionMetadata, mode: str, tokens: int) -> Rows:
-    """``md`` (of form ``mode``, with ``tokens`` query rows) as :class:`Rows`."""
+def query_rows(md: PagedAttentionMetadata, tokens: int) -> Rows:
+    """``md`` (the mixed form, with ``tokens`` query rows) as :class:`Rows`."""
     i32 = jnp.int32
-    if mode == "decode":
-        pos = jnp.asarray(md.decodes_position, i32)
-        table = jnp.asarray(md.decodes_page_table, i32)
-        starts = jnp.arange(tokens, dtype=i32)
-        return Rows(pos, starts, jnp.ones(tokens, i32), table, jnp.asarray(tokens, i32))
-    if mode == "prefill":
-        length = jnp.asarray(md.prefill_length, i32)
-        pos = jnp.where(jnp.arange(tokens) < length, jnp.asarray(md.prefill_position, i32), -1)
-        table = jnp.asarray(md.prefill_page_table, i32)[None]
-        return Rows(pos, jnp.zeros(1, i32), jnp.minimum(length, tokens)[None], table, jnp.asarray(1, i32))
     qsl = jnp.asarray(md.query_start_loc, i32)
     num = jnp.asarray(md.num_seqs, i32)
     seqs = qsl.shape[0] - 1

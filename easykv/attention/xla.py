@@ -71,7 +71,7 @@ def attend_local(
     heads, local_pages, page_size = stored_pages(kp).shape[:3]
     tokens, q_heads, head_dim = q.shape
     group = q_heads // heads
-    qb = 1 if cfg.mode == "decode" else min(cfg.query_block, max(tokens, 1))
+    qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
     blk = pb * page_size
     f32 = jnp.float32
@@ -135,7 +135,7 @@ def attend_local(
 
     out0 = jnp.zeros((tokens + qb, heads, group, head_dim), f32)
 
-    if cfg.mode == "decode":
+    if cfg.decode_only:
         # One query row per sequence, row b: no query-block loop.
         def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
             row = table[b]

@@ -76,19 +76,14 @@ from easykv.checkpoint.format import (
     list_steps,
     orbax_manager,
 )
-from easykv.checkpoint.integrity import (
-    FINGERPRINT_ALGORITHM,
-    CheckpointError,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    NotACheckpointError,
-    PendingFingerprints,
-    StepNotFoundError,
-)
+from easykv.checkpoint.integrity import FINGERPRINT_ALGORITHM, PendingFingerprints
 from easykv.checkpoint.record import EXTRA_MAX_DEPTH, leaf_role, nest, page_leaves
 from easykv.checkpoint.restore import RestoredCache, restore_cache
 from easykv.checkpoint.writer import WriterLock, write_error
-from easykv.errors import CheckpointLockedError, CheckpointWriteError
+from easykv.errors import (
+    CheckpointError,
+    NotACheckpointError,
+)
 from easykv.manager.state import summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.validation import boolean, optional_int, parse_json
@@ -422,15 +417,8 @@ def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = 
 
 __all__ = [
     "CacheCheckpointer",
-    "CheckpointError",
-    "CheckpointIntegrityError",
-    "CheckpointLockedError",
-    "CheckpointMismatchError",
-    "CheckpointWriteError",
     "FORMAT_VERSION",
-    "NotACheckpointError",
     "RestoredCache",
-    "StepNotFoundError",
     "list_steps",
     "restore_cache",
     "save_cache",

@@ -49,13 +49,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from easykv.checkpoint.integrity import (
-    CheckpointIntegrityError,
-    NotACheckpointError,
-    PendingFingerprints,
-    StepNotFoundError,
-    fingerprints,
-)
+from easykv.errors import CheckpointIntegrityError, NotACheckpointError, StepNotFoundError
+from easykv.checkpoint.integrity import PendingFingerprints, fingerprints
 from easykv.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,

@@ -21,17 +21,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from easykv.checkpoint.format import (
-    checkpoint_path,
-    open_reader,
-    read_manager_state,
-    read_record,
-    resolve_step,
-    restore_arrays,
-    saved_metadata,
-    verify_arrays,
-)
-from easykv.checkpoint.integrity import CheckpointError, CheckpointIntegrityError, StepNotFoundError
+from easykv.checkpoint import format as fmt
+from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
 from easykv.checkpoint.record import is_legacy, legacy_note
 
 
@@ -60,18 +51,18 @@ def _disk_bytes(path: epath.Path) -> int | None:
 def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None) -> int:
     """Re-read every array of ``step`` (one at a time, onto one device) and check its
     fingerprint; returns the number of arrays checked or raises CheckpointIntegrityError."""
-    directory = checkpoint_path(directory)
-    record = read_record(directory, step) if record is None else record
+    directory = fmt.checkpoint_path(directory)
+    record = fmt.read_record(directory, step) if record is None else record
     if record["fingerprint_algorithm"] is None:
         return 0
     device = jax.local_devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    mngr = open_reader(directory, step)
+    mngr = fmt.open_reader(directory, step)
     try:
         for entry in record["arrays"]:
             sds = jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]), sharding=sharding)
-            [arr] = restore_arrays(mngr, step, [(entry, sds)], directory)
-            verify_arrays({**record, "arrays": [entry]}, [arr], step, directory)
+            [arr] = fmt.restore_arrays(mngr, step, [(entry, sds)], directory)
+            fmt.verify_arrays({**record, "arrays": [entry]}, [arr], step, directory)
             del arr
     finally:
         mngr.close()
@@ -92,8 +83,8 @@ def _mesh_line(mesh: dict[str, Any]) -> str:
 def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[str], bool]:
     """The lines of one step and whether it is intact."""
     try:
-        record = read_record(directory, step)
-        meta = saved_metadata(record, step, directory)
+        record = fmt.read_record(directory, step)
+        meta = fmt.saved_metadata(record, step, directory)
     except CheckpointIntegrityError as err:
         return [f"step {step}: DAMAGED — {err}"], False
     except CheckpointError as err:
@@ -130,7 +121,7 @@ def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[s
         return lines, ok
     if mgr:
         try:
-            read_manager_state(directory, step, record)
+            fmt.read_manager_state(directory, step, record)
             lines.append("  verify   manager state matches the record")
         except CheckpointError as err:
             lines.append(f"  verify   DAMAGED: {err}")
@@ -154,8 +145,8 @@ def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
     """(the report `easykv inspect DIR` prints, whether every step is intact)."""
     import orbax.checkpoint as ocp
 
-    directory = checkpoint_path(directory)
-    _, steps = resolve_step(directory, None) if _has_steps(directory) else (None, [])
+    directory = fmt.checkpoint_path(directory)
+    _, steps = fmt.resolve_step(directory, None) if _has_steps(directory) else (None, [])
     partial = sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
     lines = [f"easykv checkpoint {directory}",
              f"  {len(steps)} complete step(s): {', '.join(map(str, steps)) or 'none'}"]
@@ -178,7 +169,7 @@ def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
 def _has_steps(directory: epath.Path) -> bool:
     """Raise for what is not a checkpoint directory; False for one with no complete step yet."""
     try:
-        resolve_step(directory, None)
+        fmt.resolve_step(directory, None)
         return True
     except StepNotFoundError:
         return False

@@ -1,4 +1,4 @@
-"""Integrity of checkpointed pages: the checkpoint errors and a fingerprint per array.
+"""Integrity of checkpointed pages: a fingerprint per array.
 
 orbax keeps no checksum of array data (zarr chunks are written raw), so a flipped byte would
 come back as a wrong K/V value. Every saved array therefore gets a fingerprint, recorded in
@@ -46,16 +46,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 FINGERPRINT_ALGORITHM = "cellcrc32-sha256/1"
 LEGACY_FINGERPRINT_ALGORITHM = "cellsum32-sha256/1"
 KNOWN_FINGERPRINT_ALGORITHMS = (FINGERPRINT_ALGORITHM, LEGACY_FINGERPRINT_ALGORITHM)
-
-
-# Errors live in errors.py with the other typed errors; re-exported here for callers.
-from easykv.errors import (  # noqa: E402
-    CheckpointError,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    NotACheckpointError,
-    StepNotFoundError,
-)
 
 
 # ---- cell checksums -------------------------------------------------------------------------
@@ -224,11 +214,6 @@ __all__ = [
     "FINGERPRINT_ALGORITHM",
     "KNOWN_FINGERPRINT_ALGORITHMS",
     "LEGACY_FINGERPRINT_ALGORITHM",
-    "CheckpointError",
-    "CheckpointIntegrityError",
-    "CheckpointMismatchError",
-    "NotACheckpointError",
     "PendingFingerprints",
-    "StepNotFoundError",
     "fingerprints",
 ]

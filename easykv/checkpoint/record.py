@@ -38,15 +38,11 @@ import jax
 import numpy as np
 from etils import epath
 
-from easykv.checkpoint.integrity import (
-    KNOWN_FINGERPRINT_ALGORITHMS,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-)
+from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
 from easykv.checkpoint.reshard import stored_template
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.errors import SerializationError
+from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.checkpoint.integrity import CheckpointMismatchError
+from easykv.errors import CheckpointMismatchError
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.storage.pages import PageLayout, encode_tokens, from_storage, page_template
 from easykv.quantization import QuantizedPages, get_quantizer

@@ -32,10 +32,7 @@ from easykv.checkpoint.format import (
     saved_metadata,
     verify_arrays,
 )
-from easykv.checkpoint.integrity import (
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-)
+from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.checkpoint.record import is_legacy, legacy_note, page_layers
 from easykv.checkpoint.reshard import (
     check_format,

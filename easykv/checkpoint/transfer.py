@@ -37,11 +37,11 @@ from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport
 from easykv.storage.cache import PagedAttentionCache
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
-from easykv.storage.pages import from_storage, read_pages, run_local, to_storage
+from easykv.storage.pages import from_storage, read_pages, to_storage
 from easykv.manager.prefix_hash import salt_digest
 from easykv.quantization import QuantizedPages
 from easykv.validation import INT32_MAX, boolean, integer, integer_array
-from easykv.storage.writes import scatter_encoded_local  # the encoded-token scatter every write uses
+from easykv.storage.writes import scatter_encoded  # the encoded-token scatter every write uses
 
 
 def _pow2(n: int) -> int:
@@ -150,12 +150,7 @@ def _write_raw(cache: PagedAttentionCache, keys: Any, values: Any, slots: jax.Ar
         new = tuple(
             QuantizedPages(to_storage(part["values"][i], pages.values.dtype), part["scales"][i], pages.quantizer)
             for part, pages in ((keys, kp), (values, vp)))
-        layout = view.layout
-
-        def local(pages: Any, upd: Any, s: jax.Array, layout: Any = layout) -> Any:
-            return scatter_encoded_local(pages, upd, s, layout=layout)
-
-        kp, vp = run_local(local, layout, (kp, vp), new, (slots,), token_major=True)
+        kp, vp = scatter_encoded(kp, vp, *new, slots, layout=view.layout)
         views.append(dataclasses.replace(view, key_pages=kp, value_pages=vp))
     return PagedAttentionCache(tuple(views))
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from easykv.errors import CacheFullError
-from easykv.runtime import PagedAttentionMetadata, build_mixed, check_padding, increment_cache_lengths, stack_metadata
+from easykv.runtime import PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+from easykv.runtime_checks import HostChecked, check_padding, mark_checked
 from easykv.validation import positive_int
 
 
@@ -165,8 +166,8 @@ class _Growth:
         new = self._counts(num_new_tokens, rows.size)
         pad_tokens_to, pad_seqs_to = check_padding(self.metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
         self._reserve(rows, new)
-        return build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32), page_size=self.page_size,
-                           pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
+        return self._proved(build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32),
+                                        page_size=self.page_size, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to))
 
     def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
                               stacked: bool = False) -> list[PagedAttentionMetadata] | PagedAttentionMetadata:
@@ -184,7 +185,15 @@ class _Growth:
         steps = [meta]
         for _ in range(k - 1):
             steps.append(self.increment_cache_lengths(steps[-1]))
-        return stack_metadata(steps) if stacked else steps
+        return stack_metadata(steps) if stacked else [self._proved(m) for m in steps]
+
+    def _proved(self, rt: PagedAttentionMetadata) -> PagedAttentionMetadata:
+        """``rt`` marked as checked: the manager's invariants prove what the constructors check
+        (every page a row reads is its own, assigned and in its replica's slice; a page written
+        this step belongs to one sequence), so the write and attention skip those checks."""
+        meta = self.metadata
+        return mark_checked(rt, HostChecked(num_pages=meta.num_pages_per_layer, page_size=meta.page_size, reads=True,
+                                            page_shards=meta.page_shards))
 
     def increment_cache_lengths(self, metadata: PagedAttentionMetadata) -> PagedAttentionMetadata:
         """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly);

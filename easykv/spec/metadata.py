@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -235,21 +236,12 @@ class PagedAttentionCacheMetaData(Serializable):
         plan = plan_layout(
             mesh, num_kv_heads=num_kv_heads, partition_manager=partition_manager, emit_warnings=True
         )
-        base = dict(
-            batch_size=batch_size,
-            num_hidden_layers=num_hidden_layers,
-            max_sequences=max_sequences,
-            page_size=page_size,
-            num_kv_heads=num_kv_heads,
-            kv_head_dim_size=kv_head_dim_size,
-            hbm_utilization=hbm_utilization,
-            dtype=dtype,
-            quantization=get_quantizer(quantizer).name,
-            kv_head_mesh_axes=plan.kv_head_mesh_axes,
-            kv_head_shards=plan.kv_head_shards,
-            page_mesh_axes=plan.page_mesh_axes,
-            page_shards=plan.page_shards,
-        )
+        model = (batch_size, num_hidden_layers, max_sequences, page_size, num_kv_heads, kv_head_dim_size)
+        base = dict(zip(("batch_size", "num_hidden_layers", "max_sequences", "page_size", "num_kv_heads",
+                         "kv_head_dim_size"), model))
+        base.update(hbm_utilization=hbm_utilization, dtype=dtype, quantization=get_quantizer(quantizer).name,
+                    **{f: getattr(plan, f) for f in ("kv_head_mesh_axes", "kv_head_shards", "page_mesh_axes",
+                                                      "page_shards")})
         for name in ("max_sequences", "page_size"):
             positive_int(name, base[name])
         pages_per_sequence = math.ceil(max_sequences / page_size)
@@ -316,6 +308,9 @@ def plan_layout(
 ) -> LayoutPlan:
     """Resolve the kv-head and page axes against ``mesh``, reporting every adjustment."""
     positive_int("num_kv_heads", num_kv_heads)
+    if not isinstance(getattr(mesh, "shape", None), Mapping):  # Mesh and AbstractMesh map axis -> size
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {show(mesh)}; for one device "
+                         "use sharding.create_mesh({'tp': 1}, devices=jax.devices()[:1])")
     if partition_manager is not None and not isinstance(partition_manager, PartitionManager):
         hint = ""
         if type(partition_manager).__module__.startswith(("eformer", "easydel")):

@@ -125,32 +125,25 @@ def decode_array(data: Any, field: str = "array") -> np.ndarray:
     return np.frombuffer(raw, dtype).reshape(shape).copy()
 
 
-def _encode(f: dataclasses.Field, value: Any) -> Any:
-    codec = f.metadata.get("codec")
-    if value is None:
-        return None
-    if codec == "dtype":
-        return encode_dtype(value, f.name)
-    if codec == "array":
-        return encode_array(value, f.name)
-    if codec not in (None, "tuple"):
-        raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
-    return _to_lists(value)
-
-
-def _decode(f: dataclasses.Field, value: Any) -> Any:
-    codec = f.metadata.get("codec")
-    if value is None:
-        return None
-    if codec == "dtype":
-        return decode_dtype(value, f.name)
-    if codec == "array":
-        return decode_array(value, f.name)
-    if codec == "tuple":
-        return _to_tuples(value)
-    if codec is not None:
-        raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
+def _plain(value: Any, name: str) -> Any:
     return value
+
+
+# codec name (a field's ``metadata["codec"]``) -> (encode, decode), each ``(value, field name)``
+_CODECS = {
+    None: (lambda v, name: _to_lists(v), _plain),
+    "tuple": (lambda v, name: _to_lists(v), lambda v, name: _to_tuples(v)),
+    "dtype": (encode_dtype, decode_dtype),
+    "array": (encode_array, decode_array),
+}
+
+
+def _coded(f: dataclasses.Field, value: Any, direction: int) -> Any:
+    """``value`` of field ``f`` encoded (``direction`` 0) or decoded (1) by its codec."""
+    codec = f.metadata.get("codec")
+    if codec not in _CODECS:
+        raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
+    return None if value is None else _CODECS[codec][direction](value, f.name)
 
 
 class Serializable:
@@ -196,7 +189,7 @@ class Serializable:
         fields = self._init_fields()
         out: dict[str, Any] = {_SCHEMA_KEY: self.SCHEMA, _VERSION_KEY: self.SCHEMA_VERSION}
         for name, f in fields.items():
-            out[name] = _encode(f, getattr(self, name))
+            out[name] = _coded(f, getattr(self, name), 0)
             _check_json_safe(out[name], f"{type(self).__name__}.{name}")
         return out
 
@@ -236,7 +229,7 @@ class Serializable:
         if missing:
             raise SerializationError(
                 f"missing required field(s) {missing} for {cls.__name__}; valid fields: {valid}")
-        return cls(**{n: _decode(fields[n], v) for n, v in data.items()})
+        return cls(**{n: _coded(fields[n], v, 1) for n, v in data.items()})
 
     def to_json(self, **json_kwargs: Any) -> str:
         """``json.dumps(self.to_dict(), **json_kwargs)``; e.g. ``indent=2`` for files."""

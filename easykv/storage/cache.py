@@ -16,7 +16,7 @@ import json
 import math
 import warnings
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,36 @@ from easykv.storage.writes import (
     scatter_kv,
     token_slots,
 )
-from easykv.validation import integer, integer_array
+from easykv.validation import integer, page_ids
 from sharding import PartitionManager, ShardingAdjustedWarning
+
+
+class _EasyDeLForms:
+    """EasyDeL's ``replace`` and dict / JSON forms of the view and the cache (small caches and
+    debugging; the formats are in cache_json.py)."""
+
+    _to_dict: ClassVar[Any]
+    _from_dict: ClassVar[Any]
+
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return type(self)._to_dict(self)
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None) -> Any:
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        return cls._from_dict(cls, data, mesh, partition_manager)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
+                  partition_manager: PartitionManager | None = None) -> Any:
+        return cls.from_dict(cache_json.loads(text, f"the JSON of a {cls.__name__}"), mesh=mesh,
+                             partition_manager=partition_manager)
 
 
 @partial(
@@ -55,7 +83,7 @@ from sharding import PartitionManager, ShardingAdjustedWarning
     meta_fields=["metadata", "layer_index", "layout"],
 )
 @dataclasses.dataclass(eq=False)
-class PagedAttentionCacheView:
+class PagedAttentionCacheView(_EasyDeLForms):
     """One layer's pages.
 
     key_pages, value_pages: (num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size),
@@ -81,15 +109,9 @@ class PagedAttentionCacheView:
         return self.metadata.dtype
 
     @classmethod
-    def init(
-        cls,
-        mesh: Mesh,
-        dtype: Any,
-        metadata: PagedAttentionCacheMetaData,
-        layer_index: int,
-        partition_manager: PartitionManager | None = None,
-        quantizer: str | Quantizer | None = None,
-    ) -> PagedAttentionCacheView:
+    def init(cls, mesh: Mesh, dtype: Any, metadata: PagedAttentionCacheMetaData, layer_index: int,
+             partition_manager: PartitionManager | None = None,
+             quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
         """Allocate one layer's pages directly on the devices of ``mesh``."""
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
@@ -98,27 +120,6 @@ class PagedAttentionCacheView:
         _check_fits(mesh, metadata, layers=1)
         k, v = allocate_pages((template, template), layout)
         return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
-
-    def replace(self, **changes: Any) -> PagedAttentionCacheView:
-        return dataclasses.replace(self, **changes)
-
-    # ---- EasyDeL's dict / JSON forms (small caches and debugging; see cache_json.py) ---------
-    def to_dict(self) -> dict[str, Any]:
-        return cache_json.view_to_dict(self)
-
-    def to_json(self, **json_kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **json_kwargs)
-
-    @classmethod
-    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
-        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
-        return cache_json.view_from_dict(cls, data, mesh, partition_manager)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
-                  partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
-        return cls.from_dict(cache_json.loads(text, f"the JSON of a {cls.__name__}"), mesh=mesh,
-                             partition_manager=partition_manager)
 
     def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -129,7 +130,28 @@ class PagedAttentionCacheView:
     # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
-        slots = check_slots_on_host(slots, self.metadata.tokens_per_layer)  # a list is host data too
+        return self._write(key, value, check_slots_on_host(slots, self.metadata.tokens_per_layer))
+
+    def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position."""
+        if not metadata.is_prefill_mode():
+            raise ValueError("write_prefill_to_cache needs prefill metadata (PagedAttentionMetadata.for_prefill)")
+        return self._write(key, value, token_slots(metadata, self.metadata))
+
+    def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
+        if not metadata.is_decode_mode():
+            raise ValueError("write_decodes_to_cache needs decode metadata (PagedAttentionMetadata.for_decode)")
+        return self._write(key, value, token_slots(metadata, self.metadata))
+
+    def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
+        if not metadata.is_mixed_mode():
+            raise ValueError("write_mixed_to_cache needs mixed metadata (PagedAttentionMetadata.for_mixed)")
+        return self._write(key, value, token_slots(metadata, self.metadata))
+
+    def _write(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+        """``write_tokens`` on slots already checked (host) or bounded in the scatter (device)."""
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
         check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
@@ -139,26 +161,9 @@ class PagedAttentionCacheView:
                                                    layout=self.layout)
         return self
 
-    def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position."""
-        if not metadata.is_prefill_mode():
-            raise ValueError("write_prefill_to_cache needs prefill metadata (PagedAttentionMetadata.for_prefill)")
-        return self.write_tokens(key, value, self._slots(metadata))
 
-    def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
-        if not metadata.is_decode_mode():
-            raise ValueError("write_decodes_to_cache needs decode metadata (PagedAttentionMetadata.for_decode)")
-        return self.write_tokens(key, value, self._slots(metadata))
-
-    def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
-        if not metadata.is_mixed_mode():
-            raise ValueError("write_mixed_to_cache needs mixed metadata (PagedAttentionMetadata.for_mixed)")
-        return self.write_tokens(key, value, metadata.slot_mapping)
-
-    def _slots(self, metadata: PagedAttentionMetadata) -> Any:
-        return _token_slots(metadata, self.metadata)
+PagedAttentionCacheView._to_dict = staticmethod(cache_json.view_to_dict)
+PagedAttentionCacheView._from_dict = staticmethod(cache_json.view_from_dict)
 
 
 class ViewList(list):
@@ -193,7 +198,7 @@ jax.tree_util.register_pytree_node(ViewList, lambda views: (list(views), None), 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["views"], meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
-class PagedAttentionCache:
+class PagedAttentionCache(_EasyDeLForms):
     """All layers' views (``views[i].layer_index == i``), as a list."""
 
     views: list[PagedAttentionCacheView]
@@ -232,27 +237,6 @@ class PagedAttentionCache:
     def __iter__(self):
         return iter(self.views)
 
-    def replace(self, **changes: Any) -> PagedAttentionCache:
-        return dataclasses.replace(self, **changes)
-
-    # ---- EasyDeL's dict / JSON forms (small caches and debugging; see cache_json.py) ---------
-    def to_dict(self) -> dict[str, Any]:
-        return cache_json.cache_to_dict(self)
-
-    def to_json(self, **json_kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **json_kwargs)
-
-    @classmethod
-    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
-        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
-        return cache_json.cache_from_dict(cls, data, mesh, partition_manager)
-
-    @classmethod
-    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
-                  partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
-        return cls.from_dict(cache_json.loads(text, f"the JSON of a {cls.__name__}"), mesh=mesh,
-                             partition_manager=partition_manager)
-
     @classmethod
     def init_empty(cls, *args: Any, **kwargs: Any) -> None:
         """EasyDeL's placeholder: a paged cache is only made by init_cache."""
@@ -288,7 +272,9 @@ class PagedAttentionCache:
         constructors).
         """
         meta = self.metadata
-        slots = check_slots_on_host(_token_slots(metadata, meta), meta.tokens_per_layer)
+        slots = token_slots(metadata, meta)
+        if np.ndim(slots) != 1:
+            raise ValueError(f"metadata.slot_mapping must be 1-D (one per token), got shape {np.shape(slots)}")
         num_tokens = int(np.shape(slots)[0])
         keys = _per_layer(keys, "keys", meta, num_tokens)
         values = _per_layer(values, "values", meta, num_tokens)
@@ -319,13 +305,8 @@ class PagedAttentionCache:
         return _zero_all(self, _page_ids(pages, "pages", self.metadata))
 
 
-def _token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData) -> Any:
-    return token_slots(
-        metadata,
-        page_size=meta.page_size,
-        num_pages=meta.num_pages_per_layer,
-        pages_per_sequence=meta.num_pages_per_sequence,
-    )
+PagedAttentionCache._to_dict = staticmethod(cache_json.cache_to_dict)
+PagedAttentionCache._from_dict = staticmethod(cache_json.cache_from_dict)
 
 
 # One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.
@@ -375,7 +356,7 @@ def gather_kv(
     length = integer("length", length, lo=0, hi=limit, hint=f"static; a sequence holds at most {limit} tokens")
     row = page_table_row
     if not isinstance(row, jax.Array):  # host data: every page it needs checked here
-        row = integer_array("page_table_row", row, ndim=1, lo=-1, hi=meta.num_pages_per_layer - 1)
+        row = page_ids("page_table_row", row, num_pages=meta.num_pages_per_layer, ndim=1, pad="unassigned")
     if np.ndim(row) != 1:
         raise ValueError(f"page_table_row must be 1-D, got shape {np.shape(row)}")
     needed = math.ceil(length / meta.page_size)
@@ -504,8 +485,7 @@ def _page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> Any:
         if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be a 1-D array of integer page ids, got {ids.dtype} of shape {ids.shape}")
         return ids.astype(jnp.int32)
-    return integer_array(name, ids, ndim=1, lo=-1, hi=meta.num_pages_per_layer - 1,
-                         hint=f"page ids of a pool of {meta.num_pages_per_layer} pages, -1 for padding")
+    return page_ids(name, ids, num_pages=meta.num_pages_per_layer, ndim=1)
 
 
 __all__ = ["PagedAttentionCache", "PagedAttentionCacheView", "gather_kv"]

@@ -18,34 +18,20 @@ import numpy as np
 
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout, encode_tokens, run_local
-from easykv.validation import integer_array
-from easykv.runtime import (
-    PAD_SLOT,
-    PagedAttentionMetadata,
-    array_module,
-    check_distinct_slots,
-    slots_from_table,
-)
+from easykv.runtime import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
+from easykv.runtime_checks import check_slots, host_checked
 
-def token_slots(
-    metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int, pages_per_sequence: int | None = None
-) -> Any:
-    """The slot of every token row a write with ``metadata`` receives, shape (num_tokens,)."""
-    if not isinstance(metadata, PagedAttentionMetadata):
-        raise ValueError(f"the runtime metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
-    if metadata.is_mixed_mode():
-        return metadata.slot_mapping
-    if metadata.is_decode_mode():
-        return slots_from_table(metadata.decodes_page_table, metadata.decodes_position, page_size=page_size,
-                                num_pages=num_pages, pages_per_sequence=pages_per_sequence)
-    if metadata.is_prefill_mode():
-        xp = array_module(metadata.prefill_position, metadata.prefill_page_table, metadata.prefill_length)
-        pos = metadata.prefill_position
-        pos = xp.where(xp.arange(pos.shape[0]) < metadata.prefill_length, pos, -1)
-        table = xp.broadcast_to(metadata.prefill_page_table, (pos.shape[0],) + metadata.prefill_page_table.shape)
-        return slots_from_table(table, pos, page_size=page_size, num_pages=num_pages,
-                                pages_per_sequence=pages_per_sequence)
-    raise ValueError("the PagedAttentionMetadata is empty (init_empty): it names no tokens to write")
+
+def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData) -> Any:
+    """The slot of every token row a write with ``metadata`` receives, shape (num_tokens,),
+    checked on the host (numpy) unless a validated constructor already checked them against
+    this pool; device slots pass through (their bad ones are dropped and counted in the write)."""
+    rt = as_mixed(metadata, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
+                  pages_per_sequence=meta.num_pages_per_sequence).rt
+    mark = host_checked(rt)
+    if mark is not None and (mark.num_pages, mark.page_size) == (meta.num_pages_per_layer, meta.page_size):
+        return rt.slot_mapping
+    return check_slots_on_host(rt.slot_mapping, meta.tokens_per_layer)
 
 
 def count_dropped(slots: Any, capacity: int) -> Any:
@@ -55,22 +41,9 @@ def count_dropped(slots: Any, capacity: int) -> Any:
 
 
 def check_slots_on_host(slots: Any, capacity: int) -> Any:
-    """Host (numpy) slots checked before anything is written: integers, each a slot of the pool
-    or padding, no slot twice. Returns them as int32; device arrays pass through (their bad
-    slots are dropped and counted inside the write)."""
-    if isinstance(slots, jax.Array):
-        return slots
-    slots = integer_array("slots", slots, ndim=1, lo=None, hi=None, dtype=np.int64)
-    bad = (slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(
-            f"token {i} would be written to slot {int(slots[i])}, outside the pool's {capacity} "
-            "slots (its page is unassigned, outside the pool, or past the page table); "
-            "nothing was written — assign pages before writing"
-        )
-    check_distinct_slots(slots, "write")
-    return slots.astype(np.int32)
+    """Host slots (a list or numpy array) checked before anything is written (see
+    `runtime_checks.check_slots`) and returned as int32; device arrays pass through."""
+    return slots if isinstance(slots, jax.Array) else check_slots(slots, capacity)
 
 
 def check_new_tokens(
@@ -129,9 +102,17 @@ def scatter_kv(
     Each device writes only into its own shard: the new tokens are split by kv head like the
     pages, and each page slice keeps the slots that fall inside it.
     """
-    new = (encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages))
+    new_k, new_v = encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages)
+    return scatter_encoded(key_pages, value_pages, new_k, new_v, slots, layout=layout)
+
+
+def scatter_encoded(key_pages: Any, value_pages: Any, new_k: Any, new_v: Any, slots: Any, *,
+                    layout: PageLayout | None) -> tuple[Any, Any]:
+    """`scatter_kv` of tokens already in the pages' storage form (``encode_tokens``, or a
+    quantized sequence's raw codes and scales), each device into its own shard."""
 
     def local(pages: Any, upd: Any, s: jax.Array) -> Any:
         return scatter_encoded_local(pages, upd, s, layout=layout)
 
-    return run_local(local, layout, (key_pages, value_pages), new, (jnp.asarray(slots, jnp.int32),), token_major=True)
+    return run_local(local, layout, (key_pages, value_pages), (new_k, new_v), (jnp.asarray(slots, jnp.int32),),
+                     token_major=True)

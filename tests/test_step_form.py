@@ -1,0 +1,214 @@
+"""One internal step form, host values checked once.
+
+* `as_mixed` turns EasyDeL's decode and prefill forms into the mixed form with exact fields on
+  tiny cases, and the write and attention give the same results from either form;
+* a validated constructor or the page manager marks what it proved: the write and attention do
+  not run those value checks again (asserted by counting calls of the checks), the marked
+  arrays are read-only, and anything that could make the mark stale (a replace, a JSON round
+  trip, an array made writable again, another pool) brings the checks back;
+* a table with a page released before the window (a windowed caller) is not marked as read-safe:
+  attention with that window accepts it, attention without one refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from easykv import PagedAttentionCacheMetaData, PagedAttentionMetadata, PageManager
+from easykv.attention import checks as attention_checks
+from easykv.attention.api import paged_attention, paged_attention_reference
+from easykv.runtime import INVALID_SLOT, PAD_SLOT, as_mixed, step_form
+from easykv import runtime_checks
+from easykv.runtime_checks import host_checked
+from easykv.storage import writes
+from easykv.storage.writes import token_slots
+
+META = PagedAttentionCacheMetaData(
+    batch_size=4, num_hidden_layers=1, num_pages_per_layer=12, num_pages_per_sequence=4,
+    max_sequences=16, page_size=4, num_kv_heads=2, kv_head_dim_size=8, hbm_utilization=0.9,
+)  # fmt: skip
+OTHER_POOL = dataclasses.replace(META, num_pages_per_layer=16)
+
+
+def fields(rt):
+    return {f.name: np.asarray(getattr(rt, f.name)).tolist() for f in dataclasses.fields(rt)}
+
+
+def test_decode_form_as_mixed_exact():
+    md = PagedAttentionMetadata(decodes_position=np.array([5, -1, 0], np.int32),
+                                decodes_page_table=np.array([[3, 7, -1], [-1, -1, -1], [11, -1, -1]], np.int32))
+    step = as_mixed(md, page_size=4, num_pages=12)
+    assert step.decode_only and step.names["page_table"] == "decodes_page_table"
+    got = fields(step.rt)
+    assert got["slot_mapping"] == [29, PAD_SLOT, 44]  # page 7 offset 1; padding; page 11 offset 0
+    assert got["positions"] == [5, -1, 0]
+    assert got["query_start_loc"] == [0, 1, 2, 3]
+    assert got["page_table"] == [[3, 7, -1], [-1, -1, -1], [11, -1, -1]]
+    assert got["context_lens"] == [6, 0, 1]
+    assert got["num_seqs"] == 3
+    assert step_form(step.rt) == "mixed"
+
+
+def test_prefill_form_as_mixed_exact():
+    md = PagedAttentionMetadata(prefill_length=np.asarray(5, np.int32),
+                                prefill_position=np.array([2, 3, 4, 5, 6, 7, -1], np.int32),
+                                prefill_page_table=np.array([9, 1], np.int32))
+    step = as_mixed(md, page_size=4, num_pages=12)
+    assert not step.decode_only and step.names["positions"] == "prefill_position"
+    got = fields(step.rt)
+    assert got["positions"] == [2, 3, 4, 5, 6, -1, -1]  # rows past prefill_length are padding
+    assert got["slot_mapping"] == [38, 39, 4, 5, 6, PAD_SLOT, PAD_SLOT]
+    assert got["query_start_loc"] == [0, 5] and got["page_table"] == [[9, 1]]
+    assert got["context_lens"] == [7] and got["num_seqs"] == 1
+    # inside jit, with a bad page: the slot is invalid, never another page
+    traced = jax.jit(lambda m: as_mixed(m, page_size=4, num_pages=12).rt.slot_mapping)(
+        md.replace(prefill_page_table=jnp.array([9, 12], jnp.int32)))
+    assert np.asarray(traced).tolist() == [38, 39, INVALID_SLOT, INVALID_SLOT, INVALID_SLOT, PAD_SLOT, PAD_SLOT]
+
+
+def test_bad_prefill_length_is_refused_by_the_write_and_attention_alike():
+    md = PagedAttentionMetadata(prefill_length=np.asarray(4, np.int32),
+                                prefill_position=np.arange(3, dtype=np.int32),
+                                prefill_page_table=np.array([9], np.int32))
+    with pytest.raises(ValueError, match=r"metadata.prefill_length=4 is outside 0..3 \(the padded chunk\)"):
+        token_slots(md, META)
+    q, k = np.zeros((3, 2, 8), np.float32), np.zeros((2, 12, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=r"metadata.prefill_length=4 is outside 0..3"):
+        paged_attention(q, k, k, md)
+
+
+def _random_pages(rng):
+    return (rng.standard_normal((2, 12, 4, 8)).astype(np.float32) for _ in range(2))
+
+
+@pytest.mark.parametrize("form", ["decode", "prefill"])
+def test_easydel_forms_attend_and_write_like_their_mixed_form(form):
+    rng = np.random.default_rng(5)
+    k, v = _random_pages(rng)
+    table = rng.permutation(12)[:8].reshape(2, 4).astype(np.int32)
+    if form == "decode":
+        md = PagedAttentionMetadata.for_decode(table, [13, 6], cache_metadata=META)
+    else:
+        md = PagedAttentionMetadata.for_prefill(table[0], 7, start=3, padded_length=9, cache_metadata=META)
+    mixed = as_mixed(md, page_size=4, num_pages=12).rt
+    q = rng.standard_normal((md.num_tokens, 4, 8)).astype(np.float32)
+    got, via_mixed = paged_attention(q, k, v, md), paged_attention(q, k, v, mixed)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(via_mixed))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(paged_attention_reference(q, k, v, md)), atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(token_slots(md, META)), np.asarray(token_slots(mixed, META)))
+
+
+def _counting(monkeypatch):
+    """Count the value checks attention and the write run."""
+    calls = {"attention": 0, "write": 0}
+    real_read, real_slots = runtime_checks.bad_read, writes.check_slots
+
+    def read(*args, **kwargs):
+        calls["attention"] += 1
+        return real_read(*args, **kwargs)
+
+    def slots(*args, **kwargs):
+        calls["write"] += 1
+        return real_slots(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_checks, "bad_read", read)
+    monkeypatch.setattr(writes, "check_slots", slots)
+    return calls
+
+
+def _checks_run(calls, rt, meta=META):
+    q = np.zeros((rt.num_tokens, 4, 8), np.float32)
+    k = np.zeros((2, meta.num_pages_per_layer, 4, 8), np.float32)
+    before = dict(calls)
+    attention_checks.prepare(q, k, k, rt, attention_checks.AttentionOptions())
+    token_slots(rt, meta)
+    return {name: calls[name] - before[name] for name in calls}
+
+
+def test_validated_metadata_is_checked_once(monkeypatch):
+    calls = _counting(monkeypatch)
+    table = np.array([[3, 7, -1, -1], [0, 1, 2, -1]], np.int32)
+    built = {
+        "for_mixed": PagedAttentionMetadata.for_mixed(table, [5, 9], [1, 2], cache_metadata=META),
+        "for_decode": PagedAttentionMetadata.for_decode(table, [5, 10], cache_metadata=META),
+        "for_prefill": PagedAttentionMetadata.for_prefill(table[1], 3, start=8, cache_metadata=META),
+    }
+    for name, rt in built.items():
+        assert host_checked(rt) is not None, name
+        assert _checks_run(calls, rt) == {"attention": 0, "write": 0}, name
+        # Equal arrays built by hand, a replace, a JSON round trip: checked again.
+        for copy in (rt.replace(), type(rt).from_json(rt.to_json()),
+                     dataclasses.replace(rt, **{f.name: np.array(getattr(rt, f.name)) for f in dataclasses.fields(rt)})):
+            assert host_checked(copy) is None
+            assert _checks_run(calls, copy) == {"attention": 1, "write": 1}, name
+        # Against another pool the mark proves nothing.
+        assert _checks_run(calls, rt, OTHER_POOL) == {"attention": 1, "write": 1}, name
+
+
+def test_marked_arrays_are_read_only_and_a_writable_one_drops_the_mark(monkeypatch):
+    calls = _counting(monkeypatch)
+    rt = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
+    with pytest.raises(ValueError, match="read-only"):
+        rt.page_table[0, 1] = 11
+    rt.page_table.flags.writeable = True  # deliberately: the mark no longer holds
+    rt.page_table[0, 1] = 12
+    assert host_checked(rt) is None
+    with pytest.raises(ValueError, match=r"metadata.page_table\[0, 1\] = 12 is not a page of the pool \(0..11\)"):
+        _checks_run(calls, rt)
+
+
+def test_manager_metadata_is_marked(monkeypatch):
+    calls = _counting(monkeypatch)
+    pm = PageManager(META)
+    a, b = pm.claim(2)
+    rt = pm.build_step_metadata([a, b], [6, 3])
+    assert _checks_run(calls, rt) == {"attention": 0, "write": 0}
+    pm.step([a, b], [list(range(6)), list(range(3))])
+    steps = pm.build_decode_metadata([a, b], num_steps=3)
+    assert all(host_checked(s) is not None for s in steps)
+    assert _checks_run(calls, steps[2]) == {"attention": 0, "write": 0}
+
+
+def test_a_page_released_before_the_window_is_not_read_safe():
+    # Sequence 0 has 9 tokens cached and appends one (position 9, page column 2); its first page
+    # was released (a window of 4 no longer reads it).
+    rt = PagedAttentionMetadata.for_mixed([[-1, 7, 2, -1]], [9], [1], cache_metadata=META)
+    mark = host_checked(rt)
+    assert mark is not None and not mark.reads
+    rng = np.random.default_rng(0)
+    k, v = _random_pages(rng)
+    q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    windowed = paged_attention(q, k, v, rt, sliding_window=4)
+    np.testing.assert_allclose(np.asarray(windowed),
+                               np.asarray(paged_attention_reference(q, k, v, rt, sliding_window=4)), atol=2e-6)
+    with pytest.raises(ValueError, match=r"metadata.page_table\[0, 0\] = -1 is not a page of the pool"):
+        paged_attention(q, k, v, rt)
+    # The new token's own page must still be assigned.
+    with pytest.raises(ValueError, match=r"position 9 of row 0 falls on logical page 2, which is unassigned"):
+        PagedAttentionMetadata.for_mixed([[-1, 7, -1, -1]], [9], [1], cache_metadata=META)
+
+
+def test_check_values_is_the_opt_in_check_of_device_arrays():
+    table = np.array([[3, 7, -1, -1], [0, 1, 2, -1]], np.int32)
+    good = PagedAttentionMetadata.for_mixed(table, [5, 9], [1, 2], cache_metadata=META)
+    on_device = jax.tree.map(jnp.asarray, good)  # as a jitted step receives it: values unknown to the host
+    on_device.check_values(META)  # passes, and checks nothing twice by mistake: a fresh object
+    bad = on_device.replace(page_table=on_device.page_table.at[1, 0].set(12))
+    with pytest.raises(ValueError, match=r"metadata.page_table\[1, 0\] = 12 is not a page of the pool \(0..11\) but row 1 "
+                                         r"reads it \(keys up to position 10\)"):
+        bad.check_values(META)
+    twice = on_device.replace(slot_mapping=on_device.slot_mapping.at[1].set(on_device.slot_mapping[0]))
+    with pytest.raises(ValueError, match=r"two tokens of this write step write the same slot 29"):
+        twice.check_values(META)
+    decode = PagedAttentionMetadata(decodes_position=jnp.array([9], jnp.int32),
+                                    decodes_page_table=jnp.array([[-1, 4, 5, -1]], jnp.int32))
+    decode.check_values(META, sliding_window=4)  # the released first page is outside the window
+    with pytest.raises(ValueError, match=r"metadata.decodes_page_table\[0, 0\] = -1 is not a page of the pool"):
+        decode.check_values(META)
+    with pytest.raises(ValueError, match=r"token 0 would be written to slot -2, outside the pool's 48 slots"):
+        PagedAttentionMetadata(slot_mapping=jnp.array([-2], jnp.int32)).check_values(META)

@@ -124,11 +124,12 @@ class PagedAttentionMetadata(Serializable):
         """Static number of token rows a write with this metadata expects."""
         return int(np.shape(getattr(self, FORM_FIELDS[step_form(self)]["tokens"]))[0])
 
-    def check_values(self, cache_metadata: PagedAttentionCacheMetaData, *, sliding_window: int | None = None) -> None:
+    def check_values(self, cache_metadata: PagedAttentionCacheMetaData, *, sliding_window: int | None = None,
+                     chunk_size: int | None = None) -> None:
         """Opt-in value checks of this step, device arrays included, against the pool of
         ``cache_metadata``: every slot padding or a distinct slot of the pool, sequence offsets in
-        order, positions cached, every page a query reads (with ``sliding_window``: inside its
-        window) a page of the pool and of one replica's slice. Raises the ValueError the write or
+        order, positions cached, every page a query reads (with ``sliding_window`` or
+        ``chunk_size``: what it can see) a page of the pool and of one replica's slice. Raises the ValueError the write or
         attention would raise on host arrays.
 
         Device values are pulled to the host, a sync: for debugging and tests, not for a step
@@ -136,13 +137,14 @@ class PagedAttentionMetadata(Serializable):
         and attention reads nothing of a page outside the pool; this says which value it was."""
         meta = cache_metadata
         window = optional_int("sliding_window", sliding_window, lo=1)
+        chunk = optional_int("chunk_size", chunk_size, lo=1)
         host = jax.tree.map(np.asarray, jax.device_get(self))
         step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
                         pages_per_sequence=meta.num_pages_per_sequence)
         checks.check_slots(step.rt.slot_mapping, meta.tokens_per_layer)
         if step_form(host) != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
             checks.check_step(step.rt, step.names, num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
-                              page_shards=meta.page_shards, window=window)
+                              page_shards=meta.page_shards, window=window, chunk=chunk)
 
     # ---- host-side constructors (validated) ---------------------------------------------
     @classmethod

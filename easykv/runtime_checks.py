@@ -231,10 +231,10 @@ def bad_read(name: str, table: np.ndarray, first: np.ndarray, end: np.ndarray, h
 
 # ---- a whole step -------------------------------------------------------------------------------
 def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int, page_shards: int = 1,
-               window: int | None = None, tokens: int | None = None) -> None:
+               window: int | None = None, chunk: int | None = None, tokens: int | None = None) -> None:
     """A mixed-form step (``runtime.as_mixed``) against a pool of ``num_pages`` pages of
-    ``page_size`` (split over ``page_shards`` replicas), read with a sliding ``window`` (None:
-    from the first key) by ``tokens`` query rows (None: any number).
+    ``page_size`` (split over ``page_shards`` replicas), read with a sliding ``window`` and in
+    ``chunk``-sized chunks (None: from the first key) by ``tokens`` query rows (None: any).
 
     Shapes always. Host (numpy) values unless a mark (`HostChecked`) proves them for this pool:
     sequence offsets in order, positions >= -1 and cached, and every page a query reads in the
@@ -283,13 +283,16 @@ def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int
             f"sequence {b} has a query at position {int(last[b])} but context_lens[{b}] = "
             f"{int(ctx[b])}; a query sees keys up to its own position, which must be cached"
         )
-    # Row b reads keys lo[b] .. last[b]: from 0 (or its earliest query's window) to its last query.
+    # Row b reads keys lo[b] .. last[b]: from its earliest query's first visible key to its last query.
     seen = pos >= 0
     owner, pos = owner[seen], pos[seen]
+    start = np.zeros_like(pos)  # each query's first visible key
+    if window is not None:
+        start = np.maximum(start, pos - window + 1)
+    if chunk is not None:
+        start = np.maximum(start, pos - pos % chunk)
     lo = np.full(seqs, np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(lo, owner, pos if window is None else np.maximum(pos - window + 1, 0))
-    if window is None:
-        lo = np.minimum(lo, 0)
+    np.minimum.at(lo, owner, start)
     why = bad_read(table_name, table, lo // page_size, (last + page_size) // page_size, last,
                    num_pages=num_pages, page_size=page_size, page_shards=page_shards)
     if why:

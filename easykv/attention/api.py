@@ -48,9 +48,11 @@ def paged_attention(
     key_pages: Any,
     value_pages: Any,
     metadata: PagedAttentionMetadata,
+    sinks: Any = None,
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
     logit_soft_cap: float | None = None,
     layout: PageLayout | None = None,
     dtype: Any = None,
@@ -64,11 +66,18 @@ def paged_attention(
       q: decode ``(batch, num_q_heads, head_dim)``; prefill ``(padded_len, num_q_heads,
         head_dim)``; mixed ``(num_tokens, num_q_heads, head_dim)``. float32/bfloat16/float16.
       key_pages, value_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical
-        dtype or its storage dtype (raw uint bits on CPU).
+        dtype or its storage dtype (raw uint bits on CPU). Plain value pages may have another
+        head dim than the keys, ``v_head_dim``; the output then has it.
       metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
         are checked against the pool before anything runs.
+      sinks: ``(num_q_heads,)`` float logits, one per q head, that join every query's softmax
+        as an extra key with no value (attention sinks, as gpt-oss): the weights of the real
+        keys then sum to less than one. Not scaled, not capped.
       scale: softmax scale, default ``head_dim ** -0.5``.
       sliding_window: a query at position ``p`` sees keys in ``(p - sliding_window, p]``.
+      chunk_size: chunked-local attention (Llama 4): a query at position ``p`` sees only the
+        keys of its own chunk, ``[p - p % chunk_size, p]``. With ``sliding_window`` too, both
+        apply.
       logit_soft_cap: scores become ``cap * tanh(score / cap)`` (after scaling).
       layout: how the pages are split over the mesh. ``None``: taken from the pages' own
         ``NamedSharding`` when they are concrete arrays, else one device. Inside an outer ``jit``
@@ -82,11 +91,11 @@ def paged_attention(
         decode) go row by row.
 
     Returns:
-      ``q.shape`` in ``q.dtype``; padding rows are zeros.
+      ``(tokens, num_q_heads, v_head_dim)`` in ``q.dtype``; padding rows are zeros.
     """
     options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
-    cfg, rt = prepare(q, key_pages, value_pages, metadata, options)
-    return run(q, key_pages, value_pages, rt, cfg=cfg)
+    cfg, rt = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks)
+    return run(q, key_pages, value_pages, rt, sinks, cfg=cfg)
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
@@ -111,62 +120,69 @@ def paged_attention_implementation(
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
-    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options))[0].implementation
+    sinks = options.pop("sinks", None)
+    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options), sinks=sinks)[0].implementation
 
 
 def paged_attention_reference(
-    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, **options: Any
+    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, sinks: Any = None, **options: Any
 ) -> jax.Array:
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving.
 
-    ``options``: :func:`paged_attention`'s ``scale``, ``sliding_window``, ``logit_soft_cap`` and
-    ``dtype``. The reference runs unsplit and unblocked, with no kernel choice, so the others
-    are refused."""
+    ``sinks`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
+    ``sliding_window``, ``chunk_size``, ``logit_soft_cap``, ``dtype``). The reference runs
+    unsplit and unblocked, with no kernel choice, so the other options are refused."""
     unknown = sorted(set(options) - set(REFERENCE_OPTIONS))
     if unknown:
         raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "
                          f"{', '.join(unknown)}")
     cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options, implementation="xla"),
-                      infer_layout=False)
-    return dense_reference(q, key_pages, value_pages, rt, cfg=cfg)
+                      sinks=sinks, infer_layout=False)
+    return dense_reference(q, key_pages, value_pages, rt, sinks, cfg=cfg)
 
 
-REFERENCE_OPTIONS = ("scale", "sliding_window", "logit_soft_cap", "dtype")
+REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "logit_soft_cap", "dtype")
 
 
 # ---- the computation ----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
-    """The checked call: ``rt`` in the mixed form, ``cfg`` from `checks.prepare`."""
+def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, sinks: Any = None, *,
+        cfg: Config) -> jax.Array:
+    """The checked call: ``rt`` in the mixed form, ``sinks`` None or checked, ``cfg`` from
+    `checks.prepare`."""
     q = jnp.asarray(q)
     # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
     # on its leading (kv head, page) axes.
     kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
     rows = query_rows(rt, q.shape[0])
+    # No sinks: a sink of -inf adds nothing to any softmax (the one path serves both).
+    sinks = jnp.full(q.shape[1], -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     layout = cfg.layout
     if cfg.implementation == "pallas_tpu":
         local = partial(pallas_decode_local, cfg=cfg)
     else:
         local = partial(attend_local, cfg=cfg)
     if layout is None:
-        return local(q, kp, vp, rows)
+        return local(q, kp, vp, rows, sinks)
     heads = layout.spec[0]
     q_spec = PartitionSpec(None, heads, None)
+
     def page_specs(pages: Any) -> Any:
         return jax.tree.map(lambda leaf: PartitionSpec(*tuple(layout.spec)[: leaf.ndim]), pages)
 
     mapped = jax.shard_map(
         local,
         mesh=layout.mesh,
-        in_specs=(q_spec, page_specs(kp), page_specs(vp), PartitionSpec()),  # rows: replicated
+        # rows: replicated; sinks: split like the q heads
+        in_specs=(q_spec, page_specs(kp), page_specs(vp), PartitionSpec(), PartitionSpec(heads)),
         out_specs=q_spec,
         # The loops' carries start replicated and become head-/replica-varying: skip the
         # varying-axes type check rather than cast every carry.
         check_vma=False,
     )
-    return mapped(q, kp, vp, rows)
+    return mapped(q, kp, vp, rows, sinks)
 
 
 __all__ = [

@@ -41,7 +41,9 @@ class Config:
     dtype: np.dtype  # logical dtype of the pages
     scale: float
     window: int | None
+    chunk: int | None
     cap: float | None
+    sinks: bool  # per-q-head sink logits join the softmax
     layout: PageLayout | None
     implementation: str  # "xla" | "pallas_tpu"
     block_pages: int
@@ -115,6 +117,7 @@ def prepare(
     metadata: Any,
     options: AttentionOptions,
     *,
+    sinks: Any = None,
     infer_layout: bool = True,
 ) -> tuple[Config, PagedAttentionMetadata]:
     """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
@@ -140,8 +143,11 @@ def prepare(
         raise ValueError(
             f"key_pages must be (num_kv_heads, num_pages, page_size, head_dim), got shape {ks}"
         )
-    if ks != vs:
-        raise ValueError(f"key_pages has shape {ks} but value_pages has shape {vs}; they must match")
+    if len(vs) != 4 or ks[:3] != vs[:3] or (quantized and ks != vs):
+        raise ValueError(
+            f"key_pages has shape {ks} but value_pages has shape {vs}; they must match in (num_kv_heads, "
+            f"num_pages, page_size){'' if quantized else ' (plain value pages may have their own head_dim)'}"
+        )
     k_dtype, v_dtype = dtype_of(stored_pages(key_pages)), dtype_of(stored_pages(value_pages))
     if k_dtype != v_dtype:
         raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
@@ -154,8 +160,13 @@ def prepare(
             f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} kv heads of the pages "
             "(grouped-query attention needs num_q_heads = group * num_kv_heads)"
         )
-    if min(num_pages, page_size, head_dim) <= 0:
-        raise ValueError(f"pages of shape {ks} hold nothing; every dimension must be positive")
+    if min(num_pages, page_size, head_dim, vs[3]) <= 0:
+        raise ValueError(f"pages of shapes {ks} and {vs} hold nothing; every dimension must be positive")
+    if sinks is not None:
+        s_shape, s_dtype = shape_of(sinks), dtype_of(sinks)
+        if s_shape != (num_q_heads,) or s_dtype.name not in FLOAT_DTYPES:
+            raise ValueError(f"sinks must be (num_q_heads,) = ({num_q_heads},) floats, one logit per q head; got "
+                             f"shape {s_shape} of {s_dtype.name}")
     logical = _logical_dtype(options.dtype, options.dtype if quantized else k_dtype)
 
     # -- options' defaults, resolved against the pages -------------------------------------------
@@ -186,14 +197,15 @@ def prepare(
     # -- metadata --------------------------------------------------------------------------------
     step = as_mixed(metadata, page_size=page_size, num_pages=num_pages)
     check_step(step.rt, step.names, tokens=tokens, num_pages=num_pages, page_size=page_size,
-               page_shards=1 if layout is None else layout.page_shards, window=window)
+               page_shards=1 if layout is None else layout.page_shards, window=window, chunk=options.chunk_size)
 
     cfg = Config(
-        decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, cap=options.logit_soft_cap,
-        layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
+        decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, chunk=options.chunk_size,
+        cap=options.logit_soft_cap, sinks=sinks is not None, layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, head_dim, _platform(layout, stored_pages(key_pages)), step_form(metadata))
+    why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages)),
+                            step_form(metadata))
     if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
         why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
     if options.implementation == "pallas_tpu":
@@ -205,10 +217,14 @@ def prepare(
     return cfg, step.rt
 
 
-def _pallas_unfit(cfg: Config, stored: np.dtype, head_dim: int, platform: str, form: str) -> str:
-    """Why the Pallas TPU kernel cannot take this call ('' when it can)."""
+def _pallas_unfit(cfg: Config, stored: np.dtype, head_dims: tuple[int, int], platform: str, form: str) -> str:
+    """Why the Pallas TPU kernel cannot take this call ('' when it can); ``head_dims`` are the
+    keys' and the values'."""
+    head_dim = head_dims[0]
     if platform != "tpu":
         return f"it runs on TPU only and the pages are on {platform}"
+    if cfg.chunk is not None or cfg.sinks or head_dims[1] != head_dim:
+        return "it has no chunked attention, no sinks, and one head_dim for keys and values"
     if not cfg.decode_only:
         return f"it serves decode only (EasyDeL's decode form), this is {form} metadata"
     if cfg.window is not None:

@@ -23,12 +23,13 @@ def pallas_decode_local(
     kp: jax.Array,
     vp: jax.Array,
     rows: Rows,
+    sinks: jax.Array,
     *,
     cfg: Config,
 ) -> jax.Array:
     """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads): ``q``
     ``(batch, local q heads, head_dim)``; one query row per sequence, so only the rows' positions
-    and page table are read."""
+    and page table are read. ``sinks`` are all -inf here: calls with sinks go to the XLA path."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
 
     positions, table = rows.positions, rows.table

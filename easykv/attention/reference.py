@@ -17,9 +17,10 @@ from easykv.storage.pages import read_pages
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, *, cfg: Config) -> jax.Array:
+def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, sinks: Any = None, *,
+                    cfg: Config) -> jax.Array:
     """Dense masked softmax attention over ``md`` (the mixed form), written independently of the
-    fast path's row layout."""
+    fast path's row layout; a sink is one more softmax column with no value."""
     q = jnp.asarray(q)
     tokens, q_heads, head_dim = q.shape
     every = jnp.arange(cfg.num_pages)
@@ -38,7 +39,7 @@ def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttention
 
     def dense(pages: jax.Array) -> jax.Array:  # (S, kv_heads, P * page_size, dim)
         picked = pages[:, ids]  # (kv_heads, S, P, page_size, dim)
-        return jnp.transpose(picked, (1, 0, 2, 3, 4)).reshape(ids.shape[0], kv_heads, seq_len, head_dim)
+        return jnp.transpose(picked, (1, 0, 2, 3, 4)).reshape(ids.shape[0], kv_heads, seq_len, pages.shape[-1])
 
     keys, values = dense(k_all)[seq], dense(v_all)[seq]  # (T, kv_heads, L, dim)
     qg = q.astype(jnp.float32).reshape(tokens, kv_heads, q_heads // kv_heads, head_dim)
@@ -50,8 +51,16 @@ def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttention
     mask = (p_ >= 0) & (j <= p_)
     if cfg.window is not None:
         mask &= j > p_ - cfg.window
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    w = jax.nn.softmax(s, axis=-1, where=mask[:, None, None, :])
-    w = jnp.where(mask[:, None, None, :], w, 0.0)
+    if cfg.chunk is not None:
+        mask &= j >= p_ - p_ % cfg.chunk
+    group = q_heads // kv_heads
+    sink = jnp.full((kv_heads, group), -jnp.inf) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(
+        kv_heads, group)
+    s = jnp.concatenate([jnp.where(mask[:, None, None, :], s, -jnp.inf),
+                         jnp.broadcast_to(sink[None, :, :, None], (tokens, kv_heads, group, 1))], axis=-1)
+    seen = jnp.concatenate([jnp.broadcast_to(mask[:, None, None, :], s.shape[:3] + (seq_len,)),
+                            jnp.broadcast_to(jnp.isfinite(sink)[None, :, :, None], s.shape[:3] + (1,))], axis=-1)
+    w = jax.nn.softmax(s, axis=-1, where=seen)
+    w = jnp.where(seen, w, 0.0)[..., :seq_len]  # a row that sees nothing (padding) gets zeros
     out = jnp.einsum("thgl,thld->thgd", w, values)
-    return out.reshape(tokens, q_heads, head_dim).astype(q.dtype)
+    return out.reshape(tokens, q_heads, values.shape[-1]).astype(q.dtype)

@@ -33,6 +33,7 @@ import numpy as np
 
 from easykv.attention.checks import Config, stored_pages
 from easykv.attention.rows import Rows
+from easykv.quantization import QuantizedPages
 from easykv.storage.pages import read_pages
 
 
@@ -45,6 +46,11 @@ def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array,
     present = (ids >= 0) & (ids < count)
     values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype).astype(jnp.float32)
     return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
+
+
+def _value_dim(vp: Any, head_dim: int) -> int:
+    """The value pages' head dim (quantized value pages share the keys' head dim)."""
+    return head_dim if isinstance(vp, QuantizedPages) else vp.shape[3]
 
 
 def _page_offset(cfg: Config, local_pages: int) -> jax.Array | int:
@@ -61,15 +67,18 @@ def attend_local(
     kp: Any,
     vp: Any,
     rows: Rows,
+    sinks: jax.Array,
     *,
     cfg: Config,
 ) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
-    local q heads, head_dim)`` over ``kp``/``vp`` ``(local kv heads, local pages, page_size,
-    head_dim)`` (or quantized pages); returns ``q``'s shape and dtype."""
+    local q heads, head_dim)`` over ``kp`` ``(local kv heads, local pages, page_size, head_dim)``
+    and ``vp`` (the same with ``v_head_dim``; or quantized pages), with one sink logit per
+    local q head (-inf: none); returns ``(tokens, local q heads, v_head_dim)`` in ``q``'s dtype."""
     positions, starts, counts, table, num_seqs = rows
     heads, local_pages, page_size = stored_pages(kp).shape[:3]
     tokens, q_heads, head_dim = q.shape
+    v_dim = _value_dim(vp, head_dim)
     group = q_heads // heads
     qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
@@ -83,8 +92,18 @@ def attend_local(
     # Extra -1 columns so a block's dynamic slice never runs off the table (and is never clipped
     # back onto real pages).
     table = jnp.pad(table, ((0, 0), (0, pb)), constant_values=-1)
-    window = cfg.window
+    window, chunk = cfg.window, cfg.chunk
     big = jnp.iinfo(jnp.int32).max
+    sink = sinks.astype(f32).reshape(heads, group)
+
+    def first_seen(pos: jax.Array) -> jax.Array:
+        """The first key a query at ``pos`` sees (its window's or its chunk's start)."""
+        lo = jnp.zeros_like(pos)
+        if window is not None:
+            lo = jnp.maximum(lo, pos - window + 1)
+        if chunk is not None:
+            lo = jnp.maximum(lo, pos - pos % chunk)
+        return lo
 
     def attend_block(qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
         """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
@@ -93,8 +112,8 @@ def attend_local(
         valid = pos >= 0
         hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
         lo = 0
-        if window is not None:
-            lo = jnp.maximum(jnp.min(jnp.where(valid, pos, big)) - window + 1, 0)
+        if window is not None or chunk is not None:
+            lo = jnp.min(jnp.where(valid, first_seen(pos), big))
         first, last = lo // blk, (hi + blk - 1) // blk
         if split_pages:
             # The replica holding the page of the last key computes this block; others skip it.
@@ -102,9 +121,10 @@ def attend_local(
             last = jnp.where((hi > 0) & (tail >= 0) & (tail < local_pages), last, first)
         qm = jnp.transpose(qblk, (1, 0, 2, 3)).reshape(heads, rows * group, head_dim)
         pm = jnp.repeat(pos, group)  # (rows * group,)
-        m0 = jnp.full((heads, rows * group), -jnp.inf, f32)
-        l0 = jnp.zeros((heads, rows * group), f32)
-        a0 = jnp.zeros((heads, rows * group, head_dim), f32)
+        # The sink is a key every query sees first, with no value: the softmax starts from it.
+        m0 = jnp.tile(sink, (1, rows))  # (heads, rows * group): entry r * group + g is q head (h, g)
+        l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0)
+        a0 = jnp.zeros((heads, rows * group, v_dim), f32)
 
         def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
             m, l, acc = carry
@@ -118,8 +138,8 @@ def attend_local(
             if cfg.cap is not None:
                 s = cfg.cap * jnp.tanh(s / cfg.cap)
             seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
-            if window is not None:
-                seen &= kpos[None, :] > pm[:, None] - window
+            if window is not None or chunk is not None:
+                seen &= kpos[None, :] >= first_seen(pm)[:, None]
             s = jnp.where(seen[None], s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -131,9 +151,9 @@ def attend_local(
 
         _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return jnp.transpose(out.reshape(heads, rows, group, head_dim), (1, 0, 2, 3))
+        return jnp.transpose(out.reshape(heads, rows, group, v_dim), (1, 0, 2, 3))
 
-    out0 = jnp.zeros((tokens + qb, heads, group, head_dim), f32)
+    out0 = jnp.zeros((tokens + qb, heads, group, v_dim), f32)
 
     if cfg.decode_only:
         # One query row per sequence, row b: no query-block loop.
@@ -170,7 +190,7 @@ def attend_local(
             return jax.lax.fori_loop(0, singles, lambda j, o: run_block(1, first + j, end, row, o), out)
 
     out = jax.lax.fori_loop(0, num_seqs, seq_body, out0)
-    out = out[:tokens].reshape(tokens, q_heads, head_dim).astype(q.dtype)
+    out = out[:tokens].reshape(tokens, q_heads, v_dim).astype(q.dtype)
     if split_pages:
         # Each sequence was computed by the one replica holding its pages; the others hold zeros.
         out = jax.lax.psum(out, cfg.layout.page_axes)

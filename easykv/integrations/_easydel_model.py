@@ -204,14 +204,13 @@ class _EasyKVAttention:
                                           cache_metadata=cache_metadata, softmax_scale=softmax_scale,
                                           logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                                           softmax_aux=softmax_aux, **rest)
-        if softmax_aux is not None:
-            raise NotImplementedError("attention sinks (softmax_aux) are not supported by easykv's paged attention; "
-                                      "serve this model on EasyDeL's own RaggedPagesCache")
         if isinstance(sliding_window, (tuple, list)):
             raise NotImplementedError(f"sliding_window={sliding_window!r}: easykv takes one causal window size (a "
                                       "query at p sees keys in (p - window, p]); two-sided windows are not supported")
         rt = cache_view._runtime(cache_metadata, query.shape[0])
-        out = easykv.paged_attention(query, cache_view.k_pages, cache_view.v_pages, rt, layout=cache_view.layout,
+        # softmax_aux: EasyDeL's attention sinks, one logit per q head (gpt-oss), as easykv's sinks.
+        out = easykv.paged_attention(query, cache_view.k_pages, cache_view.v_pages, rt, softmax_aux,
+                                     layout=cache_view.layout,
                                      dtype=cache_view.dtype, scale=softmax_scale, sliding_window=sliding_window,
                                      logit_soft_cap=logits_soft_cap, **self.easykv_options)
         return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)

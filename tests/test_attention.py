@@ -452,7 +452,7 @@ def test_entry_point_keywords_are_the_options():
     q, k = np.zeros((1, 2, D), np.float32), np.zeros((2, PAGES, PS, D), np.float32)
     md = PagedAttentionMetadata(decodes_position=np.zeros(1, np.int32), decodes_page_table=np.zeros((1, 1), np.int32))
     for name in ("layout", "implementation", "query_block", "scael"):
-        with pytest.raises(ValueError, match=rf"takes the options scale, sliding_window, chunk_size, logit_soft_cap, dtype; got {name}"):
+        with pytest.raises(ValueError, match=rf"takes the options scale, sliding_window, chunk_size, value_head_dim, logit_soft_cap, dtype; got {name}"):
             paged_attention_reference(q, k, k, md, **{name: None})
 
 

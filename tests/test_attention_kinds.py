@@ -154,7 +154,7 @@ def test_the_pallas_kernel_is_not_chosen_for_what_it_cannot_do():
         cfg, _ = prepare(q, k, v, md, AttentionOptions(**options), sinks=sinks)
         assert cfg.implementation == "xla"
         assert _pallas_unfit(cfg, f32, (128, v_dim), "tpu", "decode") == (
-            "it has no chunked attention, no sinks, and one head_dim for keys and values")
+            "it has no chunked attention, no sinks, no latent cache, and one head_dim for keys and values")
 
 
 def test_bad_sinks_and_value_pages_are_refused():
@@ -172,3 +172,61 @@ def test_bad_sinks_and_value_pages_are_refused():
         paged_attention(q, k, k, md, chunk_size=0)
     with pytest.raises(ValueError, match=r"must match in \(num_kv_heads, num_pages, page_size\)"):
         paged_attention(q, k, np.zeros((2, PAGES, 2, D), np.float32), md)
+
+
+LATENT_CASES = [("single", "mixed", {}), ("single", "decode", {"sinks": True}), ("replicated", "prefill", {}),
+                ("heads", "mixed", {"chunk_size": 6}), ("dp", "decode", {"sliding_window": 5})]
+
+
+@pytest.mark.parametrize("name,mode,case", LATENT_CASES, ids=[f"{c[0]}-{c[1]}" for c in LATENT_CASES])
+def test_latent_cache_values_are_the_keys_leading_dims(name, mode, case):
+    """value_pages=None (DeepSeek's MLA stores one latent per token): attention equals attention
+    over separate value pages holding the keys' first value_head_dim dims, and the numpy
+    definition on a sequence."""
+    rng = np.random.default_rng(zlib.crc32(f"latent{name}{mode}".encode()))
+    heads = LAYOUTS[name][1]
+    hk = rng.standard_normal((heads, PAGES, PS, D)).astype(np.float32)
+    layout = page_layout(name)
+    k, kv = (x if layout is None else jax.device_put(x, layout.sharding) for x in (hk, hk[..., :10].copy()))
+    md = MAKERS[mode](rng, name)
+    q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
+    sinks = rng.standard_normal(GROUP * heads).astype(np.float32) if case.pop("sinks", False) else None
+    got = paged_attention(q, k, None, md, sinks, value_head_dim=10, **BLOCK, **case)
+    assert got.shape == (md.num_tokens, GROUP * heads, 10)
+    separate = paged_attention(q, k, kv, md, sinks, **BLOCK, **case)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(separate), atol=1e-6, rtol=1e-6)
+    want = paged_attention_reference(q, hk, None, md, sinks, value_head_dim=10, **case)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-5)
+
+
+def test_latent_cache_matches_the_definition_and_refuses_mixed_signals():
+    rng = np.random.default_rng(6)
+    latent = rng.standard_normal((1, PAGES, PS, D)).astype(np.float32)  # one latent "head" per token
+    row = rng.permutation(PAGES)[:6].astype(np.int32)
+    md = PagedAttentionMetadata.for_mixed(row[None], [7], [5], cache_metadata=_meta())
+    q = rng.standard_normal((5, 8, D)).astype(np.float32)  # 8 q heads over the one latent
+    got = paged_attention_reference(q, latent, None, md, value_head_dim=12, scale=0.3)
+    lat = contiguous(latent, row, 12)
+    np.testing.assert_allclose(np.asarray(got), numpy_attention(q, lat, lat[..., :12], np.arange(7, 12), scale=0.3),
+                               atol=2e-6, rtol=2e-5)
+    for value_pages, options, match in ((None, {}, r"value_pages=None .* goes with value_head_dim=.*got value_pages=None "
+                                                   r"and value_head_dim=None"),
+                                        (latent, {"value_head_dim": 8}, r"got value_pages=ndarray and value_head_dim=8"),
+                                        (None, {"value_head_dim": D + 1}, r"value_head_dim=17 exceeds the keys' head_dim 16")):
+        with pytest.raises(ValueError, match=match):
+            paged_attention(q, latent, value_pages, md, **options)
+
+
+@pytest.mark.parametrize("quantizer", ["int8", "int4"])
+def test_quantized_latent_cache_reads_its_values_from_the_dequantized_keys(quantizer):
+    from easykv import get_quantizer
+
+    rng = np.random.default_rng(7)
+    latent = rng.standard_normal((1, PAGES, PS, D)).astype(np.float32)
+    pages = get_quantizer(quantizer).quantize(jax.numpy.asarray(latent))  # (heads, pages, page_size) scales
+    dequantized = np.asarray(pages.dequantize(np.float32))
+    md = MAKERS["mixed"](rng, "single")
+    q = rng.standard_normal((md.num_tokens, 8, D)).astype(np.float32)
+    got = paged_attention(q, pages, None, md, value_head_dim=12, dtype="float32", **BLOCK)
+    want = paged_attention_reference(q, dequantized, None, md, value_head_dim=12)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-5)

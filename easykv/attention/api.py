@@ -53,6 +53,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     chunk_size: int | None = None,
+    value_head_dim: int | None = None,
     logit_soft_cap: float | None = None,
     layout: PageLayout | None = None,
     dtype: Any = None,
@@ -67,7 +68,9 @@ def paged_attention(
         head_dim)``; mixed ``(num_tokens, num_q_heads, head_dim)``. float32/bfloat16/float16.
       key_pages, value_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical
         dtype or its storage dtype (raw uint bits on CPU). Plain value pages may have another
-        head dim than the keys, ``v_head_dim``; the output then has it.
+        head dim than the keys, ``v_head_dim``; the output then has it. ``value_pages=None``: a
+        latent cache (DeepSeek's MLA stores one vector per token, no separate values): the values
+        are the first ``value_head_dim`` dims of each key, read with it, never stored twice.
       metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
         are checked against the pool before anything runs.
       sinks: ``(num_q_heads,)`` float logits, one per q head, that join every query's softmax
@@ -78,6 +81,8 @@ def paged_attention(
       chunk_size: chunked-local attention (Llama 4): a query at position ``p`` sees only the
         keys of its own chunk, ``[p - p % chunk_size, p]``. With ``sliding_window`` too, both
         apply.
+      value_head_dim: with ``value_pages=None`` only: how many leading dims of a key are its
+        value (MLA: 512 of the 576 latent dims; the other 64 carry the rotary part).
       logit_soft_cap: scores become ``cap * tanh(score / cap)`` (after scaling).
       layout: how the pages are split over the mesh. ``None``: taken from the pages' own
         ``NamedSharding`` when they are concrete arrays, else one device. Inside an outer ``jit``
@@ -131,8 +136,8 @@ def paged_attention_reference(
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving.
 
-    ``sinks`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
-    ``sliding_window``, ``chunk_size``, ``logit_soft_cap``, ``dtype``). The reference runs
+    ``value_pages``, ``sinks`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
+    ``sliding_window``, ``chunk_size``, ``value_head_dim``, ``logit_soft_cap``, ``dtype``). The reference runs
     unsplit and unblocked, with no kernel choice, so the other options are refused."""
     unknown = sorted(set(options) - set(REFERENCE_OPTIONS))
     if unknown:
@@ -143,7 +148,7 @@ def paged_attention_reference(
     return dense_reference(q, key_pages, value_pages, rt, sinks, cfg=cfg)
 
 
-REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "logit_soft_cap", "dtype")
+REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "value_head_dim", "logit_soft_cap", "dtype")
 
 
 # ---- the computation ----------------------------------------------------------------------------

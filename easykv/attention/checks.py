@@ -44,6 +44,7 @@ class Config:
     chunk: int | None
     cap: float | None
     sinks: bool  # per-q-head sink logits join the softmax
+    latent_value_dim: int | None  # no value pages: a value is its key's first dims
     layout: PageLayout | None
     implementation: str  # "xla" | "pallas_tpu"
     block_pages: int
@@ -132,6 +133,15 @@ def prepare(
     q_dtype = dtype_of(q)
     if q_dtype.name not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
+    latent = value_pages is None
+    if latent != (options.value_head_dim is not None):
+        raise ValueError(
+            "value_pages=None (a latent cache: each key's first value_head_dim dims are its value) goes with "
+            f"value_head_dim=, and value_head_dim with value_pages=None only; got value_pages="
+            f"{'None' if latent else type(value_pages).__name__} and value_head_dim={options.value_head_dim}"
+        )
+    if latent:
+        value_pages = key_pages  # checked as the keys; the values are their leading dims
     quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
     if quantized:
         _check_quantized(key_pages, value_pages, qs[-1])
@@ -160,6 +170,11 @@ def prepare(
             f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} kv heads of the pages "
             "(grouped-query attention needs num_q_heads = group * num_kv_heads)"
         )
+    if latent:
+        if options.value_head_dim > head_dim:
+            raise ValueError(f"value_head_dim={options.value_head_dim} exceeds the keys' head_dim {head_dim}: a "
+                             "latent cache's values are the first value_head_dim dims of each key")
+        vs = vs[:3] + (options.value_head_dim,)
     if min(num_pages, page_size, head_dim, vs[3]) <= 0:
         raise ValueError(f"pages of shapes {ks} and {vs} hold nothing; every dimension must be positive")
     if sinks is not None:
@@ -201,7 +216,7 @@ def prepare(
 
     cfg = Config(
         decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, chunk=options.chunk_size,
-        cap=options.logit_soft_cap, sinks=sinks is not None, layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
+        cap=options.logit_soft_cap, sinks=sinks is not None, latent_value_dim=options.value_head_dim, layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
     why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages)),
@@ -223,8 +238,8 @@ def _pallas_unfit(cfg: Config, stored: np.dtype, head_dims: tuple[int, int], pla
     head_dim = head_dims[0]
     if platform != "tpu":
         return f"it runs on TPU only and the pages are on {platform}"
-    if cfg.chunk is not None or cfg.sinks or head_dims[1] != head_dim:
-        return "it has no chunked attention, no sinks, and one head_dim for keys and values"
+    if cfg.chunk is not None or cfg.sinks or head_dims[1] != head_dim or cfg.latent_value_dim is not None:
+        return "it has no chunked attention, no sinks, no latent cache, and one head_dim for keys and values"
     if not cfg.decode_only:
         return f"it serves decode only (EasyDeL's decode form), this is {form} metadata"
     if cfg.window is not None:

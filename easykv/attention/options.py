@@ -41,6 +41,7 @@ class AttentionOptions:
     scale: float | None = None
     sliding_window: int | None = None
     chunk_size: int | None = None
+    value_head_dim: int | None = None
     logit_soft_cap: float | None = None
     layout: PageLayout | None = None
     dtype: np.dtype | None = None
@@ -53,6 +54,7 @@ class AttentionOptions:
             "scale": _positive_float_or_none("scale", self.scale),
             "sliding_window": optional_int("sliding_window", self.sliding_window, lo=1),
             "chunk_size": optional_int("chunk_size", self.chunk_size, lo=1),
+            "value_head_dim": optional_int("value_head_dim", self.value_head_dim, lo=1),
             "logit_soft_cap": _positive_float_or_none("logit_soft_cap", self.logit_soft_cap),
             "pages_per_block": optional_int("pages_per_block", self.pages_per_block, lo=1),
             "query_block": optional_int("query_block", self.query_block, lo=1),

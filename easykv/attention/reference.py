@@ -25,7 +25,10 @@ def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttention
     tokens, q_heads, head_dim = q.shape
     every = jnp.arange(cfg.num_pages)
     k_all = read_pages(jax.tree.map(jnp.asarray, key_pages), every, cfg.dtype).astype(jnp.float32)
-    v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
+    if cfg.latent_value_dim is not None:  # a latent cache: a value is its key's first dims
+        v_all = k_all[..., : cfg.latent_value_dim]
+    else:
+        v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
     kv_heads, num_pages, page_size, _ = k_all.shape
     t = jnp.arange(tokens)
     qsl = jnp.asarray(md.query_start_loc)

@@ -73,12 +73,14 @@ def attend_local(
 ) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
     local q heads, head_dim)`` over ``kp`` ``(local kv heads, local pages, page_size, head_dim)``
-    and ``vp`` (the same with ``v_head_dim``; or quantized pages), with one sink logit per
+    and ``vp`` (the same with ``v_head_dim``; or quantized pages; None for a latent cache, whose
+    values are the keys' first dims, read once with them), with one sink logit per
     local q head (-inf: none); returns ``(tokens, local q heads, v_head_dim)`` in ``q``'s dtype."""
     positions, starts, counts, table, num_seqs = rows
     heads, local_pages, page_size = stored_pages(kp).shape[:3]
     tokens, q_heads, head_dim = q.shape
-    v_dim = _value_dim(vp, head_dim)
+    latent = cfg.latent_value_dim is not None  # no value pages: a value is its key's first v_dim dims
+    v_dim = cfg.latent_value_dim if latent else _value_dim(vp, head_dim)
     group = q_heads // heads
     qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
@@ -130,7 +132,7 @@ def attend_local(
             m, l, acc = carry
             ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
             k, present = _load_pages(kp, ids, cfg.dtype)
-            v, _ = _load_pages(vp, ids, cfg.dtype)
+            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype)[0]
             kpos = i * blk + jnp.arange(blk)
             usable = present & (kpos < hi) & (kpos >= lo)
             v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in

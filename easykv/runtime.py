@@ -14,11 +14,15 @@ Conventions (all int32):
   * a page table entry of ``PAD_PAGE`` (-1) is an unassigned page;
   * a position is the token's index inside its sequence; -1 marks padding.
 
-Host checks (the ``for_*`` constructors): every id and length is bounded exactly before any
-arithmetic (`easykv.validation`), a table row never names one physical page twice, and no two
-real tokens of a step share a slot (a write would keep one of them, silently). Device side,
+Host checks (the ``for_*`` constructors, rules in `easykv.runtime_checks`): every id and length
+is bounded exactly before any arithmetic, a table row never names one physical page twice, and no
+two real tokens of a step share a slot (a write would keep one of them, silently). What they
+proved is marked on the result, so the write and attention do not check it again. Device side,
 `slots_from_table` bounds every page id before multiplying it by the page size, so no page id,
 however large, can wrap around int32 into another page.
+
+One internal form: `as_mixed` turns EasyDeL's prefill and decode forms into the mixed form at the
+entry of every write and attention call; `step_form` is the one place the forms are told apart.
 """
 
 from __future__ import annotations
@@ -129,8 +133,8 @@ class PagedAttentionMetadata(Serializable):
         """Opt-in value checks of this step, device arrays included, against the pool of
         ``cache_metadata``: every slot padding or a distinct slot of the pool, sequence offsets in
         order, positions cached, every page a query reads (with ``sliding_window`` or
-        ``chunk_size``: what it can see) a page of the pool and of one replica's slice. Raises the ValueError the write or
-        attention would raise on host arrays.
+        ``chunk_size``: what it can see) a page of the pool and of one replica's slice. Raises
+        the ValueError the write or attention would raise on host arrays.
 
         Device values are pulled to the host, a sync: for debugging and tests, not for a step
         (as JAX's ``dynamic_validate_inputs``). Inside jit the write drops and counts a bad slot
@@ -138,6 +142,9 @@ class PagedAttentionMetadata(Serializable):
         meta = cache_metadata
         window = optional_int("sliding_window", sliding_window, lo=1)
         chunk = optional_int("chunk_size", chunk_size, lo=1)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(self)):
+            raise ValueError("check_values reads the step's values: call it outside jit (inside, its arrays are "
+                             "traced and have none yet)")
         host = jax.tree.map(np.asarray, jax.device_get(self))
         step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
                         pages_per_sequence=meta.num_pages_per_sequence)

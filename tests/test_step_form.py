@@ -212,3 +212,14 @@ def test_check_values_is_the_opt_in_check_of_device_arrays():
         decode.check_values(META)
     with pytest.raises(ValueError, match=r"token 0 would be written to slot -2, outside the pool's 48 slots"):
         PagedAttentionMetadata(slot_mapping=jnp.array([-2], jnp.int32)).check_values(META)
+
+
+def test_check_values_refuses_traced_steps():
+    rt = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
+
+    def traced(m):
+        m.check_values(META)
+        return m.slot_mapping
+
+    with pytest.raises(ValueError, match=r"check_values reads the step's values: call it outside jit"):
+        jax.jit(traced)(jax.tree.map(jnp.asarray, rt))

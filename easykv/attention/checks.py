@@ -216,7 +216,8 @@ def prepare(
 
     cfg = Config(
         decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, chunk=options.chunk_size,
-        cap=options.logit_soft_cap, sinks=sinks is not None, latent_value_dim=options.value_head_dim, layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
+        cap=options.logit_soft_cap, sinks=sinks is not None, latent_value_dim=options.value_head_dim,
+        layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
     why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages)),

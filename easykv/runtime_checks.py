@@ -4,8 +4,9 @@ attention alike.
 Two kinds, as in JAX's ragged paged attention (``static_validate_inputs`` /
 ``dynamic_validate_inputs``): *static* checks read shapes and dtypes only, cost nothing and run on
 every call, traced or not; *value* checks read host (numpy) arrays and run where the values are
-known before anything is written or read. Device values are never pulled to the host: inside jit
-a bad slot is dropped and counted and a page outside the pool reads nothing.
+known before anything is written or read. Device values are not pulled to the host on the way
+(inside jit a bad slot is dropped and counted and a page outside the pool reads nothing); the
+opt-in ``PagedAttentionMetadata.check_values`` pulls them and runs the same rules.
 
 A validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``) or the page manager
 marks what it proved with :class:`HostChecked`, and the write and attention then skip the value
@@ -344,3 +345,10 @@ def carry_mark(src: Any, dst: Any) -> Any:
     """``dst`` (built from ``src``'s arrays) inherits ``src``'s mark when it has one."""
     mark = host_checked(src)
     return dst if mark is None else mark_checked(dst, mark)
+
+
+__all__ = [
+    "HostChecked", "bad_read", "carry_mark", "check_distinct_slots", "check_extent", "check_padding",
+    "check_pages_assigned", "check_positions", "check_slots", "check_step", "dtype_of", "host_checked", "host_slots",
+    "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "reads_assigned", "shape_of",
+]

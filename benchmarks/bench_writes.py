@@ -7,7 +7,9 @@ Setup (issue 2): bf16, 4 layers, 8 kv heads (split over tp=8), head_dim 128, pag
 A decode write is 32 sequences x 1 token, a prefill write is one 512-token chunk, both for all
 4 layers in one jitted, donating call (`PagedAttentionCache.write`). Each figure is the median
 of many calls; ratios are taken within the same run. The "native bf16" column stores pages as
-bf16 instead of raw uint16 bits, to show why easykv uses raw bits on CPU.
+bf16 instead of raw uint16 bits, to show why easykv uses raw bits on CPU. The floor row does
+the same decode scatter with bare jax into one array holding every layer's K and V (split by kv
+head, raw bits), the plain cost easykv's write is compared with.
 
 The memory part runs in a fresh subprocess: it allocates a >= 2 GiB pool with init_cache and
 reports the peak RSS growth over the pool bytes.
@@ -16,6 +18,7 @@ reports the peak RSS growth over the pool bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -115,7 +118,23 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
         state["cache"], _ = write_all(state["cache"], kd, kd, slots)
         jax.block_until_ready(state["cache"])
 
-    return {"decode": full(kd, decode), "prefill": full(kp, prefill), "decode_step": step_only}
+    # The floor: the same decode scatter done plainly with bare jax, every layer's K and V
+    # stacked in one uint16 array split by kv head (the layout of issue 12's stacked storage).
+    stacked_sharding = NamedSharding(mesh, P(None, "tp", None, None))
+    floor_state = {"pages": jax.device_put(jnp.zeros((2 * LAYERS, HEADS, num_pages * PAGE, HEAD_DIM), jnp.uint16),
+                                           stacked_sharding)}
+    new_bits = jax.device_put(jax.lax.bitcast_convert_type(jnp.concatenate([kd, kd]), jnp.uint16).transpose(0, 2, 1, 3),
+                              stacked_sharding)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def plain_scatter(pages, new, slots):
+        return pages.at[:, :, slots].set(new, mode="drop")
+
+    def floor():
+        floor_state["pages"] = plain_scatter(floor_state["pages"], new_bits, slots)
+        jax.block_until_ready(floor_state["pages"])
+
+    return {"decode": full(kd, decode), "prefill": full(kp, prefill), "decode_step": step_only, "floor": floor}
 
 
 def _rss_bytes() -> int:
@@ -198,6 +217,10 @@ def main() -> None:
         na, nb = results[(True, 256)][kind], results[(True, 2048)][kind]
         print(f"| {label} | {a:.3f} ms | {b:.3f} ms | {b / a:.2f}x | {nb / na:.2f}x ({na:.2f} -> {nb:.2f} ms) |")
     print(f"| decode, jitted step alone, 1 device | {one[256]:.3f} ms | {one[2048]:.3f} ms | {one[2048] / one[256]:.2f}x | |")
+    fa, fb = results[(False, 256)]["floor"], results[(False, 2048)]["floor"]
+    print(f"| decode, plain jax scatter into one stacked array (the floor) | {fa:.3f} ms | {fb:.3f} ms | {fb / fa:.2f}x | |")
+    step = results[(False, 2048)]["decode_step"]
+    print(f"\njitted decode step / plain floor, 2048 pages: {step / fb:.1f}x")
 
 
 if __name__ == "__main__":

@@ -144,15 +144,14 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
 
 @partial(jax.jit, donate_argnums=0)
 def _write_raw(cache: PagedAttentionCache, keys: Any, values: Any, slots: jax.Array) -> PagedAttentionCache:
-    views = []
-    for i, view in enumerate(cache.views):
-        kp, vp = view.key_pages, view.value_pages
-        new = tuple(
-            QuantizedPages(to_storage(part["values"][i], pages.values.dtype), part["scales"][i], pages.quantizer)
-            for part, pages in ((keys, kp), (values, vp)))
-        kp, vp = scatter_encoded(kp, vp, *new, slots, layout=view.layout)
-        views.append(dataclasses.replace(view, key_pages=kp, value_pages=vp))
-    return PagedAttentionCache(tuple(views))
+    pages = tuple((view.key_pages, view.value_pages) for view in cache.views)
+    new = tuple(
+        tuple(QuantizedPages(to_storage(part["values"][i], p.values.dtype), part["scales"][i], p.quantizer)
+              for part, p in ((keys, kp), (values, vp)))
+        for i, (kp, vp) in enumerate(pages))
+    out = scatter_encoded(pages, new, slots, layout=cache.views[0].layout)
+    return PagedAttentionCache(tuple(dataclasses.replace(view, key_pages=kp, value_pages=vp)
+                                     for view, (kp, vp) in zip(cache.views, out)))
 
 
 def _checked_export(exported: Any) -> SequenceExport:

@@ -30,6 +30,7 @@ from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, p
 from easykv.storage.pages import (
     PageLayout,
     allocate_pages,
+    encode_tokens,
     page_template,
     read_pages,
     copy_pages_local,
@@ -42,6 +43,7 @@ from easykv.storage.writes import (
     check_new_tokens,
     check_slots_on_host,
     count_dropped,
+    scatter_encoded,
     scatter_kv,
     token_slots,
 )
@@ -316,12 +318,13 @@ _scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argn
 
 @partial(jax.jit, donate_argnums=0)  # public for the write benchmark and tests: cache.write without host checks
 def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
-    views = []
-    for i, view in enumerate(cache.views):
-        k, v = keys[i], values[i]
-        kp, vp = scatter_kv(view.key_pages, view.value_pages, k, v, slots, layout=view.layout)
-        views.append(dataclasses.replace(view, key_pages=kp, value_pages=vp))
-    return PagedAttentionCache(tuple(views)), count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer)
+    # Every layer's K and V in one shard_map: one program per device for the whole step.
+    pages = tuple((view.key_pages, view.value_pages) for view in cache.views)
+    new = tuple((encode_tokens(jnp.asarray(keys[i]), kp), encode_tokens(jnp.asarray(values[i]), vp))
+                for i, (kp, vp) in enumerate(pages))
+    out = scatter_encoded(pages, new, slots, layout=cache.views[0].layout)
+    views = tuple(dataclasses.replace(view, key_pages=kp, value_pages=vp) for view, (kp, vp) in zip(cache.views, out))
+    return PagedAttentionCache(views), count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer)
 
 
 def _apply_page_op(cache: PagedAttentionCache, *ids: jax.Array, op: Any) -> PagedAttentionCache:

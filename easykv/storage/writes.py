@@ -103,16 +103,16 @@ def scatter_kv(
     pages, and each page slice keeps the slots that fall inside it.
     """
     new_k, new_v = encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages)
-    return scatter_encoded(key_pages, value_pages, new_k, new_v, slots, layout=layout)
+    return scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layout=layout)
 
 
-def scatter_encoded(key_pages: Any, value_pages: Any, new_k: Any, new_v: Any, slots: Any, *,
-                    layout: PageLayout | None) -> tuple[Any, Any]:
-    """`scatter_kv` of tokens already in the pages' storage form (``encode_tokens``, or a
-    quantized sequence's raw codes and scales), each device into its own shard."""
+def scatter_encoded(pages: Any, new: Any, slots: Any, *, layout: PageLayout | None) -> Any:
+    """Token rows ``new`` already in the pages' storage form (``encode_tokens``, or a quantized
+    sequence's raw codes and scales) written at ``slots`` into ``pages``, a pytree of page arrays
+    (one layer's K and V, or every layer's) matched leaf for leaf by ``new``: one ``shard_map``
+    for all of them, each device writing into its own shard."""
 
-    def local(pages: Any, upd: Any, s: jax.Array) -> Any:
-        return scatter_encoded_local(pages, upd, s, layout=layout)
+    def local(p: Any, upd: Any, s: jax.Array) -> Any:
+        return scatter_encoded_local(p, upd, s, layout=layout)
 
-    return run_local(local, layout, (key_pages, value_pages), (new_k, new_v), (jnp.asarray(slots, jnp.int32),),
-                     token_major=True)
+    return run_local(local, layout, pages, new, (jnp.asarray(slots, jnp.int32),), token_major=True)

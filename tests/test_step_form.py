@@ -223,3 +223,18 @@ def test_check_values_refuses_traced_steps():
 
     with pytest.raises(ValueError, match=r"check_values reads the step's values: call it outside jit"):
         jax.jit(traced)(jax.tree.map(jnp.asarray, rt))
+
+
+def test_a_row_across_data_parallel_slices_is_not_read_safe():
+    """On a pool split over 2 replicas (pages 0..5 and 6..11), for_mixed proves the reads of a
+    row inside one slice; a row reaching into both slices is not marked read-safe, and the
+    checks of its reads (attention's, or check_values) refuse it."""
+    split = dataclasses.replace(META, page_mesh_axes=("dp",), page_shards=2)
+    inside = PagedAttentionMetadata.for_mixed([[1, 4, -1, -1], [7, 6, -1, -1]], [5, 5], [1, 1], cache_metadata=split)
+    assert host_checked(inside).reads and host_checked(inside).page_shards == 2
+    inside.check_values(split)
+    across = PagedAttentionMetadata.for_mixed([[1, 8, -1, -1]], [5], [1], cache_metadata=split)
+    assert not host_checked(across).reads  # the write may still use it: its slots were checked
+    with pytest.raises(ValueError, match=r"row 0 of metadata.page_table uses pages of two data-parallel replicas "
+                                         r"\(page 1 in slice 0, page 8 in slice 1; 6 pages per slice\)"):
+        across.check_values(split)

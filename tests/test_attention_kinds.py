@@ -75,7 +75,7 @@ def test_reference_matches_the_definitions(options):
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=2e-5)
     # A sink takes weight: the output shrinks towards zero as the sink logit grows.
     big = paged_attention_reference(q, k, v, md, sinks + 30.0, **options)
-    assert np.abs(np.asarray(big)).max() < 1e-6 * np.abs(np.asarray(got)).max() * 1e3
+    assert np.abs(np.asarray(big)).max() < 1e-3 * np.abs(np.asarray(got)).max()
 
 
 def _meta():

@@ -197,7 +197,7 @@ def test_check_values_is_the_opt_in_check_of_device_arrays():
     table = np.array([[3, 7, -1, -1], [0, 1, 2, -1]], np.int32)
     good = PagedAttentionMetadata.for_mixed(table, [5, 9], [1, 2], cache_metadata=META)
     on_device = jax.tree.map(jnp.asarray, good)  # as a jitted step receives it: values unknown to the host
-    on_device.check_values(META)  # passes, and checks nothing twice by mistake: a fresh object
+    on_device.check_values(META)  # device arrays carry no mark: every value is checked, and all are valid
     bad = on_device.replace(page_table=on_device.page_table.at[1, 0].set(12))
     with pytest.raises(ValueError, match=r"metadata.page_table\[1, 0\] = 12 is not a page of the pool \(0..11\) but row 1 "
                                          r"reads it \(keys up to position 10\)"):

@@ -26,7 +26,10 @@ from easykv.errors import (
 )
 from easykv.manager.manager import PageManager, PageManagerMetrics
 from easykv.spec.memory import MemoryBudget, device_memory_budget
+from easykv.spec.groups import ATTENTION_KINDS, LayerGroup, group_pattern
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
+from easykv.spec.presets import PRESETS, ModelPreset
+from easykv.spec.sizing import tokens_per_gib
 from easykv.storage.pages import PageLayout, storage_dtype
 from easykv.quantization import (
     QuantizedPages,
@@ -57,6 +60,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ATTENTION_KINDS",
+    "LayerGroup",
+    "ModelPreset",
+    "PRESETS",
+    "group_pattern",
+    "tokens_per_gib",
     "CacheCheckpointer",
     "CheckpointError",
     "CheckpointIntegrityError",

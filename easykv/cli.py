@@ -13,17 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-# Open model shapes (layers, kv heads, head dim) from their public configs.
-PRESETS: dict[str, tuple[int, int, int]] = {
-    "llama-3.2-1b": (16, 8, 64),
-    "llama-3.2-3b": (28, 8, 128),
-    "llama-3.1-8b": (32, 8, 128),
-    "llama-3.1-70b": (80, 8, 128),
-    "mistral-7b": (32, 8, 128),
-    "qwen2.5-7b": (28, 4, 128),
-    "qwen2.5-72b": (80, 8, 128),
-    "gemma-2-9b": (42, 8, 256),
-}
+from easykv.spec.presets import PRESETS
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}  # fmt: skip
@@ -88,6 +78,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-heads", type=int, help="num_kv_heads")
     plan.add_argument("--head-dim", type=int, help="kv_head_dim_size")
     plan.add_argument("--max-seq", type=int, default=8192, help="longest sequence in tokens (max_sequences)")
+    plan.add_argument("--uniform", action="store_true",
+                      help="plan a grouped preset as if every layer were full attention")
     plan.add_argument("--page-size", type=int, default=16)
     plan.add_argument("--batch-size", type=int, default=32)
     plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
@@ -174,15 +166,21 @@ def _axes_flag(text: str) -> str | tuple[str, ...] | None:
     return parts[0] if len(parts) == 1 else parts
 
 
-def _model_dims(args: argparse.Namespace) -> tuple[int, int, int, str]:
+def _model_dims(args: argparse.Namespace) -> tuple[int, int, int, str, Any]:
+    """(layers, kv heads, head dim, model name, layer groups or None)."""
     explicit = (args.layers, args.kv_heads, args.head_dim)
     if args.preset:
-        layers, heads, dim = PRESETS[args.preset]
-        layers, heads, dim = (e if e is not None else p for e, p in zip(explicit, (layers, heads, dim)))
-        return layers, heads, dim, args.preset
+        preset = PRESETS[args.preset]
+        if not preset.is_uniform and not args.uniform and any(e is not None for e in explicit):
+            raise UsageError(f"--preset {args.preset} has a layer pattern; --layers / --kv-heads / --head-dim "
+                             "would change it (add --uniform to plan every layer as full attention)")
+        layers, heads, dim = (e if e is not None else p for e, p in
+                              zip(explicit, (preset.layers, preset.num_kv_heads, preset.head_dim)))
+        groups = None if preset.is_uniform or args.uniform else preset.layer_groups()
+        return layers, heads, dim, args.preset, groups
     if None in explicit:
         raise UsageError("give --preset NAME or all of --layers, --kv-heads and --head-dim")
-    return *explicit, "custom"
+    return *explicit, "custom", None
 
 
 def _mesh(args: argparse.Namespace) -> Any:
@@ -208,9 +206,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
     from easykv.spec.metadata import PagedAttentionCacheMetaData, plan_layout
+    from easykv.spec.sizing import tokens_per_gib
     from sharding import PartitionAxis, PartitionManager
 
-    layers, heads, dim, model = _model_dims(args)
+    layers, heads, dim, model, groups = _model_dims(args)
     memory = parse_bytes(args.memory) if args.memory is not None else None
     mesh = _mesh(args)
     pm = PartitionManager(PartitionAxis(kv_head_axis=_axes_flag(args.kv_head_axis), page_axis=_axes_flag(args.page_axis)))
@@ -220,6 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         meta = PagedAttentionCacheMetaData.create(
             mesh, args.batch_size, layers, args.max_seq, args.page_size, heads, dim, args.utilization,
             args.dtype, partition_manager=pm, quantizer=args.quant, memory_bytes_per_device=memory,
+            layer_groups=groups,
         )  # fmt: skip
     if meta.kv_head_shards > 1:
         head_line = f"{heads} split over {meta.kv_head_mesh_axes} -> {meta.kv_heads_per_device} per device"
@@ -235,20 +235,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("page axis", f"split over {meta.page_mesh_axes} into {meta.page_shards} slices"
                       if meta.page_shards > 1 else "not split (every device holds every page id)"),  # fmt: skip
         ("page size", f"{meta.page_size} tokens"),
-        ("pages per layer", f"{meta.num_pages_per_layer} ({meta.pages_per_shard} per device)"),
-        ("tokens held per layer", f"{meta.tokens_per_layer:,}"),
+    ]
+    if meta.is_uniform:
+        rows += [
+            ("pages per layer", f"{meta.num_pages_per_layer} ({meta.pages_per_shard} per device)"),
+            ("tokens held per layer", f"{meta.tokens_per_layer:,}"),
+            ("bytes per page per device (all layers)", _format_bytes(meta.page_bytes_per_device * layers)),
+        ]
+    else:
+        rows += [(f"group {i}", _group_line(meta, g)) for i, g in enumerate(meta.groups)]
+    rows += [
         ("bytes per token (all layers)", _format_bytes(meta.bytes_per_token)),
-        ("bytes per page per device (all layers)", _format_bytes(meta.page_bytes_per_device * layers)),
         ("pool bytes per device", _format_bytes(meta.bytes_per_device)),
         ("sequences of max length", f"{meta.max_full_sequences} x {meta.max_sequences} tokens "
                                     f"({meta.num_pages_per_sequence} pages each)"),  # fmt: skip
     ]
+    held, uniform = tokens_per_gib(meta, meta.max_sequences), tokens_per_gib(meta, meta.max_sequences, uniform=True)
+    rows.append((f"tokens per GiB at {meta.max_sequences:,} context",
+                 f"{held:,.0f} ({held / uniform:.2f}x the {uniform:,.0f} of every layer full attention)"))
     rows += [("adjustment", note) for note in layout.adjustments]
     width = max(len(k) for k, _ in rows)
     print(f"easykv plan ({'given --memory' if memory else 'measured device memory'})")
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
     return 0
+
+
+def _group_line(meta: Any, g: Any) -> str:
+    kind = {"full": "full", "sliding": f"sliding window {g.window}", "chunked": f"chunks of {g.window}"}[g.attention]
+    dims = (f"latent of {g.key_head_dim} (value: first {g.value_head_dim})" if g.latent
+            else f"K {g.key_head_dim} / V {g.value_head_dim}")
+    per = g.num_pages // meta.page_shards
+    return (f"layers {g.span} ({g.num_layers}): {kind}; {g.num_kv_heads} kv heads ({g.num_kv_heads // (g.kv_head_shards or 1)}"
+            f" per device), {dims}; {g.num_pages} pages ({per} per device, "
+            f"{g.pages_per_sequence(meta.max_sequences, meta.page_size)} per sequence), "
+            f"{_format_bytes(meta.group_page_bytes(g) * per * g.num_layers)} per device")
 
 
 def _quiet_orbax() -> None:

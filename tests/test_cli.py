@@ -80,8 +80,9 @@ def test_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
 
 
 def test_presets_are_plausible_shapes():
-    for name, (layers, heads, dim) in PRESETS.items():
-        assert layers > 0 and heads > 0 and dim in (64, 128, 256), name
+    for name, p in PRESETS.items():
+        assert p.layers > 0 and p.num_kv_heads > 0 and p.head_dim in (64, 128, 256, 576), name
+        assert sum(g.num_layers for g in p.layer_groups()) == p.layers, name
 
 
 def test_parsers():

@@ -27,16 +27,6 @@ from sharding.mesh import mesh_axis_size
 CACHE_AXES = (KV_HEAD, PAGE, PAGE_SIZE, HEAD_DIM)
 
 
-@pytest.fixture(scope="module")
-def tp8():
-    return create_mesh({"dp": 1, "tp": 8})
-
-
-@pytest.fixture(scope="module")
-def dp2tp4():
-    return create_mesh({"dp": 2, "tp": 4})
-
-
 # ---------------------------------------------------------------- PartitionAxis
 
 

@@ -259,8 +259,11 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
 def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
     """The cache metadata of a record; CheckpointIntegrityError when it cannot be rebuilt."""
     try:
-        return PagedAttentionCacheMetaData.from_dict(record["metadata"])
-    except (SerializationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as err:
+        meta = PagedAttentionCacheMetaData.from_dict(record["metadata"])
+        meta.require_uniform("a checkpoint")
+        return meta
+    except (SerializationError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
+            NotImplementedError) as err:
         raise _damaged(f"field 'metadata' of the record cannot be rebuilt: {err}", step, directory) from err
 
 

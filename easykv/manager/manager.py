@@ -93,6 +93,7 @@ class PageManager(_Growth):
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        metadata.require_uniform("PageManager")
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
         scrub_released = boolean("scrub_released", scrub_released)
         if metadata.batch_size * metadata.num_pages_per_sequence > _MAX_TABLE_ENTRIES:

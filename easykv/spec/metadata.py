@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from easykv.spec.groups import LayerGroup, check_groups
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.errors import SerializationError
@@ -64,7 +65,7 @@ class PagedAttentionCacheMetaData(Serializable):
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionCacheMetaData"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: layer_groups (absent: one full-attention group)
 
     batch_size: int
     num_hidden_layers: int
@@ -82,6 +83,8 @@ class PagedAttentionCacheMetaData(Serializable):
     page_mesh_axes: tuple[str, ...] = dataclasses.field(default=(), metadata={"codec": "tuple"})
     page_shards: int = 1
     memory_bytes_per_device: int | None = None
+    layer_groups: tuple[LayerGroup, ...] | None = dataclasses.field(
+        default=None, metadata={"codec": "serializables", "type": LayerGroup, "since": 2})
 
     def __post_init__(self) -> None:
         for name in (
@@ -130,7 +133,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"num_pages_per_layer={self.num_pages_per_layer} is not divisible by "
                 f"page_shards={self.page_shards}; use a multiple of {self.page_shards}"
             )
-        if self.pages_per_shard < self.num_pages_per_sequence:
+        if self.layer_groups is None and self.pages_per_shard < self.num_pages_per_sequence:
             raise ValueError(
                 f"the pool cannot hold one full sequence: {self.pages_per_shard} pages per "
                 f"{'replica' if self.page_shards > 1 else 'pool'} < num_pages_per_sequence="
@@ -142,14 +145,51 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"num_pages_per_layer * page_size = {self.num_pages_per_layer * self.page_size} "
                 "slots exceeds int32 slot ids; use fewer pages per layer"
             )
+        if self.layer_groups is not None:
+            self._check_layer_groups()
         # The budget is what the pool was sized from: a pool that does not fit it is a
         # hand-edited or damaged description, never one `create` made.
         if self.memory_bytes_per_device is not None and self.bytes_per_device > self.memory_bytes_per_device:
             raise ValueError(
-                f"the pool needs {self.bytes_per_device} bytes per device ({self.pages_per_shard} pages x "
-                f"{self.num_hidden_layers} layers x {self.page_bytes_per_device} bytes) but memory_bytes_per_device="
-                f"{self.memory_bytes_per_device}; size it with create(), or fix num_pages_per_layer"
+                f"the pool needs {self.bytes_per_device} bytes per device ({self._cost_detail()}) but "
+                f"memory_bytes_per_device={self.memory_bytes_per_device}; size it with create(), or fix the page counts"
             )
+
+    def _check_layer_groups(self) -> None:
+        """A grouped description: every layer in one group, each group sized and fitting its
+        quantizer and mesh split; the EasyDeL fields give the largest group's figures."""
+        raw = self.layer_groups
+        if isinstance(raw, LayerGroup) or not isinstance(raw, (tuple, list)) or not raw:
+            raise ValueError(f"layer_groups must be a non-empty sequence of LayerGroup, got {show(raw)}")
+        groups = tuple(g.filled(num_kv_heads=self.num_kv_heads, head_dim=self.kv_head_dim_size)
+                       if isinstance(g, LayerGroup) else g for g in raw)
+        check_groups(groups, num_layers=self.num_hidden_layers, page_size=self.page_size)
+        object.__setattr__(self, "layer_groups", groups)
+        for i, g in enumerate(groups):
+            where = f"layer_groups[{i}] (layers {g.span})"
+            if g.num_pages is None:
+                raise ValueError(f"{where} has no num_pages; size the groups with PagedAttentionCacheMetaData.create("
+                                 "..., layer_groups=...) or give each group its num_pages")
+            if g.num_pages % self.page_shards:
+                raise ValueError(f"{where}: num_pages={g.num_pages} is not divisible by page_shards={self.page_shards}")
+            need = g.pages_per_sequence(self.max_sequences, self.page_size)
+            if g.num_pages // self.page_shards < need:
+                raise ValueError(f"{where} holds {g.num_pages // self.page_shards} pages per "
+                                 f"{'replica' if self.page_shards > 1 else 'pool'} but one sequence needs {need} in "
+                                 "it; give the cache more memory or lower max_sequences")
+            if g.num_kv_heads % self._group_head_shards(g):
+                raise ValueError(f"{where}: num_kv_heads={g.num_kv_heads} is not divisible by kv_head_shards="
+                                 f"{g.kv_head_shards}")
+            for dim in {g.key_head_dim, g.value_head_dim if g.has_values else g.key_head_dim}:
+                self.quantizer.validate(dim, self.sizing_dtype)
+        largest = {"num_pages_per_layer": max(g.num_pages for g in groups),
+                   "num_kv_heads": max(g.num_kv_heads for g in groups),
+                   "kv_head_dim_size": max(g.key_head_dim for g in groups)}
+        off = {k: v for k, v in largest.items() if getattr(self, k) != v}
+        if off:
+            raise ValueError(
+                f"with layer_groups the EasyDeL fields give the largest group's figures: {off} (got "
+                f"{ {k: getattr(self, k) for k in off} }); create() fills them")
 
     # ---- derived figures -----------------------------------------------------------------
     @property
@@ -182,19 +222,81 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def page_bytes_per_device(self) -> int:
-        """Bytes one device stores for one page of one layer, K and V together."""
+        """Bytes one device stores for one page of one layer, K and V together (of a uniform
+        cache; a grouped one has `group_page_bytes` per group)."""
         return 2 * self.kv_heads_per_device * self.page_size * self.bytes_per_token_head
+
+    # ---- layer groups -----------------------------------------------------------------------
+    @property
+    def is_uniform(self) -> bool:
+        """One full-attention group of every layer: today's EasyDeL cache."""
+        return self.layer_groups is None
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        """The layer groups; a uniform cache is the one full-attention group of its fields."""
+        if self.layer_groups is not None:
+            return self.layer_groups
+        return (LayerGroup(layers=tuple(range(self.num_hidden_layers)), num_kv_heads=self.num_kv_heads,
+                           key_head_dim=self.kv_head_dim_size, value_head_dim=self.kv_head_dim_size,
+                           num_pages=self.num_pages_per_layer, kv_head_mesh_axes=self.kv_head_mesh_axes,
+                           kv_head_shards=self.kv_head_shards),)
+
+    def require_uniform(self, what: str) -> None:
+        """Refuse a grouped description where ``what`` handles one full-attention group only."""
+        if not self.is_uniform:
+            kinds = ", ".join(f"layers {g.span}: {g.attention}" for g in self.groups)
+            raise NotImplementedError(
+                f"{what} holds uniform caches (every layer full attention, one geometry) in this easykv, but this "
+                f"metadata has layer groups ({kinds}); layer groups are described, sized and planned "
+                "(create, to_json, easykv plan, tokens_per_gib), and their pages and manager come with issue 12's "
+                "grouped storage")
+
+    def group_of_layer(self, layer: int) -> tuple[int, int]:
+        """(group index, position of ``layer`` inside its group's stacked pages)."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise ValueError(f"layer {show(layer)} is not a layer of this cache (0..{self.num_hidden_layers - 1})")
+
+    def _group_head_shards(self, group: LayerGroup) -> int:
+        return 1 if group.kv_head_shards is None else group.kv_head_shards
+
+    def group_page_bytes(self, group: LayerGroup) -> int:
+        """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent)."""
+        per_head = self.quantizer.bytes_per_token_head(group.key_head_dim, self.sizing_dtype)
+        if group.has_values:
+            per_head += self.quantizer.bytes_per_token_head(group.value_head_dim, self.sizing_dtype)
+        return group.num_kv_heads // self._group_head_shards(group) * self.page_size * per_head
+
+    def _cost_detail(self) -> str:
+        return "; ".join(f"layers {g.span}: {g.num_pages // self.page_shards} pages x {g.num_layers} layers x "
+                         f"{self.group_page_bytes(g)} bytes" for g in self.groups)
 
     @property
     def bytes_per_device(self) -> int:
-        """Bytes of the whole pool (all layers) on one device."""
-        return self.page_bytes_per_device * self.pages_per_shard * self.num_hidden_layers
+        """Bytes of the whole pool (all groups, all layers) on one device."""
+        return sum(self.group_page_bytes(g) * (g.num_pages // self.page_shards) * g.num_layers for g in self.groups)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one cached token over all layers and kv heads, each head counted once
-        (replicated heads cost this again on every device that holds a copy)."""
-        return 2 * self.num_kv_heads * self.bytes_per_token_head * self.num_hidden_layers
+        (replicated heads cost this again on every device that holds a copy); in a windowed
+        group a token costs this only while it is inside the window."""
+        total = 0
+        for g in self.groups:
+            per_head = self.quantizer.bytes_per_token_head(g.key_head_dim, self.sizing_dtype)
+            if g.has_values:
+                per_head += self.quantizer.bytes_per_token_head(g.value_head_dim, self.sizing_dtype)
+            total += g.num_kv_heads * per_head * g.num_layers
+        return total
+
+    def bytes_per_sequence(self, tokens: int) -> int:
+        """Bytes per device one sequence of ``tokens`` tokens holds once the pages that left
+        its windows are released (whole pages, every group)."""
+        tokens = positive_int("tokens", tokens, hi=None)
+        return sum(self.group_page_bytes(g) * g.pages_per_sequence(tokens, self.page_size) * g.num_layers
+                   for g in self.groups)
 
     @property
     def tokens_per_layer(self) -> int:
@@ -202,8 +304,9 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def max_full_sequences(self) -> int:
-        """Sequences of max_sequences tokens the pool holds at once."""
-        return self.page_shards * (self.pages_per_shard // self.num_pages_per_sequence)
+        """Sequences of max_sequences tokens the pool holds at once (in every group)."""
+        return self.page_shards * min(g.num_pages // self.page_shards
+                                      // g.pages_per_sequence(self.max_sequences, self.page_size) for g in self.groups)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
@@ -223,6 +326,7 @@ class PagedAttentionCacheMetaData(Serializable):
         quantizer: str | Quantizer | None = None,
         memory_bytes_per_device: int | None = None,
         num_pages_per_layer: int | None = None,
+        layer_groups: Sequence[LayerGroup] | None = None,
     ) -> PagedAttentionCacheMetaData:
         """Size the pool from device memory (EasyDeL's positional order, extras keyword-only).
 
@@ -232,7 +336,21 @@ class PagedAttentionCacheMetaData(Serializable):
         storage dtype and the quantizer's scales. With the page axis sharded over a
         data-parallel mesh axis every replica holds that many pages, so the pool grows with it.
         ``num_pages_per_layer`` fixes the pool size instead (memory is then not consulted).
+
+        ``layer_groups``: the model's groups (`LayerGroup`; heads and head dims they leave open are
+        ``num_kv_heads`` / ``kv_head_dim_size``). Each group gets its own pool, sized so that
+        all groups hold the same number of ``max_sequences``-token sequences once pages that left
+        a window are released: a sliding or chunked group needs only its window's pages per
+        sequence. Groups that all give ``num_pages`` fix the pool instead. One full-attention
+        group of the default geometry is the uniform cache (``layer_groups`` None).
         """
+        if layer_groups is not None:
+            return _create_grouped(cls, mesh, layer_groups, dict(
+                batch_size=batch_size, num_hidden_layers=num_hidden_layers, max_sequences=max_sequences,
+                page_size=page_size, num_kv_heads=num_kv_heads, kv_head_dim_size=kv_head_dim_size,
+                hbm_utilization=hbm_utilization, dtype=dtype, partition_manager=partition_manager,
+                quantizer=quantizer, memory_bytes_per_device=memory_bytes_per_device,
+                num_pages_per_layer=num_pages_per_layer))
         plan = plan_layout(
             mesh, num_kv_heads=num_kv_heads, partition_manager=partition_manager, emit_warnings=True
         )
@@ -286,6 +404,74 @@ class PagedAttentionCacheMetaData(Serializable):
         if missing:
             raise SerializationError(f"EasyDeL cache metadata JSON is missing fields {missing}")
         return {**data, "__schema__": cls.SCHEMA, "__version__": cls.SCHEMA_VERSION}
+
+
+def _create_grouped(cls: Any, mesh: Any, layer_groups: Any, args: dict[str, Any]) -> PagedAttentionCacheMetaData:
+    """`create` with layer groups: each group's head split on ``mesh``, then its pool sized."""
+    if isinstance(layer_groups, LayerGroup) or not isinstance(layer_groups, (tuple, list)) or not layer_groups:
+        raise ValueError(f"layer_groups must be a non-empty sequence of LayerGroup, got {show(layer_groups)}")
+    for i, g in enumerate(layer_groups):
+        if not isinstance(g, LayerGroup):
+            raise ValueError(f"layer_groups[{i}] must be a LayerGroup, got {type(g).__name__}")
+    heads, dim = positive_int("num_kv_heads", args["num_kv_heads"]), positive_int("kv_head_dim_size",
+                                                                                   args["kv_head_dim_size"])
+    groups = [g.filled(num_kv_heads=heads, head_dim=dim) for g in layer_groups]
+    uniform = (len(groups) == 1 and groups[0].attention == "full" and not groups[0].latent
+               and (groups[0].num_kv_heads, groups[0].key_head_dim, groups[0].value_head_dim) == (heads, dim, dim))
+    if uniform:  # today's cache: EasyDeL's fields say it all
+        check_groups(tuple(groups), num_layers=positive_int("num_hidden_layers", args["num_hidden_layers"]),
+                     page_size=positive_int("page_size", args["page_size"]))
+        if args["num_pages_per_layer"] is None and groups[0].num_pages is not None:
+            args["num_pages_per_layer"] = groups[0].num_pages
+        return cls.create(mesh, **{k: args.pop(k) for k in (
+            "batch_size", "num_hidden_layers", "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size",
+            "hbm_utilization", "dtype")}, **args)
+    pm, explicit = args["partition_manager"], [g.num_pages is not None for g in groups]
+    if args["num_pages_per_layer"] is not None:
+        raise ValueError("with layer_groups give each LayerGroup its num_pages (or none, to size them from "
+                         f"memory), not num_pages_per_layer={show(args['num_pages_per_layer'])}")
+    if any(explicit) and not all(explicit):
+        raise ValueError(f"layer_groups {[i for i, e in enumerate(explicit) if not e]} have no num_pages but the "
+                         "others do; give every group num_pages or none (then memory sizes them)")
+    plans = [plan_layout(mesh, num_kv_heads=g.num_kv_heads, partition_manager=pm, emit_warnings=True) for g in groups]
+    top = plan_layout(mesh, num_kv_heads=max(g.num_kv_heads for g in groups), partition_manager=pm,
+                      emit_warnings=False)
+    groups = [dataclasses.replace(g, kv_head_mesh_axes=p.kv_head_mesh_axes, kv_head_shards=p.kv_head_shards)
+              for g, p in zip(groups, plans)]
+    page_size, length = positive_int("page_size", args["page_size"]), positive_int("max_sequences",
+                                                                                    args["max_sequences"])
+    shards = top.page_shards
+    need = [g.pages_per_sequence(length, page_size) for g in groups]
+    base = dict(batch_size=args["batch_size"], num_hidden_layers=args["num_hidden_layers"], max_sequences=length,
+                page_size=page_size, num_kv_heads=max(g.num_kv_heads for g in groups),
+                kv_head_dim_size=max(g.key_head_dim for g in groups), hbm_utilization=args["hbm_utilization"],
+                dtype=args["dtype"], quantization=get_quantizer(args["quantizer"]).name,
+                kv_head_mesh_axes=top.kv_head_mesh_axes, kv_head_shards=top.kv_head_shards,
+                page_mesh_axes=top.page_mesh_axes, page_shards=shards,
+                num_pages_per_sequence=math.ceil(length / page_size))
+
+    def build(pages: list[int], **extra: Any) -> PagedAttentionCacheMetaData:
+        sized = tuple(dataclasses.replace(g, num_pages=p) for g, p in zip(groups, pages))
+        return cls(**base, num_pages_per_layer=max(pages), layer_groups=sized, **extra)
+
+    if all(explicit):
+        return build([g.num_pages for g in groups])
+    probe = build([shards * n for n in need])  # every field checked before memory is asked
+    devices = () if args["memory_bytes_per_device"] is not None else tuple(mesh.devices.flat)
+    budget = device_memory_budget(devices, probe.hbm_utilization,
+                                  memory_bytes_per_device=args["memory_bytes_per_device"])
+    # One "unit" is what one max-length sequence costs a device in every group: each group gets
+    # pages for the same number of units, so no group runs out before the others.
+    unit = probe.bytes_per_sequence(length)
+    cap = _INT32_MAX // page_size // shards
+    per_shard = [min(budget.per_device_bytes * n // unit, cap) for n in need]
+    short = [i for i, (p, n) in enumerate(zip(per_shard, need)) if p < n]
+    if short:
+        raise ValueError(
+            f"the memory budget ({budget.detail}) holds less than one sequence of max_sequences={length} tokens: "
+            f"one needs {unit} bytes per device ({probe._cost_detail()} per sequence); raise hbm_utilization or "
+            "memory_bytes_per_device, or lower max_sequences")
+    return build([p * shards for p in per_shard], memory_bytes_per_device=budget.per_device_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +532,7 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
 
 
 __all__ = [
+    "LayerGroup",
     "MemoryBudget",
     "PagedAttentionCacheMetaData",
     "LayoutPlan",

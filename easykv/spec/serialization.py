@@ -141,9 +141,21 @@ _CODECS = {
 def _coded(f: dataclasses.Field, value: Any, direction: int) -> Any:
     """``value`` of field ``f`` encoded (``direction`` 0) or decoded (1) by its codec."""
     codec = f.metadata.get("codec")
+    if codec == "serializables":  # a tuple of nested Serializable of one class (``metadata["type"]``)
+        return None if value is None else _nested(f.metadata["type"], value, f.name, direction)
     if codec not in _CODECS:
         raise SerializationError(f"field {show(f.name)} has unknown codec {show(codec)}")
     return None if value is None else _CODECS[codec][direction](value, f.name)
+
+
+def _nested(cls: Any, value: Any, name: str, direction: int) -> Any:
+    if not isinstance(value, (list, tuple)):
+        if direction:
+            raise SerializationError(f"field {show(name)} must be a list of {cls.__name__} dicts, got {show(value)}")
+        return value  # not a sequence: the class's own __post_init__ says what is wrong
+    if direction == 0:
+        return [item.to_dict() if isinstance(item, cls) else item for item in value]
+    return tuple(cls.from_dict(item) for item in value)
 
 
 class Serializable:
@@ -152,7 +164,9 @@ class Serializable:
     Subclasses set ``SCHEMA`` (e.g. ``"easykv.PagedAttentionCacheMetaData"``) and
     ``SCHEMA_VERSION``; both are written into every dict so a JSON says what it is. Values are
     validated by the subclass's own ``__post_init__``; this base only checks the shape (schema,
-    version, field names). Fields with ``init=False`` are derived and never written.
+    version, field names). Fields with ``init=False`` are derived and never written. A field
+    added in version N (``metadata={"since": N}``, default None) is written only when set, and
+    only then is the JSON marked version N: what older readers can read stays readable by them.
     """
 
     SCHEMA: ClassVar[str]
@@ -187,8 +201,13 @@ class Serializable:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict: schema and version first, then every init field, encoded."""
         fields = self._init_fields()
-        out: dict[str, Any] = {_SCHEMA_KEY: self.SCHEMA, _VERSION_KEY: self.SCHEMA_VERSION}
+        staged = any("since" in f.metadata for f in fields.values())
+        out: dict[str, Any] = {_SCHEMA_KEY: self.SCHEMA, _VERSION_KEY: 1 if staged else self.SCHEMA_VERSION}
         for name, f in fields.items():
+            since = f.metadata.get("since", 1)
+            if since > 1 and getattr(self, name) is None:
+                continue  # a field newer readers added, left at None: the JSON older readers read
+            out[_VERSION_KEY] = max(out[_VERSION_KEY], since)
             out[name] = _coded(f, getattr(self, name), 0)
             _check_json_safe(out[name], f"{type(self).__name__}.{name}")
         return out
@@ -216,6 +235,11 @@ class Serializable:
                 raise SerializationError(
                     f"{cls.SCHEMA} JSON is version {version}, but this easykv reads up to "
                     f"version {cls.SCHEMA_VERSION}; upgrade easykv to load it")
+            newer = sorted(n for n in data if n in fields and fields[n].metadata.get("since", 1) > version)
+            if newer:
+                raise SerializationError(
+                    f"{cls.SCHEMA} JSON of version {version} holds {newer}, which version "
+                    f"{max(fields[n].metadata['since'] for n in newer)} added; the file was edited or damaged")
         else:
             data.pop(_VERSION_KEY, None)
         unknown = sorted(set(data) - set(fields))

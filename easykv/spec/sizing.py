@@ -30,6 +30,23 @@ def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_
     return shards * (pages // per_seq)
 
 
+def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> float:
+    """Tokens of ``context``-token sequences one GiB of a device holds, once the pages that
+    left a window are released; ``uniform``: the same model with every layer full attention
+    (its groups' geometry kept), the baseline a grouped cache is measured against."""
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+
+    if not isinstance(metadata, PagedAttentionCacheMetaData):
+        raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+    context = positive_int("context", context, hi=None)
+    if uniform:
+        pages = -(-context // metadata.page_size)
+        per_sequence = sum(metadata.group_page_bytes(g) * pages * g.num_layers for g in metadata.groups)
+    else:
+        per_sequence = metadata.bytes_per_sequence(context)
+    return 2**30 / per_sequence * context
+
+
 def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
     """(bytes per page on one device across layers, pages per sequence, data-parallel replicas)."""
     from easykv.spec.metadata import PagedAttentionCacheMetaData
@@ -37,5 +54,8 @@ def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     length = positive_int("max_seq_len", metadata.max_sequences if max_seq_len is None else max_seq_len)
+    if not metadata.is_uniform:
+        raise ValueError("estimated_memory_size and infer_optimal_batch_size size a uniform cache; for layer groups "
+                         "use metadata.bytes_per_sequence(tokens) (the bytes per device one sequence needs)")
     per_page = int(metadata.page_bytes_per_device) * int(metadata.num_hidden_layers)
     return per_page, -(-length // int(metadata.page_size)), int(getattr(metadata, "page_shards", 1))

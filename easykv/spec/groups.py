@@ -1,0 +1,182 @@
+"""Layer groups: the layers of a model that share one page geometry and one attention kind.
+
+A cache is a set of groups. Each group has its own pool of pages (its own page ids) because its
+pages have their own size and its sequences keep their own number of them:
+
+- ``attention="full"``: a sequence keeps every page it wrote.
+- ``attention="sliding", window=W``: a query at position p sees keys p - W + 1 .. p (Mistral,
+  Gemma 2/3, gpt-oss); pages wholly before the window of a sequence's next query are dead.
+- ``attention="chunked", window=C``: a query sees only the keys of its own chunk
+  ``[k*C, (k+1)*C)`` (Llama 4's local layers). C must be a multiple of the page size, so no page
+  straddles two chunks and a sequence holds exactly the pages of its current chunk.
+
+Geometry: ``num_kv_heads`` heads of ``key_head_dim`` keys and ``value_head_dim`` values, or, with
+``latent=True``, one vector of ``key_head_dim`` per token and head and no value pages (DeepSeek's
+MLA: one head of 512 + 64; attention reads the first ``value_head_dim`` dims as the value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+from easykv.spec.serialization import Serializable
+from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
+
+ATTENTION_KINDS: tuple[str, ...] = ("full", "sliding", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup(Serializable):
+    """One group of layers (see the module doc). ``num_pages`` is the group's pool (pages per
+    layer, over all data-parallel replicas); ``None`` until ``PagedAttentionCacheMetaData.create``
+    sizes it. ``kv_head_mesh_axes`` / ``kv_head_shards``: how this group's heads are split over
+    the mesh (None: left to ``create`` / ``init_cache``, as the cache-wide fields)."""
+
+    SCHEMA: ClassVar[str] = "easykv.LayerGroup"
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+    layers: tuple[int, ...] = dataclasses.field(metadata={"codec": "tuple"})
+    attention: str = "full"
+    window: int | None = None
+    num_kv_heads: int | None = None
+    key_head_dim: int | None = None
+    value_head_dim: int | None = None
+    latent: bool = False
+    num_pages: int | None = None
+    kv_head_mesh_axes: tuple[str, ...] | None = dataclasses.field(default=None, metadata={"codec": "tuple"})
+    kv_head_shards: int | None = None
+
+    def __post_init__(self) -> None:
+        raw = self.layers
+        if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+            raise ValueError(f"layers must be a sequence of layer indices, got {show(raw)}")
+        layers = tuple(integer("a layer index", i, lo=0) for i in raw)
+        if not layers:
+            raise ValueError("a layer group needs at least one layer; drop the empty group")
+        if len(set(layers)) != len(layers):
+            twice = sorted({i for i in layers if layers.count(i) > 1})
+            raise ValueError(f"layers {twice} appear twice in one group's layers {show(raw)}")
+        object.__setattr__(self, "layers", tuple(sorted(layers)))
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {show(self.attention)}")
+        if self.attention == "full":
+            if self.window is not None:
+                raise ValueError(f"a full-attention group takes no window, got window={show(self.window)}; "
+                                 "use attention='sliding' or 'chunked'")
+        else:
+            name = "window" if self.attention == "sliding" else "window (the chunk size)"
+            object.__setattr__(self, "window", positive_int(name, self.window,
+                                                            hint=f"a {self.attention} group needs its size in tokens"))
+        for name in ("num_kv_heads", "key_head_dim", "value_head_dim", "num_pages", "kv_head_shards"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, positive_int(f"{name} of layers {self.span}", value))
+        object.__setattr__(self, "latent", boolean("latent", self.latent))
+        if self.latent and self.value_head_dim is not None and self.key_head_dim is not None \
+                and self.value_head_dim > self.key_head_dim:
+            raise ValueError(
+                f"a latent group reads the first value_head_dim={self.value_head_dim} dims of its "
+                f"key_head_dim={self.key_head_dim}-wide latent as the value; value_head_dim must be <= key_head_dim")
+        if (self.kv_head_mesh_axes is None) != (self.kv_head_shards is None):
+            raise ValueError(f"kv_head_mesh_axes={show(self.kv_head_mesh_axes)} and kv_head_shards="
+                             f"{show(self.kv_head_shards)} of layers {self.span}: give both or neither")
+        if self.kv_head_mesh_axes is not None:
+            axes = self.kv_head_mesh_axes
+            axes = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, (tuple, list)) else None
+            if axes is None or not all(isinstance(a, str) and a for a in axes):
+                raise ValueError(f"kv_head_mesh_axes must be a tuple of mesh axis names, got "
+                                 f"{show(self.kv_head_mesh_axes)}")
+            object.__setattr__(self, "kv_head_mesh_axes", axes)
+
+    @property
+    def span(self) -> str:
+        """The layers, written short for messages (``0..5`` or ``[0, 6, 12]``)."""
+        ls = self.layers
+        if len(ls) > 1 and ls == tuple(range(ls[0], ls[-1] + 1)):
+            return f"{ls[0]}..{ls[-1]}"
+        return show(list(ls))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def has_values(self) -> bool:
+        """Whether the group stores value pages (False for a latent cache)."""
+        return not self.latent
+
+    def filled(self, *, num_kv_heads: int, head_dim: int) -> LayerGroup:
+        """This group with the cache-wide head count and head dim where it leaves them open."""
+        k = self.key_head_dim if self.key_head_dim is not None else head_dim
+        return dataclasses.replace(
+            self, num_kv_heads=self.num_kv_heads if self.num_kv_heads is not None else num_kv_heads,
+            key_head_dim=k, value_head_dim=self.value_head_dim if self.value_head_dim is not None else k)
+
+    def pages_per_sequence(self, max_tokens: int, page_size: int) -> int:
+        """Pages one sequence of up to ``max_tokens`` keeps at once in one layer of this group
+        once the pages that left its window are released (the sizing unit of the group).
+
+        A window of W consecutive tokens touches at most ``ceil((W - 1) / page_size) + 1``
+        pages; a page-aligned chunk of C tokens exactly ``C / page_size``."""
+        full = math.ceil(max_tokens / page_size)
+        if self.attention == "sliding":
+            return min(full, math.ceil((self.window - 1) / page_size) + 1)
+        if self.attention == "chunked":
+            return min(full, self.window // page_size)
+        return full
+
+    def first_needed_position(self, next_position: int) -> int:
+        """The first token position a query at ``next_position`` or later can still read."""
+        if self.attention == "sliding":
+            return max(0, next_position - self.window + 1)
+        if self.attention == "chunked":
+            return (next_position // self.window) * self.window
+        return 0
+
+
+def check_groups(groups: tuple[LayerGroup, ...], *, num_layers: int, page_size: int) -> None:
+    """Every layer 0..num_layers-1 in exactly one group; chunks aligned to pages; sizes bounded."""
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        if not isinstance(group, LayerGroup):
+            raise ValueError(f"layer_groups[{g}] must be a LayerGroup, got {type(group).__name__}")
+        for layer in group.layers:
+            if layer >= num_layers:
+                raise ValueError(f"layer_groups[{g}] names layer {layer}, but the model has num_hidden_layers="
+                                 f"{num_layers} (layers 0..{num_layers - 1})")
+            if layer in owner:
+                raise ValueError(f"layer {layer} is in layer_groups[{owner[layer]}] and layer_groups[{g}]; "
+                                 "a layer belongs to exactly one group")
+            owner[layer] = g
+        if group.attention == "chunked" and group.window % page_size:
+            raise ValueError(
+                f"layer_groups[{g}] has chunk size {group.window}, not a multiple of page_size={page_size}: a page "
+                "would straddle two chunks and could be neither kept nor freed whole; use a page size that divides it")
+        if group.num_pages is not None and group.num_pages * page_size > INT32_MAX:
+            raise ValueError(f"layer_groups[{g}]: num_pages * page_size = {group.num_pages * page_size} slots "
+                             "exceeds int32 slot ids; use fewer pages")
+    missing = [i for i in range(num_layers) if i not in owner]
+    if missing:
+        raise ValueError(f"layers {show(missing)} belong to no group; every layer 0..{num_layers - 1} needs one "
+                         "(add them to a group, e.g. LayerGroup(layers=..., attention='full'))")
+
+
+def group_pattern(num_layers: int, pattern: Any, **kinds: dict[str, Any]) -> tuple[LayerGroup, ...]:
+    """Groups from a repeating per-layer pattern: ``group_pattern(62, "SSSSSF", S=dict(attention=
+    "sliding", window=1024), F=dict(attention="full"))`` puts layer i in the group of letter
+    ``pattern[i % len(pattern)]`` (groups in order of first appearance)."""
+    num_layers = positive_int("num_layers", num_layers)
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"pattern must be a non-empty string of group letters, got {show(pattern)}")
+    unknown = sorted(set(pattern) - set(kinds))
+    if unknown:
+        raise ValueError(f"pattern letters {unknown} have no group; pass them as keywords, e.g. "
+                         f"{unknown[0]}=dict(attention='full')")
+    order = list(dict.fromkeys(pattern[i % len(pattern)] for i in range(num_layers)))
+    return tuple(LayerGroup(layers=tuple(i for i in range(num_layers) if pattern[i % len(pattern)] == letter),
+                            **kinds[letter]) for letter in order)
+
+
+__all__ = ["ATTENTION_KINDS", "LayerGroup", "check_groups", "group_pattern"]

@@ -248,16 +248,8 @@ class PagedAttentionCacheMetaData(Serializable):
             kinds = ", ".join(f"layers {g.span}: {g.attention}" for g in self.groups)
             raise NotImplementedError(
                 f"{what} holds uniform caches (every layer full attention, one geometry) in this easykv, but this "
-                f"metadata has layer groups ({kinds}); layer groups are described, sized and planned "
-                "(create, to_json, easykv plan, tokens_per_gib), and their pages and manager come with issue 12's "
-                "grouped storage")
-
-    def group_of_layer(self, layer: int) -> tuple[int, int]:
-        """(group index, position of ``layer`` inside its group's stacked pages)."""
-        for g, group in enumerate(self.groups):
-            if layer in group.layers:
-                return g, group.layers.index(layer)
-        raise ValueError(f"layer {show(layer)} is not a layer of this cache (0..{self.num_hidden_layers - 1})")
+                f"metadata has layer groups ({kinds}); so far layer groups are described, sized and planned "
+                "(create, to_json, easykv plan, tokens_per_gib) but not yet stored or managed")
 
     def _group_head_shards(self, group: LayerGroup) -> int:
         return 1 if group.kv_head_shards is None else group.kv_head_shards

@@ -125,6 +125,12 @@ def test_one_full_group_is_the_uniform_cache(tp8):
     grouped = create(tp8, (LayerGroup(tuple(range(12))),))
     uniform = create(tp8, None)
     assert grouped == uniform and grouped.is_uniform and grouped.layer_groups is None
+    # built by hand (or read from a version-2 JSON), the same single group is the same uniform cache
+    by_hand = uniform.replace(layer_groups=uniform.groups)
+    assert by_hand == uniform and by_hand.layer_groups is None and "layer_groups" not in by_hand.to_dict()
+    other_layout = uniform.groups[0].__class__(**{**uniform.groups[0].__dict__, "kv_head_mesh_axes": None,
+                                                  "kv_head_shards": None})
+    assert not uniform.replace(memory_bytes_per_device=None, layer_groups=(other_layout,)).is_uniform  # another layout
     assert uniform.groups == (LayerGroup(tuple(range(12)), num_kv_heads=8, key_head_dim=64, value_head_dim=64,
                                          num_pages=uniform.num_pages_per_layer, kv_head_mesh_axes=("tp",),
                                          kv_head_shards=8),)

@@ -190,6 +190,11 @@ class PagedAttentionCacheMetaData(Serializable):
             raise ValueError(
                 f"with layer_groups the EasyDeL fields give the largest group's figures: {off} (got "
                 f"{ {k: getattr(self, k) for k in off} }); create() fills them")
+        # One full group of the cache's own geometry and layout is the uniform cache: one form
+        # for it, however it was built (equal metadata, version-1 JSON, accepted everywhere).
+        object.__setattr__(self, "layer_groups", None)
+        if groups != self.groups:
+            object.__setattr__(self, "layer_groups", groups)
 
     # ---- derived figures -----------------------------------------------------------------
     @property

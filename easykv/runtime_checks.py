@@ -214,6 +214,11 @@ def bad_read(name: str, table: np.ndarray, first: np.ndarray, end: np.ndarray, h
     bad = used & ((table < 0) | (table >= num_pages))
     if np.any(bad):
         b, c = (int(i) for i in np.argwhere(bad)[0])
+        if table[b, c] < 0:
+            return (f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is no page (never assigned, or released when it "
+                    f"left a sliding or chunked window) but row {b} reads it (keys {c * page_size}.. up to position "
+                    f"{int(hi[b])}); read with the window or chunk the pages were kept for (sliding_window=, "
+                    f"chunk_size= of the cache's layer group)")
         return (f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is not a page of the pool (0..{num_pages - 1}) "
                 f"but row {b} reads it (keys up to position {int(hi[b])})")
     if page_shards > 1:
@@ -259,7 +264,8 @@ def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int
     arrays = (rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens, rt.num_seqs)
     mark = host_checked(rt)
     if not is_host(*arrays) or (mark is not None and mark.reads and (mark.num_pages, mark.page_size) ==
-                                (num_pages, page_size) and page_shards in (1, mark.page_shards)):
+                                (num_pages, page_size) and page_shards in (1, mark.page_shards)
+                                and mark.covers(window, chunk)):
         return
     pos, qsl, table, ctx = (integer_array(name, a, lo=None, hi=None, dtype=np.int64)
                             for name, a in zip((pos_name, "query_start_loc", table_name, "context_lens"), arrays))
@@ -306,13 +312,25 @@ class HostChecked:
     """The value checks a step's host arrays passed, against a pool of ``num_pages`` pages of
     ``page_size`` tokens: every slot is padding or a distinct slot of the pool (the write's
     checks); with ``reads``, every page a query reads is a page of the pool and, for
-    ``page_shards`` > 1, of one replica's slice (attention's checks without a sliding window,
-    and with any window, which reads fewer pages)."""
+    ``page_shards`` > 1, of one replica's slice, for queries that read no further back than
+    ``attention`` with ``window`` allows (a sliding or chunked manager releases the pages
+    before: its table has holes there; "full": from the first key)."""
 
     num_pages: int
     page_size: int
     reads: bool
     page_shards: int
+    attention: str = "full"
+    window: int | None = None
+
+    def covers(self, window: int | None, chunk: int | None) -> bool:
+        """Whether a read with a sliding ``window`` and ``chunk`` (None: unbounded) starts no
+        earlier than this table reaches, for every query position."""
+        if self.attention == "sliding":
+            return window is not None and window <= self.window
+        if self.attention == "chunked":
+            return chunk is not None and self.window % chunk == 0
+        return True
 
 
 _MARK = "_easykv_host_checked"

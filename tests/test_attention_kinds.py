@@ -136,7 +136,7 @@ def test_a_chunk_reads_only_its_own_pages():
     np.testing.assert_array_equal(np.asarray(paged_attention(q, k, v, md.replace(decodes_page_table=released),
                                                              chunk_size=8, **BLOCK)), np.asarray(full))
     # chunk_size 11: position 21's chunk starts at 11, on page 2, which was released
-    with pytest.raises(ValueError, match=r"decodes_page_table\[0, 2\] = -1 is not a page of the pool"):
+    with pytest.raises(ValueError, match=r"decodes_page_table\[0, 2\] = -1 is no page"):
         paged_attention(q, k, v, md.replace(decodes_page_table=released), chunk_size=11)
 
 

@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
+from easykv.spec.groups import LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.manager.prefix_hash import iter_page_digests, salt_digest
 
@@ -73,13 +74,15 @@ class ManagerMachine(RuleBasedStateMachine):
     shards = 1
     caching = True
     scrub = True
+    group = None  # a sliding or chunked LayerGroup: the manager releases pages that left it
 
     @initialize()
     def setup(self):
         self.meta = PagedAttentionCacheMetaData(
             batch_size=BATCH, num_hidden_layers=1, num_pages_per_layer=PAGES,
             num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
-            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards)
+            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards,
+            layer_groups=None if self.group is None else (self.group,))
         self.pm = Twins(*(PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
                           for _ in range(2)))
         self.device = np.full((PAGES, PS), -1, np.int64)
@@ -144,6 +147,22 @@ class ManagerMachine(RuleBasedStateMachine):
             self.pm.release(seq)
             del self.model[seq]
 
+    @precondition(lambda self: self.group is not None)
+    @rule(data=st.data(), first=st.integers(0, MAX_LEN - 1))
+    def resume(self, data, first):
+        """A sequence that starts mid-way (moved in with its window's tokens only): positions
+        before its first page hold nothing (-1 in the model)."""
+        if len(self.model) == BATCH:
+            return
+        [seq] = self.pm.claim(1)
+        self.pm.resume(seq, first)
+        start = first // PS * PS
+        self.model[seq] = {"tokens": [-1] * start, "salt": None, "floor": start}
+        n = data.draw(st.integers(0, MAX_LEN - start))
+        if not self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))]):
+            self.pm.release(seq)
+            del self.model[seq]
+
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def write(self, data):
@@ -191,14 +210,16 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         child = self.pm.fork(seq)
         assert child not in self.model
-        self.model[child] = {"tokens": list(self.model[seq]["tokens"]), "salt": self.model[seq]["salt"]}
+        self.model[child] = {**self.model[seq], "tokens": list(self.model[seq]["tokens"])}
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def release(self, data):
         seq = data.draw(st.sampled_from(sorted(self.model)))
         self.pm.release(seq)
-        self.history.append(self.model.pop(seq)["tokens"])
+        tokens = self.model.pop(seq)["tokens"]
+        if -1 not in tokens:  # a resumed sequence's history is not a prompt
+            self.history.append(tokens)
         before = self.pm.state_dict()
         try:
             self.pm.release(seq)
@@ -239,14 +260,30 @@ class ManagerMachine(RuleBasedStateMachine):
             tokens = info["tokens"]
             assert self.pm.length(seq) == len(tokens)
             pages = self.pm.pages(seq)
-            got = device[pages].reshape(-1)[: len(tokens)] if pages else np.zeros(0)
-            assert got.tolist() == tokens, (seq, got.tolist(), tokens)
+            # Exactly the pages wholly before the next query's window are released (-1), and
+            # no page inside it was freed or reused: it still holds the sequence's tokens.
+            gone = max(self._released(len(tokens), len(pages)), info.get("floor", 0) // PS)
+            assert all(p == -1 for p in pages[:gone]) and all(p >= 0 for p in pages[gone:]), (seq, pages)
+            got = device[pages[gone:]].reshape(-1)[: len(tokens) - gone * PS] if pages else np.zeros(0)
+            assert got.tolist() == tokens[gone * PS:], (seq, got.tolist(), tokens)
             # a page in the prefix cache is named by exactly the history it holds
             full = len(tokens) // PS
             want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
             for col, page in enumerate(pages[:full]):
+                if col < gone:
+                    continue
                 digest = self.pm._pool.digest_of(page)
                 assert digest is None or digest == want[col], (seq, col, page)
+
+
+    def _released(self, length: int, held: int) -> int:
+        """Columns wholly before the first position a query at ``length`` reads, written here
+        from the definitions (sliding: the last W positions; chunked: its own chunk)."""
+        if self.group is None:
+            return 0
+        w = self.group.window
+        first = max(0, length - w + 1) if self.group.attention == "sliding" else length - length % w
+        return min(first // PS, held)
 
 
 class DataParallelMachine(ManagerMachine):
@@ -258,9 +295,22 @@ class NoCachingMachine(ManagerMachine):
     scrub = False
 
 
+class SlidingWindowMachine(ManagerMachine):
+    group = LayerGroup((0,), "sliding", 6, num_pages=PAGES)  # a window over two pages, not a page multiple
+
+
+class ChunkedDataParallelMachine(ManagerMachine):
+    group = LayerGroup((0,), "chunked", 8, num_pages=PAGES)
+    shards = 2
+
+
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = SETTINGS
 TestDataParallelMachine = DataParallelMachine.TestCase
 TestDataParallelMachine.settings = SETTINGS
 TestNoCachingMachine = NoCachingMachine.TestCase
 TestNoCachingMachine.settings = SETTINGS
+TestSlidingWindowMachine = SlidingWindowMachine.TestCase
+TestSlidingWindowMachine.settings = SETTINGS
+TestChunkedDataParallelMachine = ChunkedDataParallelMachine.TestCase
+TestChunkedDataParallelMachine.settings = SETTINGS

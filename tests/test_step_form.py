@@ -186,7 +186,7 @@ def test_a_page_released_before_the_window_is_not_read_safe():
     windowed = paged_attention(q, k, v, rt, sliding_window=4)
     np.testing.assert_allclose(np.asarray(windowed),
                                np.asarray(paged_attention_reference(q, k, v, rt, sliding_window=4)), atol=2e-6)
-    with pytest.raises(ValueError, match=r"metadata.page_table\[0, 0\] = -1 is not a page of the pool"):
+    with pytest.raises(ValueError, match=r"metadata.page_table\[0, 0\] = -1 is no page"):
         paged_attention(q, k, v, rt)
     # The new token's own page must still be assigned.
     with pytest.raises(ValueError, match=r"position 9 of row 0 falls on logical page 2, which is unassigned"):
@@ -208,7 +208,7 @@ def test_check_values_is_the_opt_in_check_of_device_arrays():
     decode = PagedAttentionMetadata(decodes_position=jnp.array([9], jnp.int32),
                                     decodes_page_table=jnp.array([[-1, 4, 5, -1]], jnp.int32))
     decode.check_values(META, sliding_window=4)  # the released first page is outside the window
-    with pytest.raises(ValueError, match=r"metadata.decodes_page_table\[0, 0\] = -1 is not a page of the pool"):
+    with pytest.raises(ValueError, match=r"metadata.decodes_page_table\[0, 0\] = -1 is no page"):
         decode.check_values(META)
     with pytest.raises(ValueError, match=r"token 0 would be written to slot -2, outside the pool's 48 slots"):
         PagedAttentionMetadata(slot_mapping=jnp.array([-2], jnp.int32)).check_values(META)

@@ -260,7 +260,7 @@ def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> Page
     """The cache metadata of a record; CheckpointIntegrityError when it cannot be rebuilt."""
     try:
         meta = PagedAttentionCacheMetaData.from_dict(record["metadata"])
-        meta.require_uniform("a checkpoint")
+        meta.require_uniform("a checkpoint", windows=True)
         return meta
     except (SerializationError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
             NotImplementedError) as err:

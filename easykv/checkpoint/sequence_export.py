@@ -1,9 +1,11 @@
 """The file format of a sequence moved between caches: `SequenceExport`, its checks and its
 ``.npz`` file (`SequenceExport.save` / `SequenceExport.load`).
 
-The export holds the sequence's K/V token-major, ``(layers, length, kv_heads, head_dim)``, either
+The export holds the sequence's K/V token-major, ``(layers, tokens, kv_heads, head_dim)``, either
 dense in the source's logical dtype or raw (quantized values in their value dtype plus compact
-scales, per token and head: independent of the page layout). `easykv.checkpoint.transfer` makes
+scales, per token and head: independent of the page layout), for positions ``first_position ..
+length - 1``: all of them, or (from a sliding or chunked cache) those its window still reads.
+`easykv.checkpoint.transfer` makes
 and consumes exports (`export_sequence`, `import_sequence`).
 
 An export is input like any other: a `SequenceExport` checks every field when it is built
@@ -28,20 +30,24 @@ import numpy as np
 
 from easykv.spec.metadata import SUPPORTED_DTYPES, canonical_dtype
 from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing
-from easykv.validation import INT32_MAX, boolean, integer_array, optional_int, parse_json, positive_int
+from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, parse_json, positive_int
 
 _EXPORT_FORMAT = "easykv.SequenceExport/1"
 _HEADER_FIELDS = ("format", "length", "num_hidden_layers", "num_kv_heads", "kv_head_dim_size", "dtype",
                   "quantization", "raw", "source_page_size", "dtypes")
+# Version 2: an export that holds only a window's tokens (first_position > 0); older easykv
+# refuses it by its format instead of reading its arrays from position 0.
+_WINDOW_FORMAT = "easykv.SequenceExport/2"
+_WINDOW_FIELDS = _HEADER_FIELDS + ("first_position",)
 _MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
 TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
 
 
-def _member_specs(length: int, layers: int, heads: int, head_dim: int, dtype: np.dtype, quantizer: Any,
+def _member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np.dtype, quantizer: Any,
                   raw: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``"keys.dense"`` / ``"values.scales"`` ... -> (shape, dtype) that the other fields imply:
     the one description of an export's arrays, used by the constructor and by `load`."""
-    base = (layers, length, heads)
+    base = (layers, tokens, heads)
     if raw:
         value_tail, value_dtype = quantizer.value_shape(head_dim)
         parts = {"values": (base + tuple(value_tail), np.dtype(value_dtype)),
@@ -115,9 +121,12 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 class SequenceExport:
     """One sequence's tokens and K/V, on the host.
 
-    keys / values: dense ``(layers, length, kv_heads, head_dim)`` arrays in ``dtype``, or, when
-    ``raw``, dicts ``{"values": (layers, length, kv_heads, packed), "scales": (layers, length,
-    kv_heads[, groups])}`` of the ``quantization`` format. Every field is checked when the
+    keys / values: dense ``(layers, tokens, kv_heads, head_dim)`` arrays in ``dtype``, or, when
+    ``raw``, dicts ``{"values": (layers, tokens, kv_heads, packed), "scales": (layers, tokens,
+    kv_heads[, groups])}`` of the ``quantization`` format, where ``tokens = length -
+    first_position``: the K/V of positions ``first_position .. length - 1`` (``first_position``
+    > 0: a sliding or chunked cache's sequence, exported with the tokens its window still
+    reads; ``token_ids`` then still names every token from the first). Every field is checked when the
     export is built (ValueError naming the field); ints and names are normalized (``dtype`` a
     numpy dtype, ``quantization`` the quantizer's name, ``token_ids`` int32). Two exports are
     equal when every field is, arrays bit for bit.
@@ -134,6 +143,7 @@ class SequenceExport:
     values: Any
     token_ids: np.ndarray | None = None
     source_page_size: int | None = None
+    first_position: int = 0
 
     def __post_init__(self) -> None:
         put = partial(object.__setattr__, self)
@@ -141,14 +151,16 @@ class SequenceExport:
         layers = positive_int("SequenceExport.num_hidden_layers", self.num_hidden_layers)
         heads = positive_int("SequenceExport.num_kv_heads", self.num_kv_heads)
         head_dim = positive_int("SequenceExport.kv_head_dim_size", self.kv_head_dim_size)
+        first = integer("SequenceExport.first_position", self.first_position, lo=0, hi=length - 1,
+                        hint="the first position whose K/V the export holds, below its length")
         dtype = _cache_dtype("SequenceExport.dtype", self.dtype)
         quantizer = _quantizer("SequenceExport.quantization", self.quantization, head_dim, dtype)
         raw = boolean("SequenceExport.raw", self.raw)
         if raw and not is_compressing(quantizer):
             raise ValueError(f"SequenceExport.raw=True needs a compressing quantizer (int8, fp8, int4, ...), but "
                              f"quantization is {quantizer.name!r}; an export of an unquantized cache has raw=False")
-        specs = _member_specs(length, layers, heads, head_dim, dtype, quantizer, raw)
-        what = (f"{length} tokens x {layers} layers x {heads} kv heads of head_dim {head_dim} "
+        specs = _member_specs(length - first, layers, heads, head_dim, dtype, quantizer, raw)
+        what = (f"{length - first} tokens{f' (positions {first}..{length - 1})' if first else ''} x {layers} layers x {heads} kv heads of head_dim {head_dim} "
                 + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
         for part in ("keys", "values"):
             data = getattr(self, part)
@@ -172,14 +184,15 @@ class SequenceExport:
         source_page_size = optional_int("SequenceExport.source_page_size", self.source_page_size, lo=1)
         for name, value in (("length", length), ("num_hidden_layers", layers), ("num_kv_heads", heads),
                             ("kv_head_dim_size", head_dim), ("dtype", dtype), ("quantization", quantizer.name),
-                            ("raw", raw), ("token_ids", token_ids), ("source_page_size", source_page_size)):
+                            ("raw", raw), ("token_ids", token_ids), ("source_page_size", source_page_size),
+                            ("first_position", first)):
             put(name, value)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SequenceExport):
             return NotImplemented
         scalars = ("length", "num_hidden_layers", "num_kv_heads", "kv_head_dim_size", "dtype", "quantization", "raw",
-                   "source_page_size")
+                   "source_page_size", "first_position")
         if any(getattr(self, f) != getattr(other, f) for f in scalars):
             return False
         if (self.token_ids is None) != (other.token_ids is None) or (
@@ -195,7 +208,7 @@ class SequenceExport:
         return sum(int(a.nbytes) for a in jax.tree.leaves((self.keys, self.values)))
 
     def dense(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, values) as dense ``(layers, length, kv_heads, head_dim)`` in ``dtype``."""
+        """(keys, values) as dense ``(layers, length - first_position, kv_heads, head_dim)`` in ``dtype``."""
         if not self.raw:
             return self.keys, self.values
         q = get_quantizer(self.quantization)
@@ -223,6 +236,8 @@ class SequenceExport:
                   "num_kv_heads": self.num_kv_heads, "kv_head_dim_size": self.kv_head_dim_size,
                   "dtype": self.dtype.name, "quantization": self.quantization, "raw": self.raw,
                   "source_page_size": self.source_page_size, "dtypes": dtypes}
+        if self.first_position:
+            header.update(format=_WINDOW_FORMAT, first_position=self.first_position)
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
         np.savez(file, **arrays)
 
@@ -294,16 +309,17 @@ class SequenceExport:
         header = parse_json(read("header", header_check).tobytes(), what=f"the header of {source}")
         if not isinstance(header, dict):
             raise ValueError(f"the header of {source} must be a JSON object, got {type(header).__name__}")
-        if header.get("format") != _EXPORT_FORMAT:
-            raise ValueError(f"{source} is not an easykv sequence export: header format {header.get('format')!r:.80}, "
-                             f"expected {_EXPORT_FORMAT!r}")
-        missing = [k for k in _HEADER_FIELDS if k not in header]
-        unknown = sorted(k for k in header if k not in _HEADER_FIELDS)
+        fmt = header.get("format")
+        if fmt not in (_EXPORT_FORMAT, _WINDOW_FORMAT):
+            raise ValueError(f"{source} is not an easykv sequence export: header format {fmt!r:.80}, expected "
+                             f"{_EXPORT_FORMAT!r} or {_WINDOW_FORMAT!r}")
+        fields = _HEADER_FIELDS if fmt == _EXPORT_FORMAT else _WINDOW_FIELDS
+        missing = [k for k in fields if k not in header]
+        unknown = sorted(k for k in header if k not in fields)
         if missing or unknown:
             what = " and ".join(([f"lacks {missing}"] if missing else []) +
                                 ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
-            raise ValueError(f"the header of {source} {what}; an {_EXPORT_FORMAT} header holds exactly "
-                             f"{list(_HEADER_FIELDS)}")
+            raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}")
         field = f"the header of {source}: field"
         length = positive_int(f"{field} 'length'", header["length"])
         layers = positive_int(f"{field} 'num_hidden_layers'", header["num_hidden_layers"])
@@ -317,7 +333,11 @@ class SequenceExport:
         if raw and not is_compressing(quantizer):
             raise ValueError(f"{field} 'raw' is true but quantization {quantizer.name!r} stores no raw format")
         source_page_size = optional_int(f"{field} 'source_page_size'", header["source_page_size"], lo=1)
-        specs = _member_specs(length, layers, heads, head_dim, dtype, quantizer, raw)
+        first = 0
+        if fmt == _WINDOW_FORMAT:  # version 2 exists for a window: first_position 0 is written as version 1
+            first = integer(f"{field} 'first_position'", header["first_position"], lo=1, hi=length - 1,
+                            hint="the first position the export holds, in 1..length - 1 in a version-2 header")
+        specs = _member_specs(length - first, layers, heads, head_dim, dtype, quantizer, raw)
         names = {name: dt.name for name, (_, dt) in specs.items()}
         if header["dtypes"] != names:
             raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.200}, but the other fields imply {names}")
@@ -350,7 +370,8 @@ class SequenceExport:
         try:
             return cls(length=length, num_hidden_layers=layers, num_kv_heads=heads, kv_head_dim_size=head_dim,
                        dtype=dtype, quantization=quantizer.name, raw=raw, keys=parts["keys"],
-                       values=parts["values"], token_ids=token_ids, source_page_size=source_page_size)
+                       values=parts["values"], token_ids=token_ids, source_page_size=source_page_size,
+                       first_position=first)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
 

@@ -101,7 +101,8 @@ def _manager_token_ids(manager: Any, seq_id: int) -> Any:
 def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: int, *, token_ids: Any = None,
                     dequantize: bool = True) -> SequenceExport:
     """Sequence ``seq_id``'s committed tokens (``manager.length``) read from ``cache`` into host
-    arrays; only its pages are read. ``dequantize=False`` keeps a quantized cache's values and
+    arrays; only its pages are read. In a sliding or chunked cache the export holds the K/V its
+    window still reads (from ``manager.first_kept_position``; ``first_position`` of the export). ``dequantize=False`` keeps a quantized cache's values and
     scales as stored (bit-exact into a cache with the same quantizer). Reads only: the cache
     and the manager are unchanged. The manager's pending copies and scrubs of the sequence's
     pages must have been applied (``cache, _ = manager.apply_pending(cache)``)."""
@@ -113,8 +114,10 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     if length == 0:
         raise ValueError(f"sequence {seq} has no committed tokens to export; commit them first (manager.step)")
     ps = meta.page_size
-    ids = np.asarray(manager.pages(seq), np.int64)[: -(-length // ps)]
-    if ids.size * ps < length or np.any((ids < 0) | (ids >= meta.num_pages_per_layer)):
+    first = manager.first_kept_position(seq)
+    skip = first // ps  # pages released from the window, or never held by a resumed sequence
+    ids = np.asarray(manager.pages(seq), np.int64)[skip: -(-length // ps)]
+    if (skip + ids.size) * ps < length or np.any((ids < 0) | (ids >= meta.num_pages_per_layer)):
         raise InvariantError(f"sequence {seq} holds pages {ids.tolist()} that cannot hold its {length} tokens in a "
                              f"pool of {meta.num_pages_per_layer} pages")
     pending = set(manager.pending_copies()[1].tolist()) | set(manager.pending_scrubs().tolist())
@@ -135,11 +138,11 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     padded[: ids.size] = ids
     raw = meta.quantizer.name != "none" and not dequantize
     keys, values = jax.device_get(_gather_sequence(cache, jnp.asarray(padded), dequantize=not raw))
-    cut = lambda a: np.ascontiguousarray(np.asarray(a)[:, :length])  # noqa: E731
+    cut = lambda a: np.ascontiguousarray(np.asarray(a)[:, first - skip * ps: length - skip * ps])  # noqa: E731
     return SequenceExport(length=length, num_hidden_layers=meta.num_hidden_layers, num_kv_heads=meta.num_kv_heads,
                           kv_head_dim_size=meta.kv_head_dim_size, dtype=meta.dtype, quantization=meta.quantization,
                           raw=raw, keys=jax.tree.map(cut, keys), values=jax.tree.map(cut, values),
-                          token_ids=token_ids, source_page_size=ps)
+                          token_ids=token_ids, source_page_size=ps, first_position=first)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -167,7 +170,9 @@ def _checked_export(exported: Any) -> SequenceExport:
     return SequenceExport(**fields)
 
 
-def _check_import(meta: Any, exported: SequenceExport) -> None:
+def _check_import(meta: Any, exported: SequenceExport) -> int:
+    """The first position the target keeps for the sequence (its window's start; 0 for full
+    attention), once the export fits the target."""
     fields = ("num_hidden_layers", "num_kv_heads", "kv_head_dim_size")
     diff = [f"{f}: export {getattr(exported, f)}, cache {getattr(meta, f)}"
             for f in fields if getattr(exported, f) != getattr(meta, f)]
@@ -177,6 +182,14 @@ def _check_import(meta: Any, exported: SequenceExport) -> None:
     if exported.length > meta.max_sequences:
         raise ValueError(f"the sequence holds {exported.length} tokens but the target cache allows at most "
                          f"max_sequences={meta.max_sequences}")
+    group = meta.groups[0]
+    needed = int(group.first_needed_position(exported.length))
+    if exported.first_position > needed:
+        reach = "reads every position" if group.attention == "full" else f"({group.attention}, window {group.window}) reads from position {needed}"
+        raise ValueError(f"the export holds positions {exported.first_position}..{exported.length - 1} only (it comes "
+                         f"from a sliding or chunked cache), but the target cache {reach} at length "
+                         f"{exported.length}; import it into a cache with the same or a narrower window")
+    return needed
 
 
 def _available_per_replica(manager: PageManager, meta: Any) -> np.ndarray:
@@ -192,12 +205,13 @@ def _available_per_replica(manager: PageManager, meta: Any) -> np.ndarray:
     return per - np.bincount(held // per, minlength=meta.page_shards).astype(np.int64)
 
 
-def _room(manager: PageManager, meta: Any, length: int, tokens: np.ndarray | None, salt: Any) -> bool:
+def _room(manager: PageManager, meta: Any, length: int, tokens: np.ndarray | None, salt: Any, skip: int) -> bool:
     """Raise CacheFullError when no replica has the pages the sequence needs beyond its cached
     prefix. Returns True when every replica surely has them (whatever the prefix match
-    shares); False when only the manager itself can tell (then it is asked on a copy)."""
+    shares); False when only the manager itself can tell (then it is asked on a copy). ``skip``:
+    leading pages the sequence never holds (a resumed window)."""
     ps = meta.page_size
-    total = -(-length // ps)
+    total = -(-length // ps) - skip
     matched = manager.cached_prefix_length(tokens, salt=salt) // ps if tokens is not None else 0
     need = total - matched
     avail = _available_per_replica(manager, meta)
@@ -214,16 +228,21 @@ def _room(manager: PageManager, meta: Any, length: int, tokens: np.ndarray | Non
 
 
 def _admit(manager: PageManager, seq_id: int | None, tokens: np.ndarray | None, salt: Any,
-           length: int) -> tuple[int, int, int, Any]:
-    """Claim, match the cached prefix, reserve: (seq, tokens matched, tokens to write, step
-    metadata). On any failure the claimed id is released again."""
+           length: int, start: int) -> tuple[int, int, int, Any]:
+    """Claim, match the cached prefix (or resume at ``start``, a page boundary), reserve: (seq,
+    the position writing starts at, tokens to write, step metadata). On any failure the
+    claimed id is released again."""
     if seq_id is None:
         [seq] = manager.claim(1)
     else:
         manager.external_claim([seq_id])
         seq = seq_id
     try:
-        done = manager.match_prefix(seq, tokens, salt=salt) if tokens is not None else 0
+        if start:
+            manager.resume(seq, start)
+            done = start
+        else:
+            done = manager.match_prefix(seq, tokens, salt=salt) if tokens is not None else 0
         n = length - done
         step_meta = manager.build_step_metadata([seq], [n], pad_tokens_to=_pow2(n))
     except BaseException:
@@ -243,13 +262,19 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     The manager's pending copy-on-write copies and scrubs are applied first (they must precede
     any write).
 
+    Into a sliding or chunked cache, the sequence gets pages only from its window's first page
+    on (`PageManager.resume`): it never holds more than its window, however long it is. An
+    export from such a cache (``first_position`` > 0) imports into any cache whose window
+    reads no further back. A sequence that lacks its early tokens in either way is neither
+    matched against nor entered in the prefix cache (its keys need every token).
+
     Everything is checked before anything changes: on ValueError (bad export, arguments, or a
     manager that is not the cache's) or CacheFullError (no sequence slot, or too few pages in
     the pool or in the data-parallel replica the sequence would live in), the manager is as
     before (``state_dict()`` equal) and the cache is neither donated nor written."""
     meta = _check_pair(cache, manager)
     exported = _checked_export(exported)
-    _check_import(meta, exported)
+    needed = _check_import(meta, exported)
     reuse_prefix = boolean("reuse_prefix", reuse_prefix)
     salt_digest(salt)  # ValueError for a salt the prefix cache cannot key
     if seq_id is not None:
@@ -262,7 +287,12 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         raise CacheFullError(f"importing a sequence needs a free sequence slot but all batch_size={meta.batch_size} "
                              "are claimed; release finished sequences first", resource="sequence slots", needed=1,
                              available=0)
-    tokens = exported.token_ids
+    # A sliding or chunked target keeps the pages from its window's first page on: the sequence
+    # resumes there. It, or an export holding only a window, lacks the early tokens that prefix
+    # keys are made of: such a sequence is neither matched nor entered in the prefix cache.
+    start = needed // meta.page_size * meta.page_size
+    whole = start == 0 and exported.first_position == 0
+    tokens = exported.token_ids if whole else None
     match = tokens if (tokens is not None and reuse_prefix) else None
     # Without the prefix match, written pages would be keyed under no salt: commit their ids
     # only when that is the namespace asked for.
@@ -274,27 +304,30 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         keys, values = exported.dense()
         keys, values = np.asarray(keys).astype(meta.dtype), np.asarray(values).astype(meta.dtype)
 
-    if not _room(manager, meta, exported.length, match, salt):
+    if not _room(manager, meta, exported.length, match, salt, start // meta.page_size):
         # Only the manager knows whether the pages its prefix match shares leave room in that
         # replica; ask it on a copy so that a refusal leaves the real one untouched (a release
         # after match_prefix would not restore its counters and LRU order).
         probe = PageManager.from_state_dict(manager.metadata, manager.state_dict())
-        _admit(probe, seq_id, match, salt, exported.length)
+        _admit(probe, seq_id, match, salt, exported.length, start)
     # Checked: from here on nothing fails for a reason the caller could have avoided.
-    seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length)
+    seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
+    # Positions done .. length - 1 are written; the export holds first_position .. length - 1.
+    # Those before first_position lie before the target's window (checked): zeros fill them.
+    lead, skip = max(exported.first_position - done, 0), max(done - exported.first_position, 0)
     pad = _pow2(n) - n
 
-    def window(a: np.ndarray) -> np.ndarray:
-        a = np.asarray(a)[:, done:]
-        return np.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) if pad else a
+    def span(a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a)[:, skip:]
+        return np.pad(a, [(0, 0), (lead, pad)] + [(0, 0)] * (a.ndim - 2)) if lead or pad else a
 
     try:
         cache, _ = manager.apply_pending(cache)
         if raw_exact:
             slots = jnp.asarray(step_meta.slot_mapping, jnp.int32)
-            cache = _write_raw(cache, jax.tree.map(window, keys), jax.tree.map(window, values), slots)
+            cache = _write_raw(cache, jax.tree.map(span, keys), jax.tree.map(span, values), slots)
         else:
-            cache, dropped = cache.write(window(keys), window(values), step_meta)
+            cache, dropped = cache.write(span(keys), span(values), step_meta)
             if int(dropped):
                 raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}",
                                      where="import_sequence")

@@ -144,11 +144,12 @@ class _Growth:
                 f"fork({row}) needs a free sequence slot but all batch_size={self.batch_size} are claimed; "
                 "release a sequence first", resource="sequence slots", needed=1, available=0)
         child, k = int(free[0]), -(-int(self._lens[row]) // self.page_size)
-        if self._lens[row] % self.page_size:
+        start = min(int(self._start[row]), k)  # pages before it left the window: holes in both rows
+        if self._lens[row] % self.page_size and start < k:
             self._shared_partial.add(int(self._table[row, k - 1]))
-        self._pool.share(self._table[row, :k].tolist())
+        self._pool.share(self._table[row, start:k].tolist())
         self._table[child, :k] = self._table[row, :k]
-        self._npages[child] = k
+        self._npages[child], self._start[child], self._floor[child] = k, start, self._floor[row]
         self._active[child] = True
         # A parent that holds only pages reserved ahead shares none: the child is unbound.
         self._lens[child], self._replica[child] = self._lens[row], (self._replica[row] if k else -1)
@@ -167,7 +168,8 @@ class _Growth:
         pad_tokens_to, pad_seqs_to = check_padding(self.metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
         self._reserve(rows, new)
         return self._proved(build_mixed(self._table[rows], self._lens[rows], new.astype(np.int32),
-                                        page_size=self.page_size, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to))
+                                        page_size=self.page_size, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to),
+                            rows)
 
     def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
                               stacked: bool = False) -> list[PagedAttentionMetadata] | PagedAttentionMetadata:
@@ -185,15 +187,18 @@ class _Growth:
         steps = [meta]
         for _ in range(k - 1):
             steps.append(self.increment_cache_lengths(steps[-1]))
-        return stack_metadata(steps) if stacked else [self._proved(m) for m in steps]
+        return stack_metadata(steps) if stacked else [self._proved(m, rows) for m in steps]
 
-    def _proved(self, rt: PagedAttentionMetadata) -> PagedAttentionMetadata:
+    def _proved(self, rt: PagedAttentionMetadata, rows: np.ndarray) -> PagedAttentionMetadata:
         """``rt`` marked as checked: the manager's invariants prove what the constructors check
         (every page a row reads is its own, assigned and in its replica's slice; a page written
-        this step belongs to one sequence), so the write and attention skip those checks."""
-        meta = self.metadata
-        return mark_checked(rt, HostChecked(num_pages=meta.num_pages_per_layer, page_size=meta.page_size, reads=True,
-                                            page_shards=meta.page_shards))
+        this step belongs to one sequence), so the write and attention skip those checks; a sliding
+        or chunked cache's mark holds only for reads within its window."""
+        meta, group = self.metadata, self.metadata.groups[0]
+        reads = not self._floor[rows].any()  # a resumed sequence's window may still reach before its floor
+        return mark_checked(rt, HostChecked(num_pages=meta.num_pages_per_layer, page_size=meta.page_size, reads=reads,
+                                            page_shards=meta.page_shards, attention=group.attention,
+                                            window=group.window))
 
     def increment_cache_lengths(self, metadata: PagedAttentionMetadata) -> PagedAttentionMetadata:
         """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly);

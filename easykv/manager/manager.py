@@ -38,6 +38,7 @@ import numpy as np
 from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.manager.growth import _Growth
+from easykv.manager.windows import _Windows
 from easykv.manager.page_pool import PagePool
 from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv.spec import sizing
@@ -79,7 +80,7 @@ class PageManagerMetrics:
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
 
 
-class PageManager(_Growth):
+class PageManager(_Growth, _Windows):
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
@@ -93,7 +94,7 @@ class PageManager(_Growth):
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-        metadata.require_uniform("PageManager")
+        metadata.require_uniform("PageManager", windows=True)
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
         scrub_released = boolean("scrub_released", scrub_released)
         if metadata.batch_size * metadata.num_pages_per_sequence > _MAX_TABLE_ENTRIES:
@@ -112,6 +113,12 @@ class PageManager(_Growth):
         self._table = np.full((b, p), PAD_PAGE, np.int32)
         self._lens = np.zeros(b, np.int32)  # tokens written (K/V valid) per sequence
         self._npages = np.zeros(b, np.int32)  # pages held, including pages reserved ahead
+        # A sliding or chunked cache releases the pages that left every window of a sequence:
+        # columns before _start[row] are holes (PAD_PAGE) in the block table (see windows.py).
+        group = metadata.groups[0]
+        self.window_group = group if group.attention != "full" else None
+        self._start = np.zeros(b, np.int32)
+        self._floor = np.zeros(b, np.int32)  # a resumed sequence's first position with K/V, until its window passes it
         self._replica = np.full(b, -1, np.int32)  # -1 until the sequence's first page
         self._active = np.zeros(b, bool)
         self._hashes = SequenceHashes(b, ps)
@@ -165,14 +172,16 @@ class PageManager(_Growth):
         the prefix cache (tail pages are evicted before head pages); others are freed."""
         row = self._row(seq_id)
         n = int(self._npages[row])
-        freed = self._pool.release(self._table[row, :n][::-1].tolist())
-        for page in freed:
-            self._copies.pop(page, None)  # nobody will read the copy's destination
+        self._release_pages(self._table[row, self._start[row]:n][::-1].tolist())
         self._reset_row(row)
+
+    def _release_pages(self, pages: list[int]) -> None:
+        for page in self._pool.release(pages):
+            self._copies.pop(page, None)  # nobody will read the copy's destination
 
     def _reset_row(self, row: int) -> None:
         self._table[row] = PAD_PAGE
-        self._lens[row] = self._npages[row] = 0
+        self._lens[row] = self._npages[row] = self._start[row] = self._floor[row] = 0
         self._replica[row] = -1
         self._active[row] = False
         self._hashes.reset(row)
@@ -209,6 +218,7 @@ class PageManager(_Growth):
             self._hashes.chain[row] = chain
             c["prefix_hits"] += 1
             c["prefix_hit_tokens"] += k * self.page_size
+            self._release_out_of_window(np.array([row]))
         return len(pages) * self.page_size
 
     def cached_prefix_length(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
@@ -304,6 +314,7 @@ class PageManager(_Growth):
                 for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
                     commit(int(self._table[row, col]), digest)
         self._lens[rows] = lens + counts
+        self._release_out_of_window(rows)
 
     def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
         """Tokens committed into a page a pending copy or scrub touches were written before that
@@ -395,6 +406,8 @@ class PageManager(_Growth):
         return int(self._npages[self._row(seq_id)]) * self.page_size
 
     def pages(self, seq_id: int) -> list[int]:
+        """The block-table row up to the last page held; in a sliding or chunked cache the
+        pages released from the window are ``PAD_PAGE`` (-1)."""
         row = self._row(seq_id)
         return self._table[row, : self._npages[row]].tolist()
 

@@ -51,8 +51,14 @@ class Broken(Exception):
 
 
 def config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
-    return {**{k: int(getattr(metadata, k)) for k in _CONFIG_INTS},
-            "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
+    """The pool a state belongs to; a sliding or chunked cache adds its window (absent for full
+    attention, so the states of uniform caches keep their form)."""
+    out = {**{k: int(getattr(metadata, k)) for k in _CONFIG_INTS},
+           "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
+    group = metadata.groups[0]
+    if group.attention != "full":
+        out.update(attention=group.attention, window=int(group.window))
+    return out
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -70,6 +76,8 @@ def write_state(m: PageManager) -> dict[str, Any]:
         sequences.append({"id": r, "length": length, "pages": m._table[r, : m._npages[r]].tolist(),
                           "replica": int(m._replica[r]), "hashable": hashable, "chain": chain.hex(),
                           "salt": m._hashes.salt[r].hex(), "partial": partial})
+        if m._floor[r]:  # a resumed sequence (only then: other states keep their form)
+            sequences[-1]["floor"] = int(m._floor[r])
     return {
         "format": STATE_FORMAT,
         "config": config(m.metadata, m.enable_prefix_caching, m.scrub_released),
@@ -155,6 +163,7 @@ class _Sequence:
     chain: bytes
     salt: bytes
     partial: np.ndarray
+    floor: int
 
 
 def read_state(m: PageManager, state: Any) -> None:
@@ -163,12 +172,15 @@ def read_state(m: PageManager, state: Any) -> None:
     state = _mapping(state, "(top level)", ("format", "config", "sequences", "pool", "copies", "counters"))
     if state["format"] != STATE_FORMAT:
         raise _fail("format", f"is {show(state['format'])}, expected {STATE_FORMAT!r}")
-    cfg = _mapping(state["config"], "config", _CONFIG_INTS + _CONFIG_FLAGS)
-    got = {**{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS},
+    windowed = isinstance(state["config"], Mapping) and "attention" in state["config"]
+    cfg = _mapping(state["config"], "config", _CONFIG_INTS + _CONFIG_FLAGS + (("attention", "window") if windowed else ()))
+    got = {**{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS + (("window",) if windowed else ())},
            **{k: _flag(cfg[k], f"config.{k}") for k in _CONFIG_FLAGS}}
+    if windowed:
+        got["attention"] = cfg["attention"]
     want = config(m.metadata, got["enable_prefix_caching"], got["scrub_released"])
     if got != want:
-        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        diff = {k: (got.get(k), want.get(k)) for k in {**got, **want} if got.get(k) != want.get(k)}
         raise _fail("config", f"the state was saved for another pool (saved, given): {diff}; restore with the "
                               "metadata it was saved with")
     m.enable_prefix_caching, m.scrub_released = got["enable_prefix_caching"], got["scrub_released"]
@@ -218,13 +230,15 @@ def read_state(m: PageManager, state: Any) -> None:
         r, k = seq.id, seq.pages.size
         m._active[r] = True
         m._table[r, :k] = seq.pages
-        m._npages[r], m._lens[r], m._replica[r] = k, seq.length, seq.replica
+        m._npages[r], m._lens[r], m._replica[r], m._floor[r] = k, seq.length, seq.replica, seq.floor
         hashes = m._hashes
         hashes.hashable[r], hashes.chain[r], hashes.salt[r] = seq.hashable, seq.chain, seq.salt
         hashes.partial[r, : seq.partial.size] = seq.partial
         if not seq.hashable:  # canonical: see write_state
             hashes.chain[r] = ROOT_DIGEST
             hashes.partial[r] = 0
+    m._start[:] = [int(np.argmax(m._table[r] != PAD_PAGE)) if np.any(m._table[r] != PAD_PAGE) else m._npages[r]
+                   for r in range(m.batch_size)]
     held = m._table[m._table != PAD_PAGE]
     pool.load_state(free=free, lru=lru, digests=digests, scrub=scrub.tolist(), evictions=evictions, scrubs=scrubs,
                     refcount=np.bincount(held, minlength=n))
@@ -235,12 +249,19 @@ def read_state(m: PageManager, state: Any) -> None:
 
 def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     ps = m.page_size
-    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS)
+    resumed = isinstance(entry, Mapping) and "floor" in entry
+    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()))
     where = f"sequences[{i}]"
     sid = _int(entry["id"], f"{where}.id", 0, m.batch_size - 1)
     length = _int(entry["length"], f"{where}.length", 0, m.max_length)
-    pages = _ints(entry["pages"], f"{where}.pages", 0, m._pool.num_pages - 1, unique=True,
-                  max_len=m.pages_per_sequence)
+    floor = _int(entry["floor"], f"{where}.floor", 1, length) if resumed else 0
+    pages = _ints(entry["pages"], f"{where}.pages", PAD_PAGE, m._pool.num_pages - 1, max_len=m.pages_per_sequence)
+    holes = int(np.argmax(pages != PAD_PAGE)) if np.any(pages != PAD_PAGE) else pages.size
+    if np.any(pages[holes:] == PAD_PAGE):
+        raise _fail(f"{where}.pages", "has a released page (-1) after a held one; only the pages before a window "
+                                      "are released")
+    if np.unique(pages[holes:]).size != pages.size - holes:
+        raise _fail(f"{where}.pages", "names a page twice")
     if pages.size * ps < length:
         raise _fail(f"{where}.pages", f"holds {pages.size} pages of {ps} tokens, too few for length {length}")
     replica = _int(entry["replica"], f"{where}.replica", -1, m._pool.num_replicas - 1)
@@ -251,7 +272,7 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     return _Sequence(id=sid, length=length, pages=pages, replica=replica,
                      hashable=_flag(entry["hashable"], f"{where}.hashable"),
                      chain=_digest(entry["chain"], f"{where}.chain"), salt=_digest(entry["salt"], f"{where}.salt"),
-                     partial=partial)
+                     partial=partial, floor=floor)
 
 
 # ---- the consistency rules -------------------------------------------------------------------------
@@ -259,9 +280,17 @@ def check_consistency(m: PageManager) -> None:
     """Raise `Broken` unless ``m``'s bookkeeping is consistent (see `PageManager.check_invariants`)."""
     ps, n, pool = m.page_size, m._npages, m._pool
     cols = np.arange(m.pages_per_sequence)
-    held = cols[None, :] < n[:, None]
-    if np.any(held & ~m._active[:, None]) or np.any(m._lens[~m._active]):
+    columns = cols[None, :] < n[:, None]
+    if np.any(columns & ~m._active[:, None]) or np.any(m._lens[~m._active]):
         raise Broken("sequences", "a released sequence id still holds pages or tokens")
+    _check_floors(m)
+    start = _window_start(m)
+    if np.any(m._start != start):
+        row = int(np.argmax(m._start != start))
+        raise Broken(f"sequences[id={row}].pages", f"sequence {row} of length {int(m._lens[row])} has released its "
+                                                   f"first {int(m._start[row])} pages, but its window releases "
+                                                   f"exactly {int(start[row])}")
+    held = columns & (cols[None, :] >= start[:, None])
     if np.any(held != (m._table != PAD_PAGE)):
         raise Broken("sequences", f"a block-table row disagrees with its page count: "
                                   f"{np.argwhere(held != (m._table != PAD_PAGE))[0].tolist()}")
@@ -278,7 +307,7 @@ def check_consistency(m: PageManager) -> None:
     if pages.size and np.any(pages // pool.pages_per_replica != m._replica[owner_rows]):
         raise Broken("sequences", "a sequence holds a page outside its data-parallel replica's slice")
     for row in np.flatnonzero(n > 1):
-        if np.unique(m._table[row, : n[row]]).size != n[row]:
+        if np.unique(m._table[row, start[row]: n[row]]).size != n[row] - start[row]:
             raise Broken(f"sequences[id={row}].pages", f"sequence {row} holds a page twice")
     pool.check(np.bincount(pages, minlength=pool.num_pages).astype(np.int32))
     if not m.enable_prefix_caching and (pool.num_cached() or any(pool.digest_of(p) is not None for p in range(pool.num_pages))):
@@ -298,6 +327,31 @@ def check_consistency(m: PageManager) -> None:
     _check_pending(m, held)
 
 
+def _window_start(m: PageManager) -> np.ndarray:
+    """Per row, the columns a sequence has released: those wholly before the first position its
+    next query reads (none for full attention), or before a resumed sequence's floor."""
+    released = np.minimum(m._released_columns(m._lens), m._npages)
+    return np.maximum(released, m._floor // m.page_size).astype(m._start.dtype)
+
+
+def _check_floors(m: PageManager) -> None:
+    """A floor (a resumed sequence's first position with K/V) is a page boundary at most its
+    length, in a sliding or chunked cache, of a sequence that does not hash, and only while its
+    window still reaches before it (then it is forgotten)."""
+    ps = m.page_size
+    for row in np.flatnonzero(m._floor).tolist():
+        floor, length = int(m._floor[row]), int(m._lens[row])
+        where = f"sequences[id={row}].floor"
+        if m.window_group is None:
+            raise Broken(where, f"sequence {row} has floor {floor}, but a full-attention cache reads every position")
+        if floor % ps or floor > length or m._hashes.hashable[row]:
+            raise Broken(where, f"floor {floor} of sequence {row} (length {length}) must be a multiple of page_size={ps}, "
+                                "at most its length, on a sequence that does not hash")
+        if floor // ps <= int(m._released_columns(np.array([length]))[0]):
+            raise Broken(where, f"sequence {row}'s window (length {length}) has moved past its floor {floor}; the "
+                                "floor is forgotten then")
+
+
 def _check_chains(m: PageManager) -> None:
     """A hashing sequence's chain digest is its last full page's digest (when that page is in
     the prefix cache), or the root before its first full page."""
@@ -310,7 +364,8 @@ def _check_chains(m: PageManager) -> None:
                 raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
                                                           "other than the root")
             continue
-        digest = pool.digest_of(int(m._table[row, full - 1]))
+        last = int(m._table[row, full - 1])
+        digest = pool.digest_of(last) if last != PAD_PAGE else None  # released from the window: not checkable
         if digest is not None and digest != chain:
             raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest differs from the digest of "
                                                       f"its last full page {int(m._table[row, full - 1])}")
@@ -419,14 +474,18 @@ def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
 
     what = (f"the target splits the pool of {num_pages} pages into {new_shards} data-parallel slices of {per} "
             f"pages (saved with {old_shards})")
+    old_per = num_pages // old_shards
     for seq in state["sequences"]:
-        reps = sorted({replica(p) for p in seq["pages"]})
+        reps = sorted({replica(p) for p in seq["pages"] if p != PAD_PAGE})  # holes: released from a window
         if len(reps) > 1:
             raise ValueError(
                 f"{what}, which would put sequence {seq['id']}'s pages {seq['pages']} in replicas {reps}; a "
                 f"sequence's pages must stay in one replica's slice. Use page_shards={old_shards} (or a divisor of "
                 "it), or release/export that sequence first")
-        seq["replica"] = reps[0] if reps else -1
+        if reps:
+            seq["replica"] = reps[0]
+        elif seq["replica"] >= 0:  # every page it held left the window: it stays where its slice now lies
+            seq["replica"] = replica(seq["replica"] * old_per)
     for src, dst in state["copies"]:
         if replica(src) != replica(dst):
             raise ValueError(f"{what}, which would split the pending copy-on-write of page {src} -> {dst} across "
@@ -435,7 +494,8 @@ def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
     pool = state["pool"]
     refcount = np.zeros(num_pages, np.int64)
     for seq in state["sequences"]:
-        np.add.at(refcount, np.asarray(seq["pages"], np.int64), 1)
+        pages = np.asarray(seq["pages"], np.int64)
+        np.add.at(refcount, pages[pages != PAD_PAGE], 1)
     digest_of = {int(p): d for p, d in pool["digests"]}
     lru_all = [int(p) for q in pool["lru"] for p in q]  # slice order, then each slice's LRU order
     lru_rank = {p: i for i, p in enumerate(lru_all)}

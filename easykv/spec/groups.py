@@ -21,6 +21,8 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+import numpy as np
+
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
 
@@ -127,10 +129,11 @@ class LayerGroup(Serializable):
             return min(full, self.window // page_size)
         return full
 
-    def first_needed_position(self, next_position: int) -> int:
-        """The first token position a query at ``next_position`` or later can still read."""
+    def first_needed_position(self, next_position: Any) -> Any:
+        """The first token position a query at ``next_position`` or later can still read (an
+        int, or elementwise for a numpy array of positions)."""
         if self.attention == "sliding":
-            return max(0, next_position - self.window + 1)
+            return np.maximum(next_position - self.window + 1, 0)
         if self.attention == "chunked":
             return (next_position // self.window) * self.window
         return 0

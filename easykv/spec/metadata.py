@@ -247,9 +247,18 @@ class PagedAttentionCacheMetaData(Serializable):
                            num_pages=self.num_pages_per_layer, kv_head_mesh_axes=self.kv_head_mesh_axes,
                            kv_head_shards=self.kv_head_shards),)
 
-    def require_uniform(self, what: str) -> None:
-        """Refuse a grouped description where ``what`` handles one full-attention group only."""
-        if not self.is_uniform:
+    @property
+    def is_single_geometry(self) -> bool:
+        """One group of every layer in the cache-wide geometry (any attention kind): its pages
+        are those of a uniform cache; only which of them a sequence keeps differs."""
+        (g, *rest) = self.groups
+        return not rest and not g.latent and (g.num_kv_heads, g.key_head_dim, g.value_head_dim) == (
+            self.num_kv_heads, self.kv_head_dim_size, self.kv_head_dim_size)
+
+    def require_uniform(self, what: str, *, windows: bool = False) -> None:
+        """Refuse a grouped description where ``what`` handles one group only (``windows``:
+        of any attention kind; else full attention only)."""
+        if not (self.is_uniform or (windows and self.is_single_geometry)):
             kinds = ", ".join(f"layers {g.span}: {g.attention}" for g in self.groups)
             raise NotImplementedError(
                 f"{what} holds uniform caches (every layer full attention, one geometry) in this easykv, but this "

@@ -402,7 +402,7 @@ def _checked_layout(
     per device the pool was sized for. Mesh axes of size 1 split nothing and are ignored."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-    metadata.require_uniform("the page storage")
+    metadata.require_uniform("the page storage", windows=True)
     dt = canonical_dtype(dtype)
     if metadata.dtype is not None and dt != metadata.dtype:
         raise ValueError(

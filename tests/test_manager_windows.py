@@ -348,3 +348,42 @@ def test_resume_starts_a_sequence_at_a_window_page_and_refuses_misuse():
     with pytest.raises(ManagerStateError, match="floor 6 of sequence 0 .* multiple of page_size=4"):
         PageManager.from_state_dict(meta("sliding", 5), bad)
     assert m.state_dict() == before
+
+
+def test_a_sliding_prefix_hit_needs_only_the_window_pages():
+    """Pages released from a window enter the prefix cache tail-first (evicted first). With
+    page 2 of a cached 16-token history evicted, a full-attention walk would stop at 8 tokens;
+    the window of a 16-token sequence reads positions 12..16 only, so page 3 alone gives a
+    16-token hit, and the row holds exactly that page."""
+    m = PageManager(meta("sliding", 5, pages=10))
+    a = m.claim(1)[0]
+    grow(m, a, range(16))  # pages 0..3, hashed; 0..2 leave the window (tail first: 2, 1, 0)
+    m.release(a)  # page 3 joins them: cached 2, 1, 0, 3 in eviction order
+    b = m.claim(1)[0]
+    m.build_step_metadata([b], [28])  # pages 4..9 and the oldest cached page: 2
+    assert m.pages(b) == [4, 5, 6, 7, 8, 9, 2]
+    m.advance(b, 28)
+    m.release(b)
+    c = m.claim(1)[0]
+    assert m.cached_prefix_length(list(range(16)) + [99]) == 16
+    assert m.match_prefix(c, list(range(16)) + [99]) == 16
+    assert m.pages(c) == [PAD, PAD, PAD, 3] and m.first_kept_position(c) == 12
+    assert m.metrics.used_pages == 1
+    m.check_invariants()
+    grow(m, c, [99])
+    assert m.pages(c)[4] >= 0 and m.length(c) == 17
+
+
+def test_a_chunked_prefix_hit_needs_only_its_chunk_and_never_a_bare_boundary():
+    m = PageManager(meta("chunked", 8, pages=10))
+    a = m.claim(1)[0]
+    grow(m, a, range(14))  # chunk 0 (pages 0, 1) released at length 8, hashed; chunk 1 in pages 2, 3
+    m.release(a)
+    # 12 tokens: the query at 12 reads chunk 1 (8..12): page 2 only.
+    c = m.claim(1)[0]
+    assert m.match_prefix(c, list(range(12)) + [7]) == 12 and m.pages(c) == [PAD, PAD, 2]
+    # A prompt of 9 tokens: a hit of 8 would need no page at all (a chunk boundary), which is
+    # no hit; the longest real one is 4 tokens, page 0 (cached when chunk 0 was released).
+    d = m.claim(1)[0]
+    assert m.match_prefix(d, list(range(9))) == 4 and m.pages(d) == [0]
+    m.check_invariants()

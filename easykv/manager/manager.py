@@ -209,10 +209,11 @@ class PageManager(_Growth, _Windows):
         c["prefix_queries"] += 1
         c["prefix_query_tokens"] += int(tokens.size)
         if pages:
-            self._pool.share(pages)
             k = len(pages)
+            start = pages.count(PAD_PAGE)  # a sliding or chunked hit needs only its window's pages
+            self._pool.share(pages[start:])
             self._table[row, :k] = pages
-            self._npages[row] = k
+            self._npages[row], self._start[row] = k, start
             self._lens[row] = k * self.page_size
             self._replica[row] = replica
             self._hashes.chain[row] = chain
@@ -229,10 +230,13 @@ class PageManager(_Growth, _Windows):
         return len(self._lookup(tokens, salt_digest(salt), -1)[1]) * self.page_size
 
     def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int) -> tuple[int, list[int], bytes]:
-        """The best replica, its cached pages for the prompt, and the digest of the last one.
-        Best: most pages, then most available pages, then lowest index."""
+        """The best replica, its cached pages for the prompt (``PAD_PAGE`` where a window does
+        not need one), and the digest of the last one. Best: most pages, then most available
+        pages, then lowest index."""
         pool = self._pool
         replicas = [bound] if bound >= 0 else list(range(pool.num_replicas))
+        if self.window_group is not None:
+            return self._lookup_window(tokens, salt, replicas)
         found: dict[int, list[int]] = {r: [] for r in replicas}
         chain = ROOT_DIGEST
         for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt)):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from easykv.manager.prefix_hash import ROOT_DIGEST, iter_page_digests
 from easykv.runtime import PAD_PAGE
 from easykv.validation import integer
 
@@ -46,6 +47,27 @@ class _Windows:
             self._start[row] = stop
         passed = self._floor[rows] <= cols * self.page_size
         self._floor[rows[passed]] = 0
+
+    def _lookup_window(self, tokens: np.ndarray, salt: bytes, replicas: list[int]) -> tuple[int, list[int], bytes]:
+        """`_lookup` for a sliding or chunked cache: a hit of ``k`` pages needs only the pages
+        the window of a sequence of ``k`` pages still reads, so the longest ``k`` whose window
+        pages are all cached wins, even where older pages were evicted. A hit needs at least one
+        cached page (a chunk boundary alone is no hit)."""
+        pool, ps = self._pool, self.page_size
+        digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt))
+        ks = np.arange(1, len(digests) + 1)
+        first = self._released_columns(ks * ps).astype(np.int64)  # the first column each hit needs
+        avail = pool.available_per_replica()
+        best = (0, 0, 0, replicas[0], [])
+        for r in replicas:
+            found = np.array([pool.lookup(r, d) for d in digests], np.int64)
+            cached = np.concatenate([[0], np.cumsum(found >= 0)])
+            whole = (first < ks) & (cached[ks] - cached[first] == ks - first)
+            k = int(ks[whole].max()) if whole.any() else 0
+            pages = [PAD_PAGE] * int(first[k - 1]) + found[first[k - 1]:k].tolist() if k else []
+            best = max(best, (k, int(avail[r]), -r, r, pages), key=lambda t: t[:3])
+        k, _, _, r, pages = best
+        return r, pages, digests[k - 1] if k else ROOT_DIGEST
 
     def first_kept_position(self, seq_id: int) -> int:
         """The first position whose K/V the sequence holds and its next query may read: 0 in a

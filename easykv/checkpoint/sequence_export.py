@@ -160,7 +160,8 @@ class SequenceExport:
             raise ValueError(f"SequenceExport.raw=True needs a compressing quantizer (int8, fp8, int4, ...), but "
                              f"quantization is {quantizer.name!r}; an export of an unquantized cache has raw=False")
         specs = _member_specs(length - first, layers, heads, head_dim, dtype, quantizer, raw)
-        what = (f"{length - first} tokens{f' (positions {first}..{length - 1})' if first else ''} x {layers} layers x {heads} kv heads of head_dim {head_dim} "
+        span = f" (positions {first}..{length - 1})" if first else ""
+        what = (f"{length - first} tokens{span} x {layers} layers x {heads} kv heads of head_dim {head_dim} "
                 + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
         for part in ("keys", "values"):
             data = getattr(self, part)

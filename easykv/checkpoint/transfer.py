@@ -102,9 +102,10 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
                     dequantize: bool = True) -> SequenceExport:
     """Sequence ``seq_id``'s committed tokens (``manager.length``) read from ``cache`` into host
     arrays; only its pages are read. In a sliding or chunked cache the export holds the K/V its
-    window still reads (from ``manager.first_kept_position``; ``first_position`` of the export). ``dequantize=False`` keeps a quantized cache's values and
-    scales as stored (bit-exact into a cache with the same quantizer). Reads only: the cache
-    and the manager are unchanged. The manager's pending copies and scrubs of the sequence's
+    window still reads (from ``manager.first_kept_position``; ``first_position`` of the
+    export). ``dequantize=False`` keeps a quantized cache's values and scales as stored
+    (bit-exact into a cache with the same quantizer). Reads only: the cache and the manager are
+    unchanged. The manager's pending copies and scrubs of the sequence's
     pages must have been applied (``cache, _ = manager.apply_pending(cache)``)."""
     meta = _check_pair(cache, manager)
     dequantize = boolean("dequantize", dequantize)
@@ -185,7 +186,8 @@ def _check_import(meta: Any, exported: SequenceExport) -> int:
     group = meta.groups[0]
     needed = int(group.first_needed_position(exported.length))
     if exported.first_position > needed:
-        reach = "reads every position" if group.attention == "full" else f"({group.attention}, window {group.window}) reads from position {needed}"
+        reach = ("reads every position" if group.attention == "full"
+                 else f"({group.attention}, window {group.window}) reads from position {needed}")
         raise ValueError(f"the export holds positions {exported.first_position}..{exported.length - 1} only (it comes "
                          f"from a sliding or chunked cache), but the target cache {reach} at length "
                          f"{exported.length}; import it into a cache with the same or a narrower window")

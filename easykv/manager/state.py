@@ -173,7 +173,8 @@ def read_state(m: PageManager, state: Any) -> None:
     if state["format"] != STATE_FORMAT:
         raise _fail("format", f"is {show(state['format'])}, expected {STATE_FORMAT!r}")
     windowed = isinstance(state["config"], Mapping) and "attention" in state["config"]
-    cfg = _mapping(state["config"], "config", _CONFIG_INTS + _CONFIG_FLAGS + (("attention", "window") if windowed else ()))
+    window_keys = ("attention", "window") if windowed else ()
+    cfg = _mapping(state["config"], "config", _CONFIG_INTS + _CONFIG_FLAGS + window_keys)
     got = {**{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS + (("window",) if windowed else ())},
            **{k: _flag(cfg[k], f"config.{k}") for k in _CONFIG_FLAGS}}
     if windowed:
@@ -345,8 +346,8 @@ def _check_floors(m: PageManager) -> None:
         if m.window_group is None:
             raise Broken(where, f"sequence {row} has floor {floor}, but a full-attention cache reads every position")
         if floor % ps or floor > length or m._hashes.hashable[row]:
-            raise Broken(where, f"floor {floor} of sequence {row} (length {length}) must be a multiple of page_size={ps}, "
-                                "at most its length, on a sequence that does not hash")
+            raise Broken(where, f"floor {floor} of sequence {row} (length {length}) must be a multiple of "
+                                f"page_size={ps}, at most its length, on a sequence that does not hash")
         if floor // ps <= int(m._released_columns(np.array([length]))[0]):
             raise Broken(where, f"sequence {row}'s window (length {length}) has moved past its floor {floor}; the "
                                 "floor is forgotten then")

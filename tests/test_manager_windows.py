@@ -140,8 +140,9 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
             t += c
         table = np.asarray(rt.page_table)[:2]
         if np.any((table[:, :1] == PAD) & (table[:, 1:] != PAD).any(axis=1, keepdims=True)):  # a hole
-            with pytest.raises(ValueError, match="is no page .*released when it left a sliding or chunked window"):
-                paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, rt)
+            for wider in ({}, {"sliding_window": 32}):  # no window, or one wider than the group's
+                with pytest.raises(ValueError, match="is no page .*released when it left a sliding or chunked window"):
+                    paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, rt, **wider)
             refused += 1
         m.advance(seqs, counts)
         m.check_invariants()
@@ -221,9 +222,7 @@ def test_resharding_keeps_a_sequence_whose_pages_all_left_the_window_bound():
     s = m.claim(1)[0]
     grow(m, s, range(8))  # length 8: both pages of chunk 0 released
     assert m.pages(s) == [PAD, PAD] and m.replica(s) == 0
-    split = PageManager.from_state_dict(meta("chunked", 8, pages=12).replace(page_shards=2),
-                                        __import__("easykv.manager.state", fromlist=["x"]).reshard_state(
-                                            m.state_dict(), 2))
+    split = m.reshard(meta("chunked", 8, pages=12).replace(page_shards=2))
     split.check_invariants()
     assert split.pages(s) == [PAD, PAD] and split.replica(s) == 0
     grow(split, s, [9])  # the next chunk's page comes from its replica's slice
@@ -387,3 +386,32 @@ def test_a_chunked_prefix_hit_needs_only_its_chunk_and_never_a_bare_boundary():
     d = m.claim(1)[0]
     assert m.match_prefix(d, list(range(9))) == 4 and m.pages(d) == [0]
     m.check_invariants()
+
+
+def test_a_crafted_window_export_header_is_refused_by_name():
+    """A version-2 export header must name a first position in 1..length - 1 (0 is written as
+    version 1); a version-1 header may not carry one."""
+    import io
+    import json
+
+    from easykv import SequenceExport
+
+    exp = SequenceExport(length=6, num_hidden_layers=1, num_kv_heads=1, kv_head_dim_size=2, dtype="float32",
+                         quantization="none", raw=False, keys=np.ones((1, 2, 1, 2), np.float32),
+                         values=np.zeros((1, 2, 1, 2), np.float32), first_position=4)
+    assert SequenceExport.from_bytes(exp.to_bytes()) == exp
+
+    def crafted(**header):
+        with np.load(io.BytesIO(exp.to_bytes())) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        head = {**json.loads(arrays["header"].tobytes()), **header}
+        arrays["header"] = np.frombuffer(json.dumps(head).encode(), np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    for bad in (0, 6, -1, "4"):
+        with pytest.raises(ValueError, match="'first_position'"):
+            SequenceExport.from_bytes(crafted(first_position=bad))
+    with pytest.raises(ValueError, match="unknown entries \\['first_position'\\]"):
+        SequenceExport.from_bytes(crafted(format="easykv.SequenceExport/1"))

@@ -52,7 +52,6 @@ def _interleaved_medians(fns: dict, repeats: int) -> dict:
 
 
 def _cache(num_pages: int, native: bool, devices: int = 8):
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -69,13 +68,9 @@ def _cache(num_pages: int, native: bool, devices: int = 8):
     )  # fmt: skip
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
     if native:  # same pages, stored as bf16 itself (what XLA:CPU rewrites whole on scatter)
-        layout = cache[0].layout
-        shape = cache[0].key_pages.shape
-        template = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        arrays = allocate_pages((template,) * 2 * LAYERS, layout)
-        views = [dataclasses.replace(v, key_pages=arrays[2 * i], value_pages=arrays[2 * i + 1])
-                 for i, v in enumerate(cache.views)]  # fmt: skip
-        cache = easykv.PagedAttentionCache(tuple(views))
+        template = jax.ShapeDtypeStruct(cache.key_pages[0].shape, jnp.bfloat16)
+        k, v = allocate_pages((template, template), cache.layout)
+        cache = easykv.PagedAttentionCache(meta, (k,), (v,), cache.layout)
     return meta, cache
 
 

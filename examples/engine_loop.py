@@ -26,15 +26,15 @@ LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 8, 16, 32
 def step(cache, tokens, meta):
     """Stand-in model step: K/V/Q from token ids, write then attend, every layer in one jit."""
     outs = []
-    views = []
-    for view in cache.views:
+    for i in range(len(cache)):
+        view = cache.views[i]  # layer i of the group's stacked pages; its write goes into the stack
         emb = jax.nn.one_hot(tokens % DIM, DIM, dtype=jnp.float32)  # (tokens, DIM)
         k = jnp.broadcast_to(emb[:, None, :], (tokens.shape[0], KV_HEADS, DIM)) * (view.layer_index + 1)
         q = jnp.broadcast_to(emb[:, None, :], (tokens.shape[0], Q_HEADS, DIM))
         view = view.write_mixed_to_cache(k, -k, meta)
         outs.append(easykv.view_attention(q, view, meta))
-        views.append(view)
-    return easykv.PagedAttentionCache(tuple(views)), jnp.stack(outs)
+        cache.views[i] = view  # EasyDeL's models put the view back; the cache already holds its write
+    return cache, jnp.stack(outs)
 
 
 def main() -> None:

@@ -184,7 +184,7 @@ def checkpoint_files(directory) -> list:
 def file_kind(path, directory) -> str:
     """A name for a file's role, shared by the files of the same kind (chunk files, .zarray)."""
     rel = path.relative_to(directory)
-    if rel.parent.name.startswith("layer_"):
+    if rel.parent.name.startswith(("group_", "layer_")):
         return f"pages/*/{rel.name if rel.name.startswith('.') else 'chunk'}"
     return str(rel).replace("0/", "<step>/", 1) if rel.parts[0] == "0" else str(rel)
 

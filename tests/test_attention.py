@@ -73,7 +73,7 @@ def make_pages(rng, name: str, dtype: str):
             x = x.astype(ml_dtypes.bfloat16).view(np.uint16)  # raw bits, as the CPU cache stores them
         host.append(x)
     layout = page_layout(name)
-    dev = [jnp.asarray(x) if layout is None else jax.device_put(x, layout.sharding) for x in host]
+    dev = [jnp.asarray(x) if layout is None else jax.device_put(x, layout.layer_sharding) for x in host]
     return host, dev
 
 

@@ -108,7 +108,7 @@ def test_fast_path_matches_reference(name, mode, case, query_block):
     hk = rng.standard_normal((heads, PAGES, PS, D)).astype(np.float32)
     hv = rng.standard_normal((heads, PAGES, PS, v_dim)).astype(np.float32)
     layout = page_layout(name)
-    k, v = (x if layout is None else jax.device_put(x, layout.sharding) for x in (hk, hv))
+    k, v = (x if layout is None else jax.device_put(x, layout.layer_sharding) for x in (hk, hv))
     md = MAKERS[mode](rng, name)
     q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
     sinks = rng.standard_normal(GROUP * heads).astype(np.float32) if case.get("sinks") else None
@@ -187,7 +187,7 @@ def test_latent_cache_values_are_the_keys_leading_dims(name, mode, case):
     heads = LAYOUTS[name][1]
     hk = rng.standard_normal((heads, PAGES, PS, D)).astype(np.float32)
     layout = page_layout(name)
-    k, kv = (x if layout is None else jax.device_put(x, layout.sharding) for x in (hk, hk[..., :10].copy()))
+    k, kv = (x if layout is None else jax.device_put(x, layout.layer_sharding) for x in (hk, hk[..., :10].copy()))
     md = MAKERS[mode](rng, name)
     q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
     sinks = rng.standard_normal(GROUP * heads).astype(np.float32) if case.pop("sinks", False) else None

@@ -34,25 +34,30 @@ def test_init_cache_places_each_shard_on_its_device(layout):
     mesh, _, meta = setup(layout)
     cache = new_cache(layout)
     heads = meta.num_kv_heads
-    assert len(cache) == LAYERS and [v.layer_index for v in cache] == [0, 1]
+    assert len(cache) == LAYERS and [v.layer_index for v in cache] == [0, 1] and [v.layer for v in cache] == [0, 1]
+    stacked = P(None, *spec)
+    # One stacked array per K and V holds every layer: (layers, heads, pages, page_size, head_dim).
+    assert len(cache.key_pages) == len(cache.value_pages) == 1
+    for pages in (cache.key_pages[0], cache.value_pages[0]):
+        assert pages.shape == (LAYERS, heads, PAGES, PAGE_SIZE, HEAD_DIM)
+        assert pages.dtype == np.uint16  # bf16 stored as raw bits on CPU
+        assert pages.sharding.is_equivalent_to(NamedSharding(mesh, stacked), 5)
+        assert pages.sharding.spec == stacked or (layout == "replicated" and pages.sharding.is_fully_replicated)
+        shards = pages.addressable_shards
+        assert len(shards) == n_shards
+        assert {s.device for s in shards} == set(mesh.devices.flat)
+        assert all(s.data.shape == (LAYERS, *shard_shape) for s in shards)
+        assert not np.any(np.asarray(pages))
     for view in cache:
         assert view.metadata == meta and view.dtype == np.dtype(jnp.bfloat16)
-        for pages in (view.key_pages, view.value_pages):
-            assert pages.shape == (heads, PAGES, PAGE_SIZE, HEAD_DIM)
-            assert pages.dtype == np.uint16  # bf16 stored as raw bits on CPU
-            assert pages.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
-            assert pages.sharding.spec == spec or (layout == "replicated" and pages.sharding.is_fully_replicated)
-            shards = pages.addressable_shards
-            assert len(shards) == n_shards
-            assert {s.device for s in shards} == set(mesh.devices.flat)
-            assert all(s.data.shape == shard_shape for s in shards)
-            assert not np.any(np.asarray(pages))
+        assert view.group_key_pages is cache.key_pages[0] and view.group_value_pages is cache.value_pages[0]
+        assert view.key_pages.shape == (heads, PAGES, PAGE_SIZE, HEAD_DIM)  # the layer's slice, as EasyDeL's
     # Which device holds which heads/pages follows the mesh coordinates.
     if layout == "dp":
-        k = cache[0].key_pages
+        k = cache.key_pages[0]
         for s in k.addressable_shards:
             dp, tp = (int(i[0]) for i in np.where(mesh.devices == s.device))
-            assert s.index[0] == slice(2 * tp, 2 * tp + 2) and s.index[1] == slice(12 * dp, 12 * dp + 12)
+            assert s.index[1] == slice(2 * tp, 2 * tp + 2) and s.index[2] == slice(12 * dp, 12 * dp + 12)
 
 
 def test_replicated_heads_warn_at_init():
@@ -60,8 +65,8 @@ def test_replicated_heads_warn_at_init():
     with pytest.warns(ShardingAdjustedWarning, match=r"does not divide 4"):
         cache = PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
     # what the warning announces: every device stores all 4 heads (the pages are replicated)
-    assert cache[0].key_pages.sharding.is_fully_replicated
-    assert {s.data.shape[0] for s in cache[0].key_pages.addressable_shards} == {4}
+    assert cache.key_pages[0].sharding.is_fully_replicated
+    assert {s.data.shape[1] for s in cache.key_pages[0].addressable_shards} == {4}
 
 
 def test_storage_dtype_policy():
@@ -79,8 +84,9 @@ def test_storage_dtype_policy():
 def test_view_init_allocates_one_layer():
     mesh, pm, meta = setup("dp")
     view = PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 1, pm)
-    assert view.layer_index == 1 and view.key_pages.shape == (8, PAGES, PAGE_SIZE, HEAD_DIM)
-    assert view.key_pages.sharding.spec == P("tp", "dp", None, None)
+    assert view.layer_index == 1 and view.layer == 0 and view.key_pages.shape == (8, PAGES, PAGE_SIZE, HEAD_DIM)
+    assert view.group_key_pages.shape == (1, 8, PAGES, PAGE_SIZE, HEAD_DIM)
+    assert view.group_key_pages.sharding.spec == P(None, "tp", "dp", None, None)
     with pytest.raises(ValueError, match=r"layer_index must be a non-negative int, got 2 \(valid: 0\.\.1\)"):
         PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, 2, pm)
 
@@ -117,18 +123,32 @@ def test_init_cache_rejects_mismatches():
         PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta.to_dict(), pm)
 
 
-def test_cache_constructor_checks_views():
+def test_cache_constructor_checks_arrays_and_from_views_stacks():
     cache = new_cache("single")
-    v0, v1 = cache.views
+    k, v = cache.key_pages[0], cache.value_pages[0]
+    with pytest.raises(ValueError, match=r"2 key and 1 value page arrays for 1 layer group"):
+        PagedAttentionCache(cache.metadata, (k, k), (v,), cache.layout)
+    with pytest.raises(ValueError, match=r"key_pages\[0\] has shape \(1, 8, 24, 4\).*needs .* = \(2, 8, 24, 4\)"):
+        PagedAttentionCache(cache.metadata, (k[:1],), (v,), cache.layout)
+    with pytest.raises(ValueError, match=r"metadata must be a PagedAttentionCacheMetaData, got dict"):
+        PagedAttentionCache(cache.metadata.to_dict(), (k,), (v,), cache.layout)
+    # from_views stacks per-layer views (the JSON form's) and checks them
+    mesh, pm, meta = setup("single")
+    rng = np.random.default_rng(5)
+    views = [PagedAttentionCacheView.init(mesh, jnp.bfloat16, meta, i, pm) for i in range(LAYERS)]
+    md = PagedAttentionMetadata(slot_mapping=np.array([5, 9], np.int32))
+    toks = random_tokens(rng, (LAYERS, 2, 8, HEAD_DIM))
+    for i, view in enumerate(views):
+        view.write_tokens(toks[i], toks[i], md.slot_mapping)
+    stacked = PagedAttentionCache.from_views(views)
+    for i in range(LAYERS):
+        assert np.array_equal(np.asarray(stacked.key_pages[0][i]), np.asarray(views[i].key_pages))
     with pytest.raises(ValueError, match=r"views\[0\] has layer_index=1"):
-        PagedAttentionCache((v1, v0))
+        PagedAttentionCache.from_views(views[::-1])
     with pytest.raises(ValueError, match=r"1 views for metadata with num_hidden_layers=2"):
-        PagedAttentionCache((v0,))
-    with pytest.raises(ValueError, match=r"at least one view"):
-        PagedAttentionCache(())
-    other = v1.replace(metadata=v1.metadata.replace(batch_size=7))
-    with pytest.raises(ValueError, match=r"views\[1\] has layer_index=1 and different metadata"):
-        PagedAttentionCache((v0, other))
+        PagedAttentionCache.from_views(views[:1])
+    with pytest.raises(ValueError, match=r"non-empty list"):
+        PagedAttentionCache.from_views([])
 
 
 def test_easydel_placeholders():
@@ -142,13 +162,13 @@ def test_easydel_placeholders():
 def test_pytree_round_trip():
     cache = new_cache("dp")
     leaves, tree = jax.tree.flatten(cache)
-    assert len(leaves) == 2 * LAYERS
-    assert [l is x for l, x in zip(leaves, (cache[0].key_pages, cache[0].value_pages, cache[1].key_pages, cache[1].value_pages))] == [True] * 4
+    assert len(leaves) == 2  # one stacked array per K and V
+    assert leaves[0] is cache.key_pages[0] and leaves[1] is cache.value_pages[0]
     back = jax.tree.unflatten(tree, leaves)
-    assert isinstance(back, PagedAttentionCache) and back.metadata == cache.metadata
+    assert isinstance(back, PagedAttentionCache) and back.metadata == cache.metadata and back.layout == cache.layout
     assert all(b.layout == c.layout and b.layer_index == c.layer_index for b, c in zip(back, cache))
     view_leaves, view_tree = jax.tree.flatten(cache[1])
-    assert len(view_leaves) == 2
+    assert len(view_leaves) == 3 and view_leaves[2] == 1  # the group's K and V, and the layer in the group
     assert jax.tree.unflatten(view_tree, view_leaves).layer_index == 1
 
 
@@ -157,11 +177,11 @@ def test_jit_takes_and_returns_the_cache():
 
     @jax.jit
     def bump(c):
-        return c.replace(views=tuple(v.replace(key_pages=v.key_pages + 1) for v in c.views))
+        return c.replace(key_pages=tuple(k + 1 for k in c.key_pages))
 
     out = bump(cache)
     assert isinstance(out, PagedAttentionCache) and out.metadata == cache.metadata
-    assert out[1].key_pages.sharding.spec == P("tp", None, None, None)
+    assert out.key_pages[0].sharding.spec == P(None, "tp", None, None, None)
     assert np.all(np.asarray(out[1].key_pages) == 1) and not np.any(np.asarray(out[1].value_pages))
     assert not np.any(np.asarray(cache[1].key_pages))  # not donated: the input is intact
 
@@ -170,16 +190,16 @@ def test_jit_takes_and_returns_the_cache():
 def test_write_copy_zero_donate_the_old_buffers(layout):
     _, _, meta = setup(layout)
     cache = new_cache(layout)
-    old = [a for v in cache for a in (v.key_pages, v.value_pages)]
+    old = [*cache.key_pages, *cache.value_pages]
     md = PagedAttentionMetadata.for_decode([[3, -1, -1, -1]], [0], cache_metadata=meta)
     keys = random_tokens(np.random.default_rng(0), (LAYERS, 1, meta.num_kv_heads, HEAD_DIM))
     cache, dropped = cache.write(keys, keys, md)
     assert int(dropped) == 0 and all(a.is_deleted() for a in old)
     for op in (lambda c: c.copy_pages([3], [4]), lambda c: c.zero_pages([3])):
-        old = [a for v in cache for a in (v.key_pages, v.value_pages)]
+        old = [*cache.key_pages, *cache.value_pages]
         new = op(cache)
         assert all(a.is_deleted() for a in old)
-        assert all(not a.is_deleted() for v in new for a in (v.key_pages, v.value_pages))
+        assert all(not a.is_deleted() for a in (*new.key_pages, *new.value_pages))
         cache = new
     k = np.asarray(cache[0].key_pages)
     assert not np.any(k[:, 3]) and np.array_equal(k[:, 4, 0], keys[0, 0].view(np.uint16))

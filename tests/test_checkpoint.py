@@ -295,14 +295,14 @@ def test_flipped_byte_is_detected_and_names_the_array(tmp_path):
     path.write_bytes(bytes(blob))
     before = raw_leaves(cache)
     mesh, pm, _ = qsetup("heads")
-    with pytest.raises(CheckpointIntegrityError, match="layer_001.value_pages") as err:
+    with pytest.raises(CheckpointIntegrityError, match="group_000.value_pages") as err:
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
-    assert err.value.array == "layer_001.value_pages" and err.value.step == 0
+    assert err.value.array == "group_000.value_pages" and err.value.step == 0
     assert all(np.array_equal(a, b) for a, b in zip(before, raw_leaves(cache)))  # live cache untouched
     # verify=False returns the damaged data (the fingerprint is the only guard); inspect reports it.
     restore_cache(tmp_path, mesh=mesh, partition_manager=pm, verify=False)
     report = inspect_checkpoint(tmp_path)
-    assert "DAMAGED" in report and "layer_001.value_pages" in report
+    assert "DAMAGED" in report and "group_000.value_pages" in report
 
 
 def test_truncated_or_missing_data_file_is_an_integrity_error(tmp_path):
@@ -339,9 +339,9 @@ def test_damaged_record_and_newer_format(tmp_path):
     with pytest.raises(CheckpointIntegrityError, match="does not match its record_sha256"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
     record = json.loads(good)
-    record["arrays"][2]["fingerprint"] = "0" * 32
+    record["arrays"][0]["fingerprint"] = "0" * 32
     write_record(tmp_path, record)
-    with pytest.raises(CheckpointIntegrityError, match="layer_001.key_pages"):
+    with pytest.raises(CheckpointIntegrityError, match="group_000.key_pages"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
     record_path.unlink()
     with pytest.raises(CheckpointIntegrityError, match="lacks easykv/checkpoint.json"):
@@ -503,7 +503,7 @@ def test_inspect_reports_steps_sizes_mesh_and_verification(tmp_path):
     save_cache(tmp_path, cache, manager, step=3, extra_metadata={"run": "abc"})
     report = inspect_checkpoint(tmp_path)
     for text in ("1 complete step(s): 3", "2 layers x 8 kv heads x head_dim 8", "quantization int4",
-                 "dp=2 x tp=4", "pages over dp", "3 sequences", '"run": "abc"', "verify   OK: 8 arrays"):
+                 "dp=2 x tp=4", "pages over dp", "3 sequences", '"run": "abc"', "verify   OK: 4 arrays"):
         assert text in report, (text, report)
     assert "skipped" in inspect_checkpoint(tmp_path, verify=False)
     with pytest.raises(NotACheckpointError):

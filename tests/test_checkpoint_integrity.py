@@ -24,7 +24,6 @@ from checkpoint_helpers import (
     flip_fixture,
     flip_outcome,
     load_record,
-    make_legacy,
     manager_path,
     raw_leaves,
     record_path,
@@ -116,7 +115,7 @@ def test_byte_flips_in_every_file_are_detected_or_harmless(ck):
     assert not failures, failures[:10]
     for kind in ("<step>/easykv/checkpoint.json", "<step>/easykv/manager.json", "pages/*/chunk"):
         assert set(outcomes[kind]) == {"CheckpointIntegrityError"}, (kind, outcomes[kind])
-    assert sum(sum(c.values()) for c in outcomes.values()) > 250
+    assert sum(sum(c.values()) for c in outcomes.values()) > 200  # one stacked array per K and V: few files
     assert _identical(ck, _restore(ck))  # every byte was put back
 
 
@@ -124,11 +123,11 @@ def test_orbax_metadata_without_an_array_is_named_not_a_placeholder(ck):
     directory = ck[0]
     meta_path = directory / "0" / "pages" / "_METADATA"
     tree = json.loads(meta_path.read_text())
-    del tree["tree_metadata"]["('layer_001', 'value_pages')"]
+    del tree["tree_metadata"]["('group_000', 'value_pages')"]
     meta_path.write_text(json.dumps(tree))
-    with pytest.raises(CheckpointIntegrityError, match="layer_001.value_pages") as err:
+    with pytest.raises(CheckpointIntegrityError, match="group_000.value_pages") as err:
         _restore(ck)
-    assert err.value.array == "layer_001.value_pages"
+    assert err.value.array == "group_000.value_pages"
     assert "DAMAGED" in inspect_checkpoint(directory)
 
 
@@ -142,8 +141,8 @@ FIELDS = [
     "metadata.kv_head_mesh_axes", "metadata.hbm_utilization", "storage", "storage.platform",
     "storage.logical_dtype", "storage.quantization", "mesh", "mesh.platform", "mesh.device_kind",
     "mesh.num_devices", "mesh.process_count", "mesh.axis_names", "mesh.shape", "mesh.shape.tp",
-    "mesh.kv_head_mesh_axes", "mesh.page_mesh_axes", "arrays", "arrays.0", "arrays.3.name", "arrays.0.path",
-    "arrays.0.role", "arrays.0.shape", "arrays.0.shape.1", "arrays.2.stored_dtype", "arrays.0.nbytes",
+    "mesh.kv_head_mesh_axes", "mesh.page_mesh_axes", "arrays", "arrays.0", "arrays.1.name", "arrays.0.path",
+    "arrays.0.role", "arrays.0.shape", "arrays.0.shape.1", "arrays.1.stored_dtype", "arrays.0.nbytes",
     "arrays.1.fingerprint", "fingerprint_algorithm", "manager", "manager.active_sequences", "manager.tokens",
     "manager.free_pages", "manager.cached_pages", "manager.prefix_pages", "extra_metadata", "manager_sha256",
     "record_sha256",
@@ -239,12 +238,12 @@ def test_record_that_is_not_a_record_object(ck, text):
 def test_sealed_record_is_verified_whatever_its_version(ck):
     directory = ck[0]
     text = record_path(directory).read_text()
-    assert '"format_version": 2' in text
-    record_path(directory).write_text(text.replace('"format_version": 2', '"format_version": 1'))  # one bit
+    assert '"format_version": 3' in text
+    record_path(directory).write_text(text.replace('"format_version": 3', '"format_version": 1'))  # one bit
     with pytest.raises(CheckpointIntegrityError, match="does not match its record_sha256"):
         _restore(ck)
     record = json.loads(text)
-    del record[RECORD_SEAL]  # a version-2 record without its seal is damaged, not legacy
+    del record[RECORD_SEAL]  # a version-3 record without its seal is damaged, not legacy
     write_record(directory, record, reseal=False)
     with pytest.raises(CheckpointIntegrityError, match="lacks its record_sha256"):
         _restore(ck)
@@ -313,38 +312,6 @@ def test_manager_added_to_a_step_saved_without_one(tmp_path, pristine):
     manager_path(tmp_path).write_text(json.dumps(manager.state_dict()))
     with pytest.raises(CheckpointIntegrityError, match="no page manager was saved"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm)
-
-
-# ---- version 1 (easykv 0.1) --------------------------------------------------------------------------
-def test_version_1_checkpoint_restores_with_a_warning_and_consistency_checks(ck):
-    directory = ck[0]
-    make_legacy(directory)
-    with pytest.warns(UserWarning, match="format version 1.*checked for consistency only"):
-        restored = _restore(ck)
-    assert _identical(ck, restored)
-    report = inspect_checkpoint(directory)
-    assert "format version 1" in report and "verify   OK" in report
-    assert main(["inspect", str(directory)]) == 0
-    # Consistency checks: the manager summary, its presence, the schema; the arrays' fingerprints.
-    state = json.loads(manager_path(directory).read_text())
-    state["sequences"][0]["length"] += 1
-    manager_path(directory).write_text(json.dumps(state))
-    with pytest.warns(UserWarning), pytest.raises(CheckpointIntegrityError, match="does not match the record's sum"):
-        _restore(ck)
-    manager_path(directory).unlink()
-    with pytest.warns(UserWarning), pytest.raises(CheckpointIntegrityError, match="is missing"):
-        _restore(ck)
-    record = load_record(directory)
-    record["manager_sha256"] = None  # a field version 1 never had
-    write_record(directory, record, reseal=False)
-    with pytest.raises(CheckpointIntegrityError, match="unknown"):
-        _restore(ck)
-    record = load_record(directory)
-    del record["manager_sha256"]
-    record["arrays"][0]["shape"][0] = "2"
-    write_record(directory, record, reseal=False)
-    with pytest.raises(CheckpointIntegrityError, match=r"arrays\[0\].shape\[0\]"):
-        _restore(ck)
 
 
 def test_schema_rejects_unknown_fingerprint_algorithm_as_newer(ck):

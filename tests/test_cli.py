@@ -110,7 +110,7 @@ def test_inspect_reports_and_verifies_a_checkpoint(capsys, tmp_path):
     code = main(["inspect", str(tmp_path / "ck")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "step 7" in out and "verify   OK: 4 arrays match their fingerprints" in out
+    assert "step 7" in out and "verify   OK: 2 arrays match their fingerprints" in out
 
 
 def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
@@ -132,7 +132,7 @@ def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
     directory = tmp_path / "ck"
     for step in range(4):
         easykv.save_cache(str(directory), cache, easykv.PageManager(meta), step=step)
-    chunk = directory / "1" / "pages" / "layer_000.key_pages" / "0.0.0.0"
+    chunk = directory / "1" / "pages" / "group_000.key_pages" / "0.0.0.0.0"
     chunk.write_bytes(b"\x01" + chunk.read_bytes()[1:])  # the zero pages are no longer zero
     (directory / "2" / "easykv" / "manager.json").write_text("{}")
     record_path = directory / "3" / "easykv" / "checkpoint.json"
@@ -145,7 +145,7 @@ def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
     assert code == 1 and "Traceback" not in out + err, err
     report = {block.split()[1].rstrip(":"): block for block in out.split("\n\n")[1:]}
     assert "verify   OK" in report["0"]
-    assert "DAMAGED" in report["1"] and "layer_000.key_pages" in report["1"]
+    assert "DAMAGED" in report["1"] and "group_000.key_pages" in report["1"]
     assert "DAMAGED" in report["2"] and "manager.json does not match" in report["2"]
     assert "UNREADABLE" in report["3"] and "upgrade easykv" in report["3"]
 

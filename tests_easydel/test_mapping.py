@@ -217,14 +217,19 @@ def test_cache_interop_shares_arrays():
                                                      num_pages_per_layer=32)
     ekv = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, PartitionManager(PartitionAxis()))
     wrapped = EasyKVCache.from_easykv(ekv, version="v2")
-    assert wrapped.views[1].k_pages is ekv.views[1].key_pages and wrapped.metadata.version == "v2"
+    assert wrapped.views[1].group_key_pages is ekv.key_pages[0] and wrapped.metadata.version == "v2"
+    assert wrapped.views[1].layer == 1 and wrapped.views[1].key_pages.shape == (8, 32, 16, 8)
     assert wrapped.views[0].key_pages.dtype == np.uint16 and wrapped.views[0].dtype == np.dtype("bfloat16")
     back = wrapped.to_easykv()
-    assert back.views[0].value_pages is ekv.views[0].value_pages and back.metadata == meta
+    assert back.value_pages[0] is ekv.value_pages[0] and back.metadata == meta
     with pytest.raises(NotImplementedError, match="key_pages / value_pages"):
         wrapped.views[0].flattened_kv_pages()
+    # One leaf per stacked array: the views hold none (a view holding the stack would make jit
+    # return one copy of the pool per layer).
     leaves = jax.tree.leaves(wrapped)
-    assert len(leaves) == 4 and all(leaf.shape == (8, 32, 16, 8) for leaf in leaves)
+    assert len(leaves) == 2 and all(leaf.shape == (2, 8, 32, 16, 8) for leaf in leaves)
+    rebuilt = jax.tree.unflatten(jax.tree.structure(wrapped), leaves)
+    assert rebuilt.views[1].group_key_pages is leaves[0]  # the rebuilt views follow the rebuilt cache
 
 
 def test_without_easydel_installed():

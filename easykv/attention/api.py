@@ -49,6 +49,7 @@ def paged_attention(
     value_pages: Any,
     metadata: PagedAttentionMetadata,
     sinks: Any = None,
+    layer: Any = None,
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
@@ -73,6 +74,10 @@ def paged_attention(
         are the first ``value_head_dim`` dims of each key, read with it, never stored twice.
       metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
         are checked against the pool before anything runs.
+      layer: the pages are a layer group's stack ``(layers, num_kv_heads, num_pages, page_size,
+        head_dim)`` (as a cache stores them) and layer ``layer`` is read: an int, or a traced
+        index inside a ``lax.scan`` over the layers. Only that layer's pages named by the page
+        table are read; the layer is never sliced out of the stack.
       sinks: ``(num_q_heads,)`` float logits, one per q head, that join every query's softmax
         as an extra key with no value (attention sinks, as gpt-oss): the weights of the real
         keys then sum to less than one. Not scaled, not capped.
@@ -99,20 +104,20 @@ def paged_attention(
       ``(tokens, num_q_heads, v_head_dim)`` in ``q.dtype``; padding rows are zeros.
     """
     options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
-    cfg, rt = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks)
-    return run(q, key_pages, value_pages, rt, sinks, cfg=cfg)
+    cfg, rt = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks, layer=layer)
+    return run(q, key_pages, value_pages, rt, sinks, layer, cfg=cfg)
 
 
 def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
     """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
-    its pages, its layout and its logical dtype (``options`` are paged_attention's keywords but
-    ``layout`` and ``dtype``)."""
-    for key in ("layout", "dtype"):
+    its group's stacked pages read at its layer, its layout and its logical dtype (``options``
+    are paged_attention's keywords but ``layer``, ``layout`` and ``dtype``)."""
+    for key in ("layer", "layout", "dtype"):
         if key in options:
             raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
-    keys, values = view_pages(view)
+    keys, values, layer = view_pages(view)
     return paged_attention(
-        q, keys, values, metadata, layout=view.layout, dtype=view.dtype, **options
+        q, keys, values, metadata, layer=layer, layout=view.layout, dtype=view.dtype, **options
     )
 
 
@@ -125,18 +130,20 @@ def paged_attention_implementation(
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
-    sinks = options.pop("sinks", None)
-    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options), sinks=sinks)[0].implementation
+    sinks, layer = options.pop("sinks", None), options.pop("layer", None)
+    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options), sinks=sinks,
+                   layer=layer)[0].implementation
 
 
 def paged_attention_reference(
-    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, sinks: Any = None, **options: Any
+    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, sinks: Any = None,
+    layer: Any = None, **options: Any
 ) -> jax.Array:
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving.
 
-    ``value_pages``, ``sinks`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
+    ``value_pages``, ``sinks``, ``layer`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
     ``sliding_window``, ``chunk_size``, ``value_head_dim``, ``logit_soft_cap``, ``dtype``). The reference runs
     unsplit and unblocked, with no kernel choice, so the other options are refused."""
     unknown = sorted(set(options) - set(REFERENCE_OPTIONS))
@@ -144,8 +151,11 @@ def paged_attention_reference(
         raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "
                          f"{', '.join(unknown)}")
     cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options, implementation="xla"),
-                      sinks=sinks, infer_layout=False)
-    return dense_reference(q, key_pages, value_pages, rt, sinks, cfg=cfg)
+                      sinks=sinks, layer=layer, infer_layout=False)
+    if layer is None:
+        key_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], key_pages)
+        value_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], value_pages)
+    return dense_reference(q, key_pages, value_pages, rt, sinks, 0 if layer is None else layer, cfg=cfg)
 
 
 REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "value_head_dim", "logit_soft_cap", "dtype")
@@ -153,14 +163,18 @@ REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "value_head_dim", 
 
 # ---- the computation ----------------------------------------------------------------------------
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, sinks: Any = None, *,
-        cfg: Config) -> jax.Array:
-    """The checked call: ``rt`` in the mixed form, ``sinks`` None or checked, ``cfg`` from
-    `checks.prepare`."""
+def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, sinks: Any = None,
+        layer: Any = None, *, cfg: Config) -> jax.Array:
+    """The checked call: ``rt`` in the mixed form, ``sinks`` None or checked, ``layer`` None
+    (one layer's pages) or the layer of stacked pages, ``cfg`` from `checks.prepare`."""
     q = jnp.asarray(q)
-    # Pages may become pytrees (quantized values + scales): every leaf is split like the pages
-    # on its leading (kv head, page) axes.
+    # Pages may be pytrees (quantized values + scales): every leaf is split like the pages on
+    # its (kv head, page) axes. One layer's pages become a stack of one (a reshape, no copy),
+    # so every path reads a stack at a layer.
     kp, vp = jax.tree.map(jnp.asarray, key_pages), jax.tree.map(jnp.asarray, value_pages)
+    if layer is None:
+        kp, vp, layer = jax.tree.map(lambda a: a[None], kp), jax.tree.map(lambda a: a[None], vp), 0
+    layer = jnp.asarray(layer, jnp.int32)
     rows = query_rows(rt, q.shape[0])
     # No sinks: a sink of -inf adds nothing to any softmax (the one path serves both).
     sinks = jnp.full(q.shape[1], -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
@@ -170,24 +184,24 @@ def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, si
     else:
         local = partial(attend_local, cfg=cfg)
     if layout is None:
-        return local(q, kp, vp, rows, sinks)
-    heads = layout.spec[0]
+        return local(q, kp, vp, rows, sinks, layer)
+    heads = layout.spec[1]
     q_spec = PartitionSpec(None, heads, None)
 
     def page_specs(pages: Any) -> Any:
-        return jax.tree.map(lambda leaf: PartitionSpec(*tuple(layout.spec)[: leaf.ndim]), pages)
+        return jax.tree.map(lambda leaf: layout.spec_for(leaf.ndim), pages)
 
     mapped = jax.shard_map(
         local,
         mesh=layout.mesh,
-        # rows: replicated; sinks: split like the q heads
-        in_specs=(q_spec, page_specs(kp), page_specs(vp), PartitionSpec(), PartitionSpec(heads)),
+        # rows, layer: replicated; sinks: split like the q heads
+        in_specs=(q_spec, page_specs(kp), page_specs(vp), PartitionSpec(), PartitionSpec(heads), PartitionSpec()),
         out_specs=q_spec,
         # The loops' carries start replicated and become head-/replica-varying: skip the
         # varying-axes type check rather than cast every carry.
         check_vma=False,
     )
-    return mapped(q, kp, vp, rows, sinks)
+    return mapped(q, kp, vp, rows, sinks, layer)
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from easykv.storage.pages import PageLayout
 from easykv.quantization import QuantizedPages
 from easykv.runtime import PagedAttentionMetadata, as_mixed, step_form
 from easykv.runtime_checks import check_step, dtype_of, shape_of
+from easykv.validation import integer
 
 
 # Default block sizes of the XLA path (measured on XLA:CPU, see benchmarks/bench_attention.py):
@@ -53,14 +54,27 @@ class Config:
     page_size: int
 
 
-def view_pages(view: Any) -> tuple[Any, Any]:
-    """A cache view's ``(key_pages, value_pages)``; anything that is not a view is refused by name."""
-    if not all(hasattr(view, a) for a in ("key_pages", "value_pages", "layout", "dtype")):
+def view_pages(view: Any) -> tuple[Any, Any, Any]:
+    """A cache view's group pages and layer, ``(group_key_pages, group_value_pages, layer)``;
+    anything that is not a view is refused by name."""
+    if not all(hasattr(view, a) for a in ("group_key_pages", "group_value_pages", "layer", "layout", "dtype")):
         raise ValueError(
-            f"view must be a PagedAttentionCacheView (key_pages, value_pages, layout, dtype), got "
-            f"{type(view).__name__}"
+            f"view must be a PagedAttentionCacheView (group_key_pages, group_value_pages, layer, layout, dtype), "
+            f"got {type(view).__name__}"
         )
-    return view.key_pages, view.value_pages
+    return view.group_key_pages, view.group_value_pages, view.layer
+
+
+def check_layer(layer: Any, num_layers: int) -> None:
+    """``layer`` of a stack of ``num_layers``: an int in range, or an integer scalar array
+    (traced: a scan over the layers; its value cannot be checked before the call)."""
+    if isinstance(layer, (jax.Array, np.ndarray, np.generic)) and not isinstance(layer, np.bool_):
+        if np.shape(layer) != () or not np.issubdtype(np.dtype(layer.dtype), np.integer):
+            raise ValueError(f"layer must be an integer scalar, got {np.dtype(layer.dtype).name} of shape "
+                             f"{np.shape(layer)}")
+        if isinstance(layer, jax.core.Tracer):
+            return
+    integer("layer", layer, lo=0, hi=num_layers - 1, hint=f"the stacked pages hold {num_layers} layers")
 
 
 def _logical_dtype(dtype: np.dtype | None, stored: np.dtype) -> np.dtype:
@@ -83,12 +97,18 @@ def _logical_dtype(dtype: np.dtype | None, stored: np.dtype) -> np.dtype:
     return dtype
 
 
-def _infer_layout(pages: Any) -> PageLayout | None:
-    """The PageLayout of concrete pages placed with a 4-D NamedSharding; None otherwise."""
+def _infer_layout(pages: Any, stacked: bool) -> PageLayout | None:
+    """The PageLayout of concrete pages placed with a NamedSharding (a stack's layer axis
+    unsplit); None otherwise."""
     sharding = getattr(pages, "sharding", None) if isinstance(pages, jax.Array) else None
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return None
-    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    spec = tuple(sharding.spec) + (None,) * (pages.ndim - len(sharding.spec))
+    if stacked:
+        if spec[0] is not None:
+            raise ValueError(f"stacked pages are sharded as {sharding.spec}; the layer axis may not be split "
+                             "(PartitionSpec(None, heads, pages, None, None))")
+        spec = spec[1:]
 
     def axes(entry: Any) -> tuple[str, ...]:
         if entry is None:
@@ -119,12 +139,14 @@ def prepare(
     options: AttentionOptions,
     *,
     sinks: Any = None,
+    layer: Any = None,
     infer_layout: bool = True,
 ) -> tuple[Config, PagedAttentionMetadata]:
     """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
     their own when built); return the static config, the options resolved against the pages,
     and the metadata in the mixed form (`runtime.as_mixed`). Host values a validated
-    constructor already checked against this pool are not checked again.
+    constructor already checked against this pool are not checked again. ``layer``: the pages
+    are stacked ``(layers, ...)`` and this layer is read (None: one layer's pages).
     ``infer_layout=False``: no layout is read off the pages' sharding (the dense reference)."""
     # -- q and pages -----------------------------------------------------------------------------
     qs = shape_of(q)
@@ -133,6 +155,7 @@ def prepare(
     q_dtype = dtype_of(q)
     if q_dtype.name not in FLOAT_DTYPES:
         raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
+    key_pages_given = key_pages
     latent = value_pages is None
     if latent != (options.value_head_dim is not None):
         raise ValueError(
@@ -142,6 +165,19 @@ def prepare(
         )
     if latent:
         value_pages = key_pages  # checked as the keys; the values are their leading dims
+    stacked = layer is not None
+    if stacked:
+        for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+            shape = shape_of(stored_pages(pages))
+            if len(shape) < 5:
+                raise ValueError(f"with layer= the {name} are a stack (layers, num_kv_heads, num_pages, page_size, "
+                                 f"head_dim), got shape {shape}; pass one layer's pages without layer=")
+        num_layers = shape_of(stored_pages(key_pages))[0]
+        if shape_of(stored_pages(value_pages))[0] != num_layers:
+            raise ValueError(f"key_pages stack {num_layers} layers but value_pages "
+                             f"{shape_of(stored_pages(value_pages))[0]}; they must match")
+        check_layer(layer, num_layers)
+        key_pages, value_pages = _one_layer(key_pages), _one_layer(value_pages)
     quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
     if quantized:
         _check_quantized(key_pages, value_pages, qs[-1])
@@ -193,7 +229,7 @@ def prepare(
     # -- layout ----------------------------------------------------------------------------------
     layout = options.layout
     if layout is None and infer_layout:
-        layout = _infer_layout(stored_pages(key_pages))
+        layout = _infer_layout(stored_pages(key_pages_given), stacked)
     if layout is not None:
         head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
         if num_kv_heads % head_shards:
@@ -220,7 +256,7 @@ def prepare(
         layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages)),
+    why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages_given)),
                             step_form(metadata))
     if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
         why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
@@ -252,6 +288,11 @@ def _pallas_unfit(cfg: Config, stored: np.dtype, head_dims: tuple[int, int], pla
     if cfg.layout is not None and cfg.layout.page_shards > 1:
         return "it cannot read a page pool split over data-parallel replicas"
     return ""
+
+
+def _one_layer(pages: Any) -> Any:
+    """Shapes and dtypes of one layer of stacked pages (for the checks; nothing is sliced)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(shape_of(a)[1:], dtype_of(a)), pages)
 
 
 def stored_pages(pages: Any) -> Any:

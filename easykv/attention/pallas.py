@@ -24,12 +24,15 @@ def pallas_decode_local(
     vp: jax.Array,
     rows: Rows,
     sinks: jax.Array,
+    layer: jax.Array,
     *,
     cfg: Config,
 ) -> jax.Array:
-    """Decode through JAX's Pallas TPU kernel (pages in its layout, one device's heads): ``q``
-    ``(batch, local q heads, head_dim)``; one query row per sequence, so only the rows' positions
-    and page table are read. ``sinks`` are all -inf here: calls with sinks go to the XLA path."""
+    """Decode through JAX's Pallas TPU kernel (one layer's pages in its layout, one device's
+    heads): ``q`` ``(batch, local q heads, head_dim)``; one query row per sequence, so only the
+    rows' positions and page table are read. ``sinks`` are all -inf here: calls with sinks go to
+    the XLA path. The kernel takes one layer's pages, so a stack of several layers is sliced at
+    ``layer`` first: XLA may copy that layer (a stack of one is a reshape)."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
 
     positions, table = rows.positions, rows.table
@@ -38,7 +41,7 @@ def pallas_decode_local(
     lengths = jnp.where(positions >= 0, positions + 1, 0).astype(jnp.int32)
     out = pallas_paged(
         (q.astype(jnp.float32) * cfg.scale).astype(q.dtype),
-        kp, vp, lengths, jnp.maximum(table, 0),
+        kp[layer], vp[layer], lengths, jnp.maximum(table, 0),
         attn_logits_soft_cap=cfg.cap, pages_per_compute_block=block,
     )  # fmt: skip
     return jnp.where((positions >= 0)[:, None, None], out, 0).astype(q.dtype)

@@ -17,18 +17,19 @@ from easykv.storage.pages import read_pages
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, sinks: Any = None, *,
-                    cfg: Config) -> jax.Array:
-    """Dense masked softmax attention over ``md`` (the mixed form), written independently of the
-    fast path's row layout; a sink is one more softmax column with no value."""
+def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, sinks: Any = None,
+                    layer: Any = 0, *, cfg: Config) -> jax.Array:
+    """Dense masked softmax attention over ``md`` (the mixed form) on layer ``layer`` of stacked
+    pages, written independently of the fast path's row layout; a sink is one more softmax
+    column with no value."""
     q = jnp.asarray(q)
     tokens, q_heads, head_dim = q.shape
     every = jnp.arange(cfg.num_pages)
-    k_all = read_pages(jax.tree.map(jnp.asarray, key_pages), every, cfg.dtype).astype(jnp.float32)
+    k_all = read_pages(jax.tree.map(jnp.asarray, key_pages), every, cfg.dtype, layer).astype(jnp.float32)
     if cfg.latent_value_dim is not None:  # a latent cache: a value is its key's first dims
         v_all = k_all[..., : cfg.latent_value_dim]
     else:
-        v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype).astype(jnp.float32)
+        v_all = read_pages(jax.tree.map(jnp.asarray, value_pages), every, cfg.dtype, layer).astype(jnp.float32)
     kv_heads, num_pages, page_size, _ = k_all.shape
     t = jnp.arange(tokens)
     qsl = jnp.asarray(md.query_start_loc)

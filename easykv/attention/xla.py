@@ -37,20 +37,22 @@ from easykv.quantization import QuantizedPages
 from easykv.storage.pages import read_pages
 
 
-def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
-    """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of every
-    local kv head as float32 tokens ``(heads, len(ids) * page_size, head_dim)``, and whether each
-    token lies on a present page. Plain pages (raw bits too) and quantized pages (values +
-    scales, dequantized here, only for the pages read) go through `pages.read_pages`."""
-    heads, count, page_size = stored_pages(pages).shape[:3]
+def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of layer
+    ``layer`` of the stack, every local kv head, as float32 tokens ``(heads, len(ids) *
+    page_size, head_dim)``, and whether each token lies on a present page. Plain pages (raw
+    bits too) and quantized pages (values + scales, dequantized here, only for the pages read)
+    go through `pages.read_pages`, which gathers from the stack itself: a layer sliced out
+    before the loop would be copied whole."""
+    heads, count, page_size = stored_pages(pages).shape[1:4]
     present = (ids >= 0) & (ids < count)
-    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype).astype(jnp.float32)
+    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype, layer).astype(jnp.float32)
     return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
 
 
 def _value_dim(vp: Any, head_dim: int) -> int:
     """The value pages' head dim (quantized value pages share the keys' head dim)."""
-    return head_dim if isinstance(vp, QuantizedPages) else vp.shape[3]
+    return head_dim if isinstance(vp, QuantizedPages) else vp.shape[4]
 
 
 def _page_offset(cfg: Config, local_pages: int) -> jax.Array | int:
@@ -68,16 +70,18 @@ def attend_local(
     vp: Any,
     rows: Rows,
     sinks: jax.Array,
+    layer: jax.Array,
     *,
     cfg: Config,
 ) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
-    local q heads, head_dim)`` over ``kp`` ``(local kv heads, local pages, page_size, head_dim)``
-    and ``vp`` (the same with ``v_head_dim``; or quantized pages; None for a latent cache, whose
-    values are the keys' first dims, read once with them), with one sink logit per
-    local q head (-inf: none); returns ``(tokens, local q heads, v_head_dim)`` in ``q``'s dtype."""
+    local q heads, head_dim)`` over layer ``layer`` of the stacked ``kp`` ``(layers, local kv
+    heads, local pages, page_size, head_dim)`` and ``vp`` (the same with ``v_head_dim``; or
+    quantized pages; None for a latent cache, whose values are the keys' first dims, read once
+    with them), with one sink logit per local q head (-inf: none); returns ``(tokens, local q
+    heads, v_head_dim)`` in ``q``'s dtype."""
     positions, starts, counts, table, num_seqs = rows
-    heads, local_pages, page_size = stored_pages(kp).shape[:3]
+    heads, local_pages, page_size = stored_pages(kp).shape[1:4]
     tokens, q_heads, head_dim = q.shape
     latent = cfg.latent_value_dim is not None  # no value pages: a value is its key's first v_dim dims
     v_dim = cfg.latent_value_dim if latent else _value_dim(vp, head_dim)
@@ -131,8 +135,8 @@ def attend_local(
         def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
             m, l, acc = carry
             ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
-            k, present = _load_pages(kp, ids, cfg.dtype)
-            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype)[0]
+            k, present = _load_pages(kp, ids, cfg.dtype, layer)
+            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype, layer)[0]
             kpos = i * blk + jnp.arange(blk)
             usable = present & (kpos < hi) & (kpos >= lo)
             v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in

@@ -92,7 +92,7 @@ from easykv.validation import boolean, optional_int, parse_json
 # ---- what is saved ----------------------------------------------------------------------------
 def _cache_arrays(cache: PagedAttentionCache) -> tuple[dict[str, Any], list[tuple[str, tuple[str, ...], Any, str]]]:
     """The PyTree orbax saves and its leaves as (name, path, array, role), in the record's order."""
-    leaves = page_leaves([(view.key_pages, view.value_pages) for view in cache.views])
+    leaves = page_leaves(list(zip(cache.key_pages, cache.value_pages)))
     return nest((path, arr) for _, path, arr in leaves), [(n, p, a, leaf_role(p)) for n, p, a in leaves]
 
 
@@ -102,7 +102,7 @@ def _platform(cache: PagedAttentionCache) -> str:
 
 
 def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
-    layout = cache.views[0].layout
+    layout = cache.layout
     leaf = jax.tree.leaves(cache)[0]
     devices = list(leaf.sharding.device_set)
     out: dict[str, Any] = {
@@ -291,7 +291,7 @@ class CacheCheckpointer:
             "extra_metadata": extra,
             # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
         }
-        pending = PendingFingerprints([arr for _, _, arr, _ in leaves]) if self.integrity else None
+        pending = PendingFingerprints([arr for _, _, arr, _ in leaves], grid=3) if self.integrity else None
         try:
             self._write_marker()
         except OSError as err:

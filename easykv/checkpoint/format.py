@@ -28,8 +28,10 @@ shape, dtype and sharding) by `restore_arrays`. orbax's own metadata files need 
 their own: damage there either makes the read fail or yields arrays that the fingerprints
 check. Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
 
-Array names (and PyTree paths): ``layer_007.key_pages`` for plain pages,
-``layer_007.key_pages.values`` / ``.scales`` for quantized ones.
+Array names (and PyTree paths): ``group_000.key_pages`` for the plain stacked pages of layer
+group 0 (``(layers, heads, pages, page_size, head_dim)``), ``group_000.key_pages.values`` /
+``.scales`` for quantized ones; format versions 1-2 held one array per layer
+(``layer_007.key_pages``) and restore by stacking them.
 
 A step directory appears only once orbax has committed it (written under
 ``<step>.orbax-checkpoint-tmp-*`` and renamed, or marked with a commit file on object stores),
@@ -58,6 +60,7 @@ from easykv.checkpoint.record import (
     RECORD_FILE,
     STATE_ITEM,
     expected_leaves,
+    is_stacked,
     layer_key,
     nest,
     read_manager_state,
@@ -316,7 +319,8 @@ def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, direc
     CheckpointIntegrityError names the first damaged array (and counts the others)."""
     if record["fingerprint_algorithm"] is None:
         return
-    got = fingerprints(arrays, algorithm=record["fingerprint_algorithm"])  # check_record knows it
+    grid = 3 if is_stacked(record["format_version"]) else 2  # a stack's cells are (layer, head, page)
+    got = fingerprints(arrays, algorithm=record["fingerprint_algorithm"], grid=grid)  # check_record knows it
     bad = [(e, g) for e, g in zip(record["arrays"], got) if e["fingerprint"] != g]
     if bad:
         entry, digest = bad[0]

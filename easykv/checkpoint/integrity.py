@@ -13,6 +13,10 @@ Fingerprint ``cellcrc32-sha256/1`` of an array of shape ``(H, N, *tail)`` (pages
 * the fingerprint is sha256 over the ``(H, N)`` grid of checksums (little-endian uint32, C
   order), its first 32 hex digits.
 
+A stacked page array ``(layers, H, N, *tail)`` (checkpoint format 3) has cells ``(l, h, n)``: the
+same cells as its layers saved one by one, its grid ``(layers, H, N)``, so that cells still
+follow the shards (callers say ``grid=3``).
+
 It is defined on the stored bytes of the global array, so it does not depend on the mesh (cells
 never straddle shards: only the kv-head and page axes are split) nor on whether bf16 is stored
 as raw uint16 bits (CPU) or as bf16 (GPU/TPU). CRC-32 sees every change of up to 3 bits in a
@@ -142,14 +146,24 @@ def _host_path_ok(x: jax.Array) -> bool:
 _DEVICE_CELLS: dict[Any, Any] = {}
 
 
-def _device_cells(x: jax.Array, algorithm: str) -> jax.Array:
+def _device_cells(x: jax.Array, algorithm: str, grid: int) -> jax.Array:
     sharding = x.sharding
     out = NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding) else None
-    key = (out, algorithm)
+    key = (out, algorithm, grid)
     fn = _DEVICE_CELLS.get(key)
     if fn is None:
-        fn = _DEVICE_CELLS[key] = jax.jit(_CELLS[algorithm][1], out_shardings=out)
+        cells = _CELLS[algorithm][1]
+        for _ in range(grid - 2):  # a leading (layer) axis of the grid, kept apart: no reshard
+            cells = jax.vmap(cells)
+        fn = _DEVICE_CELLS[key] = jax.jit(cells, out_shardings=out)
     return fn(x)
+
+
+def _host_grid_cells(cells: Any, block: np.ndarray, grid: int) -> np.ndarray:
+    """``cells`` of a block whose first ``grid`` axes are the cell grid (the leading ones merged:
+    a contiguous reshape, the same cells in the same order)."""
+    lead = block.shape[:grid]
+    return cells(block.reshape((-1,) + block.shape[grid - 1:])).reshape(lead)
 
 
 class PendingFingerprints:
@@ -162,21 +176,25 @@ class PendingFingerprints:
     """
 
     def __init__(self, arrays: Sequence[jax.Array], *, on_device: bool = False,
-                 algorithm: str = FINGERPRINT_ALGORITHM):
+                 algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2):
         if algorithm not in _CELLS:
             raise ValueError(f"unknown fingerprint algorithm {algorithm!r}; known: {list(_CELLS)}")
+        if grid not in (2, 3):
+            raise ValueError(f"grid must be 2 (one layer's pages) or 3 (stacked pages), got {grid!r}")
         self._host_cells = _CELLS[algorithm][0]
+        self._grid = grid
         self._jobs: list[Any] = []
         for x in arrays:
-            if np.ndim(x) < 2:
-                raise ValueError(f"fingerprints cover arrays of rank >= 2 (cells are (h, n)), got shape {np.shape(x)}")
+            if np.ndim(x) < grid:
+                raise ValueError(f"fingerprints with grid={grid} cover arrays of rank >= {grid}, got shape "
+                                 f"{np.shape(x)}")
             if not on_device and isinstance(x, jax.Array) and _host_path_ok(x):
                 blocks = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-                self._jobs.append(("host", x.shape[:2], blocks))
+                self._jobs.append(("host", x.shape[:grid], blocks))
             elif isinstance(x, np.ndarray):
-                self._jobs.append(("host", x.shape[:2], [((slice(None), slice(None)), x)]))
+                self._jobs.append(("host", x.shape[:grid], [((slice(None),) * grid, x)]))
             else:
-                self._jobs.append(("device", _device_cells(x, algorithm)))
+                self._jobs.append(("device", _device_cells(x, algorithm, grid)))
 
     def result(self) -> list[str]:
         """The fingerprint of each array, in order (blocks on the work; releases the views)."""
@@ -188,11 +206,11 @@ class PendingFingerprints:
                 continue
             grid = np.zeros(job[1], np.uint32)
             grids.append(grid)
-            tasks.extend((grid, idx[:2], block) for idx, block in job[2])
+            tasks.extend((grid, idx[:self._grid], block) for idx, block in job[2])
 
-        def run(task: tuple[np.ndarray, tuple[slice, slice], np.ndarray]) -> None:
+        def run(task: tuple[np.ndarray, tuple[slice, ...], np.ndarray]) -> None:
             grid, idx, block = task
-            grid[idx] = self._host_cells(block)
+            grid[idx] = _host_grid_cells(self._host_cells, block, self._grid)
 
         if len(tasks) > 1:
             with ThreadPoolExecutor(max_workers=min(len(tasks), os.cpu_count() or 1)) as pool:
@@ -205,9 +223,9 @@ class PendingFingerprints:
 
 
 def fingerprints(arrays: Sequence[Any], *, on_device: bool = False,
-                 algorithm: str = FINGERPRINT_ALGORITHM) -> list[str]:
+                 algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2) -> list[str]:
     """The fingerprint of each array (jax or numpy), computed now."""
-    return PendingFingerprints(arrays, on_device=on_device, algorithm=algorithm).result()
+    return PendingFingerprints(arrays, on_device=on_device, algorithm=algorithm, grid=grid).result()
 
 
 __all__ = [

@@ -20,7 +20,10 @@ carry their own fingerprints (`checkpoint_integrity`); this module covers the tw
 
 Format version 1 (easykv 0.1) has neither hash: such a step still restores, with a warning
 that its record and manager state were checked for consistency only (schema, the manager
-summary against the state, the arrays' own fingerprints). Version 2 is written from now on.
+summary against the state, the arrays' own fingerprints). Versions 1 and 2 hold one array per
+layer (``layer_007.key_pages``); version 3, written from now on, one stacked array per layer
+group (``group_000.key_pages``, ``(layers, heads, pages, page_size, head_dim)``), as the cache
+stores them. Older steps restore by stacking their layers (a migration).
 All JSON goes through `validation.parse_json` (nesting limit, NaN refused).
 """
 
@@ -46,8 +49,9 @@ from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, Ser
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 LEGACY_VERSION = 1  # easykv 0.1: no record or manager hash
+STACKED_VERSION = 3  # from here on, one stacked array per layer group; before, one per layer
 STATE_ITEM = "easykv"
 RECORD_FILE = "checkpoint.json"
 MANAGER_FILE = "manager.json"
@@ -58,7 +62,7 @@ EXTRA_MAX_DEPTH = JSON_MAX_DEPTH - 1
 
 _KEYS_V1 = frozenset({"format", "format_version", "easykv_version", "step", "created", "metadata", "storage",
                       "mesh", "arrays", "fingerprint_algorithm", "manager", "extra_metadata"})
-_KEYS = {1: _KEYS_V1, 2: _KEYS_V1 | {MANAGER_SEAL, RECORD_SEAL}}
+_KEYS = {1: _KEYS_V1, 2: _KEYS_V1 | {MANAGER_SEAL, RECORD_SEAL}, 3: _KEYS_V1 | {MANAGER_SEAL, RECORD_SEAL}}
 _ARRAY_KEYS = frozenset({"name", "path", "role", "shape", "stored_dtype", "nbytes", "fingerprint"})
 _SUMMARY_KEYS = ("active_sequences", "tokens", "free_pages", "cached_pages", "prefix_pages")
 _MESH_KEYS = frozenset({"platform", "device_kind", "num_devices", "process_count"})
@@ -73,30 +77,50 @@ def layer_key(i: int) -> str:
     return f"layer_{i:03d}"
 
 
+def group_key(g: int) -> str:
+    return f"group_{g:03d}"
+
+
 _KINDS = ("key_pages", "value_pages")
 
 
-def page_leaves(layers: Sequence[tuple[Any, Any]]) -> list[tuple[str, tuple[str, ...], Any]]:
-    """(name, path, leaf) of every saved array of ``layers``, one (K pages, V pages) per layer,
-    each an array or `QuantizedPages` (of arrays or ShapeDtypeStructs).
+def is_stacked(version: int) -> bool:
+    """Whether a record of ``version`` holds stacked group arrays (else one array per layer)."""
+    return version >= STACKED_VERSION
 
-    The one definition of the order the record lists (and restore rebuilds) the arrays in: layer
-    by layer, K before V, a quantized page array's values before its scales -- the order
-    ``jax.tree_util`` flattens ``layers`` in. A path is ``(layer_007, key_pages)``, or
-    ``(layer_007, key_pages, values|scales)`` for quantized pages; its name joins it with dots.
+
+def page_leaves(pairs: Sequence[tuple[Any, Any]], *, stacked: bool = True) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(name, path, leaf) of every saved array of ``pairs``, one (K pages, V pages) per layer
+    group (``stacked``, format 3) or per layer (formats 1-2), each an array or `QuantizedPages`
+    (of arrays or ShapeDtypeStructs).
+
+    The one definition of the order the record lists (and restore rebuilds) the arrays in: group
+    by group (or layer by layer), K before V, a quantized page array's values before its scales
+    -- the order ``jax.tree_util`` flattens ``pairs`` in. A path is ``(group_000, key_pages)``
+    (``layer_007`` before format 3), or ``(group_000, key_pages, values|scales)`` for quantized
+    pages; its name joins it with dots.
     """
+    key = group_key if stacked else layer_key
     out = []
-    for keys, leaf in jax.tree_util.tree_flatten_with_path(list(layers))[0]:
-        layer, kind, *part = keys  # list index, tuple index, then QuantizedPages' field
-        path = (layer_key(layer.idx), _KINDS[kind.idx], *(k.name for k in part))
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(list(pairs))[0]:
+        item, kind, *part = keys  # list index, tuple index, then QuantizedPages' field
+        path = (key(item.idx), _KINDS[kind.idx], *(k.name for k in part))
         out.append((".".join(path), path, leaf))
     return out
 
 
-def page_layers(template: Any, num_layers: int, leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
-    """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per layer,
-    both with the structure of ``template`` (one page array, e.g. `stored_template`)."""
-    return jax.tree_util.tree_structure([(template, template)] * num_layers).unflatten(leaves)
+def page_pairs(templates: Sequence[Any], leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per item,
+    item ``i`` with the structure of ``templates[i]`` (one page array, e.g. `stored_template`)."""
+    return jax.tree_util.tree_structure([(t, t) for t in templates]).unflatten(leaves)
+
+
+def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[Any]:
+    """The page template of each item of a record of ``version``: per layer group (stacked) or
+    per layer."""
+    if is_stacked(version):
+        return [stored_template(meta, platform, layers=g.num_layers) for g in meta.groups]
+    return [stored_template(meta, platform)] * meta.num_hidden_layers
 
 
 def leaf_role(path: Sequence[str]) -> str:
@@ -116,10 +140,11 @@ def nest(leaves: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
     return tree
 
 
-def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[str, tuple[str, ...], Any]]:
-    """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta``."""
-    template = stored_template(meta, platform)
-    return page_leaves([(template, template)] * meta.num_hidden_layers)
+def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str,
+                    version: int = FORMAT_VERSION) -> list[tuple[str, tuple[str, ...], Any]]:
+    """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta`` in a
+    record of ``version``."""
+    return page_leaves([(t, t) for t in expected_templates(meta, platform, version)], stacked=is_stacked(version))
 
 
 # ---- sealing (save side) -------------------------------------------------------------------------
@@ -349,7 +374,7 @@ def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedA
                 f"record field fingerprint_algorithm of step {step} in {directory} is {show(algorithm)}; this "
                 f"easykv knows {list(KNOWN_FINGERPRINT_ALGORITHMS)}: a newer easykv wrote this step; upgrade "
                 "easykv to read it")
-    _check_arrays(record["arrays"], meta, platform, algorithm is not None, at)
+    _check_arrays(record["arrays"], meta, platform, algorithm is not None, version, at)
 
     summary = record["manager"]
     if summary is not None:
@@ -391,12 +416,12 @@ def _check_mesh(mesh: Any, meta: PagedAttentionCacheMetaData, platform: str, at:
 
 
 def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str, fingerprinted: bool,
-                  at: tuple[int, Any]) -> None:
+                  version: int, at: tuple[int, Any]) -> None:
     """The array list matches what the metadata implies, entry by entry."""
-    expected = expected_leaves(meta, platform)
+    expected = expected_leaves(meta, platform, version)
     # Stored as the saving platform stores them, or natively (a cache restored with
     # storage_platform="gpu" on CPU devices and saved again): same width either way.
-    other = expected_leaves(meta, "gpu" if platform == "cpu" else "cpu")
+    other = expected_leaves(meta, "gpu" if platform == "cpu" else "cpu", version)
     entries = _list(entries, "arrays", *at)
     if len(entries) != len(expected):
         raise _bad("arrays", f"lists {len(entries)} arrays but the metadata implies {len(expected)}", *at)
@@ -429,6 +454,7 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
 
 __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
-    "RECORD_SEAL", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "is_legacy", "layer_key",
-    "leaf_role", "legacy_note", "nest", "page_layers", "page_leaves", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+    "RECORD_SEAL", "STACKED_VERSION", "STATE_ITEM", "canonical", "check_record", "expected_leaves",
+    "expected_templates", "group_key", "is_legacy", "is_stacked", "layer_key", "leaf_role", "legacy_note", "nest",
+    "page_leaves", "page_pairs", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
 ]

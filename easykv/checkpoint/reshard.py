@@ -72,10 +72,11 @@ def target_metadata(
 
 
 # ---- storage dtypes and conversion ---------------------------------------------------------------
-def stored_template(meta: PagedAttentionCacheMetaData, platform: str) -> Any:
-    """Shapes and storage dtypes of one page array (K or V) of ``meta`` on ``platform``."""
+def stored_template(meta: PagedAttentionCacheMetaData, platform: str, *, layers: int | None = None) -> Any:
+    """Shapes and storage dtypes of one page array (K or V) of ``meta`` on ``platform``: a
+    stack of ``layers`` layers, or (None) one layer's pages as checkpoint formats 1-2 hold them."""
     shape = (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
-    return page_template(shape, meta.dtype, meta.quantizer, platform)
+    return page_template(shape if layers is None else (layers, *shape), meta.dtype, meta.quantizer, platform)
 
 
 def _bitcast_leaf(x: jax.Array, dtype: np.dtype) -> jax.Array:

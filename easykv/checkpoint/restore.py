@@ -15,11 +15,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
-from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
+from easykv.storage.cache import PagedAttentionCache
 from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
     checkpoint_path,
@@ -33,7 +34,7 @@ from easykv.checkpoint.format import (
     verify_arrays,
 )
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
-from easykv.checkpoint.record import is_legacy, legacy_note, page_layers
+from easykv.checkpoint.record import expected_templates, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import (
     check_format,
     convert_pages,
@@ -120,7 +121,8 @@ def restore_cache(
 
     # Read the saved arrays as stored, each shard straight onto its target device; check them.
     layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
-    abstract = _saved_arrays(record, layout)
+    version = record["format_version"]
+    abstract = _saved_arrays(record, layout, is_stacked(version))
     mngr = open_reader(directory, step)
     try:
         arrays = restore_arrays(mngr, step, abstract, directory)
@@ -128,7 +130,7 @@ def restore_cache(
         mngr.close()
     if verify:
         verify_arrays(record, arrays, step, directory)
-    cache = _build_cache(arrays, saved, target, layout, platform)
+    cache = _build_cache(arrays, saved, target, layout, platform, version)
     return RestoredCache(cache=cache, manager=manager, metadata=target, step=step, saved_metadata=saved,
                          saved_mesh=dict(record["mesh"]), extra_metadata=dict(record["extra_metadata"]))
 
@@ -154,29 +156,57 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
                                       f"onto the target mesh: {err}") from err
 
 
-def _saved_arrays(record: Mapping[str, Any], layout: PageLayout) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
+def _saved_arrays(record: Mapping[str, Any], layout: PageLayout,
+                  stacked: bool) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
     """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array
-    (`check_record` has matched each entry against the saved metadata)."""
+    (`check_record` has matched each entry against the saved metadata): stacked group arrays,
+    or one layer's arrays (formats 1-2)."""
+    sharding = layout.sharding_for if stacked else layout.layer_sharding_for
     return [(entry, jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]),
-                                         sharding=layout.sharding_for(len(entry["shape"]))))
+                                         sharding=sharding(len(entry["shape"]))))
             for entry in record["arrays"]]
 
 
 def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, target: PagedAttentionCacheMetaData,
-                 layout: PageLayout, platform: str) -> PagedAttentionCache:
-    """The restored arrays bitcast to ``platform``'s storage and, when ``target`` asks for another
-    dtype or quantizer, re-encoded; then wrapped as the cache's views."""
+                 layout: PageLayout, platform: str, version: int) -> PagedAttentionCache:
+    """The restored arrays bitcast to ``platform``'s storage, stacked per layer group when the
+    step holds one array per layer (formats 1-2: the migration), and, when ``target`` asks for
+    another dtype or quantizer, re-encoded; then the cache."""
     same_format = target.replace(dtype=saved.dtype, quantization=saved.quantization)
-    arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in expected_leaves(same_format, platform)])
-    dst_template = stored_template(target, platform) if target != same_format else None
-    layers = page_layers(stored_template(same_format, platform), saved.num_hidden_layers, arrays)
-    views = []
-    for i, (k, v) in enumerate(layers):
+    arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in
+                                        expected_leaves(same_format, platform, version)])
+    pairs = page_pairs(expected_templates(same_format, platform, version), arrays)
+    del arrays
+    if not is_stacked(version):
+        pairs = _stack_layers(pairs, same_format, layout)
+    dst_template = None
+    if target != same_format:
+        dst_template = [stored_template(target, platform, layers=g.num_layers) for g in target.groups]
+    keys, values = [], []
+    for g, (k, v) in enumerate(pairs):
         if dst_template is not None:
-            k = convert_pages(k, same_format, target, dst_template, layout)
-            v = convert_pages(v, same_format, target, dst_template, layout)
-        views.append(PagedAttentionCacheView(metadata=target, layer_index=i, key_pages=k, value_pages=v, layout=layout))
-    return PagedAttentionCache(tuple(views))
+            k = convert_pages(k, same_format, target, dst_template[g], layout)
+            v = convert_pages(v, same_format, target, dst_template[g], layout)
+        keys.append(k)
+        values.append(v)
+    return PagedAttentionCache(target, keys, values, layout)
+
+
+def _stack_layers(pairs: list[tuple[Any, Any]], meta: PagedAttentionCacheMetaData,
+                  layout: PageLayout) -> list[tuple[Any, Any]]:
+    """Per-layer (K, V) page arrays -> one stacked (K, V) per layer group, placed as the cache
+    places them. The per-layer arrays and the stacks exist together for the moment of the copy:
+    a step of format 1-2 needs twice its pages' memory to restore."""
+    def stack(*xs: Any) -> Any:
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *xs)
+
+    out = []
+    for group in meta.groups:
+        k0 = pairs[group.layers[0]][0]
+        shardings = jax.tree.map(lambda a: layout.sharding_for(a.ndim + 1), k0)
+        run = jax.jit(stack, out_shardings=shardings)
+        out.append((run(*(pairs[i][0] for i in group.layers)), run(*(pairs[i][1] for i in group.layers))))
+    return out
 
 
 __all__ = ["RestoredCache", "restore_cache"]

@@ -49,26 +49,32 @@ def _pow2(n: int) -> int:
 
 
 def _tokens_major(x: jax.Array) -> jax.Array:
-    """(heads, n, page_size, *tail) -> (n * page_size, heads, *tail)."""
-    perm = (1, 2, 0) + tuple(range(3, x.ndim))
+    """(layers, heads, n, page_size, *tail) -> (layers, n * page_size, heads, *tail)."""
+    perm = (0, 2, 3, 1) + tuple(range(4, x.ndim))
     y = jnp.transpose(x, perm)
-    return y.reshape((-1,) + y.shape[2:])
+    return y.reshape((y.shape[0], -1) + y.shape[3:])
 
 
 @partial(jax.jit, static_argnames=("dequantize",))
 def _gather_sequence(cache: PagedAttentionCache, ids: jax.Array, dequantize: bool) -> Any:
+    """Pages ``ids`` of every layer, token-major, ``(layers, len(ids) * page_size, heads, ...)``:
+    dequantized, or a quantized cache's raw codes and scales. Reads only those pages, from the
+    stacks; the layers come out in model order."""
     meta = cache.metadata
-    out: dict[str, list[Any]] = {"k": [], "v": []}
-    for view in cache.views:
-        for name, pages in (("k", view.key_pages), ("v", view.value_pages)):
-            if isinstance(pages, QuantizedPages) and not dequantize:
-                value_dtype = pages.quantizer.value_shape(2)[1]
-                vals = from_storage(jnp.take(pages.values, ids, axis=1), value_dtype)
-                out[name].append({"values": _tokens_major(vals),
-                                  "scales": _tokens_major(jnp.take(pages.scales, ids, axis=1))})
-            else:
-                out[name].append(_tokens_major(read_pages(pages, ids, meta.dtype)))
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *out["k"]), jax.tree.map(lambda *xs: jnp.stack(xs), *out["v"])
+    order = np.argsort(np.concatenate([g.layers for g in meta.groups]))
+
+    def read(pages: Any) -> Any:
+        if isinstance(pages, QuantizedPages) and not dequantize:
+            value_dtype = pages.quantizer.value_shape(2)[1]
+            return {"values": _tokens_major(from_storage(jnp.take(pages.values, ids, axis=2), value_dtype)),
+                    "scales": _tokens_major(jnp.take(pages.scales, ids, axis=2))}
+        layers = jax.tree.leaves(pages)[0].shape[0]
+        return _tokens_major(jnp.stack([read_pages(pages, ids, meta.dtype, i) for i in range(layers)]))
+
+    def model_order(parts: list[Any]) -> Any:
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *parts)
+
+    return model_order([read(k) for k in cache.key_pages]), model_order([read(v) for v in cache.value_pages])
 
 
 _PAIRED = ("page_size", "num_pages_per_layer", "page_shards", "batch_size", "max_sequences", "num_pages_per_sequence")
@@ -148,14 +154,19 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
 
 @partial(jax.jit, donate_argnums=0)
 def _write_raw(cache: PagedAttentionCache, keys: Any, values: Any, slots: jax.Array) -> PagedAttentionCache:
-    pages = tuple((view.key_pages, view.value_pages) for view in cache.views)
-    new = tuple(
-        tuple(QuantizedPages(to_storage(part["values"][i], p.values.dtype), part["scales"][i], p.quantizer)
-              for part, p in ((keys, kp), (values, vp)))
-        for i, (kp, vp) in enumerate(pages))
-    out = scatter_encoded(pages, new, slots, layout=cache.views[0].layout)
-    return PagedAttentionCache(tuple(dataclasses.replace(view, key_pages=kp, value_pages=vp)
-                                     for view, (kp, vp) in zip(cache.views, out)))
+    """A quantized sequence's raw codes and scales, ``(layers, tokens, heads, ...)`` in model
+    order, written at ``slots`` into every group's stacks: one scatter per array."""
+    groups = cache.metadata.groups
+
+    def rows(part: Any, g: int, like: QuantizedPages) -> QuantizedPages:
+        layers = np.asarray(groups[g].layers)
+        return QuantizedPages(to_storage(part["values"][layers], like.values.dtype), part["scales"][layers],
+                              like.quantizer)
+
+    pages = tuple(zip(cache.key_pages, cache.value_pages))
+    new = tuple((rows(keys, g, kp), rows(values, g, vp)) for g, (kp, vp) in enumerate(pages))
+    out = scatter_encoded(pages, new, slots, layout=cache.layout)
+    return PagedAttentionCache(cache.metadata, tuple(k for k, _ in out), tuple(v for _, v in out), cache.layout)
 
 
 def _checked_export(exported: Any) -> SequenceExport:

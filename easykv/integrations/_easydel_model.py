@@ -8,6 +8,7 @@ import math
 import types
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from easydel.caching import RaggedPagesCache, RaggedPagesCacheConfig, RaggedPagesCacheView, RaggedPagesMetadata
@@ -49,45 +50,62 @@ class EasyKVCacheView(RaggedPagesCacheView):
     """One layer of an easykv cache, as a view EasyDeL's attention accepts.
 
     ``metadata`` is the RaggedPagesCacheConfig describing this pool in EasyDeL's terms (what
-    eSurge's scheduler sees); ``easykv_metadata`` and ``layout`` are easykv's. ``k_pages`` /
-    ``v_pages`` are easykv's own arrays, ``(num_kv_heads, num_pages, page_size, head_dim)`` in
-    the storage dtype (raw bits for bf16/f16 on CPU; ``QuantizedPages`` when quantized): no
-    copy, no repacking into EasyDeL's interleaved layout. ``kv_pages`` stays None.
+    eSurge's scheduler sees); ``easykv_metadata`` and ``layout`` are easykv's. The pages are not
+    held here but by the :class:`EasyKVCache` the view belongs to: its layer group's stacks
+    ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)`` in the storage dtype
+    (raw bits for bf16/f16 on CPU; ``QuantizedPages`` when quantized), this layer being
+    ``[layer]`` of group ``group``. A write goes into the cache's stack at that layer (in place,
+    never a copy of the pool) and every view of the cache sees it: no view can hold stale pages.
+    ``kv_pages`` stays None.
     """
 
     easykv_metadata: PagedAttentionCacheMetaData | None = field(pytree_node=False, default=None)
     layout: PageLayout | None = field(pytree_node=False, default=None)
-    k_pages: Any = field(pytree_node=True, default=None)
-    v_pages: Any = field(pytree_node=True, default=None)
+    group: int = field(pytree_node=False, default=0)
+    layer: int = field(pytree_node=False, default=0)
 
     @classmethod
     def init(cls, *args: Any, **kwargs: Any) -> EasyKVCacheView:
         raise NotImplementedError("an easykv view is made with its cache: EasyKVCache.init_cache(...), "
                                   "EasyKVCache.from_easykv(cache) or model.init_operations_cache(...) after use_easykv")
 
-    @classmethod
-    def from_easykv(cls, view: Any, easydel_config: RaggedPagesCacheConfig) -> EasyKVCacheView:
-        """Wrap one layer of an easykv PagedAttentionCache (its arrays, not a copy)."""
-        return cls(metadata=easydel_config, layer_index=view.layer_index, kv_pages=None,
-                   easykv_metadata=view.metadata, layout=view.layout, k_pages=view.key_pages, v_pages=view.value_pages)
+    def _owner(self) -> EasyKVCache:
+        cache = getattr(self, "_cache", None)
+        if cache is None:
+            raise ValueError(f"this EasyKVCacheView (layer {self.layer_index}) belongs to no EasyKVCache; take views "
+                             "from the cache (cache.views[i]), which holds the pages")
+        return cache
 
     def to_easykv(self) -> Any:
         """This layer as easykv's PagedAttentionCacheView (the same arrays)."""
-        return easykv.PagedAttentionCacheView(metadata=self.easykv_metadata, layer_index=self.layer_index,
-                                              key_pages=self.k_pages, value_pages=self.v_pages, layout=self.layout)
+        return self._owner().to_easykv()[self.layer_index]
 
     @property
     def dtype(self) -> np.dtype:
         return self.easykv_metadata.dtype
 
     @property
+    def group_key_pages(self) -> Any:
+        """The layer group's stacked key pages, held by the cache."""
+        return self._owner().key_stacks[self.group]
+
+    @property
+    def group_value_pages(self) -> Any:
+        return self._owner().value_stacks[self.group]
+
+    @property
     def key_pages(self) -> Any:
-        """easykv's key pages ``(num_kv_heads, num_pages, page_size, head_dim)`` (storage dtype)."""
-        return self.k_pages
+        """easykv's key pages of this layer ``(num_kv_heads, num_pages, page_size, head_dim)``
+        (storage dtype): a slice of the group's stack (a copy outside jit; attention and writes
+        index the stack itself)."""
+        return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
 
     @property
     def value_pages(self) -> Any:
-        return self.v_pages
+        return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+
+    k_pages = key_pages
+    v_pages = value_pages
 
     def flattened_kv_pages(self) -> Any:
         raise NotImplementedError("easykv keeps K and V in separate (num_kv_heads, num_pages, page_size, head_dim) "
@@ -100,15 +118,19 @@ class EasyKVCacheView(RaggedPagesCacheView):
 
     def concatenate_to_cache(self, key: Any, value: Any, cache_metadata: Any) -> EasyKVCacheView:
         """Write the step's new K/V (``[batch, tokens, kv_heads, head_dim]``, flattened to the
-        ragged token axis) through easykv's one write primitive; returns the updated view.
-        K/V are cast to the cache dtype, as EasyDeL's own ragged cache does."""
+        ragged token axis) through easykv's one write primitive into this layer of the cache's
+        stacks; returns this view. K/V are cast to the cache dtype, as EasyDeL's own ragged
+        cache does."""
         md = ragged_fields(cache_metadata)
         heads, dim = key.shape[-2:]
         k = jnp.reshape(key, (-1, heads, dim)).astype(self.dtype)
         v = jnp.reshape(value, (-1, heads, dim)).astype(self.dtype)
         rt = self._runtime(md, k.shape[0])
-        kp, vp = scatter_kv(self.k_pages, self.v_pages, k, v, rt.slot_mapping, layout=self.layout)
-        return self.replace(k_pages=kp, v_pages=vp)
+        cache = self._owner()
+        kp, vp = scatter_kv(self.group_key_pages, self.group_value_pages, k, v, rt.slot_mapping, self.layer,
+                            layout=self.layout)
+        cache._put(self.group, kp, vp)
+        return self
 
     def __repr__(self) -> str:
         m = self.easykv_metadata
@@ -120,10 +142,25 @@ class EasyKVCacheView(RaggedPagesCacheView):
 
 @auto_pytree
 class EasyKVCache(RaggedPagesCache):
-    """All layers of an easykv cache as EasyDeL's RaggedPagesCache (``views`` is a list, as
-    EasyDeL's models assign ``cache[i] = view``)."""
+    """All layers of an easykv cache as EasyDeL's RaggedPagesCache: ``views`` is a list, as
+    EasyDeL's models read ``cache.views[i]`` and assign ``cache[i] = view``; the pages are the
+    cache's, one stack per layer group (``key_stacks`` / ``value_stacks``, the arrays of
+    easykv's PagedAttentionCache), shared by the views."""
 
     views: list[EasyKVCacheView | None]
+    key_stacks: tuple = field(pytree_node=True, default=())
+    value_stacks: tuple = field(pytree_node=True, default=())
+
+    def __post_init__(self) -> None:
+        # jax rebuilds the cache (and its views) at every transformation: the views follow it.
+        for view in self.views:
+            if isinstance(view, EasyKVCacheView):
+                object.__setattr__(view, "_cache", self)
+
+    def _put(self, group: int, keys: Any, values: Any) -> None:
+        replace = lambda stacks, new: stacks[:group] + (new,) + stacks[group + 1:]  # noqa: E731
+        object.__setattr__(self, "key_stacks", replace(tuple(self.key_stacks), keys))
+        object.__setattr__(self, "value_stacks", replace(tuple(self.value_stacks), values))
 
     @classmethod
     def init_cache(cls, mesh: Any, config: Any, partition_manager: Any = None, quantizer: Any = None, *,
@@ -144,7 +181,12 @@ class EasyKVCache(RaggedPagesCache):
         config = easydel_config
         if not isinstance(config, RaggedPagesCacheConfig):
             config = RaggedPagesCacheConfig(**_as_config_dict(config))
-        return cls(views=[EasyKVCacheView.from_easykv(v, config) for v in cache.views])
+        meta = cache.metadata
+        where = {i: (g, j) for g, group in enumerate(meta.groups) for j, i in enumerate(group.layers)}
+        views = [EasyKVCacheView(metadata=config, layer_index=i, kv_pages=None, easykv_metadata=meta,
+                                 layout=cache.layout, group=where[i][0], layer=where[i][1])
+                 for i in range(meta.num_hidden_layers)]
+        return cls(views=views, key_stacks=tuple(cache.key_pages), value_stacks=tuple(cache.value_pages))
 
     @property
     def easykv_metadata(self) -> PagedAttentionCacheMetaData:
@@ -153,7 +195,8 @@ class EasyKVCache(RaggedPagesCache):
     def to_easykv(self) -> Any:
         """The easykv PagedAttentionCache of these pages (no copy): checkpoint it with
         ``easykv.save_cache``, hand sequences over with ``export_sequence``, ..."""
-        return easykv.PagedAttentionCache([v.to_easykv() for v in self.views])
+        return easykv.PagedAttentionCache(self.easykv_metadata, self.key_stacks, self.value_stacks,
+                                          self.views[-1].layout)
 
     def __repr__(self) -> str:
         return f"EasyKVCache({len(self.views)} layers, {self.views[-1]!r})"
@@ -209,8 +252,8 @@ class _EasyKVAttention:
                                       "query at p sees keys in (p - window, p]); two-sided windows are not supported")
         rt = cache_view._runtime(cache_metadata, query.shape[0])
         # softmax_aux: EasyDeL's attention sinks, one logit per q head (gpt-oss), as easykv's sinks.
-        out = easykv.paged_attention(query, cache_view.k_pages, cache_view.v_pages, rt, softmax_aux,
-                                     layout=cache_view.layout,
+        out = easykv.paged_attention(query, cache_view.group_key_pages, cache_view.group_value_pages, rt,
+                                     softmax_aux, cache_view.layer, layout=cache_view.layout,
                                      dtype=cache_view.dtype, scale=softmax_scale, sliding_window=sliding_window,
                                      logit_soft_cap=logits_soft_cap, **self.easykv_options)
         return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)

@@ -9,6 +9,7 @@ they are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -237,7 +238,7 @@ class PagedAttentionCacheMetaData(Serializable):
         """One full-attention group of every layer: today's EasyDeL cache."""
         return self.layer_groups is None
 
-    @property
+    @functools.cached_property
     def groups(self) -> tuple[LayerGroup, ...]:
         """The layer groups; a uniform cache is the one full-attention group of its fields."""
         if self.layer_groups is not None:

@@ -81,47 +81,91 @@ class _EasyDeLForms:
 
 @partial(
     jax.tree_util.register_dataclass,
-    data_fields=["key_pages", "value_pages"],
+    data_fields=["group_key_pages", "group_value_pages", "layer"],
     meta_fields=["metadata", "layer_index", "layout"],
 )
 @dataclasses.dataclass(eq=False)
 class PagedAttentionCacheView(_EasyDeLForms):
-    """One layer's pages.
+    """One layer of a layer group's stacked pages.
 
-    key_pages, value_pages: (num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size),
-    in the storage dtype of the platform. ``layout`` says how they are split over the mesh
-    (None: one device, no shard_map).
+    group_key_pages, group_value_pages: the group's pages, ``(layers_in_group, num_kv_heads,
+    num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype of the platform;
+    ``layer`` is this layer's index in the group (an int, or a traced index when a model scans
+    over the group's layers: see :meth:`at_layer`); ``layer_index`` the layer's index in the
+    model (None for a view whose ``layer`` is traced). ``key_pages`` / ``value_pages`` are the
+    layer's slice ``(num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size)``, as in
+    EasyDeL; writes and attention index the stack instead, so they never copy a layer's pool.
+    ``layout`` says how the pages are split over the mesh (None: one device, no shard_map).
 
-    As in EasyDeL, the ``write_*`` methods update this view and return it: inside jit the
-    view holds traced pages and the caller returns it (or the cache holding it); outside jit
-    the old page buffers are donated to the write, so a write costs what it writes, not the
-    size of the pool (an array taken from the view before the write is then deleted).
-    Engines that keep old pages use the functional ``PagedAttentionCache.write``.
+    As in EasyDeL, the ``write_*`` methods update this view and return it, and the cache the
+    view was taken from (``cache.views[i]`` / ``cache[i]``) sees the write: the group's new
+    arrays go through to it, and ``cache.views[i] = view`` (EasyDeL's models do it) accepts the
+    written view. A view taken before another layer of its group was written is stale: writing
+    it, or putting it back, is refused (it would undo that write). Inside jit the view holds
+    traced pages; outside jit the group's page buffers are donated to the write, so a write
+    costs what it writes, not the size of the pool. Engines that keep old pages use the
+    functional ``PagedAttentionCache.write``.
     """
 
     metadata: PagedAttentionCacheMetaData
-    layer_index: int
-    key_pages: Any
-    value_pages: Any
+    layer_index: int | None
+    group_key_pages: Any
+    group_value_pages: Any
+    layer: Any = 0
     layout: PageLayout | None = None
+
+    def __post_init__(self) -> None:
+        # The stacks this view was taken from: writing it, or putting it back, into a cache whose
+        # arrays have moved on since (another layer written) would lose that write: refused.
+        self._base = (self.group_key_pages, self.group_value_pages)
+        # The cache (and group) this view was taken from with cache[i]: its writes go through to it.
+        self._owner: tuple[PagedAttentionCache, int] | None = None
 
     @property
     def dtype(self) -> np.dtype:
         """Logical dtype of the cached keys and values."""
         return self.metadata.dtype
 
+    @property
+    def key_pages(self) -> Any:
+        """This layer's key pages ``(num_kv_heads, num_pages, page_size, head_dim)`` (storage
+        dtype): a slice of the stack (outside jit, a copy; attention reads the stack itself)."""
+        return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+
+    @property
+    def value_pages(self) -> Any:
+        return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+
+    def at_layer(self, layer: Any) -> PagedAttentionCacheView:
+        """The view of layer ``layer`` (index in the group) of the same group arrays: an int, or
+        a traced index for a model that runs the group's layers under ``lax.scan`` (carry
+        ``cache.group_view(g)``, call ``view.at_layer(i)`` each iteration, write and attend,
+        then ``cache.update(view)``; see the README)."""
+        if isinstance(layer, jax.core.Tracer):
+            if np.shape(layer) != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+                raise ValueError(f"layer must be an integer scalar, got {layer.dtype} of shape {np.shape(layer)}")
+            return dataclasses.replace(self, layer=layer, layer_index=None)
+        n = int(np.shape(jax.tree.leaves(self.group_key_pages)[0])[0])
+        i = integer("layer", layer, lo=0, hi=n - 1, hint=f"the view's group holds {n} layers")
+        index = None
+        if self.layer_index is not None and not isinstance(self.layer, jax.core.Tracer):
+            index = self.layer_index - int(self.layer) + i  # a group of consecutive layers (one group today)
+        return dataclasses.replace(self, layer=i, layer_index=index)
+
     @classmethod
     def init(cls, mesh: Mesh, dtype: Any, metadata: PagedAttentionCacheMetaData, layer_index: int,
              partition_manager: PartitionManager | None = None,
              quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
-        """Allocate one layer's pages directly on the devices of ``mesh``."""
+        """Allocate one layer's pages (a group of one layer) directly on the devices of ``mesh``."""
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
-        metadata, layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        metadata, layout, make_template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         _check_fits(mesh, metadata, layers=1)
+        template = make_template(1)
         k, v = allocate_pages((template, template), layout)
-        return cls(metadata=metadata, layer_index=layer_index, key_pages=k, value_pages=v, layout=layout)
+        return cls(metadata=metadata, layer_index=layer_index, group_key_pages=k, group_value_pages=v,
+                   layer=0, layout=layout)
 
     def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -157,10 +201,16 @@ class PagedAttentionCacheView(_EasyDeLForms):
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
         check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
-        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((self.key_pages, self.value_pages)))
+        if self._owner is not None:
+            self._owner[0]._check_current(self._owner[1], self, f"the view of layer {self.layer_index}")
+        pages = (self.group_key_pages, self.group_value_pages)
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((pages, self.layer)))
         scatter = _scatter if traced else _scatter_in_place  # under a trace, donation means nothing
-        self.key_pages, self.value_pages = scatter(self.key_pages, self.value_pages, key, value, slots,
-                                                   layout=self.layout)
+        self.group_key_pages, self.group_value_pages = scatter(*pages, key, value, slots, self.layer,
+                                                               layout=self.layout)
+        if self._owner is not None:
+            self._owner[0]._put_group(self._owner[1], self)
+        self._base = (self.group_key_pages, self.group_value_pages)
         return self
 
 
@@ -168,76 +218,169 @@ PagedAttentionCacheView._to_dict = staticmethod(cache_json.view_to_dict)
 PagedAttentionCacheView._from_dict = staticmethod(cache_json.view_from_dict)
 
 
-class ViewList(list):
-    """``cache.views``: a list, as in EasyDeL, whose ``views[i] = view`` checks that ``view`` is
-    layer ``i`` of the same cache (a wrong one would fail later, inside a jitted step). Its
-    length is the number of layers: appending, inserting or deleting views is refused."""
+class CacheViews(list):
+    """``cache.views``: EasyDeL's list of per-layer views, over the cache's stacked arrays (a
+    list, as EasyDeL's, whose items are made on access: it stores none of them).
+    ``views[i]`` is layer ``i``'s view of the arrays the cache holds now; ``views[i] = view``
+    puts a written view's arrays back, after checking that it is layer ``i`` of this cache and
+    was taken from the arrays the cache holds now (a view taken before another layer's write
+    was put back would undo that write). Its length is the number of layers: appending,
+    inserting or deleting views is refused."""
+
+    def __init__(self, cache: PagedAttentionCache) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, CacheViews) and other._cache is self._cache
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return self._cache.metadata.num_hidden_layers
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        return self._cache[index]
 
     def __setitem__(self, index: Any, view: Any) -> None:
         if isinstance(index, slice):
             raise ValueError("assign views one at a time: cache.views[i] = view")
-        i = integer("views index", index, lo=-len(self), hi=len(self) - 1, hint=f"the cache has {len(self)} layers")
-        old = self[i]
-        if isinstance(old, PagedAttentionCacheView):
-            if not isinstance(view, PagedAttentionCacheView):
-                raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
-            differs = [name for name, a, b in (("layer_index", view.layer_index, old.layer_index),
-                                               ("metadata", view.metadata, old.metadata),
-                                               ("layout", view.layout, old.layout)) if a != b]
-            if differs:
-                raise ValueError(f"cache.views[{i}] must be layer {old.layer_index} of this cache, but the view's "
-                                 f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it")
-        super().__setitem__(i, view)
+        self._cache[index] = view
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"CacheViews({len(self)} layers)"
 
     def _fixed(self, *args: Any, **kwargs: Any) -> None:
         raise ValueError("a cache holds exactly one view per layer; replace one with cache.views[i] = view")
 
     append = extend = insert = pop = remove = clear = sort = reverse = __delitem__ = __iadd__ = __imul__ = _fixed
+    copy = index = count = __contains__ = __add__ = __mul__ = __rmul__ = __reversed__ = _fixed
 
 
-jax.tree_util.register_pytree_node(ViewList, lambda views: (list(views), None), lambda _, views: ViewList(views))
-
-
-@partial(jax.tree_util.register_dataclass, data_fields=["views"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["key_pages", "value_pages"],
+         meta_fields=["metadata", "layout"])
 @dataclasses.dataclass(frozen=True, eq=False)
 class PagedAttentionCache(_EasyDeLForms):
-    """All layers' views (``views[i].layer_index == i``), as a list."""
+    """Every layer's pages, stacked per layer group.
 
-    views: list[PagedAttentionCacheView]
+    key_pages, value_pages: one array per layer group, ``(layers_in_group, num_kv_heads,
+    num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype (``QuantizedPages``
+    when quantized). This easykv stores one group holding every layer (uniform caches, and
+    caches whose one group is sliding or chunked). ``cache[i]`` / ``cache.views[i]`` is layer
+    ``i``'s view; ``cache[i] = view`` puts a written view back.
+    """
+
+    metadata: PagedAttentionCacheMetaData
+    key_pages: tuple[Any, ...]
+    value_pages: tuple[Any, ...]
+    layout: PageLayout | None = None
 
     def __post_init__(self) -> None:
-        views = ViewList(self.views)
-        object.__setattr__(self, "views", views)
-        if not views:
-            raise ValueError("PagedAttentionCache needs at least one view")
-        meta = views[0].metadata
-        for i, view in enumerate(views):
-            if not isinstance(view, PagedAttentionCacheView):
-                return  # jax rebuilds pytrees with placeholder leaves; nothing to check then
-            if view.layer_index != i or view.metadata != meta:
-                raise ValueError(
-                    f"views[{i}] has layer_index={view.layer_index} and "
-                    f"{'the same' if view.metadata == meta else 'different'} metadata; views must be "
-                    "layers 0..n-1 of one cache"
-                )
-        if len(views) != meta.num_hidden_layers:
-            raise ValueError(
-                f"{len(views)} views for metadata with num_hidden_layers={meta.num_hidden_layers}"
-            )
+        object.__setattr__(self, "key_pages", tuple(self.key_pages))
+        object.__setattr__(self, "value_pages", tuple(self.value_pages))
+        meta = self.metadata
+        if not isinstance(meta, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(meta).__name__}")
+        if not all(hasattr(leaf, "shape") for leaf in jax.tree.leaves((self.key_pages, self.value_pages))):
+            return  # jax rebuilds pytrees with placeholder leaves; nothing to check then
+        groups = meta.groups
+        if len(self.key_pages) != len(groups) or len(self.value_pages) != len(groups):
+            raise ValueError(f"{len(self.key_pages)} key and {len(self.value_pages)} value page arrays for "
+                             f"{len(groups)} layer group(s); give one stacked array per group")
+        for g, (group, k, v) in enumerate(zip(groups, self.key_pages, self.value_pages)):
+            want = (group.num_layers, meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size)
+            for name, x in (("key_pages", k), ("value_pages", v)):
+                got = tuple(np.shape(jax.tree.leaves(x)[0]))[:4]
+                if got != want:
+                    raise ValueError(f"{name}[{g}] has shape {got} (leading dims) but layer group {g} (layers "
+                                     f"{group.span}) needs (layers, kv heads, pages, page_size) = {want}")
 
     @property
-    def metadata(self) -> PagedAttentionCacheMetaData:
-        return self.views[0].metadata
+    def views(self) -> CacheViews:
+        return CacheViews(self)
 
     def __len__(self) -> int:
-        return len(self.views)
+        return self.metadata.num_hidden_layers
+
+    def _locate(self, layer: Any) -> tuple[int, int, int]:
+        n = self.metadata.num_hidden_layers
+        i = integer("layer", layer, lo=-n, hi=n - 1, hint=f"the cache has {n} layers") % n
+        for g, group in enumerate(self.metadata.groups):
+            if i in group.layers:
+                return i, g, group.layers.index(i)
+        raise AssertionError(f"layer {i} is in no layer group of a checked metadata: a bug in easykv")
 
     def __getitem__(self, layer: int) -> PagedAttentionCacheView:
-        n = len(self.views)
-        return self.views[integer("layer", layer, lo=-n, hi=n - 1, hint=f"the cache has {n} layers")]
+        i, g, j = self._locate(layer)
+        view = PagedAttentionCacheView(self.metadata, i, self.key_pages[g], self.value_pages[g], j, self.layout)
+        view._owner = (self, g)
+        return view
+
+    def __setitem__(self, layer: int, view: Any) -> None:
+        i, g, _ = self._locate(layer)
+        if not isinstance(view, PagedAttentionCacheView):
+            raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
+        differs = [name for name, a, b in (("layer_index", view.layer_index, i), ("metadata", view.metadata,
+                                                                                 self.metadata),
+                                           ("layout", view.layout, self.layout)) if a != b]
+        if differs:
+            raise ValueError(f"cache.views[{i}] must be layer {i} of this cache, but the view's "
+                             f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it")
+        self._check_current(g, view, f"cache.views[{i}]")
+        self._put_group(g, view)
+
+    def group_view(self, group: int = 0) -> PagedAttentionCacheView:
+        """A view of layer group ``group``'s stacks for a scan over its layers: ``layer_index``
+        None (the layer is given per iteration by ``at_layer``), so it is the same pytree
+        before and after every iteration."""
+        n = len(self.key_pages)
+        g = integer("group", group, lo=0, hi=n - 1, hint=f"the cache has {n} layer group(s)")
+        view = PagedAttentionCacheView(self.metadata, None, self.key_pages[g], self.value_pages[g], 0, self.layout)
+        view._owner = (self, g)
+        return view
+
+    def update(self, view: PagedAttentionCacheView) -> None:
+        """Put back the group arrays of ``view``, a view of any layer of this cache whose arrays
+        are the group's latest: the view a ``lax.scan`` over the group's layers returns, or one a
+        jitted function returns for the cache's current arrays. Unlike ``cache[i] = view`` this
+        cannot tell whether another layer of the group was written meanwhile (jax rebuilds the
+        view it returns): put back only what was computed from this cache's arrays."""
+        if not isinstance(view, PagedAttentionCacheView):
+            raise ValueError(f"update takes a PagedAttentionCacheView, got {type(view).__name__}")
+        if view.metadata != self.metadata or view.layout != self.layout:
+            raise ValueError("update takes a view of this cache, but the view's metadata or layout differs from it")
+        size = int(np.shape(jax.tree.leaves(view.group_key_pages)[0])[0])
+        g = next((g for g, k in enumerate(self.key_pages) if np.shape(jax.tree.leaves(k)[0])[0] == size), None)
+        if g is None:
+            raise ValueError(f"the view's group holds {size} layers; no layer group of this cache does")
+        self._put_group(g, view)
+
+    def _check_current(self, g: int, view: PagedAttentionCacheView, name: str) -> None:
+        """Refuse ``view`` unless it was taken from (or has written through to) the arrays group
+        ``g`` holds now."""
+        base_k, base_v = view._base
+        if base_k is not self.key_pages[g] or base_v is not self.value_pages[g]:
+            raise ValueError(
+                f"{name} was taken from other page arrays than this cache holds now (taken before another layer "
+                "of its group was written, or rebuilt by jax from its leaves): writing it or putting it back could "
+                "undo another write; nothing was changed. Take each layer's view right before writing it: "
+                "view = cache.views[i]; view = view.write_...(...); cache.views[i] = view. A view jax returns (lax.scan over the group's "
+                "layers, a jitted function given the cache's current arrays) goes back with cache.update(view)")
+
+    def _put_group(self, g: int, view: PagedAttentionCacheView) -> None:
+        object.__setattr__(self, "key_pages", _replaced(self.key_pages, g, view.group_key_pages))
+        object.__setattr__(self, "value_pages", _replaced(self.value_pages, g, view.group_value_pages))
 
     def __iter__(self):
-        return iter(self.views)
+        return (self[i] for i in range(len(self)))
 
     @classmethod
     def init_empty(cls, *args: Any, **kwargs: Any) -> None:
@@ -253,19 +396,43 @@ class PagedAttentionCache(_EasyDeLForms):
         partition_manager: PartitionManager | None = None,
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCache:
-        """Allocate every layer's pages in one call; each device creates only its own shard."""
-        metadata, layout, template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        """Allocate every layer group's stacked pages in one call; each device creates only its
+        own shard."""
+        metadata, layout, make_template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         _check_fits(mesh, metadata, layers=metadata.num_hidden_layers)
-        arrays = allocate_pages((template,) * (2 * metadata.num_hidden_layers), layout)
-        views = tuple(
-            PagedAttentionCacheView(metadata, i, arrays[2 * i], arrays[2 * i + 1], layout)
-            for i in range(metadata.num_hidden_layers)
-        )
-        return cls(views)
+        templates = tuple(make_template(g.num_layers) for g in metadata.groups)
+        keys, values = allocate_pages((templates, templates), layout)
+        return cls(metadata, keys, values, layout)
+
+    @classmethod
+    def from_views(cls, views: Any) -> PagedAttentionCache:
+        """A cache of per-layer views (layers 0..n-1 of one metadata and layout, each its own
+        one-layer group, as ``PagedAttentionCacheView.init`` or the JSON form makes them),
+        stacked into the cache's groups: a copy of every page. For small caches and tests."""
+        views = list(views)
+        if not views or not all(isinstance(v, PagedAttentionCacheView) for v in views):
+            raise ValueError("from_views takes a non-empty list of PagedAttentionCacheView")
+        meta, layout = views[0].metadata, views[0].layout
+        for i, view in enumerate(views):
+            if view.layer_index != i or view.metadata != meta or view.layout != layout:
+                raise ValueError(f"views[{i}] has layer_index={view.layer_index} and "
+                                 f"{'the same' if view.metadata == meta else 'different'} metadata; views must be "
+                                 "layers 0..n-1 of one cache")
+        if len(views) != meta.num_hidden_layers:
+            raise ValueError(f"{len(views)} views for metadata with num_hidden_layers={meta.num_hidden_layers}")
+        stack = jax.jit(lambda pages: jax.tree.map(lambda *xs: jnp.stack(xs), *pages),
+                        out_shardings=None if layout is None else jax.tree.map(
+                            lambda t: layout.sharding_for(t.ndim + 1), views[0].key_pages))
+        keys, values = [], []
+        for group in meta.groups:
+            keys.append(stack([views[i].key_pages for i in group.layers]))
+            values.append(stack([views[i].value_pages for i in group.layers]))
+        return cls(meta, keys, values, layout)
 
     # ---- all layers in one jit -----------------------------------------------------------
     def write(self, keys: Any, values: Any, metadata: PagedAttentionMetadata) -> tuple[PagedAttentionCache, jax.Array]:
-        """Write every layer's new tokens in one jitted, donating call.
+        """Write every layer's new tokens in one jitted, donating call: one scatter per device
+        and layer group.
 
         keys, values: (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of
         per-layer (num_tokens, num_kv_heads, head_dim). Returns the updated cache (this cache's
@@ -311,6 +478,10 @@ PagedAttentionCache._to_dict = staticmethod(cache_json.cache_to_dict)
 PagedAttentionCache._from_dict = staticmethod(cache_json.cache_from_dict)
 
 
+def _replaced(items: tuple[Any, ...], g: int, value: Any) -> tuple[Any, ...]:
+    return items[:g] + (value,) + items[g + 1:]
+
+
 # One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.
 _scatter = jax.jit(scatter_kv, static_argnames=("layout",))
 _scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argnums=(0, 1))
@@ -318,22 +489,24 @@ _scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argn
 
 @partial(jax.jit, donate_argnums=0)  # public for the write benchmark and tests: cache.write without host checks
 def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
-    # Every layer's K and V in one shard_map: one program per device for the whole step.
-    pages = tuple((view.key_pages, view.value_pages) for view in cache.views)
-    new = tuple((encode_tokens(jnp.asarray(keys[i]), kp), encode_tokens(jnp.asarray(values[i]), vp))
-                for i, (kp, vp) in enumerate(pages))
-    out = scatter_encoded(pages, new, slots, layout=cache.views[0].layout)
-    views = tuple(dataclasses.replace(view, key_pages=kp, value_pages=vp) for view, (kp, vp) in zip(cache.views, out))
-    return PagedAttentionCache(views), count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer)
+    # Every group's K and V in one shard_map: one scatter per array and device for the step.
+    def rows(x: Any, layers: tuple[int, ...]) -> jax.Array:
+        if isinstance(x, tuple):
+            return jnp.stack([jnp.asarray(x[i]) for i in layers])
+        x = jnp.asarray(x)
+        return x if layers == tuple(range(x.shape[0])) else x[np.asarray(layers)]
+
+    pages = tuple(zip(cache.key_pages, cache.value_pages))
+    new = tuple((encode_tokens(rows(keys, g.layers), kp), encode_tokens(rows(values, g.layers), vp))
+                for g, (kp, vp) in zip(cache.metadata.groups, pages))
+    out = scatter_encoded(pages, new, slots, layout=cache.layout)
+    return (PagedAttentionCache(cache.metadata, tuple(k for k, _ in out), tuple(v for _, v in out), cache.layout),
+            count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer))
 
 
 def _apply_page_op(cache: PagedAttentionCache, *ids: jax.Array, op: Any) -> PagedAttentionCache:
-    layout = cache.views[0].layout
-    pages = tuple((v.key_pages, v.value_pages) for v in cache.views)
-    out = page_op(layout, op)(pages, *ids)
-    return PagedAttentionCache(
-        tuple(dataclasses.replace(v, key_pages=k, value_pages=p) for v, (k, p) in zip(cache.views, out))
-    )
+    keys, values = page_op(cache.layout, op)((cache.key_pages, cache.value_pages), *ids)
+    return PagedAttentionCache(cache.metadata, keys, values, cache.layout)
 
 
 _copy_all = jax.jit(partial(_apply_page_op, op=copy_pages_local), donate_argnums=0)
@@ -377,16 +550,16 @@ def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple
     meta = view.metadata
 
     def read(pages: Any) -> jax.Array:
-        picked = read_pages(pages, ids, meta.dtype)  # (heads, n, page_size, head_dim)
+        picked = read_pages(pages, ids, meta.dtype, view.layer)  # (heads, n, page_size, head_dim)
         tokens = jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, meta.num_kv_heads, meta.kv_head_dim_size)
         return tokens[:length]
 
-    return read(view.key_pages), read(view.value_pages)
+    return read(view.group_key_pages), read(view.group_value_pages)
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _page_shape(meta: PagedAttentionCacheMetaData) -> tuple[int, int, int, int]:
-    return (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
+def _page_shape(meta: PagedAttentionCacheMetaData, layers: int) -> tuple[int, int, int, int, int]:
+    return (layers, meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
 
 
 def _checked_layout(
@@ -397,7 +570,8 @@ def _checked_layout(
     quantizer: str | Quantizer | None,
 ) -> tuple[PagedAttentionCacheMetaData, PageLayout, Any]:
     """The metadata completed for ``mesh`` (dtype and kv-head layout where it leaves them
-    open), the placement, and the page template (shapes, storage dtypes). Anything the
+    open), the placement, and the page template of a stack of ``n`` layers (``template(n)``:
+    shapes, storage dtypes). Anything the
     metadata does fix must agree: a different dtype, quantizer or split would change the bytes
     per device the pool was sized for. Mesh axes of size 1 split nothing and are ignored."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
@@ -442,7 +616,7 @@ def _checked_layout(
     resolved = metadata.replace(dtype=dt)
     layout = PageLayout(mesh=mesh, head_axes=resolved.kv_head_mesh_axes, page_axes=resolved.page_mesh_axes)
     platform = mesh.devices.flat[0].platform
-    return resolved, layout, page_template(_page_shape(resolved), resolved.dtype, q, platform)
+    return resolved, layout, lambda layers: page_template(_page_shape(resolved, layers), resolved.dtype, q, platform)
 
 
 def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, *, layers: int) -> None:

@@ -98,11 +98,13 @@ def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | N
     else:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-        meta, layout, template = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
+        meta, layout, stacked = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
+        template = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), stacked(1))
         sharding = layout.sharding_for
+    # The JSON holds one layer's pages (EasyDeL's view form); the view holds them as a stack of one.
     pages = [_decode_pages(data[name], template, name) for name in ("key_pages", "value_pages")]
-    k, v = (jax.tree.map(lambda a: jax.device_put(a, sharding(a.ndim)), p) for p in pages)
-    return cls(metadata=meta, layer_index=layer, key_pages=k, value_pages=v, layout=layout)
+    k, v = (jax.tree.map(lambda a: jax.device_put(a[None], sharding(a.ndim + 1)), p) for p in pages)
+    return cls(metadata=meta, layer_index=layer, group_key_pages=k, group_value_pages=v, layer=0, layout=layout)
 
 
 def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None,
@@ -113,7 +115,7 @@ def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None
     views = data["views"]
     if not isinstance(views, list) or not views:
         raise SerializationError(f"'views' must be a non-empty list of view dicts, got {show(views)}")
-    return cls([view_from_dict(PagedAttentionCacheView, v, mesh, partition_manager) for v in views])
+    return cls.from_views([view_from_dict(PagedAttentionCacheView, v, mesh, partition_manager) for v in views])
 
 
 def loads(text: Any, what: str) -> Any:

@@ -1,6 +1,11 @@
-"""Page storage: where each layer's pages live on the mesh, in which dtype, and page-wise copies.
+"""Page storage: where a layer group's pages live on the mesh, in which dtype, and page-wise copies.
 
-Pages of one layer have the logical shape ``(num_kv_heads, num_pages, page_size, head_dim)``.
+The pages of a layer group are stacked along a leading layer axis: one array per K and V of
+logical shape ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)``. A layer is the
+slice ``[layer]``, the layout JAX's Pallas paged attention takes. Every operation here takes the
+stacked array and a layer index (or writes every layer at once) rather than slicing a layer out:
+inside a loop XLA hoists such a slice and copies the layer's whole pool (measured: a 64-page read
+from a sliced 4096-page layer costs 20x the same read indexed on the stack).
 
 Storage dtype: XLA:CPU lowers a scatter into a bf16, f16 or fp8 buffer as a rewrite of the whole
 buffer (measured: a 32-token write into a 2048-page bf16 pool costs 20x the same write into a
@@ -49,8 +54,9 @@ def from_storage(x: jax.Array, dtype: np.dtype) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class PageLayout:
-    """Static placement of one layer's pages: the mesh and the mesh axes of the kv-head and
-    page dimensions (empty tuples: not split). Hashable, so it can be pytree aux data."""
+    """Static placement of a group's stacked pages: the mesh and the mesh axes of the kv-head and
+    page dimensions (empty tuples: not split); the layer axis is never split. Hashable, so it
+    can be pytree aux data."""
 
     mesh: Mesh
     head_axes: tuple[str, ...] = ()
@@ -58,15 +64,28 @@ class PageLayout:
 
     @property
     def spec(self) -> PartitionSpec:
-        return self.spec_for(4)
+        """Spec of a stacked page array ``(layers, heads, pages, page_size, head_dim)``."""
+        return self.spec_for(5)
 
     @property
     def sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec)
 
+    @property
+    def layer_sharding(self) -> NamedSharding:
+        """Sharding of one layer's pages ``(heads, pages, page_size, head_dim)`` on their own
+        (what ``paged_attention`` takes without ``layer=``)."""
+        return self.layer_sharding_for(4)
+
+    def layer_sharding_for(self, ndim: int) -> NamedSharding:
+        """Sharding of one layer's page array of rank ``ndim`` (heads first: scales are rank 3+)."""
+        spec = PartitionSpec(_entry(self.head_axes), _entry(self.page_axes), *([None] * (ndim - 2)))
+        return NamedSharding(self.mesh, spec)
+
     def spec_for(self, ndim: int) -> PartitionSpec:
-        """Spec of a page array of rank ``ndim`` (pages are rank 4, quantization scales 3+)."""
-        return PartitionSpec(_entry(self.head_axes), _entry(self.page_axes), *([None] * (ndim - 2)))
+        """Spec of a stacked page array of rank ``ndim`` (pages are rank 5, quantization scales
+        4+): layers whole, then kv heads, then pages."""
+        return PartitionSpec(None, _entry(self.head_axes), _entry(self.page_axes), *([None] * (ndim - 3)))
 
     def sharding_for(self, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec_for(ndim))
@@ -95,19 +114,19 @@ def run_local(
     per_head: Any = (),
     replicated: tuple[Any, ...] = (),
     *,
-    token_major: bool = False,
+    head_axis: int = 0,
 ) -> Any:
     """Apply ``fn(pages, per_head, *replicated)`` to each device's shard of ``pages``.
 
-    ``pages`` is a pytree of page arrays laid out as ``layout`` (the result keeps that layout);
-    ``per_head`` is a pytree of arrays split by kv head like the pages — heads on axis 0, or
-    on axis 1 behind a token axis when ``token_major``; ``replicated`` arrays (slots, page ids)
-    are seen whole by every device.
+    ``pages`` is a pytree of stacked page arrays laid out as ``layout`` (the result keeps that
+    layout); ``per_head`` is a pytree of arrays split by kv head like the pages, their heads on
+    axis ``head_axis`` (new tokens ``(layers, tokens, heads, dim)``: 2; one layer's ``(tokens,
+    heads, dim)``: 1); ``replicated`` arrays (slots, page ids, a layer index) are seen whole by
+    every device.
     """
     if layout is None or layout.mesh.size == 1:
         return fn(pages, per_head, *replicated)
-    heads = _entry(layout.head_axes)
-    head_spec = PartitionSpec(None, heads) if token_major else PartitionSpec(heads)
+    head_spec = PartitionSpec(*([None] * head_axis), _entry(layout.head_axes))
     page_specs = jax.tree.map(lambda leaf: layout.spec_for(leaf.ndim), pages)
     in_specs = (
         page_specs,
@@ -119,17 +138,18 @@ def run_local(
 
 
 def page_template(
-    shape: tuple[int, int, int, int], dtype: Any, quantizer: Quantizer, platform: str
+    shape: tuple[int, int, int, int, int], dtype: Any, quantizer: Quantizer, platform: str
 ) -> Any:
-    """Shapes and storage dtypes of one page array (K or V) of logical ``shape`` and ``dtype``:
-    a ShapeDtypeStruct, or a QuantizedPages of them (values + compact scales)."""
+    """Shapes and storage dtypes of one stacked page array (K or V) of logical ``shape``
+    ``(layers, heads, pages, page_size, head_dim)`` and ``dtype``: a ShapeDtypeStruct, or a
+    QuantizedPages of them (values + compact scales)."""
     if not is_compressing(quantizer):
         return jax.ShapeDtypeStruct(shape, storage_dtype(dtype, platform))
-    heads, pages, page_size, head_dim = shape
+    *lead, head_dim = shape
     value_tail, value_dtype = quantizer.value_shape(head_dim)
     return QuantizedPages(
-        values=jax.ShapeDtypeStruct((heads, pages, page_size, *value_tail), storage_dtype(value_dtype, platform)),
-        scales=jax.ShapeDtypeStruct((heads, pages, page_size, *quantizer.scale_shape(head_dim)), SCALE_DTYPE),
+        values=jax.ShapeDtypeStruct((*lead, *value_tail), storage_dtype(value_dtype, platform)),
+        scales=jax.ShapeDtypeStruct((*lead, *quantizer.scale_shape(head_dim)), SCALE_DTYPE),
         quantizer=quantizer,
     )
 
@@ -154,27 +174,30 @@ def encode_tokens(new: jax.Array, pages: Any) -> Any:
     return to_storage(new, pages.dtype)
 
 
-def take_pages(x: jax.Array, ids: jax.Array) -> jax.Array:
-    """``x[:, ids]`` where an id outside ``0 .. x.shape[1] - 1`` reads zeros. Never another
-    page: ``jnp.take`` would read page -1 as the last page of the pool."""
-    n = x.shape[1]
+def take_pages(x: jax.Array, ids: jax.Array, layer: Any = 0) -> jax.Array:
+    """``x[layer][:, ids]`` of a stacked array ``x`` ``(layers, heads, pages, ...)``, gathered
+    from the stack itself (no slice of the layer is ever formed), as ``(heads, len(ids), ...)``.
+    An id outside ``0 .. pages - 1`` reads zeros. Never another page: ``jnp.take`` would read
+    page -1 as the last page of the pool."""
+    n = x.shape[2]
     ids = jnp.where((ids >= 0) & (ids < n), ids, n)
-    return jnp.take(x, ids, axis=1, mode="fill", fill_value=0)
+    picked = x.at[layer, :, ids].get(mode="fill", fill_value=0)  # (len(ids), heads, ...)
+    return jnp.moveaxis(picked, 0, 1)
 
 
-def read_pages(pages: Any, ids: jax.Array, dtype: Any) -> jax.Array:
-    """Pages ``ids`` of one page array as (heads, len(ids), page_size, head_dim) in the
-    logical ``dtype``; only those pages are read (and dequantized); ids outside the array
-    read as zeros."""
+def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0) -> jax.Array:
+    """Pages ``ids`` of layer ``layer`` of one stacked page array as (heads, len(ids),
+    page_size, head_dim) in the logical ``dtype``; only those pages are read (and dequantized);
+    ids outside the array read as zeros."""
     if isinstance(pages, QuantizedPages):
         value_dtype = pages.quantizer.value_shape(2)[1]
         picked = QuantizedPages(
-            from_storage(take_pages(pages.values, ids), value_dtype),
-            take_pages(pages.scales, ids),
+            from_storage(take_pages(pages.values, ids, layer), value_dtype),
+            take_pages(pages.scales, ids, layer),
             pages.quantizer,
         )
         return picked.dequantize(dtype)
-    return from_storage(take_pages(pages, ids), np.dtype(dtype))
+    return from_storage(take_pages(pages, ids, layer), np.dtype(dtype))
 
 
 def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: int) -> jax.Array:
@@ -186,28 +209,30 @@ def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: 
 def copy_pages_local(
     pages: Any, _: Any, src: jax.Array, dst: jax.Array, *, layout: PageLayout | None
 ) -> Any:
-    """Copy page ``src[i]`` onto page ``dst[i]`` in every array of ``pages`` (one shard).
+    """Copy page ``src[i]`` onto page ``dst[i]`` in every layer of every stacked array of
+    ``pages`` (one shard).
 
     All sources are read before any destination is written. A pair is applied only when both
     pages lie in this device's slice; pairs with an id of -1 are padding.
     """
 
     def one(leaf: jax.Array) -> jax.Array:
-        n = leaf.shape[1]
+        n = leaf.shape[2]
         s = _local_page_ids(src, layout, n)
         d = _local_page_ids(dst, layout, n)
         d = jnp.where(s < n, d, n)
-        return leaf.at[:, d].set(leaf[:, jnp.minimum(s, n - 1)], mode="drop")
+        return leaf.at[:, :, d].set(leaf[:, :, jnp.minimum(s, n - 1)], mode="drop")
 
     return jax.tree.map(one, pages)
 
 
 def zero_pages_local(pages: Any, _: Any, ids: jax.Array, *, layout: PageLayout | None) -> Any:
-    """Zero the pages ``ids`` (global ids, -1 padding) in every array of ``pages`` (one shard)."""
+    """Zero the pages ``ids`` (global ids, -1 padding) in every layer of every stacked array of
+    ``pages`` (one shard)."""
 
     def one(leaf: jax.Array) -> jax.Array:
-        local = _local_page_ids(ids, layout, leaf.shape[1])
-        return leaf.at[:, local].set(jnp.zeros((), leaf.dtype), mode="drop")
+        local = _local_page_ids(ids, layout, leaf.shape[2])
+        return leaf.at[:, :, local].set(jnp.zeros((), leaf.dtype), mode="drop")
 
     return jax.tree.map(one, pages)
 

@@ -65,24 +65,34 @@ def check_new_tokens(
             )
 
 
-def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, *, layout: PageLayout | None) -> Any:
-    """One shard: put token row ``new[t]`` (heads, ...) at slot ``slots[t]`` for local slots."""
+def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = None, *,
+                          layout: PageLayout | None) -> Any:
+    """One shard: put token rows ``new`` at ``slots`` (local slots only) into stacked ``pages``
+    ``(layers, heads, pages, page_size, ...)``: rows ``(layers, tokens, heads, ...)`` into every
+    layer when ``layer`` is None, else rows ``(tokens, heads, ...)`` into layer ``layer`` (an int
+    or a traced index; one outside the stack drops the rows). One scatter per array either way;
+    the stack is updated in place, never sliced."""
 
     def one(leaf: jax.Array, upd: jax.Array) -> jax.Array:
-        h, p, s = leaf.shape[:3]
+        nl, h, p, s = leaf.shape[:4]
         cap = p * s
         offset = layout.local_page_offset(p) * s if layout is not None else 0
         local = slots - offset
         idx = jnp.where((slots >= 0) & (local >= 0) & (local < cap), local, cap)
-        flat = leaf.reshape((h, cap) + leaf.shape[3:])
-        # Updates stay token-major (num_tokens, heads, ...): the window dims map onto the
-        # operand's head and trailing dims, so no transpose of the new tokens is needed.
-        dims = jax.lax.ScatterDimensionNumbers(
-            update_window_dims=tuple(range(1, flat.ndim)),
-            inserted_window_dims=(1,),
-            scatter_dims_to_operand_dims=(1,),
-        )
-        out = jax.lax.scatter(flat, idx[:, None], upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+        flat = leaf.reshape((nl, h, cap) + leaf.shape[4:])
+        # Updates stay token-major: their window dims map onto the operand's layer, head and
+        # trailing dims, so no transpose of the new tokens is needed.
+        if layer is None:  # (layers, tokens, heads, ...)
+            dims = jax.lax.ScatterDimensionNumbers(
+                update_window_dims=(0, *range(2, upd.ndim)), inserted_window_dims=(2,),
+                scatter_dims_to_operand_dims=(2,))
+            indices = idx[:, None]
+        else:  # (tokens, heads, ...)
+            dims = jax.lax.ScatterDimensionNumbers(
+                update_window_dims=tuple(range(1, upd.ndim)), inserted_window_dims=(0, 2),
+                scatter_dims_to_operand_dims=(0, 2))
+            indices = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), idx.shape), idx], axis=1)
+        out = jax.lax.scatter(flat, indices, upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
         return out.reshape(leaf.shape)
 
     return jax.tree.map(one, pages, new)
@@ -94,25 +104,29 @@ def scatter_kv(
     key: jax.Array,
     value: jax.Array,
     slots: Any,
+    layer: Any = None,
     *,
     layout: PageLayout | None,
 ) -> tuple[Any, Any]:
-    """Write token rows ``key[t]``/``value[t]`` (num_tokens, heads, head_dim) at ``slots[t]``.
+    """Write token rows ``key[..., t, :, :]``/``value[..., t, :, :]`` at ``slots[t]`` into
+    stacked pages: ``(layers, tokens, heads, head_dim)`` into every layer (``layer=None``) or
+    ``(tokens, heads, head_dim)`` into layer ``layer``.
 
     Each device writes only into its own shard: the new tokens are split by kv head like the
     pages, and each page slice keeps the slots that fall inside it.
     """
     new_k, new_v = encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages)
-    return scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layout=layout)
+    return scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
 
 
-def scatter_encoded(pages: Any, new: Any, slots: Any, *, layout: PageLayout | None) -> Any:
+def scatter_encoded(pages: Any, new: Any, slots: Any, layer: Any = None, *, layout: PageLayout | None) -> Any:
     """Token rows ``new`` already in the pages' storage form (``encode_tokens``, or a quantized
-    sequence's raw codes and scales) written at ``slots`` into ``pages``, a pytree of page arrays
-    (one layer's K and V, or every layer's) matched leaf for leaf by ``new``: one ``shard_map``
-    for all of them, each device writing into its own shard."""
-
-    def local(p: Any, upd: Any, s: jax.Array) -> Any:
-        return scatter_encoded_local(p, upd, s, layout=layout)
-
-    return run_local(local, layout, pages, new, (jnp.asarray(slots, jnp.int32),), token_major=True)
+    sequence's raw codes and scales) written at ``slots`` into ``pages``, a pytree of stacked
+    page arrays matched leaf for leaf by ``new`` (every layer's rows, or layer ``layer``'s): one
+    ``shard_map`` for all of them, each device writing into its own shard."""
+    slots = jnp.asarray(slots, jnp.int32)
+    if layer is None:
+        return run_local(lambda p, upd, s: scatter_encoded_local(p, upd, s, layout=layout),
+                         layout, pages, new, (slots,), head_axis=2)
+    return run_local(lambda p, upd, s, i: scatter_encoded_local(p, upd, s, i, layout=layout),
+                     layout, pages, new, (slots, jnp.asarray(layer, jnp.int32)), head_axis=1)

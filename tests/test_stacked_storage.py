@@ -26,9 +26,11 @@ def test_stale_view_is_refused_before_anything_changes():
     v0.write_tokens(toks, toks, [5, 9])  # goes through to the cache
     assert np.array_equal(np.asarray(cache[0].key_pages[:, 1, 1]).view(np.uint16), toks[0].view(np.uint16))
     before = snapshot(cache)
-    # v1 still names the arrays from before v0's write: writing it would undo that write.
-    for call in (lambda: v1.write_tokens(toks, toks, [6, 7]), lambda: cache.views.__setitem__(1, v1)):
-        with pytest.raises(ValueError, match=r"taken from other page arrays than this cache holds now"):
+    # v1 still names the arrays from before v0's write: writing it would undo that write, and
+    # its arrays were donated to that write, so it cannot be put back either.
+    for call, message in ((lambda: v1.write_tokens(toks, toks, [6, 7]), "taken from other page arrays than this "
+                           "cache holds now"), (lambda: cache.views.__setitem__(1, v1), "given to a later write")):
+        with pytest.raises(ValueError, match=message):
             call()
         assert_unchanged(cache, before)
     fresh = cache.views[1]
@@ -44,15 +46,25 @@ def test_stale_view_is_refused_before_anything_changes():
         cache[2]
 
 
-def test_view_from_jax_goes_back_with_update_only():
+def test_view_from_jax_goes_back_with_update_or_as_a_copy_of_its_layer():
     rng = np.random.default_rng(1)
     cache = new_cache("heads")
     toks = random_tokens(rng, (1, 8, HEAD_DIM))
-    out = jax.jit(lambda v: v.write_tokens(toks, toks, jnp.array([3], jnp.int32)))(cache.views[1])
-    with pytest.raises(ValueError, match=r"rebuilt by jax.*cache.update\(view\)"):
-        cache.views[1] = out
-    cache.update(out)
+    write = jax.jit(lambda v, slot: v.write_tokens(toks, toks, slot))
+    out = write(cache.views[1], jnp.array([3], jnp.int32))
+    cache.update(out)  # takes the view's arrays: no copy
     assert np.array_equal(np.asarray(cache[1].key_pages[:, 0, 3]).view(np.uint16), toks[0].view(np.uint16))
+    # cache.views[i] = view copies the view's own layer only: layer 1 written after the view was
+    # computed keeps that write (taking the view's whole group would undo it).
+    out = write(cache.views[0], jnp.array([5], jnp.int32))  # jit returns new arrays
+    later = cache.views[1]
+    later.write_tokens(toks * 2, toks * 2, [7])
+    before = snapshot(cache)
+    cache.views[0] = out
+    after = snapshot(cache)
+    assert np.array_equal(after[0][0][:, 1, 1].view(np.uint16), toks[0].view(np.uint16))
+    assert np.array_equal(after[1][0], before[1][0]) and np.array_equal(after[1][1], before[1][1])
+    assert np.array_equal(after[1][0][:, 1, 3].view(np.uint16), (toks * 2)[0].view(np.uint16))
     other = new_cache("dp")
     with pytest.raises(ValueError, match=r"metadata or layout differs"):
         other.update(out)

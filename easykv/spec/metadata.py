@@ -193,9 +193,8 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"{ {k: getattr(self, k) for k in off} }); create() fills them")
         # One full group of the cache's own geometry and layout is the uniform cache: one form
         # for it, however it was built (equal metadata, version-1 JSON, accepted everywhere).
-        object.__setattr__(self, "layer_groups", None)
-        if groups != self.groups:
-            object.__setattr__(self, "layer_groups", groups)
+        if groups == (self._uniform_group(),):
+            object.__setattr__(self, "layer_groups", None)
 
     # ---- derived figures -----------------------------------------------------------------
     @property
@@ -241,12 +240,13 @@ class PagedAttentionCacheMetaData(Serializable):
     @functools.cached_property
     def groups(self) -> tuple[LayerGroup, ...]:
         """The layer groups; a uniform cache is the one full-attention group of its fields."""
-        if self.layer_groups is not None:
-            return self.layer_groups
-        return (LayerGroup(layers=tuple(range(self.num_hidden_layers)), num_kv_heads=self.num_kv_heads,
-                           key_head_dim=self.kv_head_dim_size, value_head_dim=self.kv_head_dim_size,
-                           num_pages=self.num_pages_per_layer, kv_head_mesh_axes=self.kv_head_mesh_axes,
-                           kv_head_shards=self.kv_head_shards),)
+        return (self._uniform_group(),) if self.layer_groups is None else self.layer_groups
+
+    def _uniform_group(self) -> LayerGroup:
+        return LayerGroup(layers=tuple(range(self.num_hidden_layers)), num_kv_heads=self.num_kv_heads,
+                          key_head_dim=self.kv_head_dim_size, value_head_dim=self.kv_head_dim_size,
+                          num_pages=self.num_pages_per_layer, kv_head_mesh_axes=self.kv_head_mesh_axes,
+                          kv_head_shards=self.kv_head_shards)
 
     @property
     def is_single_geometry(self) -> bool:

@@ -100,8 +100,10 @@ class PagedAttentionCacheView(_EasyDeLForms):
     As in EasyDeL, the ``write_*`` methods update this view and return it, and the cache the
     view was taken from (``cache.views[i]`` / ``cache[i]``) sees the write: the group's new
     arrays go through to it, and ``cache.views[i] = view`` (EasyDeL's models do it) accepts the
-    written view. A view taken before another layer of its group was written is stale: writing
-    it, or putting it back, is refused (it would undo that write). Inside jit the view holds
+    written view. ``cache.views[i] = view`` with a view of other arrays (another cache of the
+    same metadata and layout) copies that view's layer into layer ``i``, as a list would. A view
+    taken before another layer of its group was written is stale: writing it is refused (it
+    would undo that write); putting it back copies only its own layer. Inside jit the view holds
     traced pages; outside jit the group's page buffers are donated to the write, so a write
     costs what it writes, not the size of the pool. Engines that keep old pages use the
     functional ``PagedAttentionCache.write``.
@@ -222,10 +224,10 @@ class CacheViews(list):
     """``cache.views``: EasyDeL's list of per-layer views, over the cache's stacked arrays (a
     list, as EasyDeL's, whose items are made on access: it stores none of them).
     ``views[i]`` is layer ``i``'s view of the arrays the cache holds now; ``views[i] = view``
-    puts a written view's arrays back, after checking that it is layer ``i`` of this cache and
-    was taken from the arrays the cache holds now (a view taken before another layer's write
-    was put back would undo that write). Its length is the number of layers: appending,
-    inserting or deleting views is refused."""
+    checks that ``view`` is layer ``i`` of a cache with this metadata and layout, then takes
+    its arrays when it was written from the arrays the cache holds now, and otherwise copies
+    its layer's pages into layer ``i`` (the group's other layers keep theirs). Its length is
+    the number of layers: appending, inserting or deleting views is refused."""
 
     def __init__(self, cache: PagedAttentionCache) -> None:
         super().__init__()
@@ -325,7 +327,7 @@ class PagedAttentionCache(_EasyDeLForms):
         return view
 
     def __setitem__(self, layer: int, view: Any) -> None:
-        i, g, _ = self._locate(layer)
+        i, g, j = self._locate(layer)
         if not isinstance(view, PagedAttentionCacheView):
             raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
         differs = [name for name, a, b in (("layer_index", view.layer_index, i), ("metadata", view.metadata,
@@ -334,8 +336,16 @@ class PagedAttentionCache(_EasyDeLForms):
         if differs:
             raise ValueError(f"cache.views[{i}] must be layer {i} of this cache, but the view's "
                              f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it")
-        self._check_current(g, view, f"cache.views[{i}]")
-        self._put_group(g, view)
+        if view._base[0] is self.key_pages[g] and view._base[1] is self.value_pages[g]:
+            self._put_group(g, view)  # the view was written from the arrays held now: take its arrays
+            return
+        # A view of other arrays (another cache, or one taken before a later write): list semantics,
+        # its layer's pages replace layer i's; the other layers of the group stay as they are.
+        _refuse_donated(view, f"cache.views[{i}]")
+        k, v = _set_layer(self.key_pages[g], self.value_pages[g], view.group_key_pages, view.group_value_pages,
+                          view.layer, j)
+        object.__setattr__(self, "key_pages", _replaced(self.key_pages, g, k))
+        object.__setattr__(self, "value_pages", _replaced(self.value_pages, g, v))
 
     def group_view(self, group: int = 0) -> PagedAttentionCacheView:
         """A view of layer group ``group``'s stacks for a scan over its layers: ``layer_index``
@@ -480,6 +490,25 @@ PagedAttentionCache._from_dict = staticmethod(cache_json.cache_from_dict)
 
 def _replaced(items: tuple[Any, ...], g: int, value: Any) -> tuple[Any, ...]:
     return items[:g] + (value,) + items[g + 1:]
+
+
+def _refuse_donated(view: PagedAttentionCacheView, name: str) -> None:
+    if any(not isinstance(a, jax.core.Tracer) and a.is_deleted()
+           for a in jax.tree.leaves((view.group_key_pages, view.group_value_pages))):
+        raise ValueError(
+            f"{name}: the view's page arrays were given to a later write (taken before another write to its "
+            "group, which donated them); nothing was changed. Take each layer's view right before writing it: "
+            "view = cache.views[i]; view = view.write_...(...); cache.views[i] = view")
+
+
+def _set_layer_pages(k: Any, v: Any, src_k: Any, src_v: Any, src_layer: Any, dst_layer: int) -> tuple[Any, Any]:
+    def put(stack: jax.Array, src: jax.Array) -> jax.Array:
+        return stack.at[dst_layer].set(src[src_layer])
+    return jax.tree.map(put, k, src_k), jax.tree.map(put, v, src_v)
+
+
+# Copies one layer (a layer's pool, both arrays) into the group's stacks in place.
+_set_layer = jax.jit(_set_layer_pages, static_argnums=5, donate_argnums=(0, 1))
 
 
 # One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.

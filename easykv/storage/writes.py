@@ -74,26 +74,23 @@ def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = N
     the stack is updated in place, never sliced."""
 
     def one(leaf: jax.Array, upd: jax.Array) -> jax.Array:
-        nl, h, p, s = leaf.shape[:4]
-        cap = p * s
+        p, s = leaf.shape[2:4]
         offset = layout.local_page_offset(p) * s if layout is not None else 0
         local = slots - offset
-        idx = jnp.where((slots >= 0) & (local >= 0) & (local < cap), local, cap)
-        flat = leaf.reshape((nl, h, cap) + leaf.shape[4:])
-        # Updates stay token-major: their window dims map onto the operand's layer, head and
-        # trailing dims, so no transpose of the new tokens is needed.
+        # A slot of another shard, or padding, gets page p: outside the shard, dropped.
+        page = jnp.where((slots >= 0) & (local >= 0) & (local < p * s), local // s, p)
+        at = [page, local % s]
+        # Indexed by (page, offset) on the stack as stored: a reshape to flat slots would make
+        # XLA copy the whole stack when it lays out a scan's carry differently. Updates stay
+        # token-major: their window dims map onto the layer, head and trailing dims.
         if layer is None:  # (layers, tokens, heads, ...)
-            dims = jax.lax.ScatterDimensionNumbers(
-                update_window_dims=(0, *range(2, upd.ndim)), inserted_window_dims=(2,),
-                scatter_dims_to_operand_dims=(2,))
-            indices = idx[:, None]
+            window, inserted = (0, *range(2, upd.ndim)), (2, 3)
         else:  # (tokens, heads, ...)
-            dims = jax.lax.ScatterDimensionNumbers(
-                update_window_dims=tuple(range(1, upd.ndim)), inserted_window_dims=(0, 2),
-                scatter_dims_to_operand_dims=(0, 2))
-            indices = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), idx.shape), idx], axis=1)
-        out = jax.lax.scatter(flat, indices, upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-        return out.reshape(leaf.shape)
+            window, inserted = tuple(range(1, upd.ndim)), (0, 2, 3)
+            at.insert(0, jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page.shape))
+        dims = jax.lax.ScatterDimensionNumbers(update_window_dims=window, inserted_window_dims=inserted,
+                                               scatter_dims_to_operand_dims=inserted)
+        return jax.lax.scatter(leaf, jnp.stack(at, axis=1), upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
     return jax.tree.map(one, pages, new)
 

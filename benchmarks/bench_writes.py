@@ -110,7 +110,7 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
         return run
 
     def step_only():
-        state["cache"], _ = write_all(state["cache"], kd, kd, slots)
+        state["cache"], _ = write_all(state["cache"], kd, kd, (slots,))
         jax.block_until_ready(state["cache"])
 
     # The floor: the same decode scatter done plainly with bare jax, every layer's K and V

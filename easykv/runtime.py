@@ -328,6 +328,21 @@ FORM_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+def group_runtime(metadata: Any, num_groups: int, group: int) -> PagedAttentionMetadata:
+    """The step metadata of layer group ``group`` of a cache of ``num_groups`` groups: the one
+    ``metadata`` every group shares, or item ``group`` of a tuple holding one per group (groups
+    of their own pools have their own page tables and slots)."""
+    if isinstance(metadata, (tuple, list)):
+        if len(metadata) != num_groups:
+            raise ValueError(f"the step metadata holds {len(metadata)} item(s) but the cache has {num_groups} layer "
+                             "group(s); give one PagedAttentionMetadata per group, in the metadata's group order")
+        metadata = metadata[group]
+    if not isinstance(metadata, PagedAttentionMetadata):
+        raise ValueError(f"step metadata must be a PagedAttentionMetadata (or one per layer group), got "
+                         f"{type(metadata).__name__}")
+    return metadata
+
+
 def step_form(metadata: Any) -> str:
     """``"mixed"``, ``"decode"`` or ``"prefill"``; anything else is refused by name."""
     if not isinstance(metadata, PagedAttentionMetadata):

@@ -255,16 +255,12 @@ def test_pattern_helper_errors():
 
 
 # ---- what does not take groups yet refuses them, before any state exists -----------------------
-def test_storage_manager_and_checkpoints_refuse_groups_by_name(tp8, tmp_path):
-    import jax.numpy as jnp
-
+def test_manager_and_checkpoints_refuse_groups_by_name(tp8, tmp_path):
     from easykv.checkpoint.record import saved_metadata
     from easykv.errors import CheckpointIntegrityError
 
-    meta = create(tp8, gemma3_groups())
-    with pytest.raises(NotImplementedError, match=r"the page storage holds uniform caches .* layers \[5, 11\]: full"):
-        easykv.PagedAttentionCache.init_cache(tp8, jnp.bfloat16, meta, partition_manager=HEADS_TP)
-    with pytest.raises(NotImplementedError, match="PageManager holds uniform caches"):
+    meta = create(tp8, gemma3_groups())  # the storage holds it (tests/test_group_storage.py)
+    with pytest.raises(NotImplementedError, match=r"PageManager holds uniform caches .* layers \[5, 11\]: full"):
         easykv.PageManager(meta)
     with pytest.raises(CheckpointIntegrityError, match="a checkpoint holds uniform caches"):
         saved_metadata({"metadata": meta.to_dict()}, 3, tmp_path)

@@ -203,7 +203,7 @@ def test_compiled_write_has_no_collectives(layout):
     _, _, meta = setup(layout)
     cache = new_cache(layout)
     keys = jnp.zeros((LAYERS, T, meta.num_kv_heads, HEAD_DIM), jnp.bfloat16)
-    hlo = write_all.lower(cache, keys, keys, jnp.zeros(T, jnp.int32)).compile().as_text()
+    hlo = write_all.lower(cache, keys, keys, (jnp.zeros(T, jnp.int32),)).compile().as_text()
     assert "scatter" in hlo  # it is the write
     assert not COLLECTIVES.findall(hlo)
     # The same check on the user-level step: a jitted wrapper around cache.write.
@@ -247,7 +247,7 @@ def test_bad_write_inputs_raise_before_writing():
         ((k[:1], v[:1], md), r"keys holds 1 layers but the cache has num_hidden_layers=2"),
         ((k, [v[0], v[1], v[1]], md), r"values holds 3 layers"),
         ((k[0], v[0], md), r"keys must be \(num_layers, num_tokens, num_kv_heads, head_dim\)"),
-        (([k[0], f32[1]], v, md), r"keys has dtype float32"),
+        (([k[0], f32[1]], v, md), r"keys\[1\] has dtype float32"),
         ((k, v, outside), r"token 3 would be written to slot -2, outside the pool's 96 slots"),
         ((k, v, unassigned), r"token 5 would be written to slot -2"),
         ((k, v, past_limit), r"token 8 would be written to slot -2"),

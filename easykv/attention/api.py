@@ -39,7 +39,7 @@ from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
 from easykv.attention.xla import attend_local
 from easykv.storage.pages import PageLayout
-from easykv.runtime import PagedAttentionMetadata
+from easykv.runtime import PagedAttentionMetadata, group_runtime
 
 
 # ---- public API ---------------------------------------------------------------------------------
@@ -116,9 +116,33 @@ def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **option
         if key in options:
             raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
     keys, values, layer = view_pages(view)
+    group = getattr(view, "layer_group", None)
+    if group is not None:
+        metadata = group_runtime(metadata, len(view.metadata.groups), view.group)
+        options = {**options, **_group_options(group, options)}
     return paged_attention(
         q, keys, values, metadata, layer=layer, layout=view.layout, dtype=view.dtype, **options
     )
+
+
+def _group_options(group: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The attention a layer group declares (its window or chunk, a latent's value dims): the
+    view's layer attends that way, and an option that says otherwise is refused (a full group
+    keeps every page, so any window may be read from it)."""
+    implied = {"sliding_window": group.window if group.attention == "sliding" else None,
+               "chunk_size": group.window if group.attention == "chunked" else None,
+               "value_head_dim": group.value_head_dim if group.latent else None}
+    implied = {k: v for k, v in implied.items() if v is not None}
+    if group.attention != "full":
+        implied.setdefault("chunk_size" if group.attention == "sliding" else "sliding_window", None)
+    for key, value in implied.items():
+        given = options.get(key)
+        if given is not None and given != value:
+            kind = f"{group.attention}" + (f" (window {group.window})" if group.window else "") + (
+                ", latent" if group.latent else "")
+            raise ValueError(f"view_attention: the view's layer group (layers {group.span}) is {kind}, so {key}="
+                             f"{value}; got {key}={given!r}. The group's metadata decides how its layers attend")
+    return {k: v for k, v in implied.items() if v is not None}
 
 
 def paged_attention_implementation(

@@ -257,6 +257,7 @@ class CacheCheckpointer:
         if not isinstance(cache, PagedAttentionCache):
             raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
         meta = cache.metadata
+        meta.require_uniform("a checkpoint", windows=True)  # before anything is written
         extra = _check_extra(extra_metadata)
         manager_state = _check_manager(manager, meta) if manager is not None else None
         self._wait()  # one save at a time (orbax would wait here too); reports the last one's failure
@@ -410,6 +411,7 @@ def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = 
     ``extra_metadata``: a JSON-safe dict returned by restore. Returns the step."""
     if not isinstance(cache, PagedAttentionCache):  # checked before the directory is created
         raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
+    cache.metadata.require_uniform("a checkpoint", windows=True)
     _check_extra(extra_metadata)
     with CacheCheckpointer(directory, async_save=False, integrity=integrity) as ckpt:
         return ckpt.save(cache, manager, step=step, extra_metadata=extra_metadata)

@@ -264,7 +264,24 @@ class PagedAttentionCacheMetaData(Serializable):
             raise NotImplementedError(
                 f"{what} holds uniform caches (every layer full attention, one geometry) in this easykv, but this "
                 f"metadata has layer groups ({kinds}); so far layer groups are described, sized and planned "
-                "(create, to_json, easykv plan, tokens_per_gib) but not yet stored or managed")
+                "(create, to_json, easykv plan, tokens_per_gib) and stored (init_cache, views, writes, attention) but not "
+                "yet managed or checkpointed")
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """``(group, index in the group)`` of model layer ``layer`` (an int in range)."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise AssertionError(f"layer {layer} is in no layer group of a checked metadata: a bug in easykv")
+
+    def group_pages_shape(self, group: LayerGroup, *, values: bool = False) -> tuple[int, ...] | None:
+        """Logical shape of ``group``'s stacked key (or value) pages, ``(layers_in_group,
+        num_kv_heads, num_pages, page_size, head_dim)``; None for the values of a latent group,
+        which stores none."""
+        if values and not group.has_values:
+            return None
+        dim = group.value_head_dim if values else group.key_head_dim
+        return (group.num_layers, group.num_kv_heads, group.num_pages, self.page_size, dim)
 
     def _group_head_shards(self, group: LayerGroup) -> int:
         return 1 if group.kv_head_shards is None else group.kv_head_shards

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from easykv.storage import cache_json
 from easykv.errors import MemoryUnavailableError
 from easykv.spec.memory import device_memory_budget
+from easykv.spec.groups import LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
 from easykv.storage.pages import (
     PageLayout,
@@ -38,10 +39,11 @@ from easykv.storage.pages import (
     zero_pages_local,
 )
 from easykv.quantization import Quantizer, get_quantizer
-from easykv.runtime import PagedAttentionMetadata
+from easykv.runtime import PagedAttentionMetadata, group_runtime
 from easykv.storage.writes import (
     check_new_tokens,
     check_slots_on_host,
+    check_token_rows,
     count_dropped,
     scatter_encoded,
     scatter_kv,
@@ -82,7 +84,7 @@ class _EasyDeLForms:
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["group_key_pages", "group_value_pages", "layer"],
-    meta_fields=["metadata", "layer_index", "layout"],
+    meta_fields=["metadata", "layer_index", "layout", "group"],
 )
 @dataclasses.dataclass(eq=False)
 class PagedAttentionCacheView(_EasyDeLForms):
@@ -92,10 +94,12 @@ class PagedAttentionCacheView(_EasyDeLForms):
     num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype of the platform;
     ``layer`` is this layer's index in the group (an int, or a traced index when a model scans
     over the group's layers: see :meth:`at_layer`); ``layer_index`` the layer's index in the
-    model (None for a view whose ``layer`` is traced). ``key_pages`` / ``value_pages`` are the
-    layer's slice ``(num_kv_heads, num_pages_per_layer, page_size, kv_head_dim_size)``, as in
-    EasyDeL; writes and attention index the stack instead, so they never copy a layer's pool.
-    ``layout`` says how the pages are split over the mesh (None: one device, no shard_map).
+    model (None for a view whose ``layer`` is traced); ``group`` the layer group's index in the
+    metadata (its geometry: ``metadata.groups[group]``). ``key_pages`` / ``value_pages`` are the
+    layer's slice ``(num_kv_heads, num_pages, page_size, head_dim)``, as in EasyDeL (a latent
+    group's ``value_pages`` are None); writes and attention index the stack instead, so they
+    never copy a layer's pool. ``layout`` says how the pages are split over the mesh (None: one
+    device, no shard_map).
 
     As in EasyDeL, the ``write_*`` methods update this view and return it, and the cache the
     view was taken from (``cache.views[i]`` / ``cache[i]``) sees the write: the group's new
@@ -115,6 +119,7 @@ class PagedAttentionCacheView(_EasyDeLForms):
     group_value_pages: Any
     layer: Any = 0
     layout: PageLayout | None = None
+    group: int = 0
 
     def __post_init__(self) -> None:
         # The stacks this view was taken from: writing it, or putting it back, into a cache whose
@@ -135,6 +140,11 @@ class PagedAttentionCacheView(_EasyDeLForms):
         return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
 
     @property
+    def layer_group(self) -> LayerGroup:
+        """The layer group this view's layer belongs to: its attention kind and geometry."""
+        return self.metadata.groups[self.group]
+
+    @property
     def value_pages(self) -> Any:
         return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
 
@@ -149,25 +159,29 @@ class PagedAttentionCacheView(_EasyDeLForms):
             return dataclasses.replace(self, layer=layer, layer_index=None)
         n = int(np.shape(jax.tree.leaves(self.group_key_pages)[0])[0])
         i = integer("layer", layer, lo=0, hi=n - 1, hint=f"the view's group holds {n} layers")
-        index = None
-        if self.layer_index is not None and not isinstance(self.layer, jax.core.Tracer):
-            index = self.layer_index - int(self.layer) + i  # a group of consecutive layers (one group today)
+        group = self.layer_group
+        # A view of its group's whole stack knows every layer's index; a stack of one (a view made
+        # by PagedAttentionCacheView.init) keeps its own.
+        index = group.layers[i] if n == group.num_layers else self.layer_index
         return dataclasses.replace(self, layer=i, layer_index=index)
 
     @classmethod
     def init(cls, mesh: Mesh, dtype: Any, metadata: PagedAttentionCacheMetaData, layer_index: int,
              partition_manager: PartitionManager | None = None,
              quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
-        """Allocate one layer's pages (a group of one layer) directly on the devices of ``mesh``."""
+        """Allocate one layer's pages (a stack of one layer, in its group's geometry) directly on
+        the devices of ``mesh``."""
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
-        metadata, layout, make_template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
-        _check_fits(mesh, metadata, layers=1)
-        template = make_template(1)
-        k, v = allocate_pages((template, template), layout)
+        metadata, layout, templates = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        layouts = group_layouts(metadata, layout)
+        g, _ = metadata.group_of(layer_index)
+        _check_fits(mesh, metadata, metadata.group_page_bytes(metadata.groups[g]) * metadata.groups[g].num_pages
+                    // metadata.page_shards, f"1 layer of layers {metadata.groups[g].span}")
+        k, v = allocate_pages(templates(g, layers=1), layouts[g])
         return cls(metadata=metadata, layer_index=layer_index, group_key_pages=k, group_value_pages=v,
-                   layer=0, layout=layout)
+                   layer=0, layout=layouts[g], group=g)
 
     def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(
@@ -178,31 +192,33 @@ class PagedAttentionCacheView(_EasyDeLForms):
     # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
-        return self._write(key, value, check_slots_on_host(slots, self.metadata.tokens_per_layer))
+        return self._write(key, value, check_slots_on_host(slots, self.layer_group.num_pages * self.metadata.page_size))
 
     def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position."""
-        if not metadata.is_prefill_mode():
-            raise ValueError("write_prefill_to_cache needs prefill metadata (PagedAttentionMetadata.for_prefill)")
-        return self._write(key, value, token_slots(metadata, self.metadata))
+        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position.
+        ``metadata`` may also be one runtime metadata per layer group (a tuple): this view's is used."""
+        return self._write_mode(key, value, metadata, "prefill", "for_prefill")
 
     def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
         """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
-        if not metadata.is_decode_mode():
-            raise ValueError("write_decodes_to_cache needs decode metadata (PagedAttentionMetadata.for_decode)")
-        return self._write(key, value, token_slots(metadata, self.metadata))
+        return self._write_mode(key, value, metadata, "decode", "for_decode")
 
     def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
         """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
-        if not metadata.is_mixed_mode():
-            raise ValueError("write_mixed_to_cache needs mixed metadata (PagedAttentionMetadata.for_mixed)")
-        return self._write(key, value, token_slots(metadata, self.metadata))
+        return self._write_mode(key, value, metadata, "mixed", "for_mixed")
+
+    def _write_mode(self, key: Any, value: Any, metadata: Any, mode: str, maker: str) -> PagedAttentionCacheView:
+        rt = group_runtime(metadata, len(self.metadata.groups), self.group)
+        if not getattr(rt, f"is_{mode}_mode")():
+            name = "decodes" if mode == "decode" else mode
+            raise ValueError(f"write_{name}_to_cache needs {mode} metadata (PagedAttentionMetadata.{maker})")
+        return self._write(key, value, token_slots(rt, self.metadata, self.group))
 
     def _write(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """``write_tokens`` on slots already checked (host) or bounded in the scatter (device)."""
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
-        check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]))
+        check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]), group=self.group)
         if self._owner is not None:
             self._owner[0]._check_current(self._owner[1], self, f"the view of layer {self.layer_index}")
         pages = (self.group_key_pages, self.group_value_pages)
@@ -273,11 +289,12 @@ class CacheViews(list):
 class PagedAttentionCache(_EasyDeLForms):
     """Every layer's pages, stacked per layer group.
 
-    key_pages, value_pages: one array per layer group, ``(layers_in_group, num_kv_heads,
-    num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype (``QuantizedPages``
-    when quantized). This easykv stores one group holding every layer (uniform caches, and
-    caches whose one group is sliding or chunked). ``cache[i]`` / ``cache.views[i]`` is layer
-    ``i``'s view; ``cache[i] = view`` puts a written view back.
+    key_pages, value_pages: one array per layer group ``g`` of ``metadata.groups``,
+    ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)`` in the group's geometry
+    and the storage dtype (``QuantizedPages`` when quantized); a latent group's value entry is
+    None. ``layout`` is the cache-wide placement; ``layout_of(g)`` is group ``g``'s (its kv heads
+    may be split over other mesh axes). ``cache[i]`` / ``cache.views[i]`` is layer ``i``'s view;
+    ``cache[i] = view`` puts a written view back.
     """
 
     metadata: PagedAttentionCacheMetaData
@@ -298,8 +315,13 @@ class PagedAttentionCache(_EasyDeLForms):
             raise ValueError(f"{len(self.key_pages)} key and {len(self.value_pages)} value page arrays for "
                              f"{len(groups)} layer group(s); give one stacked array per group")
         for g, (group, k, v) in enumerate(zip(groups, self.key_pages, self.value_pages)):
-            want = (group.num_layers, meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size)
+            want = (group.num_layers, group.num_kv_heads, group.num_pages, meta.page_size)
+            if (v is None) == group.has_values:
+                raise ValueError(f"value_pages[{g}] is {'None' if v is None else 'given'} but layer group {g} (layers "
+                                 f"{group.span}) {'stores values' if group.has_values else 'is latent: no values'}")
             for name, x in (("key_pages", k), ("value_pages", v)):
+                if x is None:
+                    continue
                 got = tuple(np.shape(jax.tree.leaves(x)[0]))[:4]
                 if got != want:
                     raise ValueError(f"{name}[{g}] has shape {got} (leading dims) but layer group {g} (layers "
@@ -312,17 +334,20 @@ class PagedAttentionCache(_EasyDeLForms):
     def __len__(self) -> int:
         return self.metadata.num_hidden_layers
 
+    def layout_of(self, group: int) -> PageLayout | None:
+        """Placement of layer group ``group``'s pages: the cache's mesh and page split, the
+        group's own kv-head split."""
+        return group_layouts(self.metadata, self.layout)[group]
+
     def _locate(self, layer: Any) -> tuple[int, int, int]:
         n = self.metadata.num_hidden_layers
         i = integer("layer", layer, lo=-n, hi=n - 1, hint=f"the cache has {n} layers") % n
-        for g, group in enumerate(self.metadata.groups):
-            if i in group.layers:
-                return i, g, group.layers.index(i)
-        raise AssertionError(f"layer {i} is in no layer group of a checked metadata: a bug in easykv")
+        return (i, *self.metadata.group_of(i))
 
     def __getitem__(self, layer: int) -> PagedAttentionCacheView:
         i, g, j = self._locate(layer)
-        view = PagedAttentionCacheView(self.metadata, i, self.key_pages[g], self.value_pages[g], j, self.layout)
+        view = PagedAttentionCacheView(self.metadata, i, self.key_pages[g], self.value_pages[g], j, self.layout_of(g),
+                                       g)
         view._owner = (self, g)
         return view
 
@@ -330,9 +355,9 @@ class PagedAttentionCache(_EasyDeLForms):
         i, g, j = self._locate(layer)
         if not isinstance(view, PagedAttentionCacheView):
             raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
-        differs = [name for name, a, b in (("layer_index", view.layer_index, i), ("metadata", view.metadata,
-                                                                                 self.metadata),
-                                           ("layout", view.layout, self.layout)) if a != b]
+        differs = [name for name, a, b in (("layer_index", view.layer_index, i), ("group", view.group, g),
+                                           ("metadata", view.metadata, self.metadata),
+                                           ("layout", view.layout, self.layout_of(g))) if a != b]
         if differs:
             raise ValueError(f"cache.views[{i}] must be layer {i} of this cache, but the view's "
                              f"{' and '.join(differs)} differ{'s' if len(differs) == 1 else ''} from it")
@@ -353,7 +378,8 @@ class PagedAttentionCache(_EasyDeLForms):
         before and after every iteration."""
         n = len(self.key_pages)
         g = integer("group", group, lo=0, hi=n - 1, hint=f"the cache has {n} layer group(s)")
-        view = PagedAttentionCacheView(self.metadata, None, self.key_pages[g], self.value_pages[g], 0, self.layout)
+        view = PagedAttentionCacheView(self.metadata, None, self.key_pages[g], self.value_pages[g], 0,
+                                       self.layout_of(g), g)
         view._owner = (self, g)
         return view
 
@@ -365,12 +391,14 @@ class PagedAttentionCache(_EasyDeLForms):
         view it returns): put back only what was computed from this cache's arrays."""
         if not isinstance(view, PagedAttentionCacheView):
             raise ValueError(f"update takes a PagedAttentionCacheView, got {type(view).__name__}")
-        if view.metadata != self.metadata or view.layout != self.layout:
+        g = view.group
+        if view.metadata != self.metadata or view.layout != self.layout_of(g):
             raise ValueError("update takes a view of this cache, but the view's metadata or layout differs from it")
         size = int(np.shape(jax.tree.leaves(view.group_key_pages)[0])[0])
-        g = next((g for g, k in enumerate(self.key_pages) if np.shape(jax.tree.leaves(k)[0])[0] == size), None)
-        if g is None:
-            raise ValueError(f"the view's group holds {size} layers; no layer group of this cache does")
+        if size != self.metadata.groups[g].num_layers:
+            raise ValueError(f"the view's stack holds {size} layer(s) but layer group {g} holds "
+                             f"{self.metadata.groups[g].num_layers}; update takes a view of a whole group's stack "
+                             "(cache.group_view(g), or cache[i]); put one layer's view back with cache[i] = view")
         self._put_group(g, view)
 
     def _check_current(self, g: int, view: PagedAttentionCacheView, name: str) -> None:
@@ -408,11 +436,11 @@ class PagedAttentionCache(_EasyDeLForms):
     ) -> PagedAttentionCache:
         """Allocate every layer group's stacked pages in one call; each device creates only its
         own shard."""
-        metadata, layout, make_template = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
-        _check_fits(mesh, metadata, layers=metadata.num_hidden_layers)
-        templates = tuple(make_template(g.num_layers) for g in metadata.groups)
-        keys, values = allocate_pages((templates, templates), layout)
-        return cls(metadata, keys, values, layout)
+        metadata, layout, templates = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        _check_fits(mesh, metadata, metadata.bytes_per_device, f"{metadata.num_hidden_layers} layers")
+        layouts = group_layouts(metadata, layout)
+        pages = [allocate_pages(templates(g), layouts[g]) for g in range(len(metadata.groups))]
+        return cls(metadata, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
 
     @classmethod
     def from_views(cls, views: Any) -> PagedAttentionCache:
@@ -422,21 +450,26 @@ class PagedAttentionCache(_EasyDeLForms):
         views = list(views)
         if not views or not all(isinstance(v, PagedAttentionCacheView) for v in views):
             raise ValueError("from_views takes a non-empty list of PagedAttentionCacheView")
-        meta, layout = views[0].metadata, views[0].layout
+        meta = views[0].metadata
         for i, view in enumerate(views):
-            if view.layer_index != i or view.metadata != meta or view.layout != layout:
+            if view.layer_index != i or view.metadata != meta:
                 raise ValueError(f"views[{i}] has layer_index={view.layer_index} and "
                                  f"{'the same' if view.metadata == meta else 'different'} metadata; views must be "
                                  "layers 0..n-1 of one cache")
         if len(views) != meta.num_hidden_layers:
             raise ValueError(f"{len(views)} views for metadata with num_hidden_layers={meta.num_hidden_layers}")
-        stack = jax.jit(lambda pages: jax.tree.map(lambda *xs: jnp.stack(xs), *pages),
-                        out_shardings=None if layout is None else jax.tree.map(
-                            lambda t: layout.sharding_for(t.ndim + 1), views[0].key_pages))
+        first = views[0].layout
+        layout = None if first is None else PageLayout(first.mesh, meta.kv_head_mesh_axes, meta.page_mesh_axes)
         keys, values = [], []
-        for group in meta.groups:
-            keys.append(stack([views[i].key_pages for i in group.layers]))
-            values.append(stack([views[i].value_pages for i in group.layers]))
+        for group, group_layout in zip(meta.groups, group_layouts(meta, layout)):
+            members = [views[i] for i in group.layers]
+            odd = next((v.layer_index for v in members if v.layout != group_layout), None)
+            if odd is not None:
+                raise ValueError(f"views[{odd}] is laid out as {views[odd].layout}, but its layer group (layers "
+                                 f"{group.span}) is laid out as {group_layout}; views must be layers of one cache")
+            stack = _stacker(group_layout)
+            keys.append(stack([v.key_pages for v in members]))
+            values.append(stack([v.value_pages for v in members]) if group.has_values else None)
         return cls(meta, keys, values, layout)
 
     # ---- all layers in one jit -----------------------------------------------------------
@@ -451,37 +484,43 @@ class PagedAttentionCache(_EasyDeLForms):
         constructors).
         """
         meta = self.metadata
-        slots = token_slots(metadata, meta)
-        if np.ndim(slots) != 1:
-            raise ValueError(f"metadata.slot_mapping must be 1-D (one per token), got shape {np.shape(slots)}")
-        num_tokens = int(np.shape(slots)[0])
-        keys = _per_layer(keys, "keys", meta, num_tokens)
-        values = _per_layer(values, "values", meta, num_tokens)
+        n = len(meta.groups)
+        slots = tuple(token_slots(group_runtime(metadata, n, g), meta, g) for g in range(n))
+        counts = {np.shape(s) for s in slots}
+        if len(counts) != 1 or len(next(iter(counts))) != 1:
+            raise ValueError(f"metadata.slot_mapping must be 1-D (one per token) and the same length for every "
+                             f"layer group, got shapes {[np.shape(s) for s in slots]}")
+        num_tokens = int(np.shape(slots[0])[0])
+        keys = _per_layer(keys, "keys", meta, num_tokens, values=False)
+        values = _per_layer(values, "values", meta, num_tokens, values=True)
         return write_all(self, keys, values, slots)
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
         One jitted, donating call; sources are read before destinations are written."""
         meta = self.metadata
-        src, dst = _page_ids(src, "src", meta), _page_ids(dst, "dst", meta)
-        if src.shape != dst.shape:
-            raise ValueError(f"src has shape {src.shape} but dst has shape {dst.shape}; pair them 1:1")
-        if meta.page_shards > 1 and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
-            # Each data-parallel replica owns a slice of the pool; a copy cannot cross slices.
-            real = (src >= 0) & (dst >= 0)
-            cross = real & (src // meta.pages_per_shard != dst // meta.pages_per_shard)
-            if np.any(cross):
-                i = int(np.argmax(cross))
-                raise ValueError(
-                    f"copy {int(src[i])} -> {int(dst[i])} crosses data-parallel replicas: pages are "
-                    f"split into {meta.page_shards} slices of {meta.pages_per_shard}; copy within a "
-                    "replica's slice"
-                )
-        return _copy_all(self, src, dst)
+        srcs, dsts = _group_page_ids(src, "src", meta), _group_page_ids(dst, "dst", meta)
+        for g, (src, dst) in enumerate(zip(srcs, dsts)):
+            where = "" if len(srcs) == 1 else f" of layer group {g}"
+            if src.shape != dst.shape:
+                raise ValueError(f"src{where} has shape {src.shape} but dst has shape {dst.shape}; pair them 1:1")
+            per_shard = meta.groups[g].num_pages // meta.page_shards
+            if meta.page_shards > 1 and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
+                # Each data-parallel replica owns a slice of the pool; a copy cannot cross slices.
+                real = (src >= 0) & (dst >= 0)
+                cross = real & (src // per_shard != dst // per_shard)
+                if np.any(cross):
+                    i = int(np.argmax(cross))
+                    raise ValueError(
+                        f"copy {int(src[i])} -> {int(dst[i])}{where} crosses data-parallel replicas: pages are "
+                        f"split into {meta.page_shards} slices of {per_shard}; copy within a replica's slice")
+        return _copy_all(self, srcs, dsts)
 
     def zero_pages(self, pages: Any) -> PagedAttentionCache:
-        """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding."""
-        return _zero_all(self, _page_ids(pages, "pages", self.metadata))
+        """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding.
+        ``pages`` (and ``copy_pages``' ``src`` / ``dst``): one array of ids for every layer group,
+        or a tuple of one per group (groups have their own pools)."""
+        return _zero_all(self, _group_page_ids(pages, "pages", self.metadata))
 
 
 PagedAttentionCache._to_dict = staticmethod(cache_json.cache_to_dict)
@@ -517,29 +556,48 @@ _scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argn
 
 
 @partial(jax.jit, donate_argnums=0)  # public for the write benchmark and tests: cache.write without host checks
-def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: Any) -> tuple[PagedAttentionCache, jax.Array]:
-    # Every group's K and V in one shard_map: one scatter per array and device for the step.
+def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: tuple[Any, ...]
+              ) -> tuple[PagedAttentionCache, jax.Array]:
+    """Every group's new K and V (``slots``: one array per group) in one jit: one shard_map and
+    one scatter per stacked array and device."""
     def rows(x: Any, layers: tuple[int, ...]) -> jax.Array:
         if isinstance(x, tuple):
             return jnp.stack([jnp.asarray(x[i]) for i in layers])
         x = jnp.asarray(x)
         return x if layers == tuple(range(x.shape[0])) else x[np.asarray(layers)]
 
-    pages = tuple(zip(cache.key_pages, cache.value_pages))
-    new = tuple((encode_tokens(rows(keys, g.layers), kp), encode_tokens(rows(values, g.layers), vp))
-                for g, (kp, vp) in zip(cache.metadata.groups, pages))
-    out = scatter_encoded(pages, new, slots, layout=cache.layout)
-    return (PagedAttentionCache(cache.metadata, tuple(k for k, _ in out), tuple(v for _, v in out), cache.layout),
-            count_dropped(jnp.asarray(slots), cache.metadata.tokens_per_layer))
+    meta = cache.metadata
+    keys_out, values_out, dropped = [], [], []
+    for g, group in enumerate(meta.groups):
+        kp, vp = cache.key_pages[g], cache.value_pages[g]
+        new_k = encode_tokens(rows(keys, group.layers), kp)
+        new_v = None if vp is None else encode_tokens(rows(values, group.layers), vp)
+        k, v = scatter_encoded((kp, vp), (new_k, new_v), slots[g], layout=cache.layout_of(g))
+        keys_out.append(k)
+        values_out.append(v)
+        dropped.append(count_dropped(jnp.asarray(slots[g]), group.num_pages * meta.page_size))
+    return PagedAttentionCache(meta, tuple(keys_out), tuple(values_out), cache.layout), jnp.max(jnp.stack(dropped))
 
 
-def _apply_page_op(cache: PagedAttentionCache, *ids: jax.Array, op: Any) -> PagedAttentionCache:
-    keys, values = page_op(cache.layout, op)((cache.key_pages, cache.value_pages), *ids)
-    return PagedAttentionCache(cache.metadata, keys, values, cache.layout)
+def _apply_page_op(cache: PagedAttentionCache, *ids: tuple[jax.Array, ...], op: Any) -> PagedAttentionCache:
+    keys, values = [], []
+    for g in range(len(cache.metadata.groups)):
+        k, v = page_op(cache.layout_of(g), op)((cache.key_pages[g], cache.value_pages[g]), *(i[g] for i in ids))
+        keys.append(k)
+        values.append(v)
+    return PagedAttentionCache(cache.metadata, tuple(keys), tuple(values), cache.layout)
 
 
 _copy_all = jax.jit(partial(_apply_page_op, op=copy_pages_local), donate_argnums=0)
 _zero_all = jax.jit(partial(_apply_page_op, op=zero_pages_local), donate_argnums=0)
+
+
+def _stacker(layout: PageLayout | None) -> Any:
+    """A jitted stack of per-layer page pytrees into one stack laid out as ``layout``."""
+    def stack(pages: list[Any]) -> Any:
+        shardings = None if layout is None else jax.tree.map(lambda t: layout.sharding_for(t.ndim + 1), pages[0])
+        return jax.jit(lambda ps: jax.tree.map(lambda *xs: jnp.stack(xs), *ps), out_shardings=shardings)(pages)
+    return stack
 
 
 def gather_kv(
@@ -549,7 +607,8 @@ def gather_kv(
     length: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The contiguous keys and values of one sequence, each (length, num_kv_heads, head_dim)
-    in the logical dtype. Reads only the ``ceil(length / page_size)`` pages it needs."""
+    of the layer's group in the logical dtype (values None for a latent group). Reads only the
+    ``ceil(length / page_size)`` pages it needs."""
     if isinstance(cache, PagedAttentionCacheView):
         view = cache
     elif isinstance(cache, PagedAttentionCache):
@@ -561,7 +620,7 @@ def gather_kv(
     length = integer("length", length, lo=0, hi=limit, hint=f"static; a sequence holds at most {limit} tokens")
     row = page_table_row
     if not isinstance(row, jax.Array):  # host data: every page it needs checked here
-        row = page_ids("page_table_row", row, num_pages=meta.num_pages_per_layer, ndim=1, pad="unassigned")
+        row = page_ids("page_table_row", row, num_pages=view.layer_group.num_pages, ndim=1, pad="unassigned")
     if np.ndim(row) != 1:
         raise ValueError(f"page_table_row must be 1-D, got shape {np.shape(row)}")
     needed = math.ceil(length / meta.page_size)
@@ -578,17 +637,23 @@ def gather_kv(
 def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
     meta = view.metadata
 
-    def read(pages: Any) -> jax.Array:
+    def read(pages: Any) -> jax.Array | None:
+        if pages is None:
+            return None
         picked = read_pages(pages, ids, meta.dtype, view.layer)  # (heads, n, page_size, head_dim)
-        tokens = jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, meta.num_kv_heads, meta.kv_head_dim_size)
-        return tokens[:length]
+        heads, dim = picked.shape[0], picked.shape[-1]
+        return jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, heads, dim)[:length]
 
     return read(view.group_key_pages), read(view.group_value_pages)
 
 
 # ---- helpers ------------------------------------------------------------------------------
-def _page_shape(meta: PagedAttentionCacheMetaData, layers: int) -> tuple[int, int, int, int, int]:
-    return (layers, meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
+def group_layouts(meta: PagedAttentionCacheMetaData, layout: PageLayout | None) -> tuple[PageLayout | None, ...]:
+    """Each layer group's placement: the cache's mesh and page split, the group's kv-head split."""
+    if layout is None:
+        return (None,) * len(meta.groups)
+    return tuple(layout if g.kv_head_mesh_axes is None else dataclasses.replace(layout, head_axes=g.kv_head_mesh_axes)
+                 for g in meta.groups)
 
 
 def _checked_layout(
@@ -598,14 +663,14 @@ def _checked_layout(
     partition_manager: PartitionManager | None,
     quantizer: str | Quantizer | None,
 ) -> tuple[PagedAttentionCacheMetaData, PageLayout, Any]:
-    """The metadata completed for ``mesh`` (dtype and kv-head layout where it leaves them
-    open), the placement, and the page template of a stack of ``n`` layers (``template(n)``:
-    shapes, storage dtypes). Anything the
-    metadata does fix must agree: a different dtype, quantizer or split would change the bytes
-    per device the pool was sized for. Mesh axes of size 1 split nothing and are ignored."""
+    """The metadata completed for ``mesh`` (dtype and kv-head layouts where it leaves them
+    open), the cache-wide placement, and ``templates(g, layers=None)``: the key and value page
+    templates (shapes, storage dtypes; None for a latent group's values) of group ``g``'s stack
+    (of ``layers`` layers, default the group's). Anything the metadata does fix must agree: a
+    different dtype, quantizer or split would change the bytes per device the pool was sized
+    for. Mesh axes of size 1 split nothing and are ignored."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-    metadata.require_uniform("the page storage", windows=True)
     dt = canonical_dtype(dtype)
     if metadata.dtype is not None and dt != metadata.dtype:
         raise ValueError(
@@ -618,81 +683,128 @@ def _checked_layout(
             f"quantizer {q.name!r} differs from metadata.quantization {metadata.quantization!r}; "
             "create the metadata with the same quantizer"
         )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ShardingAdjustedWarning)
-        plan = plan_layout(
-            mesh, num_kv_heads=metadata.num_kv_heads, partition_manager=partition_manager, emit_warnings=True
-        )
-    for w in caught:
-        warnings.warn(str(w.message), ShardingAdjustedWarning, stacklevel=4)
+
+    def planned(num_kv_heads: int) -> Any:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ShardingAdjustedWarning)
+            plan = plan_layout(mesh, num_kv_heads=num_kv_heads, partition_manager=partition_manager,
+                               emit_warnings=True)
+        for w in caught:
+            warnings.warn(str(w.message), ShardingAdjustedWarning, stacklevel=5)
+        return plan
 
     def splitting(axes: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
-    head_axes, page_axes = splitting(plan.kv_head_mesh_axes), splitting(plan.page_mesh_axes)
-    got = (head_axes, plan.kv_head_shards, page_axes, plan.page_shards)
-    want = (splitting(metadata.kv_head_mesh_axes) if metadata.kv_head_mesh_axes is not None else head_axes,
-            metadata.kv_head_shards if metadata.kv_head_shards is not None else plan.kv_head_shards,
-            splitting(metadata.page_mesh_axes), metadata.page_shards)
-    if got != want:
-        raise ValueError(
-            "the mesh and partition manager split the pages as (kv_head axes, shards, page axes, "
-            f"shards) = {got}, but the metadata was sized for {want}; create the metadata with this "
-            "mesh and partition manager"
-        )
+    def check(what: str, plan: Any, head_axes: Any, head_shards: Any) -> None:
+        got = (splitting(plan.kv_head_mesh_axes), plan.kv_head_shards, splitting(plan.page_mesh_axes),
+               plan.page_shards)
+        want = (splitting(head_axes) if head_axes is not None else got[0],
+                head_shards if head_shards is not None else plan.kv_head_shards,
+                splitting(metadata.page_mesh_axes), metadata.page_shards)
+        if got != want:
+            raise ValueError(
+                f"the mesh and partition manager split {what} as (kv_head axes, shards, page axes, shards) = "
+                f"{got}, but the metadata was sized for {want}; create the metadata with this mesh and partition "
+                "manager")
+
+    plan = planned(metadata.num_kv_heads)
+    check("the pages", plan, metadata.kv_head_mesh_axes, metadata.kv_head_shards)
     if metadata.kv_head_mesh_axes is None:
         metadata = metadata.replace(kv_head_mesh_axes=plan.kv_head_mesh_axes, kv_head_shards=plan.kv_head_shards)
+    if not metadata.is_uniform:
+        groups = []
+        for g in metadata.groups:
+            group_plan = plan if g.num_kv_heads == metadata.num_kv_heads else planned(g.num_kv_heads)
+            check(f"the pages of layers {g.span}", group_plan, g.kv_head_mesh_axes, g.kv_head_shards)
+            if g.kv_head_mesh_axes is None:
+                g = dataclasses.replace(g, kv_head_mesh_axes=group_plan.kv_head_mesh_axes,
+                                        kv_head_shards=group_plan.kv_head_shards)
+            groups.append(g)
+        metadata = metadata.replace(layer_groups=tuple(groups))
     resolved = metadata.replace(dtype=dt)
     layout = PageLayout(mesh=mesh, head_axes=resolved.kv_head_mesh_axes, page_axes=resolved.page_mesh_axes)
     platform = mesh.devices.flat[0].platform
-    return resolved, layout, lambda layers: page_template(_page_shape(resolved, layers), resolved.dtype, q, platform)
+
+    def templates(g: int, layers: int | None = None) -> tuple[Any, Any]:
+        group = resolved.groups[g]
+        if layers is not None:
+            group = dataclasses.replace(group, layers=tuple(range(layers)))
+        return tuple(None if shape is None else page_template(shape, resolved.dtype, q, platform)
+                     for shape in (resolved.group_pages_shape(group), resolved.group_pages_shape(group, values=True)))
+
+    return resolved, layout, templates
 
 
-def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, *, layers: int) -> None:
+def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, need: int, what: str) -> None:
     """Refuse, before allocating, pages that cannot fit the devices' free memory (a metadata
     written for a bigger machine, or hand-edited): a precise error instead of an allocator
-    failure or, on CPU, the kernel's OOM killer."""
-    need = metadata.page_bytes_per_device * metadata.pages_per_shard * layers
+    failure or, on CPU, the kernel's OOM killer. ``need``: bytes per device of ``what``."""
     try:
         budget = device_memory_budget(list(mesh.devices.flat), 1.0)
     except MemoryUnavailableError:
         return  # the devices do not say; then only the allocation itself can tell
     if need > budget.per_device_bytes:
         raise ValueError(
-            f"the pages need {need} bytes per device ({layers} layer(s) of {metadata.pages_per_shard} pages x "
-            f"{metadata.page_bytes_per_device} bytes) but the devices have {budget.per_device_bytes} free "
-            f"({budget.detail}); create the metadata for this machine (PagedAttentionCacheMetaData.create) or "
-            "give it fewer pages")
+            f"the pages need {need} bytes per device ({what}: {metadata._cost_detail()}) but the devices have "
+            f"{budget.per_device_bytes} free ({budget.detail}); create the metadata for this machine "
+            "(PagedAttentionCacheMetaData.create) or give it fewer pages")
 
 
-def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int) -> Any:
-    """Check per-layer new tokens without slicing them on the host: a stacked array stays one
-    array (sliced inside the jit, checked once), a sequence stays a tuple (checked per layer)."""
+def _per_layer(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int, *, values: bool) -> Any:
+    """Check per-layer new keys (or values) without slicing them on the host: a stacked array
+    stays one array (sliced inside the jit, checked once per group), a sequence stays a tuple
+    (checked per layer). Latent groups take no values: None in their layers' places, or None
+    for all when every group is latent."""
+    latent_only = values and not any(g.has_values for g in meta.groups)
+    if x is None and latent_only:
+        return None
     if isinstance(x, (list, tuple)):
-        count, layers = len(x), tuple(x)
+        count, items = len(x), tuple(x)
     elif np.ndim(x) == 4:
-        count, layers = int(np.shape(x)[0]), (jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype),)
+        count, items = int(np.shape(x)[0]), None
     else:
         raise ValueError(
             f"{name} must be (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of "
-            f"per-layer arrays, got shape {np.shape(x)}"
-        )
+            f"per-layer arrays{' (None for latent layers)' if values else ''}, got shape {np.shape(x)}")
     if count != meta.num_hidden_layers:
         raise ValueError(
             f"{name} holds {count} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
         )
-    for layer in layers:
-        check_new_tokens(layer, layer, metadata=meta, num_tokens=num_tokens, name=name)
-    return tuple(x) if isinstance(x, (list, tuple)) else x
+    if items is None:  # one array for every layer: every group must take its shape
+        if values and any(not g.has_values for g in meta.groups):
+            raise ValueError(f"{name} is one array for every layer, but layers "
+                             f"{[g.span for g in meta.groups if not g.has_values]} are latent and take no values; "
+                             "give a sequence of per-layer arrays with None for latent layers")
+        one = jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype)
+        checks = [(g, one, name) for g in range(len(meta.groups))]
+    else:
+        checks = [(meta.group_of(i)[0], item, f"{name}[{i}]") for i, item in enumerate(items)]
+    for g, item, label in checks:
+        check_token_rows(item, metadata=meta, num_tokens=num_tokens, group=g, values=values, name=label)
+    return items if items is not None else x
 
 
-def _page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> Any:
-    """Host page ids checked (-1 padding); device ids are bounded inside the copy/zeroing."""
+def _group_page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> tuple[Any, ...]:
+    """Page ids for every layer group: one array for all (checked against every group's
+    pool), or a tuple of one per group. Host ids checked (-1 padding); device ids are bounded
+    inside the copy/zeroing."""
+    n = len(meta.groups)
+    if isinstance(ids, tuple):
+        if len(ids) != n:
+            raise ValueError(f"{name} holds {len(ids)} arrays of page ids but the cache has {n} layer group(s); "
+                             "give one array for all groups or one per group")
+        return tuple(_page_ids(x, name if n == 1 else f"{name}[{g}]", meta.groups[g].num_pages)
+                     for g, x in enumerate(ids))
+    return tuple(_page_ids(ids, name, g.num_pages) for g in meta.groups)
+
+
+def _page_ids(ids: Any, name: str, num_pages: int) -> Any:
     if isinstance(ids, jax.Array):
         if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be a 1-D array of integer page ids, got {ids.dtype} of shape {ids.shape}")
         return ids.astype(jnp.int32)
-    return page_ids(name, ids, num_pages=meta.num_pages_per_layer, ndim=1)
+    return page_ids(name, ids, num_pages=num_pages, ndim=1)
 
 
 __all__ = ["PagedAttentionCache", "PagedAttentionCacheView", "gather_kv"]

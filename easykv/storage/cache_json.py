@@ -35,6 +35,8 @@ _VERSION = 1
 
 
 def _encode_pages(pages: Any, field: str) -> Any:
+    if pages is None:  # a latent group's values
+        return None
     if isinstance(pages, QuantizedPages):
         return {"values": encode_array(pages.values, f"{field}.values"),
                 "scales": encode_array(pages.scales, f"{field}.scales")}
@@ -68,6 +70,11 @@ def _header(data: Any, schema: str, keys: tuple[str, ...]) -> dict[str, Any]:
 def _decode_pages(data: Any, template: Any, field: str) -> Any:
     """Stored arrays checked against the template: same shape, same width (bitcast to the
     target platform's storage, e.g. raw uint16 bits written on CPU, bfloat16 on GPU)."""
+    if template is None or data is None:
+        if template is not None or data is not None:
+            raise SerializationError(f"field {field!r} is {'null' if data is None else 'given'} but the layer's group "
+                                     f"{'stores values' if template is not None else 'is latent: it stores no values'}")
+        return None
     if isinstance(template, QuantizedPages):
         if not isinstance(data, dict) or set(data) != {"values", "scales"}:
             raise SerializationError(f"field {field!r} of quantized pages must hold 'values' and 'scales'")
@@ -83,28 +90,33 @@ def _decode_pages(data: Any, template: Any, field: str) -> Any:
 
 def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | None,
                    partition_manager: Any) -> PagedAttentionCacheView:
-    from easykv.storage.cache import _checked_layout  # the rule init_cache follows, one place
+    from easykv.storage.cache import _checked_layout, group_layouts  # the rule init_cache follows, one place
 
     data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
     meta = PagedAttentionCacheMetaData.from_dict(data["metadata"])
     if meta.dtype is None:
         raise SerializationError("the view's metadata has no dtype; a view's metadata is complete")
     layer = integer("layer_index", data["layer_index"], lo=0, hi=meta.num_hidden_layers - 1)
+    g, _ = meta.group_of(layer)
     if mesh is None:
         device = jax.devices()[0]
         layout, sharding = None, lambda ndim: SingleDeviceSharding(device)
-        template = page_template((meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size),
-                                 meta.dtype, meta.quantizer, device.platform)
+        group = meta.groups[g]
+        stacked = tuple(None if shape is None else page_template(shape, meta.dtype, meta.quantizer, device.platform)
+                        for shape in (meta.group_pages_shape(group), meta.group_pages_shape(group, values=True)))
     else:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-        meta, layout, stacked = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
-        template = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), stacked(1))
+        meta, cache_layout, templates = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
+        layout = group_layouts(meta, cache_layout)[g]
+        stacked = templates(g, 1)
         sharding = layout.sharding_for
     # The JSON holds one layer's pages (EasyDeL's view form); the view holds them as a stack of one.
-    pages = [_decode_pages(data[name], template, name) for name in ("key_pages", "value_pages")]
+    one_layer = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), stacked)
+    pages = [_decode_pages(data[name], t, name) for name, t in zip(("key_pages", "value_pages"), one_layer)]
     k, v = (jax.tree.map(lambda a: jax.device_put(a[None], sharding(a.ndim + 1)), p) for p in pages)
-    return cls(metadata=meta, layer_index=layer, group_key_pages=k, group_value_pages=v, layer=0, layout=layout)
+    return cls(metadata=meta, layer_index=layer, group_key_pages=k, group_value_pages=v, layer=0, layout=layout,
+               group=g)
 
 
 def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None,

@@ -22,16 +22,18 @@ from easykv.runtime import PAD_SLOT, PagedAttentionMetadata, array_module, as_mi
 from easykv.runtime_checks import check_slots, host_checked
 
 
-def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData) -> Any:
-    """The slot of every token row a write with ``metadata`` receives, shape (num_tokens,),
-    checked on the host (numpy) unless a validated constructor already checked them against
-    this pool; device slots pass through (their bad ones are dropped and counted in the write)."""
-    rt = as_mixed(metadata, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
+def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData, group: int = 0) -> Any:
+    """The slot of every token row a write with ``metadata`` into layer group ``group``'s pool
+    receives, shape (num_tokens,), checked on the host (numpy) unless a validated constructor
+    already checked them against this pool; device slots pass through (their bad ones are
+    dropped and counted in the write)."""
+    pages = meta.groups[group].num_pages
+    rt = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
                   pages_per_sequence=meta.num_pages_per_sequence).rt
     mark = host_checked(rt)
-    if mark is not None and (mark.num_pages, mark.page_size) == (meta.num_pages_per_layer, meta.page_size):
+    if mark is not None and (mark.num_pages, mark.page_size) == (pages, meta.page_size):
         return rt.slot_mapping
-    return check_slots_on_host(rt.slot_mapping, meta.tokens_per_layer)
+    return check_slots_on_host(rt.slot_mapping, pages * meta.page_size)
 
 
 def count_dropped(slots: Any, capacity: int) -> Any:
@@ -46,23 +48,35 @@ def check_slots_on_host(slots: Any, capacity: int) -> Any:
     return slots if isinstance(slots, jax.Array) else check_slots(slots, capacity)
 
 
-def check_new_tokens(
-    key: Any, value: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int, name: str | None = None
-) -> None:
-    """New K/V must be (num_tokens, num_kv_heads, head_dim) in the cache dtype."""
-    want = (num_tokens, metadata.num_kv_heads, metadata.kv_head_dim_size)
-    pairs = ((name, key),) if name is not None else (("key", key), ("value", value))
-    for name, x in pairs:
-        shape, dtype = tuple(getattr(x, "shape", np.shape(x))), getattr(x, "dtype", None)
-        if shape != want:
-            raise ValueError(
-                f"{name} has shape {shape}, expected (num_tokens, num_kv_heads, head_dim) = {want}"
-            )
-        if dtype is None or np.dtype(dtype) != metadata.dtype:
-            raise ValueError(
-                f"{name} has dtype {dtype}, but the cache stores {metadata.dtype.name}; "
-                f"cast with .astype({metadata.dtype.name}) first (a silent cast would hide a model bug)"
-            )
+def check_new_tokens(key: Any, value: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int,
+                     group: int = 0) -> None:
+    """New K/V of one layer of group ``group``: see :func:`check_token_rows`."""
+    check_token_rows(key, metadata=metadata, num_tokens=num_tokens, group=group, values=False, name="key")
+    check_token_rows(value, metadata=metadata, num_tokens=num_tokens, group=group, values=True, name="value")
+
+
+def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int, group: int, values: bool,
+                     name: str) -> None:
+    """New keys (or values) of a layer of group ``group`` must be (num_tokens, num_kv_heads,
+    head_dim) of the group in the cache dtype; a latent group takes no values (None)."""
+    g = metadata.groups[group]
+    where = "" if metadata.is_uniform else f" (layers {g.span}: {g.num_kv_heads} kv heads of {g.key_head_dim}" + (
+        f" / {g.value_head_dim} dims)" if g.has_values else " dims, latent)")
+    if values and not g.has_values:
+        if x is not None:
+            raise ValueError(f"{name} must be None for a latent layer group{where}: it stores one vector per token "
+                             "(the values are its first value_head_dim dims); write the latent as the key")
+        return
+    want = (num_tokens, g.num_kv_heads, g.value_head_dim if values else g.key_head_dim)
+    shape, dtype = tuple(getattr(x, "shape", np.shape(x))), getattr(x, "dtype", None)
+    if x is None or shape != want:
+        got = "None" if x is None else f"shape {shape}"
+        raise ValueError(f"{name} has {got}, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
+    if dtype is None or np.dtype(dtype) != metadata.dtype:
+        raise ValueError(
+            f"{name} has dtype {dtype}, but the cache stores {metadata.dtype.name}; "
+            f"cast with .astype({metadata.dtype.name}) first (a silent cast would hide a model bug)"
+        )
 
 
 def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = None, *,
@@ -112,7 +126,8 @@ def scatter_kv(
     Each device writes only into its own shard: the new tokens are split by kv head like the
     pages, and each page slice keeps the slots that fall inside it.
     """
-    new_k, new_v = encode_tokens(jnp.asarray(key), key_pages), encode_tokens(jnp.asarray(value), value_pages)
+    new_k = encode_tokens(jnp.asarray(key), key_pages)
+    new_v = None if value_pages is None else encode_tokens(jnp.asarray(value), value_pages)  # None: a latent group
     return scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
 
 

@@ -244,3 +244,15 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
     far = PagedAttentionMetadata.for_mixed([[20, -1, -1, -1, -1, -1, -1, -1]], [0], [1], cache_metadata=meta)
     with pytest.raises(ValueError, match=r"outside the pool's 64 slots"):
         cache.views[0].write_mixed_to_cache(k0[:1], v0[:1], far)
+
+
+def test_saving_a_grouped_cache_is_refused_before_anything_is_written(tmp_path):
+    _, _, meta, cache = grouped_meta("tp8")
+    target = tmp_path / "ckpt"
+    with pytest.raises(NotImplementedError, match=r"a checkpoint holds uniform caches .* layers \[4\]: full"):
+        easykv.save_cache(target, cache)
+    assert not target.exists()
+    with easykv.CacheCheckpointer(tmp_path / "async") as ckpt:
+        with pytest.raises(NotImplementedError, match=r"a checkpoint holds uniform caches"):
+            ckpt.save(cache)
+        assert ckpt.all_steps() == []

@@ -478,9 +478,11 @@ class PagedAttentionCache(_EasyDeLForms):
         and layer group.
 
         keys, values: (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of
-        per-layer (num_tokens, num_kv_heads, head_dim). Returns the updated cache (this cache's
-        buffers are donated: do not use it afterwards) and the number of real tokens dropped
-        because their slot lay outside the pool (0 when metadata came from the validated
+        per-layer (num_tokens, num_kv_heads, head_dim) in each layer's group geometry (None for
+        a latent layer's values). ``metadata``: one for every group, or a tuple of one per group.
+        Returns the updated cache (this cache's buffers are donated: do not use it afterwards)
+        and the number of real tokens dropped because their slot lay outside the pool (of a
+        grouped cache, the most in any one group; 0 when metadata came from the validated
         constructors).
         """
         meta = self.metadata

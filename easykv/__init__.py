@@ -24,7 +24,7 @@ from easykv.errors import (
     StepNotFoundError,
     UnknownSequenceError,
 )
-from easykv.manager.manager import PageManager, PageManagerMetrics
+from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.spec.groups import ATTENTION_KINDS, LayerGroup, group_pattern
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
@@ -47,6 +47,7 @@ _LAZY = {
     **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"),
                     "easykv.checkpoint.checkpointer"),
     **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.checkpoint.transfer"),
+    **dict.fromkeys(("GroupedSequenceExport", "ExportedGroup"), "easykv.checkpoint.grouped_export"),
     "inspect_checkpoint": "easykv.checkpoint.inspect",
 }
 
@@ -76,6 +77,8 @@ __all__ = [
     "NotACheckpointError",
     "RestoredCache",
     "SequenceExport",
+    "GroupedSequenceExport",
+    "ExportedGroup",
     "StepNotFoundError",
     "export_sequence",
     "import_sequence",
@@ -88,6 +91,7 @@ __all__ = [
     "LockstepError",
     "PageManager",
     "PageManagerMetrics",
+    "GroupPoolMetrics",
     "QuantizedPages",
     "UnknownSequenceError",
     "increment_cache_lengths",

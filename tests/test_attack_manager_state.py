@@ -317,7 +317,7 @@ def test_the_rules_hold_for_live_managers_too():
     """The checker is shared: a live manager broken the same way is reported as an easykv bug."""
     pm = busy()
     page = pm.pages(0)[0]
-    pm._pool._scrub[page] = None
+    pm._groups[0].pool._scrub[page] = None
     with pytest.raises(AssertionError, match=r"easykv bug.*page .* is to be zeroed but holds written tokens"):
         pm.check_invariants()
 

@@ -427,7 +427,7 @@ def test_check_invariants_reports_a_bug():
     [a] = pm.claim(1)
     prefill(pm, a, list(range(9)))
     pm.check_invariants()
-    pm._pool.refcount[0] += 1
+    pm._groups[0].pool.refcount[0] += 1
     with pytest.raises(InvariantError, match="easykv bug.*page 0 has refcount 2 but 1 owners"):
         pm.check_invariants()
 

@@ -74,32 +74,46 @@ class ManagerMachine(RuleBasedStateMachine):
     shards = 1
     caching = True
     scrub = True
-    group = None  # a sliding or chunked LayerGroup: the manager releases pages that left it
+    # Layer groups, one layer each (None: one full-attention group of PAGES pages). A sliding or
+    # chunked group releases the pages that left its window; groups have their own pools.
+    layer_groups = None
+
+    @property
+    def groups(self):
+        return self.meta.groups
+
+    def _per_group(self, x):
+        """A manager answer as one item per group (a one-group manager answers with the item)."""
+        return x if len(self.groups) > 1 else (x,)
 
     @initialize()
     def setup(self):
+        groups = self.layer_groups
         self.meta = PagedAttentionCacheMetaData(
-            batch_size=BATCH, num_hidden_layers=1, num_pages_per_layer=PAGES,
+            batch_size=BATCH, num_hidden_layers=1 if groups is None else len(groups),
+            num_pages_per_layer=PAGES if groups is None else max(g.num_pages for g in groups),
             num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
-            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards,
-            layer_groups=None if self.group is None else (self.group,))
+            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards, layer_groups=groups)
         self.pm = Twins(*(PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
                           for _ in range(2)))
-        self.device = np.full((PAGES, PS), -1, np.int64)
+        self.device = [np.full((g.num_pages, PS), -1, np.int64) for g in self.groups]  # one token id per slot
         self.model: dict[int, dict] = {}
         self.history: list[list[int]] = []  # token ids of released sequences
 
     # ---- device simulation ---------------------------------------------------------------------
     def _apply_page_ops(self):
-        src, dst = self.pm.take_copies()
-        self.device[dst] = self.device[src]  # every source read before any destination written
-        self.device[self.pm.take_scrubs()] = -1
+        srcs, dsts = map(self._per_group, self.pm.take_copies())
+        for device, src, dst in zip(self.device, srcs, dsts):
+            device[dst] = device[src]  # every source read before any destination written
+        for device, pages in zip(self.device, self._per_group(self.pm.take_scrubs())):
+            device[pages] = -1
 
     def _write(self, meta, tokens):
-        slots = np.asarray(meta.slot_mapping)
-        real = slots >= 0
-        assert real.sum() == len(tokens)
-        self.device.reshape(-1)[slots[real]] = tokens
+        for device, rt in zip(self.device, self._per_group(meta)):
+            slots = np.asarray(rt.slot_mapping)
+            real = slots >= 0
+            assert real.sum() == len(tokens)
+            device.reshape(-1)[slots[real]] = tokens
 
     def _grow(self, seqs, tokens, ids=True):
         """One mixed step: append ``tokens[i]`` to ``seqs[i]`` (committed with their ids, or
@@ -147,7 +161,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.pm.release(seq)
             del self.model[seq]
 
-    @precondition(lambda self: self.group is not None)
+    @precondition(lambda self: all(g.attention != "full" for g in self.groups))
     @rule(data=st.data(), first=st.integers(0, MAX_LEN - 1))
     def resume(self, data, first):
         """A sequence that starts mid-way (moved in with its window's tokens only): positions
@@ -245,44 +259,47 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.pm.active_ids == sorted(self.model)
         self._check_contents()
         m = self.pm.metrics
-        assert m.free_pages + m.cached_pages + m.used_pages == PAGES
-        if self.scrub:  # a free page holds nothing, or is reported for zeroing
-            pending = set(self.pm.pending_scrubs().tolist())
-            for heap in self.pm._pool._free:
-                for page in heap:
-                    assert page in pending or (self.device[page] == -1).all(), page
+        assert m.free_pages + m.cached_pages + m.used_pages == sum(g.num_pages for g in self.groups)
+        for g, (group, pool) in enumerate(zip(self.groups, m.groups)):
+            assert pool.free_pages + pool.cached_pages + pool.used_pages == pool.total_pages == group.num_pages
+            if self.scrub:  # a free page holds nothing, or is reported for zeroing
+                pending = set(self._per_group(self.pm.pending_scrubs())[g].tolist())
+                for heap in self.pm.live._groups[g].pool._free:
+                    for page in heap:
+                        assert page in pending or (self.device[g][page] == -1).all(), (g, page)
 
     def _check_contents(self):
-        device = self.device.copy()  # as the next step will see it: pending copies applied
-        src, dst = self.pm.pending_copies()
-        device[dst] = device[src]
-        for seq, info in self.model.items():
-            tokens = info["tokens"]
-            assert self.pm.length(seq) == len(tokens)
-            pages = self.pm.pages(seq)
-            # Exactly the pages wholly before the next query's window are released (-1), and
-            # no page inside it was freed or reused: it still holds the sequence's tokens.
-            gone = max(self._released(len(tokens), len(pages)), info.get("floor", 0) // PS)
-            assert all(p == -1 for p in pages[:gone]) and all(p >= 0 for p in pages[gone:]), (seq, pages)
-            got = device[pages[gone:]].reshape(-1)[: len(tokens) - gone * PS] if pages else np.zeros(0)
-            assert got.tolist() == tokens[gone * PS:], (seq, got.tolist(), tokens)
-            # a page in the prefix cache is named by exactly the history it holds
-            full = len(tokens) // PS
-            want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
-            for col, page in enumerate(pages[:full]):
-                if col < gone:
-                    continue
-                digest = self.pm._pool.digest_of(page)
-                assert digest is None or digest == want[col], (seq, col, page)
+        for g, group in enumerate(self.groups):
+            device = self.device[g].copy()  # as the next step will see it: pending copies applied
+            src, dst = (self._per_group(x)[g] for x in self.pm.pending_copies())
+            device[dst] = device[src]
+            for seq, info in self.model.items():
+                tokens = info["tokens"]
+                assert self.pm.length(seq) == len(tokens)
+                pages = self.pm.pages(seq, group=g)
+                # Exactly the pages wholly before the next query's window are released (-1), and
+                # no page inside it was freed or reused: it still holds the sequence's tokens.
+                gone = max(self._released(group, len(tokens), len(pages)), info.get("floor", 0) // PS)
+                assert all(p == -1 for p in pages[:gone]) and all(p >= 0 for p in pages[gone:]), (g, seq, pages)
+                got = device[pages[gone:]].reshape(-1)[: len(tokens) - gone * PS] if pages else np.zeros(0)
+                assert got.tolist() == tokens[gone * PS:], (g, seq, got.tolist(), tokens)
+                # a page in the prefix cache is named by exactly the history it holds
+                full = len(tokens) // PS
+                want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
+                for col, page in enumerate(pages[:full]):
+                    if col < gone:
+                        continue
+                    digest = self.pm.live._groups[g].pool.digest_of(page)
+                    assert digest is None or digest == want[col], (g, seq, col, page)
 
-
-    def _released(self, length: int, held: int) -> int:
+    @staticmethod
+    def _released(group, length: int, held: int) -> int:
         """Columns wholly before the first position a query at ``length`` reads, written here
         from the definitions (sliding: the last W positions; chunked: its own chunk)."""
-        if self.group is None:
+        if group.attention == "full":
             return 0
-        w = self.group.window
-        first = max(0, length - w + 1) if self.group.attention == "sliding" else length - length % w
+        w = group.window
+        first = max(0, length - w + 1) if group.attention == "sliding" else length - length % w
         return min(first // PS, held)
 
 
@@ -296,12 +313,30 @@ class NoCachingMachine(ManagerMachine):
 
 
 class SlidingWindowMachine(ManagerMachine):
-    group = LayerGroup((0,), "sliding", 6, num_pages=PAGES)  # a window over two pages, not a page multiple
+    layer_groups = (LayerGroup((0,), "sliding", 6, num_pages=PAGES),)  # a window over two pages, not a page multiple
 
 
 class ChunkedDataParallelMachine(ManagerMachine):
-    group = LayerGroup((0,), "chunked", 8, num_pages=PAGES)
+    layer_groups = (LayerGroup((0,), "chunked", 8, num_pages=PAGES),)
     shards = 2
+
+
+class HybridMachine(ManagerMachine):
+    """A full group beside a sliding one with a smaller pool (gpt-oss, Gemma): a prefix hit needs
+    both groups' pages, the sliding group frees what left its window, the full one keeps all."""
+    layer_groups = (LayerGroup((0,), "full", num_pages=PAGES), LayerGroup((1,), "sliding", 5, num_pages=8))
+
+
+class HybridDataParallelMachine(ManagerMachine):
+    """Three pools split over two replicas: full, chunked and sliding groups."""
+    layer_groups = (LayerGroup((0,), "full", num_pages=PAGES), LayerGroup((1,), "chunked", 8, num_pages=10),
+                    LayerGroup((2,), "sliding", 6, num_pages=8))
+    shards = 2
+
+
+class WindowsOnlyMachine(ManagerMachine):
+    """Two window groups (and no full one): sequences can resume mid-way in both."""
+    layer_groups = (LayerGroup((0,), "sliding", 3, num_pages=6), LayerGroup((1,), "chunked", 8, num_pages=PAGES))
 
 
 TestManagerMachine = ManagerMachine.TestCase
@@ -314,3 +349,9 @@ TestSlidingWindowMachine = SlidingWindowMachine.TestCase
 TestSlidingWindowMachine.settings = SETTINGS
 TestChunkedDataParallelMachine = ChunkedDataParallelMachine.TestCase
 TestChunkedDataParallelMachine.settings = SETTINGS
+TestHybridMachine = HybridMachine.TestCase
+TestHybridMachine.settings = SETTINGS
+TestHybridDataParallelMachine = HybridDataParallelMachine.TestCase
+TestHybridDataParallelMachine.settings = SETTINGS
+TestWindowsOnlyMachine = WindowsOnlyMachine.TestCase
+TestWindowsOnlyMachine.settings = SETTINGS

@@ -37,9 +37,10 @@ import numpy as np
 
 from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
+from easykv.manager.group_table import GroupTable
 from easykv.manager.growth import _Growth
 from easykv.manager.windows import _Windows
-from easykv.manager.page_pool import PagePool
+from easykv.manager.reshard import reshard_state
 from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv.spec import sizing
 from easykv.runtime import PAD_PAGE, increment_cache_lengths, stack_metadata  # the last two: re-exported
@@ -47,8 +48,20 @@ from easykv.validation import INT32_MAX, boolean, integer, integer_array, non_ne
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupPoolMetrics:
+    """A snapshot of one layer group's pool (its own page ids)."""
+
+    total_pages: int
+    free_pages: int
+    cached_pages: int
+    used_pages: int
+    evictions: int
+
+
+@dataclasses.dataclass(frozen=True)
 class PageManagerMetrics:
-    """A snapshot of the pool and the prefix cache (counters are totals since creation)."""
+    """A snapshot of the pools and the prefix cache (counters are totals since creation).
+    Page counts add up every layer group's pool; ``groups`` has each pool on its own."""
 
     total_pages: int
     free_pages: int
@@ -62,6 +75,7 @@ class PageManagerMetrics:
     evictions: int
     copies: int  # copy-on-write page copies reported
     scrubs: int  # released pages reported for zeroing
+    groups: tuple[GroupPoolMetrics, ...] = ()
 
     @property
     def usage(self) -> float:
@@ -94,13 +108,14 @@ class PageManager(_Growth, _Windows):
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-        metadata.require_uniform("PageManager", windows=True)
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
         scrub_released = boolean("scrub_released", scrub_released)
-        if metadata.batch_size * metadata.num_pages_per_sequence > _MAX_TABLE_ENTRIES:
+        groups = metadata.groups
+        entries = metadata.batch_size * metadata.num_pages_per_sequence * len(groups)
+        if entries > _MAX_TABLE_ENTRIES:
             raise ValueError(
                 f"batch_size={metadata.batch_size} sequences x num_pages_per_sequence={metadata.num_pages_per_sequence} "
-                f"is a block table of {metadata.batch_size * metadata.num_pages_per_sequence} entries, more than the "
+                f"x {len(groups)} layer group(s) is a block table of {entries} entries, more than the "
                 f"{_MAX_TABLE_ENTRIES} one host manages; lower batch_size or max_sequences")
         self.metadata = metadata
         self.page_size = ps = int(metadata.page_size)
@@ -109,22 +124,37 @@ class PageManager(_Growth, _Windows):
         self.pages_per_sequence = p = int(metadata.num_pages_per_sequence)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.scrub_released = bool(scrub_released)
-        self._pool = PagePool(int(metadata.num_pages_per_layer), int(metadata.page_shards), scrub_released=scrub_released)
-        self._table = np.full((b, p), PAD_PAGE, np.int32)
+        # One pool and block table per layer group (groups have their own page ids); what a
+        # sequence is (length, columns reserved, replica, hashes) is shared by all groups.
+        self._groups = tuple(GroupTable.fresh(g, batch_size=b, pages_per_sequence=p,
+                                              page_shards=int(metadata.page_shards), scrub_released=scrub_released)
+                             for g in groups)
+        self._num_replicas = int(metadata.page_shards)
         self._lens = np.zeros(b, np.int32)  # tokens written (K/V valid) per sequence
-        self._npages = np.zeros(b, np.int32)  # pages held, including pages reserved ahead
-        # A sliding or chunked cache releases the pages that left every window of a sequence:
-        # columns before _start[row] are holes (PAD_PAGE) in the block table (see windows.py).
-        group = metadata.groups[0]
-        self.window_group = group if group.attention != "full" else None
-        self._start = np.zeros(b, np.int32)
-        self._floor = np.zeros(b, np.int32)  # a resumed sequence's first position with K/V, until its window passes it
+        self._npages = np.zeros(b, np.int32)  # block-table columns held, including pages reserved ahead
+        self._floor = np.zeros(b, np.int32)  # a resumed sequence's first position with K/V, until its windows pass it
         self._replica = np.full(b, -1, np.int32)  # -1 until the sequence's first page
         self._active = np.zeros(b, bool)
         self._hashes = SequenceHashes(b, ps)
-        self._copies: dict[int, int] = {}  # pending copy-on-write: dst page -> src page
-        self._shared_partial: set[int] = set()  # partly filled pages a fork left shared
         self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
+
+    @property
+    def num_groups(self) -> int:
+        """Layer groups of the metadata: one pool, one block table and one step metadata each."""
+        return len(self._groups)
+
+    def _per_group(self, items: Sequence[Any]) -> Any:
+        """The one item of a one-group manager, else a tuple of one per group (the form the
+        storage takes: `PagedAttentionCache.write`, `copy_pages`, `zero_pages`)."""
+        return items[0] if len(items) == 1 else tuple(items)
+
+    def _group_index(self, group: Any) -> int:
+        n = len(self._groups)
+        if group is None:
+            if n > 1:
+                raise ValueError(f"this manager has {n} layer groups, each with its own pages; pass group=0..{n - 1}")
+            return 0
+        return integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")
 
     # ---- sequence slots [MAX: claim, external_claim, contains, release, slots_remaining] -------
     def claim(self, n: int = 1) -> list[int]:
@@ -172,16 +202,14 @@ class PageManager(_Growth, _Windows):
         the prefix cache (tail pages are evicted before head pages); others are freed."""
         row = self._row(seq_id)
         n = int(self._npages[row])
-        self._release_pages(self._table[row, self._start[row]:n][::-1].tolist())
+        for gt in self._groups:
+            gt.release_pages(gt.held(row, n)[::-1])
         self._reset_row(row)
 
-    def _release_pages(self, pages: list[int]) -> None:
-        for page in self._pool.release(pages):
-            self._copies.pop(page, None)  # nobody will read the copy's destination
-
     def _reset_row(self, row: int) -> None:
-        self._table[row] = PAD_PAGE
-        self._lens[row] = self._npages[row] = self._start[row] = self._floor[row] = 0
+        for gt in self._groups:
+            gt.reset_row(row)
+        self._lens[row] = self._npages[row] = self._floor[row] = 0
         self._replica[row] = -1
         self._active[row] = False
         self._hashes.reset(row)
@@ -208,49 +236,59 @@ class PageManager(_Growth, _Windows):
         c = self._counters
         c["prefix_queries"] += 1
         c["prefix_query_tokens"] += int(tokens.size)
-        if pages:
-            k = len(pages)
-            start = pages.count(PAD_PAGE)  # a sliding or chunked hit needs only its window's pages
-            self._pool.share(pages[start:])
-            self._table[row, :k] = pages
-            self._npages[row], self._start[row] = k, start
+        k = len(pages[0])
+        if k:
+            for gt, group_pages in zip(self._groups, pages):
+                start = group_pages.count(PAD_PAGE)  # a sliding or chunked hit needs only its window's pages
+                gt.pool.share(group_pages[start:])
+                gt.table[row, :k] = group_pages
+                gt.start[row] = start
+            self._npages[row] = k
             self._lens[row] = k * self.page_size
             self._replica[row] = replica
             self._hashes.chain[row] = chain
             c["prefix_hits"] += 1
             c["prefix_hit_tokens"] += k * self.page_size
             self._release_out_of_window(np.array([row]))
-        return len(pages) * self.page_size
+        return k * self.page_size
 
     def cached_prefix_length(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
         """How many tokens of ``token_ids`` `match_prefix` would find cached now (no state change)."""
         tokens = as_token_ids(token_ids)
         if not self.enable_prefix_caching:
             return 0
-        return len(self._lookup(tokens, salt_digest(salt), -1)[1]) * self.page_size
+        return len(self._lookup(tokens, salt_digest(salt), -1)[1][0]) * self.page_size
 
-    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int) -> tuple[int, list[int], bytes]:
-        """The best replica, its cached pages for the prompt (``PAD_PAGE`` where a window does
-        not need one), and the digest of the last one. Best: most pages, then most available
-        pages, then lowest index."""
-        pool = self._pool
-        replicas = [bound] if bound >= 0 else list(range(pool.num_replicas))
-        if self.window_group is not None:
+    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int) -> tuple[int, list[list[int]], bytes]:
+        """The best replica, its cached pages for the prompt in every group (``PAD_PAGE``
+        where a window does not need one), and the digest of the last one. A hit of ``k`` pages
+        needs every group's pages for it. Best: most pages, then most available pages (in the
+        tightest group), then lowest index."""
+        replicas = [bound] if bound >= 0 else list(range(self._num_replicas))
+        if any(gt.windowed for gt in self._groups):
             return self._lookup_window(tokens, salt, replicas)
-        found: dict[int, list[int]] = {r: [] for r in replicas}
+        pools = [gt.pool for gt in self._groups]
+        found: dict[int, list[list[int]]] = {r: [[] for _ in pools] for r in replicas}
         chain = ROOT_DIGEST
         for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt)):
             alive = False
             for r in replicas:
-                if len(found[r]) == k and (page := pool.lookup(r, digest)) >= 0:
-                    found[r].append(page)
-                    alive = True
+                if len(found[r][0]) == k:
+                    pages = [pool.lookup(r, digest) for pool in pools]
+                    if min(pages) >= 0:
+                        for column, page in zip(found[r], pages):
+                            column.append(page)
+                        alive = True
             if not alive:
                 break
             chain = digest
-        avail = pool.available_per_replica()
-        best = max(replicas, key=lambda r: (len(found[r]), avail[r], -r))
+        avail = self._available_per_replica()
+        best = max(replicas, key=lambda r: (len(found[r][0]), avail[r], -r))
         return best, found[best], chain
+
+    def _available_per_replica(self) -> np.ndarray:
+        """Per replica, the pages an allocation can take in its tightest group."""
+        return np.min([gt.pool.available_per_replica() for gt in self._groups], axis=0)
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:
@@ -293,74 +331,92 @@ class PageManager(_Growth, _Windows):
             raise ValueError(
                 f"sequence {int(rows[i])} has room for {int(self._npages[rows[i]]) * ps - int(lens[i])} more tokens "
                 f"but {int(counts[i])} were committed; reserve them first (build_step_metadata / reserve)")
-        if self._shared_partial:
-            writing = np.flatnonzero(counts > 0)
-            first = self._table[rows[writing], lens[writing] // ps]
-            shared = self._pool.refcount[first] > 1
-            if shared.any():
-                j = int(np.argmax(shared))
-                raise ValueError(
-                    f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}, which it shares "
-                    "since a fork; reserve (build_step_metadata) after forking so it gets a private copy, then write")
-        if self._copies or self._pool.has_pending_scrubs():
-            self._check_no_pending_work(rows, lens, counts)
+        for gt in self._groups:
+            if gt.shared_partial:
+                writing = np.flatnonzero(counts > 0)
+                first = gt.table[rows[writing], lens[writing] // ps]
+                shared = (first != PAD_PAGE) & (gt.pool.refcount[first] > 1)
+                if shared.any():
+                    j = int(np.argmax(shared))
+                    raise ValueError(
+                        f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}"
+                        f"{self._in_group(gt)}, which it shares since a fork; reserve (build_step_metadata) after "
+                        "forking so it gets a private copy, then write")
+            if gt.copies or gt.pool.has_pending_scrubs():
+                self._check_no_pending_work(gt, rows, lens, counts)
         # Validated: commit.
-        hashes, commit = self._hashes, self._pool.commit
+        hashes = self._hashes
         if tokens is None:
             hashes.hashable[rows[counts > 0]] = False
         elif self.enable_prefix_caching and isinstance(tokens, np.ndarray) and tokens.ndim == 1:
             f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
-            for page, digest in zip(self._table[f_rows, cols].tolist(), digests):
-                commit(page, digest)
+            for gt in self._groups:
+                for page, digest in zip(gt.table[f_rows, cols].tolist(), digests):
+                    gt.pool.commit(page, digest)
         elif self.enable_prefix_caching:
             for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
                 row = int(rows[i])
                 for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
-                    commit(int(self._table[row, col]), digest)
+                    for gt in self._groups:
+                        gt.pool.commit(int(gt.table[row, col]), digest)
         self._lens[rows] = lens + counts
         self._release_out_of_window(rows)
 
-    def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
+    def _check_no_pending_work(self, gt: GroupTable, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
         """Tokens committed into a page a pending copy or scrub touches were written before that
         device work: it would overwrite them, or carry them into another sequence's page."""
         ps = self.page_size
-        pending = set(self._copies) | set(self._copies.values()) | set(self._pool.pending_scrubs().tolist())
+        copied = set(gt.copies) | set(gt.copies.values())
+        pending = copied | set(gt.pool.pending_scrubs().tolist())
         for i in np.flatnonzero(counts > 0).tolist():
             row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
-            for page in self._table[row, first : last + 1].tolist():
+            for page in gt.table[row, first : last + 1].tolist():
                 if page in pending:
-                    work = ("copy-on-write copy" if page in self._copies or page in self._copies.values()
-                            else "scrub")
+                    work = "copy-on-write copy" if page in copied else "scrub"
                     raise ValueError(
-                        f"sequence {row} commits tokens in page {page}, whose {work} is still pending: the device "
-                        "would overwrite them. Call apply_pending(cache) after build_step_metadata and before "
-                        "the step's writes")
+                        f"sequence {row} commits tokens in page {page}{self._in_group(gt)}, whose {work} is still "
+                        "pending: the device would overwrite them. Call apply_pending(cache) after "
+                        "build_step_metadata and before the step's writes")
+
+    def _in_group(self, gt: GroupTable) -> str:
+        """`` of layer group g`` in messages of a manager of several groups."""
+        return f" of layer group {self._groups.index(gt)}" if len(self._groups) > 1 else ""
 
     # ---- device work to report --------------------------------------------------------------------
-    def pending_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) int32 page ids the cache must copy, in every layer, before the next write;
-        ``pad_to`` pads both with -1 (a fixed shape for the jitted copy)."""
-        most = self._pool.num_pages
-        return (_padded(self._copies.values(), len(self._copies), pad_to, "copies", most),
-                _padded(self._copies.keys(), len(self._copies), pad_to, "copies", most))
+    def pending_copies(self, pad_to: int | None = None) -> tuple[Any, Any]:
+        """(src, dst) int32 page ids the cache must copy, in every layer, before the next write
+        (with several layer groups, a tuple of one array per group each); ``pad_to`` pads them
+        with -1 (a fixed shape for the jitted copy)."""
+        srcs, dsts = [], []
+        for gt in self._groups:
+            most, n = gt.pool.num_pages, len(gt.copies)
+            srcs.append(_padded(gt.copies.values(), n, pad_to, "copies", most))
+            dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
+        return self._per_group(srcs), self._per_group(dsts)
 
-    def take_copies(self, pad_to: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def take_copies(self, pad_to: int | None = None) -> tuple[Any, Any]:
         """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
         step's writes (sources are read before destinations are written)."""
         out = self.pending_copies(pad_to)
-        self._copies.clear()
+        for gt in self._groups:
+            gt.copies.clear()
         return out
 
-    def pending_scrubs(self, pad_to: int | None = None) -> np.ndarray:
-        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``."""
-        pages = self._pool.pending_scrubs()
-        return _padded(pages, pages.size, pad_to, "scrubs", self._pool.num_pages)
+    def pending_scrubs(self, pad_to: int | None = None) -> Any:
+        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``
+        (with several layer groups, a tuple of one array per group)."""
+        out = []
+        for gt in self._groups:
+            pages = gt.pool.pending_scrubs()
+            out.append(_padded(pages, pages.size, pad_to, "scrubs", gt.pool.num_pages))
+        return self._per_group(out)
 
     def take_scrubs(self, pad_to: int | None = None) -> np.ndarray:
         """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
         copies and before the step's writes."""
         out = self.pending_scrubs(pad_to)
-        self._pool.take_scrubs()
+        for gt in self._groups:
+            gt.pool.take_scrubs()
         return out
 
     def apply_pending(self, cache: Any) -> tuple[Any, int]:
@@ -374,14 +430,20 @@ class PageManager(_Growth, _Windows):
         scrubs (a lost copy would leave a fork reading whatever its page held before)."""
         self._check_cache(cache)
         src, dst = self.pending_copies()
-        if src.size:
+        copies = sum(a.size for a in self._as_groups(src))
+        if copies:
             cache = cache.copy_pages(src, dst)
-        self._copies.clear()
+        for gt in self._groups:
+            gt.copies.clear()
         scrubs = self.pending_scrubs()
-        if scrubs.size:
+        if sum(a.size for a in self._as_groups(scrubs)):
             cache = cache.zero_pages(scrubs)
-        self._pool.take_scrubs()
-        return cache, int(src.size)
+        for gt in self._groups:
+            gt.pool.take_scrubs()
+        return cache, copies
+
+    def _as_groups(self, value: Any) -> tuple[Any, ...]:
+        return value if len(self._groups) > 1 else (value,)
 
     def _check_cache(self, cache: Any) -> None:
         """A cache this manager can hand device work to: the same pool, every buffer alive.
@@ -390,8 +452,11 @@ class PageManager(_Growth, _Windows):
         if not callable(getattr(cache, "copy_pages", None)) or meta is None:
             raise ValueError(f"apply_pending needs the PagedAttentionCache this manager schedules, got "
                              f"{type(cache).__name__}")
-        pool = {f: getattr(self.metadata, f) for f in ("num_pages_per_layer", "page_size", "page_shards")}
-        theirs = {f: getattr(meta, f, None) for f in pool}
+        fields = ("num_pages_per_layer", "page_size", "page_shards")
+        pool = {**{f: getattr(self.metadata, f) for f in fields}, "group_pages": [g.num_pages for g in self.metadata.groups]}
+        groups = getattr(meta, "groups", None)
+        theirs = {**{f: getattr(meta, f, None) for f in fields},
+                  "group_pages": [getattr(g, "num_pages", None) for g in groups] if isinstance(groups, tuple) else None}
         if theirs != pool:
             raise ValueError(f"apply_pending got a cache of another pool ({theirs}, this manager's: {pool})")
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
@@ -409,32 +474,39 @@ class PageManager(_Growth, _Windows):
         """Tokens the sequence's pages can hold (committed plus reserved ahead)."""
         return int(self._npages[self._row(seq_id)]) * self.page_size
 
-    def pages(self, seq_id: int) -> list[int]:
-        """The block-table row up to the last page held; in a sliding or chunked cache the
-        pages released from the window are ``PAD_PAGE`` (-1)."""
+    def pages(self, seq_id: int, *, group: int | None = None) -> list[int]:
+        """The block-table row up to the last page held; in a sliding or chunked group the
+        pages released from the window are ``PAD_PAGE`` (-1). ``group``: which layer group's
+        pages (needed when there are several)."""
+        g = self._group_index(group)
         row = self._row(seq_id)
-        return self._table[row, : self._npages[row]].tolist()
+        return self._groups[g].table[row, : self._npages[row]].tolist()
 
     def replica(self, seq_id: int) -> int | None:
         """The data-parallel replica whose slice of the pool holds the sequence (None: unbound)."""
         r = int(self._replica[self._row(seq_id)])
         return r if r >= 0 else None
 
-    def page_table(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """Rows of the block table (``PAD_PAGE`` past each sequence's pages), a copy."""
-        return self._table[self._rows(seq_ids)]
+    def page_table(self, seq_ids: Sequence[int], *, group: int | None = None) -> np.ndarray:
+        """Rows of layer group ``group``'s block table (``PAD_PAGE`` past each sequence's
+        pages), a copy."""
+        g = self._group_index(group)
+        return self._groups[g].table[self._rows(seq_ids)]
 
     @property
     def metrics(self) -> PageManagerMetrics:
-        pool = self._pool
-        return PageManagerMetrics(
-            total_pages=pool.num_pages, free_pages=pool.num_free(), cached_pages=pool.num_cached(),
-            used_pages=pool.num_used(), active_sequences=int(self._active.sum()),
-            evictions=pool.evictions, scrubs=pool.scrubs, **self._counters)
+        pools = [gt.pool for gt in self._groups]
+        groups = tuple(GroupPoolMetrics(total_pages=p.num_pages, free_pages=p.num_free(), cached_pages=p.num_cached(),
+                                        used_pages=p.num_used(), evictions=p.evictions) for p in pools)
+        total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",
+                                                                  "used_pages", "evictions")}
+        return PageManagerMetrics(**total, active_sequences=int(self._active.sum()),
+                                  scrubs=sum(p.scrubs for p in pools), groups=groups, **self._counters)
 
     @property
     def usage(self) -> float:
-        return self._pool.num_used() / self._pool.num_pages
+        """Fraction of the pages (of every group) referenced by running sequences."""
+        return sum(gt.pool.num_used() for gt in self._groups) / sum(gt.pool.num_pages for gt in self._groups)
 
     def __repr__(self) -> str:
         m = self.metrics
@@ -460,11 +532,10 @@ class PageManager(_Growth, _Windows):
         except InvariantError as err:  # the pool's own check
             raise InvariantError(f"{err.detail} (state field pool)") from None
 
-    def _fork_shared_pages(self) -> set[int]:
-        """Partly filled pages with more than one owner (only a fork makes these)."""
+    def _fork_shared_pages(self, gt: GroupTable) -> set[int]:
+        """Partly filled pages of ``gt``'s pool with more than one owner (only a fork makes these)."""
         rows = np.flatnonzero(self._active & (self._lens % self.page_size != 0))
-        pages = self._table[rows, self._lens[rows] // self.page_size]
-        return set(pages[self._pool.refcount[pages] > 1].tolist())
+        return gt.fork_shared_pages(rows, self._lens[rows] // self.page_size)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers.
@@ -491,12 +562,13 @@ class PageManager(_Growth, _Windows):
     def reshard(self, metadata: Any) -> PageManager:
         """A copy of this manager for ``metadata``: the same pool split into
         ``metadata.page_shards`` data-parallel slices (restoring a checkpoint onto another
-        mesh). ValueError when a sequence's pages would straddle two slices."""
+        mesh). ValueError when a sequence's pages would straddle two slices (or lie in different
+        slices in two layer groups)."""
         from easykv.spec.metadata import PagedAttentionCacheMetaData
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-        state = manager_state.reshard_state(self.state_dict(), int(metadata.page_shards))
+        state = reshard_state(self.state_dict(), int(metadata.page_shards))
         return PageManager.from_state_dict(metadata, state)
 
     # ---- input checks ---------------------------------------------------------------------------
@@ -564,6 +636,6 @@ def _padded(values: Any, n: int, pad_to: int | None, what: str, most: int) -> np
 
 
 __all__ = [
-    "CacheFullError", "InvariantError", "PageManager", "PageManagerMetrics", "UnknownSequenceError",
+    "CacheFullError", "GroupPoolMetrics", "InvariantError", "PageManager", "PageManagerMetrics", "UnknownSequenceError",
     "increment_cache_lengths", "stack_metadata",
 ]

@@ -6,6 +6,7 @@ per group. Checked against numpy on a tp=8 mesh and on dp=2 x tp=4 (pages split 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -246,13 +247,18 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
         cache.views[0].write_mixed_to_cache(k0[:1], v0[:1], far)
 
 
-def test_saving_a_grouped_cache_is_refused_before_anything_is_written(tmp_path):
+def test_a_grouped_cache_saved_with_another_pools_manager_is_refused_before_anything_is_written(tmp_path):
+    """The manager saved beside the pages must schedule exactly these pools (checkpoints of grouped
+    caches themselves: tests/test_group_checkpoint.py)."""
     _, _, meta, cache = grouped_meta("tp8")
+    other = meta.replace(layer_groups=tuple(dataclasses.replace(g, window=8) if g.attention == "sliding" else g
+                                            for g in meta.groups))
     target = tmp_path / "ckpt"
-    with pytest.raises(NotImplementedError, match=r"a checkpoint holds uniform caches .* layers \[4\]: full"):
-        easykv.save_cache(target, cache)
+    with pytest.raises(ValueError, match=r"layer groups \(attention, window, pages\): cache \[\('sliding', 6, 16\)"):
+        easykv.save_cache(target, cache, easykv.PageManager(other))
     assert not target.exists()
     with easykv.CacheCheckpointer(tmp_path / "async") as ckpt:
-        with pytest.raises(NotImplementedError, match=r"a checkpoint holds uniform caches"):
-            ckpt.save(cache)
+        with pytest.raises(ValueError, match="the manager was built for another pool"):
+            ckpt.save(cache, easykv.PageManager(other))
         assert ckpt.all_steps() == []
+        assert ckpt.save(cache, easykv.PageManager(meta)) == 0

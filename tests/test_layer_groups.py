@@ -255,12 +255,14 @@ def test_pattern_helper_errors():
 
 
 # ---- what does not take groups yet refuses them, before any state exists -----------------------
-def test_manager_and_checkpoints_refuse_groups_by_name(tp8, tmp_path):
+def test_a_per_layer_checkpoint_cannot_claim_groups(tp8, tmp_path):
+    """Formats 1-2 (one array per layer) were written before layer groups: a record of them that
+    names grouped metadata is damage (grouped checkpoints: tests/test_group_checkpoint.py)."""
     from easykv.checkpoint.record import saved_metadata
     from easykv.errors import CheckpointIntegrityError
 
-    meta = create(tp8, gemma3_groups())  # the storage holds it (tests/test_group_storage.py)
-    with pytest.raises(NotImplementedError, match=r"PageManager holds uniform caches .* layers \[5, 11\]: full"):
-        easykv.PageManager(meta)
-    with pytest.raises(CheckpointIntegrityError, match="a checkpoint holds uniform caches"):
-        saved_metadata({"metadata": meta.to_dict()}, 3, tmp_path)
+    meta = create(tp8, gemma3_groups())
+    with pytest.raises(CheckpointIntegrityError, match=r"a checkpoint of format 2 holds uniform caches .* layers "
+                                                       r"\[5, 11\]: full"):
+        saved_metadata({"metadata": meta.to_dict(), "format_version": 2}, 3, tmp_path)
+    assert saved_metadata({"metadata": meta.to_dict(), "format_version": 3}, 3, tmp_path) == meta

@@ -126,6 +126,10 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
     fields = ("batch_size", "num_pages_per_layer", "page_size", "max_sequences", "page_shards")
     diff = [f"{f}: cache {getattr(meta, f)}, manager {getattr(mmeta, f, None)}" for f in fields
             if getattr(mmeta, f, None) != getattr(meta, f)]
+    pools = [(g.attention, g.window, g.num_pages) for g in meta.groups]
+    theirs = [(g.attention, g.window, g.num_pages) for g in mmeta.groups]
+    if pools != theirs:
+        diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
     if diff:
         raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
                          "with the manager that schedules it")
@@ -257,7 +261,6 @@ class CacheCheckpointer:
         if not isinstance(cache, PagedAttentionCache):
             raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
         meta = cache.metadata
-        meta.require_uniform("a checkpoint", windows=True)  # before anything is written
         extra = _check_extra(extra_metadata)
         manager_state = _check_manager(manager, meta) if manager is not None else None
         self._wait()  # one save at a time (orbax would wait here too); reports the last one's failure
@@ -411,8 +414,9 @@ def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = 
     ``extra_metadata``: a JSON-safe dict returned by restore. Returns the step."""
     if not isinstance(cache, PagedAttentionCache):  # checked before the directory is created
         raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
-    cache.metadata.require_uniform("a checkpoint", windows=True)
     _check_extra(extra_metadata)
+    if manager is not None:  # a manager of another pool is refused before the directory is made
+        _check_manager(manager, cache.metadata)
     with CacheCheckpointer(directory, async_save=False, integrity=integrity) as ckpt:
         return ckpt.save(cache, manager, step=step, extra_metadata=extra_metadata)
 

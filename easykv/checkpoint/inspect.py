@@ -80,6 +80,13 @@ def _mesh_line(mesh: dict[str, Any]) -> str:
             f"{mesh.get('process_count', 1)} process(es)); kv heads over {heads}, pages over {pages}")
 
 
+def _group_line(group: Any) -> str:
+    kind = group.attention if group.window is None else f"{group.attention} {group.window}"
+    dims = (f"latent {group.key_head_dim} (values: its first {group.value_head_dim})" if group.latent
+            else f"K {group.key_head_dim} / V {group.value_head_dim}")
+    return f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; {group.num_pages} pages"
+
+
 def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[str], bool]:
     """The lines of one step and whether it is intact."""
     try:
@@ -98,6 +105,8 @@ def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[s
     lines.append(f"  cache    {meta.num_hidden_layers} layers x {meta.num_kv_heads} kv heads x head_dim "
                  f"{meta.kv_head_dim_size}; page_size {meta.page_size}, {meta.num_pages_per_layer} pages per layer; "
                  f"batch_size {meta.batch_size}, max_sequences {meta.max_sequences}")
+    if not meta.is_uniform:
+        lines.extend(f"  group {g}  {_group_line(group)}" for g, group in enumerate(meta.groups))
     lines.append(f"  format   {meta.dtype.name}, quantization {meta.quantization}; stored as {', '.join(stored)} "
                  f"on {record['storage']['platform']}")
     lines.append(f"  size     {_size(logical)} in {len(arrays)} arrays"

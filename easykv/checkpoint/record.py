@@ -42,7 +42,7 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
-from easykv.checkpoint.reshard import stored_template
+from easykv.checkpoint.reshard import group_templates, stored_template
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
@@ -81,6 +81,12 @@ def group_key(g: int) -> str:
     return f"group_{g:03d}"
 
 
+def group_index(key: str) -> int:
+    """The group of a path's first part (``group_key``'s inverse; paths are checked against the
+    metadata before anything reads them)."""
+    return int(key.removeprefix("group_"))
+
+
 _KINDS = ("key_pages", "value_pages")
 
 
@@ -109,18 +115,18 @@ def page_leaves(pairs: Sequence[tuple[Any, Any]], *, stacked: bool = True) -> li
     return out
 
 
-def page_pairs(templates: Sequence[Any], leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+def page_pairs(templates: Sequence[tuple[Any, Any]], leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
     """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per item,
-    item ``i`` with the structure of ``templates[i]`` (one page array, e.g. `stored_template`)."""
-    return jax.tree_util.tree_structure([(t, t) for t in templates]).unflatten(leaves)
+    with the structure of ``templates`` (`expected_templates`; V None for a latent group)."""
+    return jax.tree_util.tree_structure(list(templates)).unflatten(leaves)
 
 
-def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[Any]:
-    """The page template of each item of a record of ``version``: per layer group (stacked) or
-    per layer."""
+def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[tuple[Any, Any]]:
+    """The (K, V) page templates of each item of a record of ``version``: per layer group in its
+    own geometry (stacked), or per layer (formats 1-2, uniform caches only)."""
     if is_stacked(version):
-        return [stored_template(meta, platform, layers=g.num_layers) for g in meta.groups]
-    return [stored_template(meta, platform)] * meta.num_hidden_layers
+        return group_templates(meta, platform)
+    return [(stored_template(meta, platform),) * 2] * meta.num_hidden_layers
 
 
 def leaf_role(path: Sequence[str]) -> str:
@@ -144,7 +150,7 @@ def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str,
                     version: int = FORMAT_VERSION) -> list[tuple[str, tuple[str, ...], Any]]:
     """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta`` in a
     record of ``version``."""
-    return page_leaves([(t, t) for t in expected_templates(meta, platform, version)], stacked=is_stacked(version))
+    return page_leaves(expected_templates(meta, platform, version), stacked=is_stacked(version))
 
 
 # ---- sealing (save side) -------------------------------------------------------------------------
@@ -285,7 +291,8 @@ def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> Page
     """The cache metadata of a record; CheckpointIntegrityError when it cannot be rebuilt."""
     try:
         meta = PagedAttentionCacheMetaData.from_dict(record["metadata"])
-        meta.require_uniform("a checkpoint", windows=True)
+        if not is_stacked(record["format_version"]):  # one array per layer: written before layer groups
+            meta.require_uniform(f"a checkpoint of format {record['format_version']}", windows=True)
         return meta
     except (SerializationError, ValueError, TypeError, KeyError, AttributeError, OverflowError,
             NotImplementedError) as err:
@@ -454,7 +461,7 @@ def _check_arrays(entries: Any, meta: PagedAttentionCacheMetaData, platform: str
 
 __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
-    "RECORD_SEAL", "STACKED_VERSION", "STATE_ITEM", "canonical", "check_record", "expected_leaves",
+    "RECORD_SEAL", "STACKED_VERSION", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "group_index",
     "expected_templates", "group_key", "is_legacy", "is_stacked", "layer_key", "leaf_role", "legacy_note", "nest",
     "page_leaves", "page_pairs", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
 ]

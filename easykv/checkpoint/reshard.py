@@ -12,6 +12,7 @@ follows the pages with `PageManager.reshard`: the manager owns its state format)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -42,6 +43,8 @@ def target_metadata(
     if expected is not None:
         diff = [f"{f}: checkpoint {getattr(saved, f)!r}, target {getattr(expected, f)!r}"
                 for f in SHAPE_FIELDS if getattr(saved, f) != getattr(expected, f)]
+        if _geometry(saved) != _geometry(expected):
+            diff.append(f"layer groups: checkpoint {_geometry(saved)}, target {_geometry(expected)}")
         if diff:
             raise CheckpointMismatchError(
                 "the checkpoint's cache does not match the target metadata (" + "; ".join(diff) + "); "
@@ -53,12 +56,21 @@ def target_metadata(
     changes = dict(kv_head_mesh_axes=plan.kv_head_mesh_axes, kv_head_shards=plan.kv_head_shards,
                    page_mesh_axes=plan.page_mesh_axes, page_shards=plan.page_shards,
                    dtype=np.dtype(dtype), quantization=quantization)
-    if saved.num_pages_per_layer % plan.page_shards:
-        raise CheckpointMismatchError(
-            f"the target mesh splits pages over {plan.page_mesh_axes} into {plan.page_shards} slices, but the "
-            f"checkpoint's pool has num_pages_per_layer={saved.num_pages_per_layer}, not a multiple of "
-            f"{plan.page_shards}; restore onto a mesh whose page axes have a size dividing "
-            f"{saved.num_pages_per_layer} (or leave the page axis unsharded)")
+    for g in saved.groups:
+        if g.num_pages % plan.page_shards:
+            pool = ("num_pages_per_layer" if saved.is_uniform else f"layers {g.span}: num_pages") + f"={g.num_pages}"
+            raise CheckpointMismatchError(
+                f"the target mesh splits pages over {plan.page_mesh_axes} into {plan.page_shards} slices, but the "
+                f"checkpoint's pool has {pool}, not a multiple of {plan.page_shards}; restore onto a mesh whose "
+                f"page axes have a size dividing {g.num_pages} (or leave the page axis unsharded)")
+    if not saved.is_uniform:  # each group's kv heads split on their own over the target mesh
+        groups = []
+        for g in saved.groups:
+            own = plan_layout(mesh, num_kv_heads=g.num_kv_heads, partition_manager=partition_manager,
+                              emit_warnings=False)
+            groups.append(dataclasses.replace(g, kv_head_mesh_axes=own.kv_head_mesh_axes,
+                                              kv_head_shards=own.kv_head_shards))
+        changes["layer_groups"] = tuple(groups)
     try:
         target = saved.replace(**changes, memory_bytes_per_device=None)
         # The budget the pool was sized from stays on record where the target still fits it
@@ -71,12 +83,26 @@ def target_metadata(
             f"the checkpoint's pool cannot be laid out on the target mesh {dict(mesh.shape)}: {err}") from err
 
 
+def _geometry(meta: PagedAttentionCacheMetaData) -> list[tuple[Any, ...]]:
+    """What each layer group's pages hold (not where they lie): a restore keeps it."""
+    return [(g.layers, g.attention, g.window, g.num_kv_heads, g.key_head_dim, g.value_head_dim, g.latent, g.num_pages)
+            for g in meta.groups]
+
+
 # ---- storage dtypes and conversion ---------------------------------------------------------------
 def stored_template(meta: PagedAttentionCacheMetaData, platform: str, *, layers: int | None = None) -> Any:
     """Shapes and storage dtypes of one page array (K or V) of ``meta`` on ``platform``: a
     stack of ``layers`` layers, or (None) one layer's pages as checkpoint formats 1-2 hold them."""
     shape = (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
     return page_template(shape if layers is None else (layers, *shape), meta.dtype, meta.quantizer, platform)
+
+
+def group_templates(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[Any, Any]]:
+    """Shapes and storage dtypes of each layer group's stacked (K pages, V pages) of ``meta`` on
+    ``platform``, in the group's own geometry (V None for a latent group, which stores none)."""
+    return [tuple(None if shape is None else page_template(shape, meta.dtype, meta.quantizer, platform)
+                  for shape in (meta.group_pages_shape(g), meta.group_pages_shape(g, values=True)))
+            for g in meta.groups]
 
 
 def _bitcast_leaf(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -135,6 +161,6 @@ def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any,
 
 
 __all__ = [
-    "SHAPE_FIELDS", "check_format", "convert_pages", "stored_template",
+    "SHAPE_FIELDS", "check_format", "convert_pages", "group_templates", "stored_template",
     "target_metadata", "to_storage_dtypes",
 ]

@@ -20,7 +20,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
-from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache, group_layouts
 from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
     checkpoint_path,
@@ -34,11 +34,11 @@ from easykv.checkpoint.format import (
     verify_arrays,
 )
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
-from easykv.checkpoint.record import expected_templates, is_legacy, is_stacked, legacy_note, page_pairs
+from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import (
     check_format,
     convert_pages,
-    stored_template,
+    group_templates,
     target_metadata,
     to_storage_dtypes,
 )
@@ -122,7 +122,7 @@ def restore_cache(
     # Read the saved arrays as stored, each shard straight onto its target device; check them.
     layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
     version = record["format_version"]
-    abstract = _saved_arrays(record, layout, is_stacked(version))
+    abstract = _saved_arrays(record, group_layouts(target, layout), layout, is_stacked(version))
     mngr = open_reader(directory, step)
     try:
         arrays = restore_arrays(mngr, step, abstract, directory)
@@ -156,14 +156,19 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
                                       f"onto the target mesh: {err}") from err
 
 
-def _saved_arrays(record: Mapping[str, Any], layout: PageLayout,
+def _saved_arrays(record: Mapping[str, Any], layouts: tuple[PageLayout, ...], layout: PageLayout,
                   stacked: bool) -> list[tuple[dict[str, Any], jax.ShapeDtypeStruct]]:
     """(record entry, ShapeDtypeStruct as stored, with the target sharding) of every array
     (`check_record` has matched each entry against the saved metadata): stacked group arrays,
-    or one layer's arrays (formats 1-2)."""
-    sharding = layout.sharding_for if stacked else layout.layer_sharding_for
+    placed as their group's layout places them, or one layer's arrays (formats 1-2)."""
+    def sharding(entry: Mapping[str, Any]) -> Any:
+        ndim = len(entry["shape"])
+        if not stacked:
+            return layout.layer_sharding_for(ndim)
+        return layouts[group_index(entry["path"][0])].sharding_for(ndim)
+
     return [(entry, jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]),
-                                         sharding=sharding(len(entry["shape"]))))
+                                         sharding=sharding(entry)))
             for entry in record["arrays"]]
 
 
@@ -179,14 +184,13 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
     del arrays
     if not is_stacked(version):
         pairs = _stack_layers(pairs, same_format, layout)
-    dst_template = None
-    if target != same_format:
-        dst_template = [stored_template(target, platform, layers=g.num_layers) for g in target.groups]
+    dst_templates = group_templates(target, platform) if target != same_format else None
     keys, values = [], []
-    for g, (k, v) in enumerate(pairs):
-        if dst_template is not None:
-            k = convert_pages(k, same_format, target, dst_template[g], layout)
-            v = convert_pages(v, same_format, target, dst_template[g], layout)
+    for g, ((k, v), group_layout) in enumerate(zip(pairs, group_layouts(target, layout))):
+        if dst_templates is not None:
+            k_tmpl, v_tmpl = dst_templates[g]
+            k = convert_pages(k, same_format, target, k_tmpl, group_layout)
+            v = None if v is None else convert_pages(v, same_format, target, v_tmpl, group_layout)
         keys.append(k)
         values.append(v)
     return PagedAttentionCache(target, keys, values, layout)

@@ -39,6 +39,9 @@ _HEADER_FIELDS = ("format", "length", "num_hidden_layers", "num_kv_heads", "kv_h
 # refuses it by its format instead of reading its arrays from position 0.
 _WINDOW_FORMAT = "easykv.SequenceExport/2"
 _WINDOW_FIELDS = _HEADER_FIELDS + ("first_position",)
+# Version 3: a cache of several layer groups, each with its own geometry and window
+# (`easykv.checkpoint.grouped_export`).
+GROUPED_FORMAT = "easykv.SequenceExport/3"
 _MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
 TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
 
@@ -283,44 +286,17 @@ class SequenceExport:
             return cls._from_npz(npz, source)
 
     @classmethod
-    def _from_npz(cls, npz: Any, source: str) -> SequenceExport:
-        try:
-            infos = npz.zip.infolist()
-        except Exception as err:
-            raise ValueError(f"{source} has an unreadable zip directory ({type(err).__name__}: {err})") from None
-        members: dict[str, zipfile.ZipInfo] = {}
-        for info in infos:
-            name = info.filename
-            if not name.endswith(".npy") or name[:-4] in members:
-                raise ValueError(f"{source} holds the member {name!r:.80}, which "
-                                 f"{'is not a .npy array' if not name.endswith('.npy') else 'appears twice'}; "
-                                 "it is not a sequence export written by SequenceExport.save")
-            members[name[:-4]] = info
-        if "header" not in members:
-            raise ValueError(f"{source} has no 'header' member; it is not an easykv sequence export")
+    def _from_npz(cls, npz: Any, source: str) -> Any:
+        members, read, header = _npz_parts(npz, source)
+        if header.get("format") == GROUPED_FORMAT:  # a cache of several layer groups
+            from easykv.checkpoint.grouped_export import GroupedSequenceExport
 
-        def read(name: str, check: Any) -> np.ndarray:
-            return _read_member(npz, members[name], name, source, check)
-
-        def header_check(shape: tuple[int, ...], dtype: np.dtype) -> str | None:
-            if dtype != np.uint8 or len(shape) != 1 or shape[0] > _MAX_HEADER_BYTES:
-                return f"must be at most {_MAX_HEADER_BYTES} bytes (uint8), got shape {shape} dtype {dtype}"
-            return None
-
-        header = parse_json(read("header", header_check).tobytes(), what=f"the header of {source}")
-        if not isinstance(header, dict):
-            raise ValueError(f"the header of {source} must be a JSON object, got {type(header).__name__}")
+            return GroupedSequenceExport._from_header(header, members, read, source)
         fmt = header.get("format")
         if fmt not in (_EXPORT_FORMAT, _WINDOW_FORMAT):
             raise ValueError(f"{source} is not an easykv sequence export: header format {fmt!r:.80}, expected "
-                             f"{_EXPORT_FORMAT!r} or {_WINDOW_FORMAT!r}")
-        fields = _HEADER_FIELDS if fmt == _EXPORT_FORMAT else _WINDOW_FIELDS
-        missing = [k for k in fields if k not in header]
-        unknown = sorted(k for k in header if k not in fields)
-        if missing or unknown:
-            what = " and ".join(([f"lacks {missing}"] if missing else []) +
-                                ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
-            raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}")
+                             f"{_EXPORT_FORMAT!r}, {_WINDOW_FORMAT!r} or {GROUPED_FORMAT!r}")
+        check_header_keys(header, _HEADER_FIELDS if fmt == _EXPORT_FORMAT else _WINDOW_FIELDS, fmt, source)
         field = f"the header of {source}: field"
         length = positive_int(f"{field} 'length'", header["length"])
         layers = positive_int(f"{field} 'num_hidden_layers'", header["num_hidden_layers"])
@@ -346,26 +322,8 @@ class SequenceExport:
         if set(members) != expected:
             raise ValueError(f"{source} holds the arrays {sorted(set(members) - {'header'})}, but its header implies "
                              f"{sorted(expected - {'header'})}")
-        arrays = {}
-        for name, (shape, dtype_) in specs.items():
-            stored = _stored_dtype(dtype_)
-
-            def check(got_shape: tuple[int, ...], got: np.dtype, shape=shape, stored=stored) -> str | None:
-                if got_shape != shape or got != stored:
-                    return (f"has shape {got_shape} dtype {got}, but the header implies shape {shape} stored as "
-                            f"{stored.name}")
-                return None
-
-            arrays[name] = read(name, check).view(dtype_)
-        token_ids = None
-        if "token_ids" in members:
-
-            def token_check(got_shape: tuple[int, ...], got: np.dtype) -> str | None:
-                if got_shape != (length,) or got.kind not in "iu":
-                    return f"must be {length} integer ids (one per token), got shape {got_shape} dtype {got}"
-                return None
-
-            token_ids = read("token_ids", token_check)
+        arrays = {name: read_array(read, name, shape, dtype_) for name, (shape, dtype_) in specs.items()}
+        token_ids = read_token_ids(read, members, length)
         parts = {p: ({s: arrays[f"{p}.{s}"] for s in ("values", "scales")} if raw else arrays[f"{p}.dense"])
                  for p in ("keys", "values")}
         try:
@@ -375,6 +333,72 @@ class SequenceExport:
                        first_position=first)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
+
+
+def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Any, dict[str, Any]]:
+    """The members of an export file, a checked reader of one member (``read(name, check)``)
+    and its parsed header (a dict; its fields are for the export class to check)."""
+    try:
+        infos = npz.zip.infolist()
+    except Exception as err:
+        raise ValueError(f"{source} has an unreadable zip directory ({type(err).__name__}: {err})") from None
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in infos:
+        name = info.filename
+        if not name.endswith(".npy") or name[:-4] in members:
+            raise ValueError(f"{source} holds the member {name!r:.80}, which "
+                             f"{'is not a .npy array' if not name.endswith('.npy') else 'appears twice'}; "
+                             "it is not a sequence export written by SequenceExport.save")
+        members[name[:-4]] = info
+    if "header" not in members:
+        raise ValueError(f"{source} has no 'header' member; it is not an easykv sequence export")
+
+    def read(name: str, check: Any) -> np.ndarray:
+        return _read_member(npz, members[name], name, source, check)
+
+    def header_check(shape: tuple[int, ...], dtype: np.dtype) -> str | None:
+        if dtype != np.uint8 or len(shape) != 1 or shape[0] > _MAX_HEADER_BYTES:
+            return f"must be at most {_MAX_HEADER_BYTES} bytes (uint8), got shape {shape} dtype {dtype}"
+        return None
+
+    header = parse_json(read("header", header_check).tobytes(), what=f"the header of {source}")
+    if not isinstance(header, dict):
+        raise ValueError(f"the header of {source} must be a JSON object, got {type(header).__name__}")
+    return members, read, header
+
+
+def read_array(read: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Member ``name`` as saved (floats as raw bits), checked against ``shape`` and viewed as ``dtype``."""
+    stored = _stored_dtype(dtype)
+
+    def check(got_shape: tuple[int, ...], got: np.dtype) -> str | None:
+        if got_shape != shape or got != stored:
+            return f"has shape {got_shape} dtype {got}, but the header implies shape {shape} stored as {stored.name}"
+        return None
+
+    return read(name, check).view(dtype)
+
+
+def read_token_ids(read: Any, members: Mapping[str, Any], length: int) -> np.ndarray | None:
+    """The ``token_ids`` member when the file has one: ``length`` integer ids."""
+    if "token_ids" not in members:
+        return None
+
+    def check(got_shape: tuple[int, ...], got: np.dtype) -> str | None:
+        if got_shape != (length,) or got.kind not in "iu":
+            return f"must be {length} integer ids (one per token), got shape {got_shape} dtype {got}"
+        return None
+
+    return read("token_ids", check)
+
+
+def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: str, source: str) -> None:
+    missing = [k for k in fields if k not in header]
+    unknown = sorted(k for k in header if k not in fields)
+    if missing or unknown:
+        what = " and ".join(([f"lacks {missing}"] if missing else []) +
+                            ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
+        raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}")
 
 
 def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: Any) -> np.ndarray:

@@ -4,6 +4,10 @@
     exported.save("seq.npz"); exported = SequenceExport.load("seq.npz")    # across hosts
     cache, new_id = import_sequence(other_cache, other_manager, exported)
 
+A cache of several layer groups exports a `GroupedSequenceExport` instead: one part per group,
+each in the group's own geometry and from the group's own window, imported into a cache of the
+same groups (windows there may be narrower).
+
 The export holds the sequence's K/V token-major, ``(layers, length, kv_heads, head_dim)``, either
 dense in the source's logical dtype (``dequantize=True``) or raw (quantized values in their value
 dtype plus compact scales, per token and head: independent of the page layout). The importing
@@ -33,14 +37,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
 from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport
-from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.cache import PagedAttentionCache, group_layouts
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
 from easykv.storage.pages import from_storage, read_pages, to_storage
 from easykv.manager.prefix_hash import salt_digest
 from easykv.quantization import QuantizedPages
-from easykv.validation import INT32_MAX, boolean, integer, integer_array
+from easykv.validation import INT32_MAX, boolean, integer, integer_array, show
 from easykv.storage.writes import scatter_encoded  # the encoded-token scatter every write uses
 
 
@@ -55,15 +60,16 @@ def _tokens_major(x: jax.Array) -> jax.Array:
     return y.reshape((y.shape[0], -1) + y.shape[3:])
 
 
-@partial(jax.jit, static_argnames=("dequantize",))
-def _gather_sequence(cache: PagedAttentionCache, ids: jax.Array, dequantize: bool) -> Any:
-    """Pages ``ids`` of every layer, token-major, ``(layers, len(ids) * page_size, heads, ...)``:
-    dequantized, or a quantized cache's raw codes and scales. Reads only those pages, from the
-    stacks; the layers come out in model order."""
+@partial(jax.jit, static_argnames=("group", "dequantize"))
+def _gather_group(cache: PagedAttentionCache, ids: jax.Array, group: int, dequantize: bool) -> Any:
+    """Pages ``ids`` of layer group ``group``'s stacks, token-major ``(layers_in_group,
+    len(ids) * page_size, heads, dim)`` (values None for a latent group): dequantized, or a
+    quantized cache's raw codes and scales. Reads only those pages."""
     meta = cache.metadata
-    order = np.argsort(np.concatenate([g.layers for g in meta.groups]))
 
     def read(pages: Any) -> Any:
+        if pages is None:
+            return None
         if isinstance(pages, QuantizedPages) and not dequantize:
             value_dtype = pages.quantizer.value_shape(2)[1]
             return {"values": _tokens_major(from_storage(jnp.take(pages.values, ids, axis=2), value_dtype)),
@@ -71,10 +77,7 @@ def _gather_sequence(cache: PagedAttentionCache, ids: jax.Array, dequantize: boo
         layers = jax.tree.leaves(pages)[0].shape[0]
         return _tokens_major(jnp.stack([read_pages(pages, ids, meta.dtype, i) for i in range(layers)]))
 
-    def model_order(parts: list[Any]) -> Any:
-        return jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *parts)
-
-    return model_order([read(k) for k in cache.key_pages]), model_order([read(v) for v in cache.value_pages])
+    return read(cache.key_pages[group]), read(cache.value_pages[group])
 
 
 _PAIRED = ("page_size", "num_pages_per_layer", "page_shards", "batch_size", "max_sequences", "num_pages_per_sequence")
@@ -90,6 +93,9 @@ def _check_pair(cache: Any, manager: Any) -> Any:
     meta, mine = cache.metadata, manager.metadata
     diff = [f"{k}: cache {getattr(meta, k)}, manager {getattr(mine, k)}" for k in _PAIRED
             if getattr(meta, k) != getattr(mine, k)]
+    pools, theirs = ([(g.attention, g.window, g.num_pages) for g in m.groups] for m in (meta, mine))
+    if pools != theirs:
+        diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
     if diff:
         raise ValueError("the manager does not manage this cache's pool (" + "; ".join(diff) + "); pass the "
                          "PageManager created with the cache's metadata")
@@ -105,11 +111,12 @@ def _manager_token_ids(manager: Any, seq_id: int) -> Any:
 
 
 def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: int, *, token_ids: Any = None,
-                    dequantize: bool = True) -> SequenceExport:
+                    dequantize: bool = True) -> SequenceExport | GroupedSequenceExport:
     """Sequence ``seq_id``'s committed tokens (``manager.length``) read from ``cache`` into host
     arrays; only its pages are read. In a sliding or chunked cache the export holds the K/V its
     window still reads (from ``manager.first_kept_position``; ``first_position`` of the
-    export). ``dequantize=False`` keeps a quantized cache's values and scales as stored
+    export). A cache of several layer groups (other geometries or windows) gives a
+    `GroupedSequenceExport`: each group's part in its own geometry, from its own window. ``dequantize=False`` keeps a quantized cache's values and scales as stored
     (bit-exact into a cache with the same quantizer). Reads only: the cache and the manager are
     unchanged. The manager's pending copies and scrubs of the sequence's
     pages must have been applied (``cache, _ = manager.apply_pending(cache)``)."""
@@ -120,20 +127,6 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     length = manager.length(seq)  # UnknownSequenceError when not claimed
     if length == 0:
         raise ValueError(f"sequence {seq} has no committed tokens to export; commit them first (manager.step)")
-    ps = meta.page_size
-    first = manager.first_kept_position(seq)
-    skip = first // ps  # pages released from the window, or never held by a resumed sequence
-    ids = np.asarray(manager.pages(seq), np.int64)[skip: -(-length // ps)]
-    if (skip + ids.size) * ps < length or np.any((ids < 0) | (ids >= meta.num_pages_per_layer)):
-        raise InvariantError(f"sequence {seq} holds pages {ids.tolist()} that cannot hold its {length} tokens in a "
-                             f"pool of {meta.num_pages_per_layer} pages")
-    pending = set(manager.pending_copies()[1].tolist()) | set(manager.pending_scrubs().tolist())
-    if pending:
-        late = [p for p in ids.tolist() if p in pending]
-        if late:
-            raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy or scrub, so the "
-                             "cache does not hold its tokens yet; apply it first: "
-                             "cache, _ = manager.apply_pending(cache)")
     if token_ids is None:
         token_ids = _manager_token_ids(manager, seq)
     if token_ids is not None:
@@ -141,102 +134,191 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
         if token_ids.shape != (length,):
             raise ValueError(f"token_ids must be {length} integer ids (the sequence's committed tokens), got "
                              f"{token_ids.size} ids")
+    ps = meta.page_size
+    raw = meta.quantizer.name != "none" and not dequantize
+    held = [_held_pages(manager, meta, seq, length, g) for g in range(len(meta.groups))]
+    if meta.is_single_geometry:  # every layer in one geometry: the format every easykv reads
+        first, ids = held[0]
+        # one group of every layer, in model order
+        keys, values = jax.device_get(_gather_group(cache, jnp.asarray(_padded_ids(ids)), 0, dequantize=not raw))
+        cut = _cutter(first, length, ps)
+        return SequenceExport(length=length, num_hidden_layers=meta.num_hidden_layers,
+                              num_kv_heads=meta.num_kv_heads, kv_head_dim_size=meta.kv_head_dim_size,
+                              dtype=meta.dtype, quantization=meta.quantization, raw=raw,
+                              keys=jax.tree.map(cut, keys), values=jax.tree.map(cut, values),
+                              token_ids=token_ids, source_page_size=ps, first_position=first)
+    groups = []
+    for g, (group, (first, ids)) in enumerate(zip(meta.groups, held)):
+        keys, values = jax.device_get(_gather_group(cache, jnp.asarray(_padded_ids(ids)), g, dequantize=not raw))
+        cut = _cutter(first, length, ps)
+        groups.append(ExportedGroup(layers=group.layers, num_kv_heads=group.num_kv_heads,
+                                    key_head_dim=group.key_head_dim, value_head_dim=group.value_head_dim,
+                                    latent=group.latent, first_position=first, keys=jax.tree.map(cut, keys),
+                                    values=None if values is None else jax.tree.map(cut, values)))
+    return GroupedSequenceExport(length=length, groups=tuple(groups), dtype=meta.dtype,
+                                 quantization=meta.quantization, raw=raw, token_ids=token_ids, source_page_size=ps)
+
+
+def _held_pages(manager: PageManager, meta: Any, seq: int, length: int, g: int) -> tuple[int, np.ndarray]:
+    """(first position held, page ids from its page on) of ``seq`` in layer group ``g``, once
+    no pending copy or scrub still has to reach them."""
+    ps = meta.page_size
+    group = None if len(meta.groups) == 1 else g
+    first = manager.first_kept_position(seq, group=group)
+    skip = first // ps  # pages released from the window, or never held by a resumed sequence
+    ids = np.asarray(manager.pages(seq, group=group), np.int64)[skip: -(-length // ps)]
+    pool = meta.groups[g].num_pages
+    if (skip + ids.size) * ps < length or np.any((ids < 0) | (ids >= pool)):
+        raise InvariantError(f"sequence {seq} holds pages {ids.tolist()} that cannot hold its {length} tokens in a "
+                             f"pool of {pool} pages")
+    copies, scrubs = manager.pending_copies()[1], manager.pending_scrubs()
+    if len(meta.groups) > 1:
+        copies, scrubs = copies[g], scrubs[g]
+    pending = set(copies.tolist()) | set(scrubs.tolist())
+    late = [p for p in ids.tolist() if p in pending]
+    if late:
+        raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy or scrub, so the "
+                         "cache does not hold its tokens yet; apply it first: cache, _ = manager.apply_pending(cache)")
+    return first, ids
+
+
+def _padded_ids(ids: np.ndarray) -> np.ndarray:
     padded = np.zeros(_pow2(ids.size), np.int32)  # few shapes for jit; page 0 is a valid filler
     padded[: ids.size] = ids
-    raw = meta.quantizer.name != "none" and not dequantize
-    keys, values = jax.device_get(_gather_sequence(cache, jnp.asarray(padded), dequantize=not raw))
-    cut = lambda a: np.ascontiguousarray(np.asarray(a)[:, first - skip * ps: length - skip * ps])  # noqa: E731
-    return SequenceExport(length=length, num_hidden_layers=meta.num_hidden_layers, num_kv_heads=meta.num_kv_heads,
-                          kv_head_dim_size=meta.kv_head_dim_size, dtype=meta.dtype, quantization=meta.quantization,
-                          raw=raw, keys=jax.tree.map(cut, keys), values=jax.tree.map(cut, values),
-                          token_ids=token_ids, source_page_size=ps, first_position=first)
+    return padded
+
+
+def _cutter(first: int, length: int, ps: int) -> Any:
+    """Token-major rows read from ``first``'s page on -> the rows of positions first .. length - 1."""
+    skip = first // ps
+    return lambda a: np.ascontiguousarray(np.asarray(a)[:, first - skip * ps: length - skip * ps])
 
 
 @partial(jax.jit, donate_argnums=0)
-def _write_raw(cache: PagedAttentionCache, keys: Any, values: Any, slots: jax.Array) -> PagedAttentionCache:
-    """A quantized sequence's raw codes and scales, ``(layers, tokens, heads, ...)`` in model
-    order, written at ``slots`` into every group's stacks: one scatter per array."""
-    groups = cache.metadata.groups
+def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...], slots: tuple[jax.Array, ...]) -> PagedAttentionCache:
+    """A quantized sequence's raw codes and scales, per layer group ``(layers_in_group, tokens,
+    heads, ...)`` (values None for a latent group), written at the group's ``slots`` into its
+    stacks: one scatter per array."""
+    keys, values = list(cache.key_pages), list(cache.value_pages)
+    for g, (group_layout, (k, v)) in enumerate(zip(group_layouts(cache.metadata, cache.layout), parts)):
+        pages, new = [keys[g]], [_as_pages(k, keys[g])]
+        if v is not None:
+            pages.append(values[g])
+            new.append(_as_pages(v, values[g]))
+        out = scatter_encoded(pages, new, slots[g], layout=group_layout)
+        keys[g] = out[0]
+        if v is not None:
+            values[g] = out[1]
+    return PagedAttentionCache(cache.metadata, tuple(keys), tuple(values), cache.layout)
 
-    def rows(part: Any, g: int, like: QuantizedPages) -> QuantizedPages:
-        layers = np.asarray(groups[g].layers)
-        return QuantizedPages(to_storage(part["values"][layers], like.values.dtype), part["scales"][layers],
-                              like.quantizer)
 
-    pages = tuple(zip(cache.key_pages, cache.value_pages))
-    new = tuple((rows(keys, g, kp), rows(values, g, vp)) for g, (kp, vp) in enumerate(pages))
-    out = scatter_encoded(pages, new, slots, layout=cache.layout)
-    return PagedAttentionCache(cache.metadata, tuple(k for k, _ in out), tuple(v for _, v in out), cache.layout)
+def _as_pages(part: Any, like: QuantizedPages) -> QuantizedPages:
+    return QuantizedPages(to_storage(part["values"], like.values.dtype), part["scales"], like.quantizer)
 
 
-def _checked_export(exported: Any) -> SequenceExport:
-    """``exported`` checked again, as a new SequenceExport: its fields may have been changed
+def _checked_export(exported: Any) -> SequenceExport | GroupedSequenceExport:
+    """``exported`` checked again, as a new export: its fields may have been changed
     (``object.__setattr__``, arrays reshaped in place) since it was built."""
-    if not isinstance(exported, SequenceExport):
-        raise ValueError(f"exported must be a SequenceExport (from export_sequence or SequenceExport.load), got "
-                         f"{type(exported).__name__}")
+    kind = type(exported)
+    if kind not in (SequenceExport, GroupedSequenceExport):
+        raise ValueError(f"exported must be a SequenceExport or GroupedSequenceExport (from export_sequence or "
+                         f"SequenceExport.load), got {kind.__name__}")
     try:
-        fields = {f.name: getattr(exported, f.name) for f in dataclasses.fields(SequenceExport)}
+        fields = {f.name: getattr(exported, f.name) for f in dataclasses.fields(kind)}
+        if kind is GroupedSequenceExport and isinstance(fields["groups"], (tuple, list)):
+            fields["groups"] = tuple(
+                ExportedGroup(**{f.name: getattr(g, f.name) for f in dataclasses.fields(ExportedGroup)})
+                if isinstance(g, ExportedGroup) else g for g in fields["groups"])
     except AttributeError as err:
-        raise ValueError(f"exported is an incomplete SequenceExport ({err})") from None
-    return SequenceExport(**fields)
+        raise ValueError(f"exported is an incomplete {kind.__name__} ({err})") from None
+    return kind(**fields)
 
 
-def _check_import(meta: Any, exported: SequenceExport) -> int:
-    """The first position the target keeps for the sequence (its window's start; 0 for full
-    attention), once the export fits the target."""
-    fields = ("num_hidden_layers", "num_kv_heads", "kv_head_dim_size")
-    diff = [f"{f}: export {getattr(exported, f)}, cache {getattr(meta, f)}"
-            for f in fields if getattr(exported, f) != getattr(meta, f)]
-    if diff:
-        raise ValueError("the sequence comes from a model of another shape (" + "; ".join(diff) + "); import it into "
-                         "a cache of the same model")
+def _export_groups(exported: SequenceExport | GroupedSequenceExport) -> list[tuple[tuple[Any, ...], int]]:
+    """Per layer group of the export: (geometry, first position held)."""
+    if isinstance(exported, GroupedSequenceExport):
+        return [(g.geometry(), g.first_position) for g in exported.groups]
+    d = exported.kv_head_dim_size
+    return [((tuple(range(exported.num_hidden_layers)), exported.num_kv_heads, d, d, False), exported.first_position)]
+
+
+def _check_import(meta: Any, exported: SequenceExport | GroupedSequenceExport) -> list[int]:
+    """Per layer group of the target, the first position it keeps for the sequence (its
+    window's start; 0 for full attention), once the export fits the target: the same model
+    (each group's layers, kv heads, K and V dims), and each group's export reaching back at
+    least as far as the target group's window."""
+    if isinstance(exported, SequenceExport) and meta.is_single_geometry:
+        fields = ("num_hidden_layers", "num_kv_heads", "kv_head_dim_size")
+        diff = [f"{f}: export {getattr(exported, f)}, cache {getattr(meta, f)}"
+                for f in fields if getattr(exported, f) != getattr(meta, f)]
+        if diff:
+            raise ValueError("the sequence comes from a model of another shape (" + "; ".join(diff) + "); import "
+                             "it into a cache of the same model")
+    theirs = _export_groups(exported)
+    mine = [(g.layers, g.num_kv_heads, g.key_head_dim, g.value_head_dim, g.latent) for g in meta.groups]
+    if meta.is_single_geometry:
+        mine = [(mine[0][0],) + (meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_dim_size, False)]
+    names = ("layers", "kv heads", "K dim", "V dim", "latent")
+    if [geo for geo, _ in theirs] != mine:
+        def show_groups(groups: list[tuple[Any, ...]]) -> str:
+            return "; ".join(", ".join(f"{n} {show(list(v) if isinstance(v, tuple) else v)}" for n, v in zip(names, geo))
+                             for geo in groups)
+
+        raise ValueError(f"the sequence comes from a model of another shape (export: {show_groups([geo for geo, _ in theirs])}"
+                         f" | cache: {show_groups(mine)}); import it into a cache of the same model")
     if exported.length > meta.max_sequences:
         raise ValueError(f"the sequence holds {exported.length} tokens but the target cache allows at most "
                          f"max_sequences={meta.max_sequences}")
-    group = meta.groups[0]
-    needed = int(group.first_needed_position(exported.length))
-    if exported.first_position > needed:
-        reach = ("reads every position" if group.attention == "full"
-                 else f"({group.attention}, window {group.window}) reads from position {needed}")
-        raise ValueError(f"the export holds positions {exported.first_position}..{exported.length - 1} only (it comes "
-                         f"from a sliding or chunked cache), but the target cache {reach} at length "
-                         f"{exported.length}; import it into a cache with the same or a narrower window")
+    needed = []
+    for g, (group, (_, first)) in enumerate(zip(meta.groups, theirs)):
+        need = int(group.first_needed_position(exported.length))
+        if first > need:
+            reach = ("reads every position" if group.attention == "full"
+                     else f"({group.attention}, window {group.window}) reads from position {need}")
+            where = "the target cache" if len(meta.groups) == 1 else f"layer group {g} of the target cache"
+            raise ValueError(f"the export holds positions {first}..{exported.length - 1} only (it comes "
+                             f"from a sliding or chunked cache), but {where} {reach} at length "
+                             f"{exported.length}; import it into a cache with the same or a narrower window")
+        needed.append(need)
     return needed
 
 
 def _available_per_replica(manager: PageManager, meta: Any) -> np.ndarray:
-    """Pages each data-parallel replica can hand out now (free or evictable): its slice minus
-    the pages running sequences hold (a page is in use exactly while a sequence holds it)."""
+    """Pages each data-parallel replica can hand out now (free or evictable) in each layer
+    group, ``(groups, replicas)``: its slice minus the pages running sequences hold (a page is
+    in use exactly while a sequence holds it)."""
+    grouped = len(meta.groups) > 1
     if meta.page_shards == 1:
-        m = manager.metrics
-        return np.array([m.free_pages + m.cached_pages], np.int64)
-    per = meta.num_pages_per_layer // meta.page_shards
+        return np.array([[g.free_pages + g.cached_pages] for g in manager.metrics.groups], np.int64)
     ids = manager.active_ids
-    table = manager.page_table(ids) if ids else np.zeros((0, 1), np.int32)
-    held = np.unique(table[table >= 0])
-    return per - np.bincount(held // per, minlength=meta.page_shards).astype(np.int64)
+    out = []
+    for g, group in enumerate(meta.groups):
+        per = group.num_pages // meta.page_shards
+        table = manager.page_table(ids, group=g if grouped else None) if ids else np.zeros((0, 1), np.int32)
+        held = np.unique(table[table >= 0])
+        out.append(per - np.bincount(held // per, minlength=meta.page_shards).astype(np.int64))
+    return np.stack(out)
 
 
 def _room(manager: PageManager, meta: Any, length: int, tokens: np.ndarray | None, salt: Any, skip: int) -> bool:
-    """Raise CacheFullError when no replica has the pages the sequence needs beyond its cached
-    prefix. Returns True when every replica surely has them (whatever the prefix match
-    shares); False when only the manager itself can tell (then it is asked on a copy). ``skip``:
-    leading pages the sequence never holds (a resumed window)."""
+    """Raise CacheFullError when no replica has, in every layer group, the pages the sequence
+    needs beyond its cached prefix. Returns True when every replica surely has them (whatever
+    the prefix match shares); False when only the manager itself can tell (then it is asked on
+    a copy). ``skip``: leading pages the sequence never holds (a resumed window)."""
     ps = meta.page_size
     total = -(-length // ps) - skip
     matched = manager.cached_prefix_length(tokens, salt=salt) // ps if tokens is not None else 0
     need = total - matched
-    avail = _available_per_replica(manager, meta)
+    avail = _available_per_replica(manager, meta).min(axis=0)  # the tightest group of each replica
     best = int(avail.max())
     if need > best:
         split = meta.page_shards > 1
         raise CacheFullError(
             f"importing a sequence of {length} tokens needs {need} new pages"
-            f"{' in one data-parallel replica' if split else ''} ({matched} of its {total} pages are cached) but "
-            f"only {best} are free or evictable{' in the emptiest replica' if split else ''}; release or preempt "
-            "sequences first", resource="pages", needed=need, available=best,
-            replica=int(avail.argmax()) if split else None)
+            f"{' in one data-parallel replica' if split else ''}{' of every layer group' * (len(meta.groups) > 1)} "
+            f"({matched} of its {total} pages are cached) but only {best} are free or evictable"
+            f"{' in the emptiest replica' if split else ''}; release or preempt sequences first", resource="pages",
+            needed=need, available=best, replica=int(avail.argmax()) if split else None)
     return total <= int(avail.min())
 
 
@@ -264,6 +346,19 @@ def _admit(manager: PageManager, seq_id: int | None, tokens: np.ndarray | None, 
     return seq, done, n, step_meta
 
 
+def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
+    """Per-group rows -> what ``cache.write`` takes: one array of every layer's rows (one group
+    of every layer) or, per model layer, its rows (None for a latent layer's values)."""
+    if len(meta.groups) == 1:
+        return spans[0]
+    keys, values = [None] * meta.num_hidden_layers, [None] * meta.num_hidden_layers
+    for group, (k, v) in zip(meta.groups, spans):
+        for j, layer in enumerate(group.layers):
+            keys[layer] = k[j]
+            values[layer] = None if v is None else v[j]
+    return keys, values
+
+
 def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: SequenceExport, *,
                     seq_id: int | None = None, salt: Any = None,
                     reuse_prefix: bool = True) -> tuple[PagedAttentionCache, int]:
@@ -288,6 +383,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     meta = _check_pair(cache, manager)
     exported = _checked_export(exported)
     needed = _check_import(meta, exported)
+    grouped = isinstance(exported, GroupedSequenceExport)
     reuse_prefix = boolean("reuse_prefix", reuse_prefix)
     salt_digest(salt)  # ValueError for a salt the prefix cache cannot key
     if seq_id is not None:
@@ -303,7 +399,8 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     # A sliding or chunked target keeps the pages from its window's first page on: the sequence
     # resumes there. It, or an export holding only a window, lacks the early tokens that prefix
     # keys are made of: such a sequence is neither matched nor entered in the prefix cache.
-    start = needed // meta.page_size * meta.page_size
+    windowed = all(g.attention != "full" for g in meta.groups)
+    start = min(needed) // meta.page_size * meta.page_size if windowed else 0
     whole = start == 0 and exported.first_position == 0
     tokens = exported.token_ids if whole else None
     match = tokens if (tokens is not None and reuse_prefix) else None
@@ -311,11 +408,16 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     # only when that is the namespace asked for.
     commit_ids = tokens is not None and (reuse_prefix or salt is None)
     raw_exact = exported.raw and exported.quantization == meta.quantization
-    if raw_exact:
-        keys, values = exported.keys, exported.values
+    # Per layer group: (keys, values or None, first position held), as stored or dense.
+    if grouped:
+        parts = exported.dense() if not raw_exact else [(g.keys, g.values) for g in exported.groups]
+        firsts = [g.first_position for g in exported.groups]
     else:
-        keys, values = exported.dense()
-        keys, values = np.asarray(keys).astype(meta.dtype), np.asarray(values).astype(meta.dtype)
+        parts = [(exported.keys, exported.values) if raw_exact else exported.dense()]
+        firsts = [exported.first_position]
+    if not raw_exact:
+        parts = [(np.asarray(k).astype(meta.dtype), None if v is None else np.asarray(v).astype(meta.dtype))
+                 for k, v in parts]
 
     if not _room(manager, meta, exported.length, match, salt, start // meta.page_size):
         # Only the manager knows whether the pages its prefix match shares leave room in that
@@ -325,22 +427,30 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         _admit(probe, seq_id, match, salt, exported.length, start)
     # Checked: from here on nothing fails for a reason the caller could have avoided.
     seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
-    # Positions done .. length - 1 are written; the export holds first_position .. length - 1.
-    # Those before first_position lie before the target's window (checked): zeros fill them.
-    lead, skip = max(exported.first_position - done, 0), max(done - exported.first_position, 0)
+    # Positions done .. length - 1 are written; a group's export holds first .. length - 1.
+    # Those before its first lie before the target group's window (checked): zeros fill them.
     pad = _pow2(n) - n
 
-    def span(a: np.ndarray) -> np.ndarray:
-        a = np.asarray(a)[:, skip:]
-        return np.pad(a, [(0, 0), (lead, pad)] + [(0, 0)] * (a.ndim - 2)) if lead or pad else a
+    def spanner(first: int) -> Any:
+        lead, skip = max(first - done, 0), max(done - first, 0)
 
+        def span(a: np.ndarray) -> np.ndarray:
+            a = np.asarray(a)[:, skip:]
+            return np.pad(a, [(0, 0), (lead, pad)] + [(0, 0)] * (a.ndim - 2)) if lead or pad else a
+
+        return span
+
+    spans = [(jax.tree.map(spanner(f), k), None if v is None else jax.tree.map(spanner(f), v))
+             for (k, v), f in zip(parts, firsts)]
+    rts = step_meta if len(meta.groups) > 1 else (step_meta,)
     try:
         cache, _ = manager.apply_pending(cache)
         if raw_exact:
-            slots = jnp.asarray(step_meta.slot_mapping, jnp.int32)
-            cache = _write_raw(cache, jax.tree.map(span, keys), jax.tree.map(span, values), slots)
+            slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
+            cache = _write_raw(cache, tuple(spans), slots)
         else:
-            cache, dropped = cache.write(span(keys), span(values), step_meta)
+            keys, values = _per_layer(meta, spans)
+            cache, dropped = cache.write(keys, values, step_meta)
             if int(dropped):
                 raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}",
                                      where="import_sequence")

@@ -262,10 +262,8 @@ class PagedAttentionCacheMetaData(Serializable):
         if not (self.is_uniform or (windows and self.is_single_geometry)):
             kinds = ", ".join(f"layers {g.span}: {g.attention}" for g in self.groups)
             raise NotImplementedError(
-                f"{what} holds uniform caches (every layer full attention, one geometry) in this easykv, but this "
-                f"metadata has layer groups ({kinds}); so far layer groups are described, sized and planned "
-                "(create, to_json, easykv plan, tokens_per_gib) and stored (init_cache, views, writes, attention) but not "
-                "yet managed or checkpointed")
+                f"{what} holds uniform caches (every layer full attention, one geometry){' or one window' * windows}, "
+                f"but this metadata has layer groups ({kinds})")
 
     def group_of(self, layer: int) -> tuple[int, int]:
         """``(group, index in the group)`` of model layer ``layer`` (an int in range)."""

@@ -1,0 +1,336 @@
+"""A sequence moved out of a cache of several layer groups: `GroupedSequenceExport`.
+
+Each group of the source exports its own part (`ExportedGroup`) in its own geometry: K
+``(layers_in_group, tokens, kv_heads, key_head_dim)`` and V with ``value_head_dim`` (none for a
+latent group), dense in the cache's dtype or raw (quantized values plus compact scales), for the
+positions the group still holds: ``first_position .. length - 1`` (a sliding or chunked group
+keeps only its window). The file is the ``.npz`` of `SequenceExport` in format version 3;
+`SequenceExport.load` reads either kind. `easykv.checkpoint.transfer` makes and consumes exports.
+
+An export is input like any other: every field is checked when it is built (also from a file
+that may have been crafted), naming the field in a ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from easykv.checkpoint.sequence_export import (
+    GROUPED_FORMAT,
+    TOKEN_HINT,
+    SequenceExport,
+    _bits_equal,
+    _cache_dtype,
+    _checked_array,
+    _member_specs,
+    _quantizer,
+    _stored_dtype,
+    check_header_keys,
+    read_array,
+    read_token_ids,
+)
+from easykv.quantization import QuantizedPages, get_quantizer, is_compressing
+from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, positive_int, show
+
+_HEADER_FIELDS = ("format", "length", "dtype", "quantization", "raw", "source_page_size", "groups", "dtypes")
+_GROUP_FIELDS = ("layers", "num_kv_heads", "key_head_dim", "value_head_dim", "latent", "first_position")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExportedGroup:
+    """One layer group's part of a `GroupedSequenceExport` (see the module doc): the model
+    layers it holds (in the group's order), its geometry, the first position it holds, and its
+    keys and values (values None for a latent group). Checked by the export that holds it."""
+
+    layers: tuple[int, ...]
+    num_kv_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    latent: bool
+    first_position: int
+    keys: Any
+    values: Any
+
+    def geometry(self) -> tuple[Any, ...]:
+        return (self.layers, self.num_kv_heads, self.key_head_dim, self.value_head_dim, self.latent)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupedSequenceExport:
+    """One sequence's tokens and K/V from a cache of several layer groups, on the host.
+
+    ``groups``: one `ExportedGroup` per layer group, together every model layer once. Every
+    field is checked when the export is built (ValueError naming the field); ints and names are
+    normalized. Two exports are equal when every field is, arrays bit for bit."""
+
+    length: int
+    groups: tuple[ExportedGroup, ...]
+    dtype: np.dtype
+    quantization: str
+    raw: bool
+    token_ids: np.ndarray | None = None
+    source_page_size: int | None = None
+
+    def __post_init__(self) -> None:
+        put = partial(object.__setattr__, self)
+        length = positive_int("GroupedSequenceExport.length", self.length, hint="committed tokens of the sequence")
+        dtype = _cache_dtype("GroupedSequenceExport.dtype", self.dtype)
+        if not isinstance(self.quantization, str):
+            raise ValueError(f"GroupedSequenceExport.quantization must be a quantizer name, got "
+                             f"{show(self.quantization)}")
+        quantizer = get_quantizer(self.quantization)
+        raw = boolean("GroupedSequenceExport.raw", self.raw)
+        if raw and not is_compressing(quantizer):
+            raise ValueError(f"GroupedSequenceExport.raw=True needs a compressing quantizer (int8, fp8, int4, ...), "
+                             f"but quantization is {quantizer.name!r}")
+        groups = self.groups
+        if not isinstance(groups, (tuple, list)) or not groups:
+            raise ValueError(f"GroupedSequenceExport.groups must be a non-empty tuple of ExportedGroup, got "
+                             f"{show(groups)}")
+        checked = tuple(_checked_group(g, i, length, dtype, quantizer, raw) for i, g in enumerate(groups))
+        layers = sorted(i for g in checked for i in g.layers)
+        if layers != list(range(len(layers))):
+            raise ValueError(f"GroupedSequenceExport.groups hold the layers {show(layers)}; together they must hold "
+                             f"every model layer 0..{len(layers) - 1} exactly once")
+        token_ids = self.token_ids
+        if token_ids is not None:
+            token_ids = integer_array("GroupedSequenceExport.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX,
+                                      hint=TOKEN_HINT)
+            if token_ids.shape != (length,):
+                raise ValueError(f"GroupedSequenceExport.token_ids holds {token_ids.size} ids but the sequence has "
+                                 f"length={length} tokens; pass exactly one id per token (or None)")
+        source_page_size = optional_int("GroupedSequenceExport.source_page_size", self.source_page_size, lo=1)
+        for name, value in (("length", length), ("groups", checked), ("dtype", dtype),
+                            ("quantization", quantizer.name), ("raw", raw), ("token_ids", token_ids),
+                            ("source_page_size", source_page_size)):
+            put(name, value)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    @property
+    def first_position(self) -> int:
+        """The first position every group holds (0 when each holds the whole sequence)."""
+        return max(g.first_position for g in self.groups)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupedSequenceExport):
+            return NotImplemented
+        scalars = ("length", "dtype", "quantization", "raw", "source_page_size")
+        if any(getattr(self, f) != getattr(other, f) for f in scalars) or len(self.groups) != len(other.groups):
+            return False
+        if any(a.geometry() + (a.first_position,) != b.geometry() + (b.first_position,)
+               for a, b in zip(self.groups, other.groups)):
+            return False
+        if (self.token_ids is None) != (other.token_ids is None) or (
+                self.token_ids is not None and not np.array_equal(self.token_ids, other.token_ids)):
+            return False
+        mine, theirs = (jax.tree.leaves([(g.keys, g.values) for g in e.groups]) for e in (self, other))
+        return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in jax.tree.leaves([(g.keys, g.values) for g in self.groups]))
+
+    def dense(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per group, (keys, values) dense in ``dtype`` (values None for a latent group)."""
+        if not self.raw:
+            return [(g.keys, g.values) for g in self.groups]
+        q = get_quantizer(self.quantization)
+
+        def decode(part: Any) -> np.ndarray | None:
+            if part is None:
+                return None
+            return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
+                                             q).dequantize(self.dtype))
+
+        return [(decode(g.keys), decode(g.values)) for g in self.groups]
+
+    # ---- files ---------------------------------------------------------------------------------
+    def save(self, file: Any) -> None:
+        """Write to a path or binary file (numpy .npz, format version 3; bf16/fp8 as raw bits)."""
+        arrays: dict[str, np.ndarray] = {}
+        dtypes: dict[str, str] = {}
+        for name, arr in _members(self):
+            arr = np.asarray(arr)
+            dtypes[name] = arr.dtype.name
+            arrays[name] = arr.view(_stored_dtype(arr.dtype))
+        if self.token_ids is not None:
+            arrays["token_ids"] = np.asarray(self.token_ids, np.int32)
+        header = {"format": GROUPED_FORMAT, "length": self.length, "dtype": self.dtype.name,
+                  "quantization": self.quantization, "raw": self.raw, "source_page_size": self.source_page_size,
+                  "groups": [{"layers": list(g.layers), "num_kv_heads": g.num_kv_heads,
+                              "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
+                              "latent": g.latent, "first_position": g.first_position} for g in self.groups],
+                  "dtypes": dtypes}
+        arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
+        np.savez(file, **arrays)
+
+    @classmethod
+    def load(cls, file: Any) -> GroupedSequenceExport:
+        """`SequenceExport.load`, for a file that must hold a grouped export."""
+        out = SequenceExport.load(file)
+        if not isinstance(out, cls):
+            raise ValueError("the file holds the export of a cache of one layer geometry (a SequenceExport), not a "
+                             "grouped one; load it with SequenceExport.load")
+        return out
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        self.save(buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> GroupedSequenceExport:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise ValueError(f"GroupedSequenceExport.from_bytes takes bytes (from to_bytes), got {type(blob).__name__}")
+        return cls.load(io.BytesIO(bytes(blob)))
+
+    @classmethod
+    def _from_header(cls, header: dict[str, Any], members: Mapping[str, Any], read: Any,
+                     source: str) -> GroupedSequenceExport:
+        """The export a version-3 file holds (`SequenceExport.load` reads the zip and header)."""
+        check_header_keys(header, _HEADER_FIELDS, GROUPED_FORMAT, source)
+        field = f"the header of {source}: field"
+        length = positive_int(f"{field} 'length'", header["length"])
+        if not isinstance(header["dtype"], str):
+            raise ValueError(f"{field} 'dtype' must be a dtype name, got {header['dtype']!r:.60}")
+        dtype = _cache_dtype(f"{field} 'dtype'", header["dtype"])
+        raw = boolean(f"{field} 'raw'", header["raw"])
+        source_page_size = optional_int(f"{field} 'source_page_size'", header["source_page_size"], lo=1)
+        raw_groups = header["groups"]
+        if not isinstance(raw_groups, list) or not raw_groups or len(raw_groups) > 1024:
+            raise ValueError(f"{field} 'groups' must be a list of 1..1024 group descriptions, got "
+                             f"{show(raw_groups)}")
+        specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        shapes = []
+        for i, g in enumerate(raw_groups):
+            where = f"{field} 'groups'[{i}]"
+            if not isinstance(g, dict):
+                raise ValueError(f"{where} must be an object, got {show(g)}")
+            check_header_keys(g, _GROUP_FIELDS, "exported group", f"{source} ('groups'[{i}])")
+            if not isinstance(g["layers"], list) or not g["layers"] or len(g["layers"]) > 1 << 16:
+                raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {show(g['layers'])}")
+            layers = tuple(integer(f"{where}.layers", x, lo=0, hi=1 << 16) for x in g["layers"])
+            heads = positive_int(f"{where}.num_kv_heads", g["num_kv_heads"], hi=1 << 16)
+            dk = positive_int(f"{where}.key_head_dim", g["key_head_dim"], hi=1 << 16)
+            dv = positive_int(f"{where}.value_head_dim", g["value_head_dim"], hi=1 << 16)
+            latent = boolean(f"{where}.latent", g["latent"])
+            first = integer(f"{where}.first_position", g["first_position"], lo=0, hi=length - 1)
+            quantizer = _quantizer(f"{field} 'quantization'", header["quantization"], dk, dtype)
+            specs.update(_group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, dtype,
+                                      quantizer, raw))
+            shapes.append((layers, heads, dk, dv, latent, first))
+        names = {name: dt.name for name, (_, dt) in specs.items()}
+        if header["dtypes"] != names:
+            raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.300}, but the other fields imply {names}")
+        expected = set(specs) | {"header"} | ({"token_ids"} & set(members))
+        if set(members) != expected:
+            raise ValueError(f"{source} holds the arrays {sorted(set(members) - {'header'})}, but its header implies "
+                             f"{sorted(expected - {'header'})}")
+        arrays = {name: read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
+
+        def part(i: int, kind: str) -> Any:
+            if raw:
+                got = {s: arrays.get(f"group_{i:03d}.{kind}.{s}") for s in ("values", "scales")}
+                return None if got["values"] is None else got
+            return arrays.get(f"group_{i:03d}.{kind}.dense")
+
+        groups = tuple(ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv,
+                                     latent=latent, first_position=first, keys=part(i, "keys"),
+                                     values=part(i, "values"))
+                       for i, (layers, heads, dk, dv, latent, first) in enumerate(shapes))
+        try:
+            return cls(length=length, groups=groups, dtype=dtype, quantization=header["quantization"], raw=raw,
+                       token_ids=read_token_ids(read, members, length), source_page_size=source_page_size)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+
+def _group_specs(g: int, tokens: int, layers: int, heads: int, key_dim: int, value_dim: int | None, dtype: np.dtype,
+                 quantizer: Any, raw: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``"group_000.keys.dense"`` ... -> (shape, dtype) of group ``g``'s arrays (no values for a
+    latent group, ``value_dim`` None)."""
+    out = {}
+    for kind, dim in (("keys", key_dim), ("values", value_dim)):
+        if dim is None:
+            continue
+        for name, spec in _member_specs(tokens, layers, heads, dim, dtype, quantizer, raw).items():
+            part, sub = name.split(".")
+            if part == kind:
+                out[f"group_{g:03d}.{kind}.{sub}"] = spec
+    return out
+
+
+def _members(export: GroupedSequenceExport) -> list[tuple[str, Any]]:
+    out = []
+    for i, g in enumerate(export.groups):
+        for kind in ("keys", "values"):
+            data = getattr(g, kind)
+            if data is None:
+                continue
+            for sub, arr in (data.items() if export.raw else [("dense", data)]):
+                out.append((f"group_{i:03d}.{kind}.{sub}", arr))
+    return out
+
+
+def _checked_group(g: Any, i: int, length: int, dtype: np.dtype, quantizer: Any, raw: bool) -> ExportedGroup:
+    where = f"GroupedSequenceExport.groups[{i}]"
+    if not isinstance(g, ExportedGroup):
+        raise ValueError(f"{where} must be an ExportedGroup, got {type(g).__name__}")
+    raw_layers = g.layers
+    if isinstance(raw_layers, (str, bytes)) or not hasattr(raw_layers, "__iter__"):
+        raise ValueError(f"{where}.layers must be a sequence of layer indices, got {show(raw_layers)}")
+    layers = tuple(integer(f"{where}.layers", x, lo=0) for x in raw_layers)
+    if not layers or len(set(layers)) != len(layers):
+        raise ValueError(f"{where}.layers must name at least one layer, each once, got {show(raw_layers)}")
+    heads = positive_int(f"{where}.num_kv_heads", g.num_kv_heads)
+    dk = positive_int(f"{where}.key_head_dim", g.key_head_dim)
+    dv = positive_int(f"{where}.value_head_dim", g.value_head_dim)
+    latent = boolean(f"{where}.latent", g.latent)
+    first = integer(f"{where}.first_position", g.first_position, lo=0, hi=length - 1,
+                    hint="the first position whose K/V the group holds, below the length")
+    for dim in (dk,) if latent else (dk, dv):
+        try:
+            quantizer.validate(dim, dtype)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    specs = _group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, dtype, quantizer, raw)
+    what = (f"{length - first} tokens x {len(layers)} layers x {heads} kv heads (K {dk}, "
+            f"{'latent' if latent else f'V {dv}'}) " + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
+    parts = {}
+    for kind in ("keys", "values"):
+        data = getattr(g, kind)
+        name = f"{where}.{kind}"
+        if kind == "values" and latent:
+            if data is not None:
+                raise ValueError(f"{name} must be None: a latent group stores no values")
+            parts[kind] = None
+            continue
+        prefix = f"group_{i:03d}.{kind}"
+        if raw:
+            if not isinstance(data, Mapping) or set(data) != {"values", "scales"}:
+                got = sorted(map(repr, data)) if isinstance(data, Mapping) else type(data).__name__
+                raise ValueError(f"{name} of a raw export must be a dict with exactly the entries 'values' and "
+                                 f"'scales', got {got}")
+            parts[kind] = {sub: _checked_array(f"{name}[{sub!r}]", data[sub], *specs[f"{prefix}.{sub}"], what)
+                           for sub in ("values", "scales")}
+        else:
+            parts[kind] = _checked_array(name, data, *specs[f"{prefix}.dense"], what)
+    return ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv, latent=latent,
+                         first_position=first, keys=parts["keys"], values=parts["values"])
+
+
+__all__ = ["ExportedGroup", "GroupedSequenceExport"]

@@ -95,6 +95,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a small model generating through the cache, checked against a dense cache")
     demo.add_argument("--requests", type=int, default=12, help="number of requests (one of them forked), 1..64")
     demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate per request, 2..128")
+    demo.add_argument("--model", default="hybrid", choices=("hybrid", "uniform"),
+                      help="hybrid: sliding-window and full-attention layers, scanned (two layer groups); "
+                           "uniform: full attention, unrolled")
     demo.add_argument("--quant", default="none", help="quantizer: none, int8, fp8, int4")
     demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="cache and model dtype")
     demo.add_argument("--mesh", default=None, help="mesh to serve on (default tp=8 on 8 simulated CPU devices)")
@@ -148,7 +151,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} {axes} needs {size} devices of positive axis sizes; this process has {n}")
     options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant, dtype=args.dtype,
                           mesh=mesh, restore_mesh=restore, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-                          progress=not args.no_progress)  # fmt: skip
+                          progress=not args.no_progress, model=args.model)  # fmt: skip
     from easykv.errors import CheckpointError
 
     try:

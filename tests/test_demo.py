@@ -1,6 +1,7 @@
 """`easykv demo` end to end: generation through the paged cache equals the dense-cache
 reference, the checkpoint midway restores onto another mesh, and a mismatch is caught."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -73,3 +74,61 @@ def test_engine_under_slot_pressure_keeps_the_fork_and_matches_reference():
     assert engine.copies >= 1
     for r in requests:
         assert r.output == reference_generate(model, r, max_len=128, dtype=jnp.float32), r.rid
+
+
+def test_the_hybrid_demo_checks_its_windows():
+    """The default demo model is hybrid (sliding window 32 + full attention, scanned): the paged
+    run equals a dense reference that masks each sliding layer to its window, and a reference
+    that forgets the window disagrees, so the check would catch a cache that read too far back."""
+    import jax.numpy as jnp
+
+    from easykv.demo.engine import reference_generate
+    from easykv.demo.model import CompiledModel, DemoModel
+
+    report = run_demo(DemoOptions(requests=4, max_new_tokens=8, progress=False))
+    assert report.matched and "sliding layers' pages used" in report.text
+    cfg = demo_run.MODELS["hybrid"]
+    assert cfg.scan and cfg.layer_groups()[0].attention == "sliding"
+    unwindowed = CompiledModel(DemoModel(dataclasses.replace(cfg, window=10**6, scan=False)))
+    model = CompiledModel(DemoModel(cfg))
+    from easykv.demo.workload import make_requests
+
+    requests = make_requests(4, 8, seed=0)
+    differ = [r.rid for r in requests
+              if reference_generate(model, r, max_len=256, dtype=jnp.float32)
+              != reference_generate(unwindowed, r, max_len=256, dtype=jnp.float32)]
+    assert differ  # prompts of ~110 tokens: a window of 32 changes the greedy tokens
+
+
+def test_scanned_and_unrolled_steps_give_the_same_logits_and_pages():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import easykv
+    from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
+    from sharding import PartitionAxis, PartitionManager, create_mesh
+
+    cfg = DemoConfig(layers=4, pattern="SF", window=12, scan=True)
+    mesh, pm = create_mesh({"tp": 8}), PartitionManager(PartitionAxis())
+    groups = tuple(dataclasses.replace(g, num_pages=48) for g in cfg.layer_groups())
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 2, cfg.layers, 64, 8, cfg.kv_heads, cfg.head_dim, 0.9,
+                                                     jnp.float32, partition_manager=pm, layer_groups=groups)
+    out = {}
+    for scan in (True, False):
+        model = CompiledModel(DemoModel(dataclasses.replace(cfg, scan=scan)))
+        cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+        manager = easykv.PageManager(meta)
+        a, b = manager.claim(2)
+        logits = []
+        for counts in ([20, 9], [1, 1], [1, 1]):  # prefill past the window, then decodes
+            rts = manager.build_step_metadata([a, b], counts, pad_tokens_to=32, pad_seqs_to=2)
+            tokens = jnp.arange(32, dtype=jnp.int32) % 200
+            step_logits, cache = model.paged_step(cache, tokens, rts)
+            logits.append(np.asarray(step_logits)[: sum(counts)])
+            manager.advance([a, b], counts)
+        out[scan] = logits, [np.asarray(x) for x in jax.tree.leaves((cache.key_pages, cache.value_pages))]
+    for x, y in zip(out[True][0], out[False][0]):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for x, y in zip(out[True][1], out[False][1]):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)

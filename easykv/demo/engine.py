@@ -55,6 +55,7 @@ class StepRecord:
     running: int
     used_pages: int
     cached_pages: int
+    group_pages: tuple[int, ...] = ()  # pages in use per layer group
 
 
 class Engine:
@@ -135,13 +136,14 @@ class Engine:
         seqs = [r.seq for r, _ in batch]
         counts = [len(t) for _, t in batch]
         meta = mgr.build_step_metadata(seqs, counts, pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
+        rt = meta[0] if isinstance(meta, tuple) else meta  # one per layer group: the same positions
         tokens = np.zeros(self.token_budget, np.int32)
         flat = [t for _, ids in batch for t in ids]
         tokens[: len(flat)] = flat
-        if not np.all((meta.positions != PAD_POSITION)[: len(flat)]):
+        if not np.all((rt.positions != PAD_POSITION)[: len(flat)]):
             raise InvariantError("a scheduled token got a padding position", where="demo engine")
         logits = self._device_step(tokens, meta, np.repeat(seqs, counts))
-        ends = np.asarray(meta.query_start_loc[1 : len(batch) + 1]) - 1
+        ends = np.asarray(rt.query_start_loc[1 : len(batch) + 1]) - 1
         last = np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))
         mgr.step(seqs, [ids for _, ids in batch])
         for (r, ids), row in zip(batch, last):
@@ -156,7 +158,8 @@ class Engine:
                 r.done = True
                 mgr.release(r.seq)
         m = mgr.metrics
-        self.history.append(StepRecord(self.step_index, len(flat), len(batch), m.used_pages, m.cached_pages))
+        self.history.append(StepRecord(self.step_index, len(flat), len(batch), m.used_pages, m.cached_pages,
+                                       tuple(g.used_pages for g in m.groups)))
 
 
     def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
@@ -176,8 +179,9 @@ class DenseEngine(Engine):
         padded = np.zeros(self.token_budget, np.int32)
         padded[: rows.size] = rows
         keys, values = self.cache
+        rt = meta[0] if isinstance(meta, tuple) else meta
         logits, keys, values = self.model.dense_batch_step(
-            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(meta.positions)
+            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(rt.positions)
         )
         self.cache = (keys, values)
         return logits

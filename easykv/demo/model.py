@@ -1,13 +1,17 @@
 """A small Llama-style decoder (flax nnx) and its two attention back ends.
 
 The model has RoPE, grouped-query attention, RMSNorm and a SwiGLU MLP, with random weights from
-a fixed seed and a byte-level vocabulary, so it needs no download. One forward pass is written
-once (`_forward`) and run two ways:
+a fixed seed and a byte-level vocabulary, so it needs no download. ``pattern`` makes it hybrid
+the way Gemma and gpt-oss are: layer ``i`` is a sliding-window layer (``S``, window ``window``)
+or a full-attention one (``F``) after ``pattern[i % len(pattern)]``; each kind is one layer group
+of the cache. One block is written once (`_block`) and run three ways:
 
 * `paged_step`: a ragged batch of prefill chunks and decodes; each layer writes its new K/V
-  into the paged cache and attends through the page tables (the easykv path);
-* `dense_step`: one sequence with a plain preallocated per-request cache (the reference the
-  demo compares against).
+  into the paged cache and attends through the page tables (the easykv path), the layers
+  unrolled or, with ``scan=True``, under one `lax.scan` over repeats of the pattern (the
+  parameters stacked per pattern position, each group's pages carried as one view);
+* `dense_step`: one sequence with a plain preallocated per-request cache, every layer unrolled
+  and masked to its window (the reference the demo compares against).
 """
 
 from __future__ import annotations
@@ -38,10 +42,33 @@ class DemoConfig:
     mlp: int = 512
     rope_theta: float = 10000.0
     seed: int = 0
+    pattern: str = "F"  # per layer, repeating: S = sliding window, F = full attention
+    window: int = 32
+    scan: bool = False
 
     def __post_init__(self) -> None:
         if self.q_heads % self.kv_heads:
             raise ValueError(f"q_heads={self.q_heads} must be a multiple of kv_heads={self.kv_heads}")
+        if not self.pattern or set(self.pattern) - {"S", "F"}:
+            raise ValueError(f"pattern must be a string of S (sliding) and F (full), got {self.pattern!r}")
+        if self.window <= 0:
+            raise ValueError(f"window must be positive, got {self.window}")
+        if self.scan and self.layers % len(self.pattern):
+            raise ValueError(f"a scanned model repeats its pattern: layers={self.layers} must be a multiple of "
+                             f"len(pattern)={len(self.pattern)}")
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, None for a full-attention layer."""
+        return self.window if self.pattern[layer % len(self.pattern)] == "S" else None
+
+    def layer_groups(self) -> tuple[Any, ...] | None:
+        """The cache's layer groups (None: one full-attention group, a uniform cache)."""
+        if set(self.pattern) == {"F"}:
+            return None
+        from easykv.spec.groups import group_pattern
+
+        return group_pattern(self.layers, self.pattern, S=dict(attention="sliding", window=self.window),
+                             F=dict(attention="full"))
 
 
 class Block(nnx.Module):
@@ -81,34 +108,88 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
+def _block(cfg: DemoConfig, blk: Block, x: jax.Array, positions: jax.Array, state: Any, layer: Any,
+           attend: AttendFn) -> tuple[jax.Array, Any]:
+    """One decoder block on the residual stream ``x`` (tokens, hidden)."""
+    n = x.shape[0]
+    h = blk.attn_norm(x)
+    q = rope(blk.q(h).reshape(n, cfg.q_heads, cfg.head_dim), positions, cfg.rope_theta)
+    k = rope(blk.k(h).reshape(n, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+    v = blk.v(h).reshape(n, cfg.kv_heads, cfg.head_dim)
+    out, state = attend(layer, q, k, v, state)
+    x = x + blk.o(out.reshape(n, cfg.q_heads * cfg.head_dim))
+    h = blk.mlp_norm(x)
+    return x + blk.down(jax.nn.silu(blk.gate(h)) * blk.up(h)), state
+
+
 def _forward(model: DemoModel, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn) -> tuple[jax.Array, Any]:
-    """Logits (tokens, VOCAB) for token ids at positions; ``attend(layer, q, k, v, state)``
-    stores the new K/V wherever the back end keeps them and returns (output, state)."""
-    cfg = model.cfg
+    """Logits (tokens, VOCAB) for token ids at positions, layers unrolled; ``attend(layer, q, k,
+    v, state)`` stores the new K/V wherever the back end keeps them and returns (output, state)."""
     x = model.embed(tokens)
-    n = tokens.shape[0]
     for i, blk in enumerate(model.blocks):
-        h = blk.attn_norm(x)
-        q = rope(blk.q(h).reshape(n, cfg.q_heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = rope(blk.k(h).reshape(n, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-        v = blk.v(h).reshape(n, cfg.kv_heads, cfg.head_dim)
-        out, state = attend(i, q, k, v, state)
-        x = x + blk.o(out.reshape(n, cfg.q_heads * cfg.head_dim))
-        h = blk.mlp_norm(x)
-        x = x + blk.down(jax.nn.silu(blk.gate(h)) * blk.up(h))
+        x, state = _block(model.cfg, blk, x, positions, state, i, attend)
     return model.head(model.norm(x)), state
+
+
+def _paged_attend(metadata: Any) -> AttendFn:
+    """``attend(_, q, k, v, view)``: write a layer's new K/V through its view and attend (the view
+    applies its group's window); returns (output, the written view)."""
+    def attend(_: Any, q: jax.Array, k: jax.Array, v: jax.Array, view: Any) -> tuple[jax.Array, Any]:
+        view = view.write_mixed_to_cache(k.astype(view.dtype), v.astype(view.dtype), metadata)
+        return view_attention(q.astype(view.dtype), view, metadata).astype(q.dtype), view
+    return attend
+
+
+def _scanned_forward(model: DemoModel, block_def: Any, stacked: list[Any], cache: PagedAttentionCache,
+                     tokens: jax.Array, metadata: Any) -> tuple[jax.Array, PagedAttentionCache]:
+    """`_forward` with the layers under one `lax.scan` over repeats of the pattern (compile time
+    flat in the number of layers): ``stacked[p]`` holds the parameters of every block at pattern
+    position ``p``, stacked over repeats; each layer group's pages ride in the carry as one view
+    and each iteration writes and attends its layers through ``view.at_layer``."""
+    cfg, pattern = model.cfg, model.cfg.pattern
+    letters = list(dict.fromkeys(pattern))  # groups in order of first appearance (group_pattern's order)
+    count = {c: pattern.count(c) for c in letters}
+    occurrence = [pattern[:p].count(c) for p, c in enumerate(pattern)]
+    positions = metadata[0].positions if isinstance(metadata, tuple) else metadata.positions
+    attend = _paged_attend(metadata)
+
+    def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        x, views = carry
+        r, params = xs
+        views = list(views)
+        for p, letter in enumerate(pattern):
+            g = letters.index(letter)
+            view = views[g].at_layer(r * count[letter] + occurrence[p])
+            x, views[g] = _block(cfg, nnx.merge(block_def, params[p]), x, positions, view, None, attend)
+        return (x, tuple(views)), None
+
+    views = tuple(cache.group_view(g) for g in range(len(letters)))
+    (x, views), _ = jax.lax.scan(body, (model.embed(tokens), views),
+                                 (jnp.arange(cfg.layers // len(pattern)), stacked))
+    for view in views:
+        cache.update(view)
+    return model.head(model.norm(x)), cache
+
 
 
 def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
     """One engine step for all layers in one jit: write each layer's new K/V into its pages
     (the cache is donated) and attend through the page tables of the mixed metadata."""
 
-    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedAttentionCache) -> tuple[jax.Array, Any]:
-        view = cache[i].write_mixed_to_cache(k.astype(cache[i].dtype), v.astype(cache[i].dtype), metadata)  # in place
-        out = view_attention(q.astype(view.dtype), view, metadata)
-        return out.astype(q.dtype), cache
+    paged = _paged_attend(metadata)
 
-    return _forward(model, tokens, metadata.positions, cache, attend)
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, cache: PagedAttentionCache) -> tuple[jax.Array, Any]:
+        out, _ = paged(i, q, k, v, cache[i])  # the view writes through to the cache
+        return out, cache
+
+    positions = metadata[0].positions if isinstance(metadata, tuple) else metadata.positions
+    return _forward(model, tokens, positions, cache, attend)
+
+
+def _visible(keys: jax.Array, queries: jax.Array, window: int | None) -> jax.Array:
+    """Causal mask of key positions for query positions, narrowed to the last ``window``."""
+    seen = keys <= queries
+    return seen if window is None else seen & (keys > queries - window)
 
 
 def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
@@ -132,7 +213,7 @@ def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: ja
         vv = jnp.repeat(vc[i].astype(jnp.float32), group, axis=1)
         qf = q.astype(kc.dtype).astype(jnp.float32)
         scores = jnp.einsum("thd,shd->hts", qf, kk) * cfg.head_dim**-0.5
-        visible = jnp.arange(kc.shape[1])[None, :] <= positions[:, None]
+        visible = _visible(jnp.arange(kc.shape[1])[None, :], positions[:, None], cfg.window_of(i))
         scores = jnp.where(visible[None], scores, -jnp.inf)
         out = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, axis=-1), vv)
         return out.astype(kc.dtype).astype(q.dtype), (kc, vc)
@@ -149,6 +230,12 @@ def _paged_jit(graphdef: Any, params: Any, cache: PagedAttentionCache, tokens: j
     return _paged_step(nnx.merge(graphdef, params), cache, tokens, metadata)
 
 
+@partial(jax.jit, static_argnums=(0, 2), donate_argnums=4)
+def _scanned_jit(graphdef: Any, params: Any, block_def: Any, stacked: list[Any], cache: PagedAttentionCache,
+                 tokens: jax.Array, metadata: Any) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
+    return _scanned_forward(nnx.merge(graphdef, params), block_def, stacked, cache, tokens, metadata)
+
+
 @partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 3))
 def _dense_jit(graphdef: Any, params: Any, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
                kv_round_trip: Any) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
@@ -159,12 +246,22 @@ class CompiledModel:
     """A DemoModel split once into (graphdef, params) with its two jitted steps."""
 
     def __init__(self, model: DemoModel) -> None:
-        self.cfg = model.cfg
+        self.cfg = cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
+        if cfg.scan:  # each pattern position's blocks stacked over the repeats
+            period = len(cfg.pattern)
+            self.block_def = nnx.split(model.blocks[0])[0]
+            self.stacked = [jax.tree.map(lambda *xs: jnp.stack(xs),
+                                         *(nnx.split(model.blocks[r * period + p])[1]
+                                           for r in range(cfg.layers // period)))
+                            for p in range(period)]
 
-    def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata
+    def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: Any
                    ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
-        """See `_paged_step`; the cache is donated."""
+        """See `_paged_step` (`_scanned_forward` for a scanned model); the cache is donated.
+        ``metadata``: one step metadata, or one per layer group."""
+        if self.cfg.scan:
+            return _scanned_jit(self.graphdef, self.params, self.block_def, self.stacked, cache, tokens, metadata)
         return _paged_jit(self.graphdef, self.params, cache, tokens, metadata)
 
     def dense_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
@@ -195,7 +292,7 @@ def _dense_batch_step(model: DemoModel, keys: jax.Array, values: jax.Array, toke
         kk = jnp.repeat(kc[i][rows].astype(jnp.float32), group, axis=2)  # (tokens, max_len, q_heads, dim)
         vv = jnp.repeat(vc[i][rows].astype(jnp.float32), group, axis=2)
         scores = jnp.einsum("thd,tshd->ths", q.astype(jnp.float32), kk) * cfg.head_dim**-0.5
-        visible = jnp.arange(max_len)[None, :] <= positions[:, None]
+        visible = _visible(jnp.arange(max_len)[None, :], positions[:, None], cfg.window_of(i))
         scores = jnp.where(visible[:, None, :], scores, -jnp.inf)
         weights = jnp.where(positions[:, None, None] >= 0, jax.nn.softmax(scores, axis=-1), 0.0)
         return jnp.einsum("ths,tshd->thd", weights, vv).astype(q.dtype), (kc, vc)

@@ -1,5 +1,10 @@
 """`easykv demo`: a small model generating through the paged cache, checked against a dense cache.
 
+The model is hybrid by default, as Gemma and gpt-oss are: sliding-window layers (window 32)
+alternate with full-attention ones, the layers run under one `lax.scan`, and the cache holds two
+layer groups, the sliding group in a pool a quarter the size (its sequences keep only their
+window's pages). ``model="uniform"`` serves a plain full-attention model with unrolled layers.
+
 The run: size and shard a cache on the mesh, serve the requests with continuous batching
 (chunked prefill mixed with decodes, prefix caching across the shared system prompt, one forked
 request), checkpoint cache + manager midway, restore both onto another mesh, finish there, then
@@ -46,6 +51,16 @@ class DemoOptions:
     seed: int = 0
     checkpoint_dir: str | None = None
     progress: bool = True
+    model: str = "hybrid"  # or "uniform"
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+
+
+# The demo's models: a hybrid (sliding window 32 + full attention, alternating, scanned) and a
+# plain full-attention one.
+MODELS = {"hybrid": DemoConfig(pattern="SF", window=32, scan=True), "uniform": DemoConfig()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,16 +95,21 @@ def _progress(out: TextIO, done: int, total: int, step: int, used: int, pages: i
 def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> DemoReport:
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    cfg = DemoConfig()
+    cfg = MODELS[options.model]
     model = CompiledModel(DemoModel(cfg))
     dtype = jnp.dtype(options.dtype)
     quantizer = get_quantizer(options.quant)
     mesh = create_mesh(options.mesh)
     pm = PartitionManager(PartitionAxis())
     max_len = 256
+    groups = cfg.layer_groups()
+    if groups is not None:  # a sliding group's sequences hold their window's pages only: a smaller pool
+        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention == "sliding"
+                                           else options.pages) for g in groups)
     meta = PagedAttentionCacheMetaData.create(
         mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,
-        partition_manager=pm, quantizer=quantizer, num_pages_per_layer=options.pages,
+        partition_manager=pm, quantizer=quantizer, layer_groups=groups,
+        num_pages_per_layer=options.pages if groups is None else None,
     )  # fmt: skip
     cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
     manager = PageManager(meta)
@@ -106,9 +126,14 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
             m = eng.manager.metrics
             _progress(err, sum(len(r.output) for r in reqs), total, eng.step_index, m.used_pages, m.total_pages)
 
-    print(f"easykv demo: {len(requests)} requests, {cfg.layers}-layer model ({cfg.q_heads} q / {cfg.kv_heads} kv heads, "
+    kind = (f"hybrid {cfg.layers}-layer model (sliding window {cfg.window} and full attention, pattern "
+            f"{cfg.pattern!r}, layers {'scanned' if cfg.scan else 'unrolled'})" if groups is not None
+            else f"{cfg.layers}-layer model")
+    print(f"easykv demo: {len(requests)} requests, {kind} ({cfg.q_heads} q / {cfg.kv_heads} kv heads, "
           f"head_dim {cfg.head_dim}), {dtype.name} cache, quantizer {quantizer.name}", file=out)  # fmt: skip
-    print(f"  plan: {meta.num_pages_per_layer} pages x {meta.page_size} tokens per layer on mesh "
+    pools = ", ".join(f"layers {g.span} ({g.attention}{f' {g.window}' if g.window else ''}): {g.num_pages}"
+                      for g in meta.groups)
+    print(f"  plan: pages of {meta.page_size} tokens per layer [{pools}] on mesh "
           f"{dict(mesh.shape)}, kv heads {meta.kv_heads_per_device} per device, "
           f"{meta.bytes_per_device / 2**20:.2f} MiB per device, {meta.bytes_per_token} B per token", file=out)  # fmt: skip
 
@@ -135,12 +160,16 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     )  # fmt: skip
     generated = sum(len(r.output) for r in requests)
     m = engine.manager.metrics
-    used = [h.used_pages for h in engine.history]
     lines = [
         f"  requests: {len(requests)} (one forked), steps: {engine.step_index}, tokens generated: {generated}",
         f"  throughput: {generated / seconds:.1f} tokens/s over {seconds:.1f} s (compilation included)",
-        f"  pages used over time (peak {max(used, default=0)} of {meta.num_pages_per_layer}): "
-        f"{_sparkline(used, meta.num_pages_per_layer)}",
+    ]
+    for g, group in enumerate(meta.groups):
+        used = [h.group_pages[g] for h in engine.history]
+        name = "pages used over time" if len(meta.groups) == 1 else f"{group.attention} layers' pages used"
+        lines.append(f"  {name} (peak {max(used, default=0)} of {group.num_pages}): "
+                     f"{_sparkline(used, group.num_pages)}")
+    lines += [
         f"  prefix cache: {m.prefix_hits}/{m.prefix_queries} prompts hit, {m.prefix_hit_tokens} of "
         f"{m.prefix_query_tokens} prompt tokens needed no prefill ({m.token_hit_rate:.0%})",
         f"  copy-on-write page copies: {engine.copies}",

@@ -266,3 +266,32 @@ def test_a_per_layer_checkpoint_cannot_claim_groups(tp8, tmp_path):
                                                        r"\[5, 11\]: full"):
         saved_metadata({"metadata": meta.to_dict(), "format_version": 2}, 3, tmp_path)
     assert saved_metadata({"metadata": meta.to_dict(), "format_version": 3}, 3, tmp_path) == meta
+
+
+# ---- EasyDeL models with sliding and full layers ---------------------------------------------
+def test_easydel_layer_types_become_groups_of_one_pool(tp8):
+    """What use_easykv derives from an EasyDeL config's layer_types (pure functions, no EasyDeL
+    needed): sliding and full groups in the cache-wide geometry and the one pool EasyDeL's single
+    page table addresses; EasyDeL's config of it is the uniform one's; other groupings refused."""
+    from types import SimpleNamespace
+
+    from easykv.integrations._easydel_config import layer_groups_from_model, shares_one_table, with_model_groups
+    from easykv.integrations.easydel import easydel_config_dict
+
+    text = SimpleNamespace(layer_types=["sliding_attention", "full_attention"] * 6, sliding_window=128)
+    groups = layer_groups_from_model(text)
+    assert [(g.layers, g.attention, g.window) for g in groups] == [
+        ((0, 2, 4, 6, 8, 10), "sliding", 128), ((1, 3, 5, 7, 9, 11), "full", None)]
+    for other in (SimpleNamespace(layer_types=["full_attention"] * 12, sliding_window=128),
+                  SimpleNamespace(layer_types=["sliding_attention", "chunked_attention"] * 6, sliding_window=128),
+                  SimpleNamespace(layer_types=["sliding_attention"] * 12, sliding_window=None),
+                  SimpleNamespace(sliding_window=4096)):
+        assert layer_groups_from_model(other) is None
+    uniform = create(tp8, None)
+    grouped = with_model_groups(uniform, groups)
+    assert shares_one_table(grouped) and [g.num_pages for g in grouped.groups] == [uniform.num_pages_per_layer] * 2
+    assert grouped.bytes_per_device == uniform.bytes_per_device
+    assert easydel_config_dict(grouped, version="v2") == easydel_config_dict(uniform, version="v2")
+    sized = create(tp8, gemma3_groups())  # the sliding group in a smaller pool: no single table fits
+    with pytest.raises(ValueError, match="one page table and one geometry"):
+        easydel_config_dict(sized, version="v2")

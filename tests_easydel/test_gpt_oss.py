@@ -94,3 +94,36 @@ def test_tokens_identical_to_recomputing_without_a_cache():
         want.append(seq[len(prompt):])
     assert got == want
     assert len({t for seq in got for t in seq}) > 8
+
+
+def test_use_easykv_gives_a_gpt_oss_cache_its_layer_groups(tmp_path):
+    """gpt-oss alternates sliding-window and full layers: use_easykv's cache says so (one sliding
+    and one full group in the one pool EasyDeL's single page table addresses), the window each
+    layer attends with is checked against its group, and the grouped cache checkpoints."""
+    import easykv
+    from easykv.integrations._easydel_model import EasyKVCache
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20 + i for i in range(12)]]
+    ours, meta = _easykv(WINDOWED, prompts)
+    assert [(g.layers, g.attention, g.window, g.num_pages) for g in meta.groups] == [
+        ((0,), "sliding", WINDOW, NUM_PAGES), ((1,), "full", None, NUM_PAGES)]
+    assert _easykv(FULL, prompts)[1].is_uniform
+    # EasyDeL's config of the grouped cache is the uniform cache's: one table, one geometry.
+    uniform = meta.replace(layer_groups=None)
+    assert easydel_config_from_metadata(meta, version="v3") == easydel_config_from_metadata(uniform, version="v3")
+    (got,) = run_greedy([ours], prompts, 6, meta=meta)
+    cache = ours.cache.to_easykv()
+    easykv.save_cache(tmp_path, cache)
+    restored = easykv.restore_cache(tmp_path, mesh=cache.layout.mesh).cache
+    assert restored.metadata.groups == cache.metadata.groups
+    for a, b in zip(jax.tree.leaves(restored.key_pages), jax.tree.leaves(cache.key_pages)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # A cache that declares another window than the model attends with is refused by name.
+    import dataclasses
+
+    wider = meta.replace(layer_groups=(dataclasses.replace(meta.groups[0], window=WINDOW + 4), meta.groups[1]))
+    model = use_easykv(tiny_gpt_oss(WINDOWED), num_pages_per_layer=NUM_PAGES)
+    other = EasyKVCache.from_easykv(easykv.PagedAttentionCache(wider, cache.key_pages, cache.value_pages, cache.layout))
+    with pytest.raises(ValueError, match=rf"layer 0 attends with sliding_window={WINDOW}, but its cache group "
+                                         rf"\(layers \[0\]\) is sliding {WINDOW + 4}"):
+        run_greedy([GreedyEngine(model, other, "v3")], prompts[:1], 1, meta=wider)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from easykv.spec.groups import LayerGroup, group_pattern
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.validation import parse_json, positive_int, show
@@ -214,6 +215,43 @@ def _dtype_from_easydel(name: Any) -> np.dtype:
                      "(fp64 pages: use 'fp32')")
 
 
+def layer_groups_from_model(text_config: Any) -> tuple[LayerGroup, ...] | None:
+    """The layer groups of an EasyDeL (HF-style) text config whose ``layer_types`` mix
+    ``"sliding_attention"`` (window ``sliding_window``) and ``"full_attention"`` layers (gpt-oss,
+    Gemma 2/3), as EasyDeL's attention modules read them; None for any other model (its windows,
+    if any, reach the attention at run time only)."""
+    types_ = getattr(text_config, "layer_types", None)
+    window = getattr(text_config, "sliding_window", None)
+    if not isinstance(types_, (list, tuple)) or "sliding_attention" not in types_:
+        return None
+    if set(types_) - {"sliding_attention", "full_attention"} or not isinstance(window, int) or window <= 0:
+        return None
+    pattern = "".join("S" if t == "sliding_attention" else "F" for t in types_)
+    return group_pattern(len(types_), pattern, S=dict(attention="sliding", window=window), F=dict(attention="full"))
+
+
+def with_model_groups(meta: PagedAttentionCacheMetaData, groups: tuple[LayerGroup, ...] | None,
+                      ) -> PagedAttentionCacheMetaData:
+    """``meta`` (a uniform cache) with ``groups``, each in the cache-wide geometry and the one
+    pool: EasyDeL hands every layer the same page table, so the groups share page ids and
+    differ only in the window attention applies."""
+    if groups is None:
+        return meta
+    if len(groups) == 1 and groups[0].attention == "full":
+        return meta
+    same = dict(num_kv_heads=meta.num_kv_heads, key_head_dim=meta.kv_head_dim_size,
+                value_head_dim=meta.kv_head_dim_size, num_pages=meta.num_pages_per_layer,
+                kv_head_mesh_axes=meta.kv_head_mesh_axes, kv_head_shards=meta.kv_head_shards)
+    return meta.replace(layer_groups=tuple(dataclasses.replace(g, **same) for g in groups))
+
+
+def shares_one_table(meta: PagedAttentionCacheMetaData) -> bool:
+    """Whether every layer group has the cache-wide geometry and pool (one page table fits all)."""
+    return all(not g.latent and g.num_pages == meta.num_pages_per_layer
+               and (g.num_kv_heads, g.key_head_dim, g.value_head_dim) ==
+               (meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_dim_size) for g in meta.groups)
+
+
 def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> dict[str, Any]:
     """See ``easykv.integrations.easydel.easydel_config_json``."""
     if not isinstance(meta, PagedAttentionCacheMetaData):
@@ -227,6 +265,12 @@ def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str
     if meta.dtype is None or getattr(meta, "kv_head_shards", 1) is None:
         raise ValueError("the metadata leaves dtype or the kv-head layout open; complete it first "
                          "(PagedAttentionCacheMetaData.create, or the views of an initialised cache)")
+    if not meta.is_uniform and not shares_one_table(meta):
+        kinds = "; ".join(f"layers {g.span}: {g.attention}, {g.num_kv_heads} kv heads x K {g.key_head_dim} / V "
+                          f"{g.value_head_dim}{' latent' if g.latent else ''}, {g.num_pages} pages" for g in meta.groups)
+        raise ValueError(f"EasyDeL's ragged-page cache addresses every layer with one page table and one geometry, "
+                         f"but this metadata's layer groups differ ({kinds}); only groups of the cache-wide geometry "
+                         "with the same pool (as use_easykv builds for sliding + full models) map to EasyDeL")
     heads, dim, shards = meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_shards
     if version == "v3" and shards > 1 and v3_storage_groups(heads, dim, meta.dtype) % shards:
         raise ValueError(f"EasyDeL's v3 layout packs {heads} kv heads of {meta.dtype.name} into "

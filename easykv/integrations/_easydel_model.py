@@ -20,9 +20,12 @@ from eformer.pytree import auto_pytree, field
 import easykv
 from easykv.integrations._easydel_config import (
     config_dict_from_metadata,
+    layer_groups_from_model,
     metadata_from_config,
     partition_manager_from_easydel,
     quantizer_from_easydel,
+    shares_one_table,
+    with_model_groups,
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
 from easykv.spec.metadata import PagedAttentionCacheMetaData
@@ -175,13 +178,17 @@ class EasyKVCache(RaggedPagesCache):
     def from_easykv(cls, cache: Any, *, version: str = "v3", easydel_config: Any = None) -> EasyKVCache:
         """Wrap an easykv PagedAttentionCache (same arrays). ``easydel_config`` defaults to the
         RaggedPagesCacheConfig of its metadata in ``version``."""
+        meta = cache.metadata
+        if not meta.is_uniform and not shares_one_table(meta):
+            raise ValueError("EasyDeL hands every layer one page table: an EasyKVCache holds layer groups of one "
+                             "geometry and one pool only (as use_easykv builds them), not "
+                             f"{[(g.span, g.attention, g.num_pages) for g in meta.groups]}")
         if easydel_config is None:  # EasyDeL's config keeps no quantizer: the views' easykv metadata does
-            easydel_config = easydel_config_from_metadata(dataclasses.replace(cache.metadata, quantization="none"),
+            easydel_config = easydel_config_from_metadata(dataclasses.replace(meta, quantization="none"),
                                                           version=version)
         config = easydel_config
         if not isinstance(config, RaggedPagesCacheConfig):
             config = RaggedPagesCacheConfig(**_as_config_dict(config))
-        meta = cache.metadata
         where = {i: (g, j) for g, group in enumerate(meta.groups) for j, i in enumerate(group.layers)}
         views = [EasyKVCacheView(metadata=config, layer_index=i, kv_pages=None, easykv_metadata=meta,
                                  layout=cache.layout, group=where[i][0], layer=where[i][1])
@@ -250,6 +257,7 @@ class _EasyKVAttention:
         if isinstance(sliding_window, (tuple, list)):
             raise NotImplementedError(f"sliding_window={sliding_window!r}: easykv takes one causal window size (a "
                                       "query at p sees keys in (p - window, p]); two-sided windows are not supported")
+        _check_window(cache_view, sliding_window)
         rt = cache_view._runtime(cache_metadata, query.shape[0])
         # softmax_aux: EasyDeL's attention sinks, one logit per q head (gpt-oss), as easykv's sinks.
         out = easykv.paged_attention(query, cache_view.group_key_pages, cache_view.group_value_pages, rt,
@@ -257,6 +265,21 @@ class _EasyKVAttention:
                                      dtype=cache_view.dtype, scale=softmax_scale, sliding_window=sliding_window,
                                      logit_soft_cap=logits_soft_cap, **self.easykv_options)
         return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)
+
+
+def _check_window(view: EasyKVCacheView, sliding_window: Any) -> None:
+    """A cache with layer groups declares each layer's window: the window the model attends with
+    must be the one its group declares (a grouped checkpoint or export records it)."""
+    meta = view.easykv_metadata
+    if meta.is_uniform:
+        return  # one full-attention group: the model's run-time window is the only one
+    group = meta.groups[view.group]
+    declared = None if group.attention == "full" else group.window
+    given = None if sliding_window is None else int(sliding_window)
+    if group.attention == "chunked" or given != declared:
+        raise ValueError(f"layer {view.layer_index} attends with sliding_window={given}, but its cache group (layers "
+                         f"{group.span}) is {group.attention}{'' if declared is None else f' {declared}'}; build the "
+                         "cache for this model (model.init_operations_cache after use_easykv)")
 
 
 class EasyKVRaggedPageAttnV3(_EasyKVAttention, RaggedPageAttnV3):
@@ -353,13 +376,14 @@ class EasyKVModelMixin:
         s = self._easykv_settings
         layers, heads, dim = model_geometry(self)
         per_seq = math.ceil(max_length / page_size)
-        return PagedAttentionCacheMetaData.create(
+        meta = PagedAttentionCacheMetaData.create(
             self.mesh, batch_size if batch_size is not None else default_batch_size(per_seq), layers, max_length,
             page_size, heads, dim, s.hbm_utilization if s.hbm_utilization is not None else hbm_utilization,
             cache_dtype(self, dtype), partition_manager=self.easykv_partition_manager(),
             quantizer=self.easykv_quantizer(quantizer), memory_bytes_per_device=s.memory_bytes_per_device,
             num_pages_per_layer=s.num_pages_per_layer,
         )  # fmt: skip
+        return with_model_groups(meta, layer_groups_from_model(self.config.get_text_config()))
 
     def create_ragged_page_cache_config(self, max_length: int, *, page_size: int = 128,
                                         hbm_utilization: float = 0.9, dtype: Any = None) -> RaggedPagesCacheConfig:
@@ -388,6 +412,7 @@ class EasyKVModelMixin:
         else:
             meta = metadata_from_config(ragged_config, mesh=self.mesh, partition_manager=pm,
                                         batch_size=batch_size, quantizer=q)
+            meta = with_model_groups(meta, layer_groups_from_model(self.config.get_text_config()))
             layers, heads, dim = model_geometry(self)
             if (meta.num_hidden_layers, meta.num_kv_heads, meta.kv_head_dim_size) != (layers, heads, dim):
                 raise ValueError(f"ragged_config describes {meta.num_hidden_layers} layers x {meta.num_kv_heads} kv "

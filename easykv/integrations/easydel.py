@@ -23,6 +23,14 @@ points (the model keeps its weights, config, name and everything else):
   and ``init_operations_cache`` (the two hooks eSurge calls) size and allocate an easykv pool
   and return an :class:`EasyKVCache`. eSurge's scheduler then hands out easykv's pages.
 
+A model whose config mixes ``"sliding_attention"`` and ``"full_attention"`` ``layer_types``
+(gpt-oss, Gemma 2/3) gets a cache with those layer groups: the same geometry and the one pool for
+every group (EasyDeL hands every layer one page table, so the pages a window left are not freed
+here; easykv's own `PageManager` does that with a pool per group), each group declaring its
+window, which checkpoints record and each layer's attention is checked against (a layer that
+attends with another window than its group declares is an error). EasyDeL's sinks
+(``softmax_aux``) are easykv's ``sinks``.
+
 A model whose ``attn_mechanism`` is not ragged-page (e.g. ``"vanilla"``) is first rebuilt with
 ``"ragged_page_attention_v3"``, as eSurge itself does on CPU and TPU (use the returned model).
 The pool is sized by easykv (``PagedAttentionCacheMetaData.create``: device memory times
@@ -74,7 +82,7 @@ configs never sized (``num_pages=-1``), with per-layer geometries, window-aware 
 budget set; a ``kv_head_shards`` that does not divide the kv heads (EasyDeL v2 can split one
 head's K and V), or shard counts the given mesh cannot produce; NF4, MXFP4, NVFP4, ternary,
 binary, TurboQuant, simulated (QAT) quantization, ``runtime_dtype``, affine bit widths other than
-4 and 8; at run time attention sinks (``softmax_aux``) and two-sided sliding windows; models with
+4 and 8; at run time two-sided sliding windows; models with
 non-attention (recurrent, hybrid), MLA or KV-shared layers, and attention operations other than
 the ragged-page ones.
 

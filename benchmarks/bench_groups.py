@@ -6,8 +6,8 @@ Issue 12's target: the Gemma-3 pattern (5 x 1024-token sliding : 1 full) at 32k 
 pages a sequence keeps in each group once pages that left its windows are released (bf16, page
 size 16, tp=8 on an abstract mesh with a 16 GiB budget per device, so no devices are needed).
 
-For presets of one group (every layer sliding), the figure is also measured with a running
-`PageManager` (pure numpy, no devices): sequences are admitted one after another and prefilled
+For presets with a sliding or chunked group, the figure is also measured with a running
+`PageManager` (pure numpy, no devices; one pool per group): sequences are admitted one after another and prefilled
 in chunks of ``--chunk`` tokens up to the context, the manager releasing pages as they leave
 the window, until the pool cannot take one more; measured = those sequences' tokens per GiB of
 the pool. Transient pages of the chunk being written make it a little lower than the sizing.
@@ -77,7 +77,7 @@ def main() -> int:
                            f"{' latent' if g.latent else ''}" for g in meta.groups)
         print(f"{name:<18} {kinds:<44} {held:>12,.0f} {full:>12,.0f} {held / full:>6.2f}x"
               f"{'  (heads replicated over tp)' if adjusted else ''}")
-        if len(meta.groups) == 1 and meta.groups[0].attention != "full":
+        if any(g.attention != "full" for g in meta.groups):
             run = meta.replace(batch_size=4 * meta.max_full_sequences, memory_bytes_per_device=None)
             n, measured = measured_tokens_per_gib(run, args.context, args.chunk)
             print(f"{'':<18} {'measured, running manager: ' + f'{n} sequences of {args.context:,}':<44} "

@@ -339,19 +339,17 @@ class WindowsOnlyMachine(ManagerMachine):
     layer_groups = (LayerGroup((0,), "sliding", 3, num_pages=6), LayerGroup((1,), "chunked", 8, num_pages=PAGES))
 
 
-TestManagerMachine = ManagerMachine.TestCase
-TestManagerMachine.settings = SETTINGS
-TestDataParallelMachine = DataParallelMachine.TestCase
-TestDataParallelMachine.settings = SETTINGS
-TestNoCachingMachine = NoCachingMachine.TestCase
-TestNoCachingMachine.settings = SETTINGS
-TestSlidingWindowMachine = SlidingWindowMachine.TestCase
-TestSlidingWindowMachine.settings = SETTINGS
-TestChunkedDataParallelMachine = ChunkedDataParallelMachine.TestCase
-TestChunkedDataParallelMachine.settings = SETTINGS
-TestHybridMachine = HybridMachine.TestCase
-TestHybridMachine.settings = SETTINGS
-TestHybridDataParallelMachine = HybridDataParallelMachine.TestCase
-TestHybridDataParallelMachine.settings = SETTINGS
-TestWindowsOnlyMachine = WindowsOnlyMachine.TestCase
-TestWindowsOnlyMachine.settings = SETTINGS
+def _case(machine):
+    case = machine.TestCase
+    case.settings = SETTINGS
+    return case
+
+
+TestManagerMachine = _case(ManagerMachine)
+TestDataParallelMachine = _case(DataParallelMachine)
+TestNoCachingMachine = _case(NoCachingMachine)
+TestSlidingWindowMachine = _case(SlidingWindowMachine)
+TestChunkedDataParallelMachine = _case(ChunkedDataParallelMachine)
+TestHybridMachine = _case(HybridMachine)
+TestHybridDataParallelMachine = _case(HybridDataParallelMachine)
+TestWindowsOnlyMachine = _case(WindowsOnlyMachine)

@@ -26,20 +26,20 @@ import numpy as np
 
 from easykv.checkpoint.sequence_export import (
     GROUPED_FORMAT,
-    TOKEN_HINT,
     SequenceExport,
-    _bits_equal,
     _cache_dtype,
     _checked_array,
     _member_specs,
     _quantizer,
     _stored_dtype,
     check_header_keys,
+    checked_token_ids,
     read_array,
     read_token_ids,
+    same_contents,
 )
 from easykv.quantization import QuantizedPages, get_quantizer, is_compressing
-from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, positive_int, show
+from easykv.validation import boolean, integer, optional_int, positive_int, show
 
 _HEADER_FIELDS = ("format", "length", "dtype", "quantization", "raw", "source_page_size", "groups", "dtypes")
 _GROUP_FIELDS = ("layers", "num_kv_heads", "key_head_dim", "value_head_dim", "latent", "first_position")
@@ -101,13 +101,7 @@ class GroupedSequenceExport:
         if layers != list(range(len(layers))):
             raise ValueError(f"GroupedSequenceExport.groups hold the layers {show(layers)}; together they must hold "
                              f"every model layer 0..{len(layers) - 1} exactly once")
-        token_ids = self.token_ids
-        if token_ids is not None:
-            token_ids = integer_array("GroupedSequenceExport.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX,
-                                      hint=TOKEN_HINT)
-            if token_ids.shape != (length,):
-                raise ValueError(f"GroupedSequenceExport.token_ids holds {token_ids.size} ids but the sequence has "
-                                 f"length={length} tokens; pass exactly one id per token (or None)")
+        token_ids = checked_token_ids("GroupedSequenceExport", self.token_ids, length)
         source_page_size = optional_int("GroupedSequenceExport.source_page_size", self.source_page_size, lo=1)
         for name, value in (("length", length), ("groups", checked), ("dtype", dtype),
                             ("quantization", quantizer.name), ("raw", raw), ("token_ids", token_ids),
@@ -132,11 +126,8 @@ class GroupedSequenceExport:
         if any(a.geometry() + (a.first_position,) != b.geometry() + (b.first_position,)
                for a, b in zip(self.groups, other.groups)):
             return False
-        if (self.token_ids is None) != (other.token_ids is None) or (
-                self.token_ids is not None and not np.array_equal(self.token_ids, other.token_ids)):
-            return False
-        mine, theirs = (jax.tree.leaves([(g.keys, g.values) for g in e.groups]) for e in (self, other))
-        return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
+        return same_contents(self.token_ids, other.token_ids, [(g.keys, g.values) for g in self.groups],
+                             [(g.keys, g.values) for g in other.groups])
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
 

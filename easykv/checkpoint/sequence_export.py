@@ -114,6 +114,25 @@ def _checked_array(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtyp
     return arr
 
 
+def checked_token_ids(owner: str, token_ids: Any, length: int) -> np.ndarray | None:
+    """An export's ``token_ids``: None, or one int32 id per token of its ``length``."""
+    if token_ids is None:
+        return None
+    token_ids = integer_array(f"{owner}.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX, hint=TOKEN_HINT)
+    if token_ids.shape != (length,):
+        raise ValueError(f"{owner}.token_ids holds {token_ids.size} ids but the sequence has length={length} "
+                         "tokens; pass exactly one id per token (or None)")
+    return token_ids
+
+
+def same_contents(ids: np.ndarray | None, other_ids: np.ndarray | None, arrays: Any, other_arrays: Any) -> bool:
+    """Whether two exports hold the same token ids and, bit for bit, the same arrays."""
+    if (ids is None) != (other_ids is None) or (ids is not None and not np.array_equal(ids, other_ids)):
+        return False
+    mine, theirs = jax.tree.leaves(arrays), jax.tree.leaves(other_arrays)
+    return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
+
+
 def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -178,13 +197,7 @@ class SequenceExport:
             else:
                 data = _checked_array(f"SequenceExport.{part}", data, *specs[f"{part}.dense"], what)
             put(part, data)
-        token_ids = self.token_ids
-        if token_ids is not None:
-            token_ids = integer_array("SequenceExport.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX,
-                                      hint=TOKEN_HINT)
-            if token_ids.shape != (length,):
-                raise ValueError(f"SequenceExport.token_ids holds {token_ids.size} ids but the sequence has length="
-                                 f"{length} tokens; pass exactly one id per token (or None)")
+        token_ids = checked_token_ids("SequenceExport", self.token_ids, length)
         source_page_size = optional_int("SequenceExport.source_page_size", self.source_page_size, lo=1)
         for name, value in (("length", length), ("num_hidden_layers", layers), ("num_kv_heads", heads),
                             ("kv_head_dim_size", head_dim), ("dtype", dtype), ("quantization", quantizer.name),
@@ -199,11 +212,7 @@ class SequenceExport:
                    "source_page_size", "first_position")
         if any(getattr(self, f) != getattr(other, f) for f in scalars):
             return False
-        if (self.token_ids is None) != (other.token_ids is None) or (
-                self.token_ids is not None and not np.array_equal(self.token_ids, other.token_ids)):
-            return False
-        mine, theirs = jax.tree.leaves((self.keys, self.values)), jax.tree.leaves((other.keys, other.values))
-        return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
+        return same_contents(self.token_ids, other.token_ids, (self.keys, self.values), (other.keys, other.values))
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
 

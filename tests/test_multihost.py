@@ -69,6 +69,12 @@ def test_cache_written_and_read_across_two_processes(mode, tmp_path):
         assert f"WORKER OK {pid}" in out, out
 
 
+def test_a_grouped_cache_runs_in_lockstep_across_two_processes(tmp_path):
+    outputs = run("grouped", tmp_path, 240, str(tmp_path / "ckpt"))
+    for pid, out in enumerate(outputs):
+        assert f"WORKER OK {pid}" in out, out
+
+
 def test_lockstep_names_the_diverging_process(tmp_path):
     outputs = run("diverge", tmp_path)
     assert all(f"WORKER OK {pid}" in out for pid, out in enumerate(outputs))

@@ -132,6 +132,63 @@ def checkpoint_mode(directory: str, action: str) -> None:
     check_restored(restore_cache(directory, mesh=mesh2, partition_manager=PartitionManager(PartitionAxis())), k, v)
 
 
+def grouped_mode(directory: str) -> None:
+    """A cache of two layer groups (sliding window 6 over 4 kv heads; full over 8 heads with V
+    narrower than K) with pages split over dp: both processes run the same PageManager calls,
+    write through its per-group metadata, read every window back, stay in lock-step, save from
+    both, and restore onto tp=8 with the manager re-sliced."""
+    from easykv.checkpoint.checkpointer import restore_cache, save_cache
+
+    mesh = create_mesh({"dp": 2, "tp": 4})
+    groups = (easykv.LayerGroup((0,), "sliding", 6, num_kv_heads=4, key_head_dim=16, value_head_dim=16, num_pages=16),
+              easykv.LayerGroup((1,), "full", num_kv_heads=8, key_head_dim=16, value_head_dim=8, num_pages=32))
+    pm = PartitionManager(PartitionAxis(page_axis="dp"))
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, 2, 64, 8, 8, 16, 0.9, jnp.float32,
+                                                     partition_manager=pm, layer_groups=groups)
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    manager = easykv.PageManager(cache.metadata)
+    a, b = manager.claim(2)
+    rng = np.random.default_rng(5)  # the same "model output" on every process
+    shapes = [(4, 16, 16), (8, 16, 8)]  # per layer: heads, K dim, V dim
+    hist = {s: [[np.zeros((0, h, dk), np.float32), np.zeros((0, h, dv), np.float32)] for h, dk, dv in shapes]
+            for s in (a, b)}
+    spec = P(None, "tp")
+    for counts in ([11, 20], [1, 1], [1, 1], [1, 1]):
+        rts = manager.build_step_metadata([a, b], counts)
+        cache, _ = manager.apply_pending(cache)
+        n = sum(counts)
+        ks = [rng.normal(size=(n, h, dk)).astype(np.float32) for h, dk, _ in shapes]
+        vs = [rng.normal(size=(n, h, dv)).astype(np.float32) for h, _, dv in shapes]
+        cache, dropped = cache.write([global_array(k, mesh, spec) for k in ks],
+                                     [global_array(v, mesh, spec) for v in vs], rts)
+        assert int(dropped.addressable_data(0)) == 0
+        t = 0
+        for s, c in zip((a, b), counts):
+            for layer in range(2):
+                hist[s][layer] = [np.concatenate([hist[s][layer][0], ks[layer][t:t + c]]),
+                                  np.concatenate([hist[s][layer][1], vs[layer][t:t + c]])]
+            t += c
+        manager.step([a, b], [list(range(c)) for c in counts])
+        assert_lockstep(manager)
+
+    def check(cache, manager):
+        for s in (a, b):
+            for layer in range(2):
+                first = manager.first_kept_position(s, group=layer)
+                row = np.maximum(np.asarray(manager.pages(s, group=layer)), 0)
+                keys, values = easykv.gather_kv(cache, layer, row, manager.length(s))
+                assert np.array_equal(gathered(keys)[first:], hist[s][layer][0][first:]), (s, layer)
+                assert np.array_equal(gathered(values)[first:], hist[s][layer][1][first:]), (s, layer)
+        assert_lockstep(manager)
+
+    assert manager.first_kept_position(b, group=0) == 18  # length 23, window 6: the rest was released
+    check(cache, manager)
+    save_cache(directory, cache, manager, step=1)
+    cache, manager = restore_cache(directory, mesh=create_mesh({"tp": 8}), partition_manager=PartitionManager(
+        PartitionAxis()))
+    check(cache, manager)
+
+
 def gathered_pages(pages):
     return multihost_utils.process_allgather(pages, tiled=True)
 
@@ -185,6 +242,8 @@ if MODE in ("cache-tp", "cache-dp"):
     cache_mode(MODE.split("-")[1])
 elif MODE == "checkpoint":
     checkpoint_mode(sys.argv[2], sys.argv[3])
+elif MODE == "grouped":
+    grouped_mode(sys.argv[2])
 elif MODE == "diverge":
     diverge_mode()
 elif MODE == "fail":

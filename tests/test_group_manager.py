@@ -247,20 +247,24 @@ GROUPS = (LayerGroup((0, 2), "sliding", 6, num_kv_heads=4, key_head_dim=8, value
 LAYERS = 5
 
 
-@pytest.mark.parametrize("layout", ["tp8", "dp2tp4"])
-def test_a_manager_driven_grouped_cache_matches_dense_attention(layout):
+@pytest.mark.parametrize("layout,quantizer", [("tp8", "none"), ("dp2tp4", "none"), ("dp2tp4", "int8")])
+def test_a_manager_driven_grouped_cache_matches_dense_attention(layout, quantizer):
     """Three prompts (the third shares the first's prefix and hits it in every group), a fork,
     then decode steps: each step's metadata and copies come from the manager, the writes and
     attention from the cache; every layer's output is checked against numpy attention over the
     sequence's whole history (the sliding group with its window, after its old pages were freed
-    and reused)."""
+    and reused); with int8 pages, against the history each token's quantization gives back."""
     mesh = create_mesh({"dp": 1, "tp": 8}) if layout == "tp8" else create_mesh({"dp": 2, "tp": 4})
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis="dp" if layout == "dp2tp4" else None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)  # the latent's one head is replicated
         meta = PagedAttentionCacheMetaData.create(mesh, 4, LAYERS, 32, PS, 8, 16, 0.9, "float32",
-                                                  partition_manager=pm, layer_groups=GROUPS)
-        cache = PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+                                                  partition_manager=pm, layer_groups=GROUPS, quantizer=quantizer)
+        cache = PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm, quantizer=quantizer)
+    q8 = easykv.get_quantizer(quantizer)
+
+    def stored(x):  # what a page gives back of new rows (tokens, heads, dim)
+        return x if quantizer == "none" else np.asarray(q8.quantize(jnp.asarray(x)).dequantize(np.float32))
     meta = cache.metadata
     m = PageManager(meta)
     rng = np.random.default_rng(0)
@@ -281,8 +285,8 @@ def test_a_manager_driven_grouped_cache_matches_dense_attention(layout):
         for s, c in zip(seqs, counts):
             for i in range(LAYERS):
                 k, v = hist[s][i]
-                hist[s][i] = [np.concatenate([k, ks[i][t:t + c]]),
-                              None if vs[i] is None else np.concatenate([v, vs[i][t:t + c]])]
+                hist[s][i] = [np.concatenate([k, stored(ks[i][t:t + c])]),
+                              None if vs[i] is None else np.concatenate([v, stored(vs[i][t:t + c])])]
             t += c
         for i, g in enumerate(groups):
             q = rng.standard_normal((n, 2 * g.num_kv_heads, g.key_head_dim)).astype(np.float32)
@@ -293,7 +297,8 @@ def test_a_manager_driven_grouped_cache_matches_dense_attention(layout):
                 pos = np.arange(len(k) - c, len(k))
                 want = numpy_attention(q[t:t + c], k, k[..., :g.value_head_dim] if g.latent else v, pos,
                                        window=g.window if g.attention == "sliding" else None)
-                np.testing.assert_allclose(out[t:t + c], want, rtol=3e-5, atol=3e-5, err_msg=f"layer {i} seq {s}")
+                tol = 3e-5 if quantizer == "none" else 2e-3  # int8 pages attend in f32 on the dequantized values
+                np.testing.assert_allclose(out[t:t + c], want, rtol=tol, atol=tol, err_msg=f"layer {i} seq {s}")
                 t += c
         return rts
 

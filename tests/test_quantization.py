@@ -252,3 +252,28 @@ def test_quantized_attention_refuses_pallas_and_missing_dtype():
         easykv.view_attention(q, view, decode, implementation="pallas_tpu")
     with pytest.raises(ValueError, match=r"value_pages is not quantized"):
         easykv.paged_attention(q, view.key_pages, view.value_pages.values, decode, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "int4-g16"])
+def test_quantized_values_of_their_own_head_dim_are_read_as_such(name):
+    """Value pages narrower than the keys (a layer group with V dim != K dim), quantized: their
+    head_dim is read from the stored shapes and attention equals the reference on the
+    dequantized pages."""
+    rng = np.random.default_rng(9)
+    q8 = easykv.get_quantizer(name)
+    k = rng.standard_normal((2, 6, 4, 32)).astype(np.float32)
+    v = rng.standard_normal((2, 6, 4, 16)).astype(np.float32)
+    kq, vq = q8.quantize(jnp.asarray(k)), q8.quantize(jnp.asarray(v))
+    assert (kq.head_dim, vq.head_dim) == (32, 16)
+    meta = easykv.PagedAttentionCacheMetaData(
+        batch_size=2, num_hidden_layers=1, num_pages_per_layer=6, num_pages_per_sequence=3, max_sequences=12,
+        page_size=4, num_kv_heads=2, kv_head_dim_size=32, hbm_utilization=0.9)
+    md = easykv.PagedAttentionMetadata.for_mixed([[4, 1, 3], [0, 5, 2]], [3, 0], [6, 9], cache_metadata=meta)
+    qry = rng.standard_normal((15, 4, 32)).astype(np.float32)
+    got = easykv.paged_attention(qry, kq, vq, md, dtype=jnp.float32)
+    want = easykv.paged_attention_reference(qry, np.asarray(kq.dequantize(np.float32)), np.asarray(vq.dequantize(np.float32)),
+                                     md)
+    assert got.shape == (15, 4, 16)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="do not pair up"):
+        dataclasses.replace(vq, scales=vq.scales[:1]).head_dim

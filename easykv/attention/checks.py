@@ -179,20 +179,23 @@ def prepare(
         check_layer(layer, num_layers)
         key_pages, value_pages = _one_layer(key_pages), _one_layer(value_pages)
     quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
+    v_dim = qs[-1]
     if quantized:
-        _check_quantized(key_pages, value_pages, qs[-1])
+        if isinstance(value_pages, QuantizedPages) and not latent:  # values may have their own head_dim
+            v_dim = _quantized_head_dim(value_pages, qs[-1])
+        _check_quantized(key_pages, value_pages, qs[-1], v_dim)
         if options.dtype is None:
             raise ValueError("quantized pages need dtype= (the logical cache dtype), or use view_attention")
     ks = _logical_page_shape(key_pages, qs[-1])
-    vs = _logical_page_shape(value_pages, qs[-1])
+    vs = _logical_page_shape(value_pages, v_dim)
     if len(ks) != 4:
         raise ValueError(
             f"key_pages must be (num_kv_heads, num_pages, page_size, head_dim), got shape {ks}"
         )
-    if len(vs) != 4 or ks[:3] != vs[:3] or (quantized and ks != vs):
+    if len(vs) != 4 or ks[:3] != vs[:3]:
         raise ValueError(
             f"key_pages has shape {ks} but value_pages has shape {vs}; they must match in (num_kv_heads, "
-            f"num_pages, page_size){'' if quantized else ' (plain value pages may have their own head_dim)'}"
+            "num_pages, page_size) (value pages may have their own head_dim)"
         )
     k_dtype, v_dtype = dtype_of(stored_pages(key_pages)), dtype_of(stored_pages(value_pages))
     if k_dtype != v_dtype:
@@ -306,8 +309,17 @@ def _logical_page_shape(pages: Any, head_dim: int) -> tuple[int, ...]:
     return shape_of(pages)
 
 
-def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int) -> None:
-    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+def _quantized_head_dim(pages: QuantizedPages, fallback: int) -> int:
+    """The logical head_dim of quantized pages (`QuantizedPages.head_dim`); ``fallback`` when
+    their shapes fit none (then `_check_quantized` names the mismatch)."""
+    try:
+        return pages.head_dim
+    except ValueError:
+        return fallback
+
+
+def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int, value_head_dim: int) -> None:
+    for name, pages, head_dim in (("key_pages", key_pages, head_dim), ("value_pages", value_pages, value_head_dim)):
         if not isinstance(pages, QuantizedPages):
             raise ValueError(f"{name} is not quantized but the other pages are; pass both as QuantizedPages or neither")
         q = pages.quantizer

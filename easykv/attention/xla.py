@@ -50,9 +50,9 @@ def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype, layer: jax.Array) -
     return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
 
 
-def _value_dim(vp: Any, head_dim: int) -> int:
-    """The value pages' head dim (quantized value pages share the keys' head dim)."""
-    return head_dim if isinstance(vp, QuantizedPages) else vp.shape[4]
+def _value_dim(vp: Any) -> int:
+    """The value pages' head dim (quantized: the dim their stored shapes encode)."""
+    return vp.head_dim if isinstance(vp, QuantizedPages) else vp.shape[4]
 
 
 def _page_offset(cfg: Config, local_pages: int) -> jax.Array | int:
@@ -84,7 +84,7 @@ def attend_local(
     heads, local_pages, page_size = stored_pages(kp).shape[1:4]
     tokens, q_heads, head_dim = q.shape
     latent = cfg.latent_value_dim is not None  # no value pages: a value is its key's first v_dim dims
-    v_dim = cfg.latent_value_dim if latent else _value_dim(vp, head_dim)
+    v_dim = cfg.latent_value_dim if latent else _value_dim(vp)
     group = q_heads // heads
     qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has

@@ -329,3 +329,35 @@ def test_a_manager_driven_grouped_cache_matches_dense_attention(layout, quantize
         m.check_invariants()
     assert m.metrics.copies >= 3  # the fork's partial page was copied in each group
     assert max(sum(p != PAD for p in m.pages(s, group=0)) for s in seqs) <= 3  # window 6: at most 3 pages
+
+
+def test_crafted_grouped_states_and_arguments_are_refused():
+    m = PageManager(hybrid(full_pages=16, sliding_pages=8, shards=2))
+    a, b = m.claim(2)
+    grow(m, a, range(1, 10))
+    grow(m, b, range(20, 25))
+    state = json.loads(json.dumps(m.state_dict()))
+    assert state["sequences"][1]["pages"] == [[8, 9], [4, 5]] and state["sequences"][1]["replica"] == 1
+
+    def refused(edit, field, words):
+        bad = json.loads(json.dumps(state))
+        edit(bad)
+        with pytest.raises(ManagerStateError, match=words) as err:
+            PageManager.from_state_dict(m.metadata, bad)
+        assert err.value.field.startswith(field), err.value.field
+
+    # one replica per sequence, for the pages of every group
+    refused(lambda s: s["sequences"][1].update(replica=0), "sequences",
+            "holds a page in layer group 0 outside its data-parallel replica's slice")
+    refused(lambda s: s["config"].update(groups=s["config"]["groups"][:1]), "config.groups", "1 entries for 2")
+    refused(lambda s: s["config"]["groups"][0].update(window=4), "config", "another pool")
+    refused(lambda s: s["sequences"][0]["pages"][0].__setitem__(0, PAD), "sequences[id=0].pages",
+            "released its first 1 pages in layer group 0, but its window releases exactly 0")
+    before = m.state_dict()
+    for bad in (True, -1, 2, "0", 1.0):
+        with pytest.raises(ValueError, match="group"):
+            m.pages(a, group=bad)
+    with pytest.raises(ValueError, match="another pool"):
+        m.apply_pending(__import__("types").SimpleNamespace(
+            metadata=hybrid(full_pages=16, sliding_pages=16, shards=2), copy_pages=lambda *a: None))
+    assert m.state_dict() == before

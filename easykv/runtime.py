@@ -163,12 +163,16 @@ class PagedAttentionMetadata(Serializable):
         cache_metadata: PagedAttentionCacheMetaData,
         start: int = 0,
         padded_length: int | None = None,
+        group: int | None = None,
     ) -> PagedAttentionMetadata:
         """One sequence's prefill chunk: tokens ``start .. start + length - 1``.
 
         ``padded_length`` (default ``length``) fixes the token axis so that jit sees few shapes.
+        ``group``: the layer group whose pool the page ids name (default: any pool; the write
+        checks them against its group's then).
         """
-        row = checks.page_table("page_table_row", page_table_row, cache_metadata, ndim=1)
+        pool = _group_pool(cache_metadata, group)
+        row = checks.page_table("page_table_row", page_table_row, cache_metadata, ndim=1, num_pages=pool)
         limit = checks.max_tokens(cache_metadata)
         hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
         length = integer("length", length, lo=0, hi=limit, hint=hint)
@@ -182,7 +186,7 @@ class PagedAttentionMetadata(Serializable):
         positions[:length] = np.arange(start, start + length, dtype=np.int32)
         end_pages = np.asarray([-(-(start + length) // cache_metadata.page_size) if length else 0])
         rt = cls(prefill_length=np.asarray(length, np.int32), prefill_position=positions, prefill_page_table=row)
-        return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill")
+        return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill", pool=pool)
 
     @classmethod
     def for_decode(
@@ -191,9 +195,12 @@ class PagedAttentionMetadata(Serializable):
         positions: Sequence[int] | np.ndarray,
         *,
         cache_metadata: PagedAttentionCacheMetaData,
+        group: int | None = None,
     ) -> PagedAttentionMetadata:
-        """A batch of decodes: sequence ``b`` writes one token at ``positions[b]`` (-1: padding)."""
-        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2)
+        """A batch of decodes: sequence ``b`` writes one token at ``positions[b]`` (-1: padding).
+        ``group``: as in `for_prefill`."""
+        pool = _group_pool(cache_metadata, group)
+        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2, num_pages=pool)
         pos = integer_array("positions", positions, ndim=1, lo=PAD_POSITION, hi=checks.max_tokens(cache_metadata) - 1,
                             hint="a token's index in its sequence, -1 for padding")
         if table.shape[0] != pos.shape[0]:
@@ -203,7 +210,7 @@ class PagedAttentionMetadata(Serializable):
             )
         end_pages = (pos + cache_metadata.page_size) // cache_metadata.page_size  # 0 for padding (-1)
         rt = cls(decodes_position=pos, decodes_page_table=table)
-        return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode")
+        return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode", pool=pool)
 
     @classmethod
     def for_mixed(
@@ -215,10 +222,13 @@ class PagedAttentionMetadata(Serializable):
         cache_metadata: PagedAttentionCacheMetaData,
         pad_tokens_to: int | None = None,
         pad_seqs_to: int | None = None,
+        group: int | None = None,
     ) -> PagedAttentionMetadata:
         """A ragged batch: sequence ``b`` has ``cached_lens[b]`` tokens cached and appends
-        ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1)."""
-        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2)
+        ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1). ``group``: as in
+        `for_prefill`."""
+        pool = _group_pool(cache_metadata, group)
+        table = checks.page_table("page_table", page_table, cache_metadata, ndim=2, num_pages=pool)
         limit = checks.max_tokens(cache_metadata)
         hint = f"a sequence holds at most num_pages_per_sequence * page_size = {limit} tokens"
         cached = integer_array("cached_lens", cached_lens, ndim=1, lo=0, hi=limit, hint=hint)
@@ -246,12 +256,20 @@ class PagedAttentionMetadata(Serializable):
         )
         rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
         return _checked(rt, table, rt.positions[: rows.size, None], needed, cache_metadata, "mixed", rows,
-                        slots=rt.slot_mapping)
+                        slots=rt.slot_mapping, pool=pool)
+
+
+def _group_pool(meta: Any, group: Any) -> int:
+    """The pages of layer group ``group``'s pool (None: the largest pool, any group's ids)."""
+    if group is None:
+        return meta.num_pages_per_layer
+    n = len(meta.groups)
+    return meta.groups[integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")].num_pages
 
 
 def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarray, end_pages: np.ndarray,
              meta: PagedAttentionCacheMetaData, what: str, row_ids: np.ndarray | None = None, *,
-             slots: np.ndarray | None = None) -> PagedAttentionMetadata:
+             slots: np.ndarray | None = None, pool: int) -> PagedAttentionMetadata:
     """The constructors' last checks, then ``rt`` marked with what they proved.
 
     ``table`` (rows of in-pool page ids, each row's ``positions`` of new tokens, its sequence
@@ -263,14 +281,14 @@ def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarra
     reads = checks.reads_assigned(table, end_pages)
     if reads and meta.page_shards > 1:
         reads = not checks.bad_read("page_table", table, np.zeros_like(end_pages), end_pages,
-                                    end_pages * meta.page_size - 1, num_pages=meta.num_pages_per_layer,
+                                    end_pages * meta.page_size - 1, num_pages=pool,
                                     page_size=meta.page_size, page_shards=meta.page_shards)
     if not reads:
         checks.check_pages_assigned(table if row_ids is None else table[row_ids], positions, meta.page_size, row_ids)
     if slots is None:
         slots = checks.host_slots(table, positions, meta.page_size)
     check_distinct_slots(slots, what)
-    return mark_checked(rt, HostChecked(num_pages=meta.num_pages_per_layer, page_size=meta.page_size, reads=reads,
+    return mark_checked(rt, HostChecked(num_pages=pool, page_size=meta.page_size, reads=reads,
                                         page_shards=meta.page_shards))
 
 

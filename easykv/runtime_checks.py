@@ -63,10 +63,13 @@ def max_tokens(meta: PagedAttentionCacheMetaData) -> int:
     return meta.num_pages_per_sequence * meta.page_size
 
 
-def page_table(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim: int) -> np.ndarray:
-    """A page table (or row): ids in ``-1 .. num_pages - 1``, at most ``num_pages_per_sequence``
-    columns, no physical page twice in one row (the sequence would read or write it twice)."""
-    table = page_ids(name, value, num_pages=meta.num_pages_per_layer, ndim=ndim, pad="unassigned")
+def page_table(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim: int,
+               num_pages: int | None = None) -> np.ndarray:
+    """A page table (or row): ids in ``-1 .. num_pages - 1`` (default: the largest pool),
+    at most ``num_pages_per_sequence`` columns, no physical page twice in one row (the sequence
+    would read or write it twice)."""
+    pool = meta.num_pages_per_layer if num_pages is None else num_pages
+    table = page_ids(name, value, num_pages=pool, ndim=ndim, pad="unassigned")
     if table.shape[-1] > meta.num_pages_per_sequence:
         raise ValueError(
             f"{name} has {table.shape[-1]} pages per sequence but the cache allows "

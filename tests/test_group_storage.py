@@ -56,7 +56,8 @@ def tables(meta):
 
 
 def step_metadata(meta, rows, cached, new):
-    return tuple(PagedAttentionMetadata.for_mixed(r, cached, new, cache_metadata=meta) for r in rows)
+    return tuple(PagedAttentionMetadata.for_mixed(r, cached, new, cache_metadata=meta, group=g)
+                 for g, r in enumerate(rows))
 
 
 def new_tokens(rng, meta, n):
@@ -245,6 +246,15 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
     far = PagedAttentionMetadata.for_mixed([[20, -1, -1, -1, -1, -1, -1, -1]], [0], [1], cache_metadata=meta)
     with pytest.raises(ValueError, match=r"outside the pool's 64 slots"):
         cache.views[0].write_mixed_to_cache(k0[:1], v0[:1], far)
+    # built for the group, the metadata proves its ids against that group's pool (the write then
+    # skips the host check) and refuses the page itself
+    from easykv.runtime_checks import host_checked
+
+    assert [host_checked(rt).num_pages for rt in step_metadata(meta, tables(meta), [0, 0], [1, 1])] == [16, 24, 24]
+    with pytest.raises(ValueError, match=r"page_table.* 20.*16"):
+        PagedAttentionMetadata.for_mixed([[20, -1, -1, -1, -1, -1, -1, -1]], [0], [1], cache_metadata=meta, group=0)
+    with pytest.raises(ValueError, match=r"group must .*got 3 \(valid: 0..2"):
+        PagedAttentionMetadata.for_decode([[1]], [0], cache_metadata=meta, group=3)
 
 
 def test_a_grouped_cache_saved_with_another_pools_manager_is_refused_before_anything_is_written(tmp_path):

@@ -267,24 +267,24 @@ class PageManager(_Growth, _Windows):
         replicas = [bound] if bound >= 0 else list(range(self._num_replicas))
         if any(gt.windowed for gt in self._groups):
             return self._lookup_window(tokens, salt, replicas)
-        pools = [gt.pool for gt in self._groups]
-        found: dict[int, list[list[int]]] = {r: [[] for _ in pools] for r in replicas}
+        found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
+        # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
+        searches = [(found[r], [gt.pool.digest_map(r) for gt in self._groups]) for r in replicas]
         chain = ROOT_DIGEST
         for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt)):
             alive = False
-            for r in replicas:
-                if len(found[r][0]) == k:
-                    pages = [pool.lookup(r, digest) for pool in pools]
-                    if min(pages) >= 0:
-                        for column, page in zip(found[r], pages):
-                            column.append(page)
+            for hits, maps in searches:
+                if len(hits) == k:  # one group (the common case) without a comprehension per page
+                    pages = (maps[0].get(digest, -1),) if len(maps) == 1 else [m.get(digest, -1) for m in maps]
+                    if -1 not in pages:
+                        hits.append(pages)
                         alive = True
             if not alive:
                 break
             chain = digest
         avail = self._available_per_replica()
-        best = max(replicas, key=lambda r: (len(found[r][0]), avail[r], -r))
-        return best, found[best], chain
+        best = max(replicas, key=lambda r: (len(found[r]), avail[r], -r))
+        return best, [list(column) for column in zip(*found[best])] or [[] for _ in self._groups], chain
 
     def _available_per_replica(self) -> np.ndarray:
         """Per replica, the pages an allocation can take in its tightest group."""

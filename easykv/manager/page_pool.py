@@ -139,6 +139,10 @@ class PagePool:
         """The page holding ``digest`` in ``replica``, or -1."""
         return self._by_digest[replica].get(digest, -1)
 
+    def digest_map(self, replica: int) -> dict[bytes, int]:
+        """Replica ``replica``'s prefix map (digest -> page), for lookups in a loop; read only."""
+        return self._by_digest[replica]
+
     def digest_of(self, page: int) -> bytes | None:
         return self._digest[page]
 

@@ -5,8 +5,9 @@ The export holds the sequence's K/V token-major, ``(layers, tokens, kv_heads, he
 dense in the source's logical dtype or raw (quantized values in their value dtype plus compact
 scales, per token and head: independent of the page layout), for positions ``first_position ..
 length - 1``: all of them, or (from a sliding or chunked cache) those its window still reads.
-`easykv.checkpoint.transfer` makes
-and consumes exports (`export_sequence`, `import_sequence`).
+`easykv.checkpoint.transfer` makes and consumes exports (`export_sequence`, `import_sequence`).
+A cache of several layer groups exports a `GroupedSequenceExport` (`grouped_export`, file
+format version 3); `SequenceExport.load` reads files of every version.
 
 An export is input like any other: a `SequenceExport` checks every field when it is built
 (also by `load`, from a file that may have been crafted), naming the field in a ValueError.
@@ -255,10 +256,11 @@ class SequenceExport:
         np.savez(file, **arrays)
 
     @classmethod
-    def load(cls, file: Any) -> SequenceExport:
-        """Read what `save` wrote (a path or a binary file). Everything in the file is checked
-        before it is used: ValueError names what is wrong when the file is not a sequence
-        export, is truncated or damaged, or holds fields or arrays that do not fit together."""
+    def load(cls, file: Any) -> Any:
+        """Read what `save` (or `GroupedSequenceExport.save`, whose export it returns) wrote (a
+        path or a binary file). Everything in the file is checked before it is used: ValueError
+        names what is wrong when the file is not a sequence export, is truncated or damaged, or
+        holds fields or arrays that do not fit together."""
         if isinstance(file, (str, bytes, os.PathLike)):
             source = f"sequence export file {os.fsdecode(file)!r:.200}"
         elif callable(getattr(file, "read", None)) and callable(getattr(file, "seek", None)):

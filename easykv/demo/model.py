@@ -171,7 +171,6 @@ def _scanned_forward(model: DemoModel, block_def: Any, stacked: list[Any], cache
     return model.head(model.norm(x)), cache
 
 
-
 def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
     """One engine step for all layers in one jit: write each layer's new K/V into its pages
     (the cache is donated) and attend through the page tables of the mixed metadata."""

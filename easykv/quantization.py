@@ -89,12 +89,13 @@ class QuantizedPages:
     def head_dim(self) -> int:
         """The logical head_dim the values encode, read from the stored shapes (values ``(...,
         packed)``, scales ``(..., *scale_shape)``): the smallest dim the quantizer lays out exactly
-        so; a packed format holds at most 8 values per stored element. ValueError when none does."""
+        so (a whole number, at most 8, of values per stored element). ValueError when none does."""
         vshape, sshape = np.shape(self.values), np.shape(self.scales)
         packed, scale_tail = vshape[-1], tuple(sshape[len(vshape) - 1:])
-        if sshape[:len(vshape) - 1] != vshape[:-1] or not 0 < packed <= 1 << 20:
+        if sshape[:len(vshape) - 1] != vshape[:-1] or packed <= 0:
             raise ValueError(f"{self.quantizer.name} values {vshape} and scales {sshape} do not pair up")
-        for dim in range(packed, 8 * packed + 1):
+        for per_element in range(1, 9):  # values packed per stored element: 8 candidates, whatever the size
+            dim = packed * per_element
             if tuple(self.quantizer.value_shape(dim)[0]) == (packed,) and \
                     tuple(self.quantizer.scale_shape(dim)) == scale_tail:
                 return dim

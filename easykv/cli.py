@@ -272,7 +272,7 @@ def _group_line(meta: Any, g: Any) -> str:
     return (f"layers {g.span} ({g.num_layers}): {kind}; {g.num_kv_heads} kv heads ({g.num_kv_heads // (g.kv_head_shards or 1)}"
             f" per device), {dims}; {g.num_pages} pages ({per} per device, "
             f"{g.pages_per_sequence(meta.max_sequences, meta.page_size)} per sequence), "
-            f"{_format_bytes(meta.group_page_bytes(g) * per * g.num_layers)} per device")
+            f"{_format_bytes(meta.group_page_bytes(g) * per * g.num_layers)} per device{g.format_note}")
 
 
 def _quiet_orbax() -> None:

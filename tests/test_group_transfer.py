@@ -6,8 +6,10 @@ is known, and an export that does not fit the target is refused by name with not
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import warnings
+import zipfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,10 +49,28 @@ def read(cache, m, seq):
 
 def same(a, b):
     for (k1, v1), (k2, v2) in zip(a, b):
+        assert k1.dtype == k2.dtype
         np.testing.assert_array_equal(k1, k2)
         assert (v1 is None) == (v2 is None)
         if v1 is not None:
             np.testing.assert_array_equal(v1, v2)
+
+
+def with_header(blob, edit):
+    """An export file's bytes with its JSON header changed by ``edit(header)`` (a crafted file)."""
+    src = zipfile.ZipFile(io.BytesIO(blob))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename == "header.npy":
+                header = json.loads(np.load(io.BytesIO(data)).tobytes())
+                edit(header)
+                buf = io.BytesIO()
+                np.save(buf, np.frombuffer(json.dumps(header).encode(), np.uint8))
+                data = buf.getvalue()
+            z.writestr(info.filename, data)
+    return out.getvalue()
 
 
 def test_a_grouped_sequence_moves_onto_another_mesh_and_shares_its_prefix_there():
@@ -163,25 +183,6 @@ def test_crafted_grouped_exports_are_refused_by_field():
         GroupedSequenceExport(length=14, groups=(dataclasses.replace(g0, first_position=10),) + exported.groups[1:],
                               dtype="float32", quantization="none", raw=False)
     blob = exported.to_bytes()
-    import io
-    import zipfile
-
-    def rewrite(edit):
-        src = zipfile.ZipFile(io.BytesIO(blob))
-        out = io.BytesIO()
-        with zipfile.ZipFile(out, "w") as z:
-            for info in src.infolist():
-                data = src.read(info)
-                if info.filename == "header.npy":
-                    arr = np.load(io.BytesIO(data))
-                    header = json.loads(arr.tobytes())
-                    edit(header)
-                    buf = io.BytesIO()
-                    np.save(buf, np.frombuffer(json.dumps(header).encode(), np.uint8))
-                    data = buf.getvalue()
-                z.writestr(info.filename, data)
-        return out.getvalue()
-
     for edit, words in [
         (lambda h: h["groups"][1].update(key_head_dim=8), "implies"),
         (lambda h: h["groups"][0].update(extra=1), "unknown entries"),
@@ -189,7 +190,7 @@ def test_crafted_grouped_exports_are_refused_by_field():
         (lambda h: h.update(groups=[]), "'groups' must be a list of 1..1024"),
     ]:
         with pytest.raises(ValueError, match=words):
-            SequenceExport.from_bytes(rewrite(edit))
+            SequenceExport.from_bytes(with_header(blob, edit))
     with pytest.raises(ValueError, match="not a grouped one"):
         from checkpoint_helpers import engine_run
 

@@ -4,7 +4,9 @@ Each group of the source exports its own part (`ExportedGroup`) in its own geome
 ``(layers_in_group, tokens, kv_heads, key_head_dim)`` and V with ``value_head_dim`` (none for a
 latent group), dense in the cache's dtype or raw (quantized values plus compact scales), for the
 positions the group still holds: ``first_position .. length - 1`` (a sliding or chunked group
-keeps only its window). The file is the ``.npz`` of `SequenceExport` in format version 3;
+keeps only its window). A group with its own format (`LayerGroup.dtype` / ``quantization``)
+exports in it: its ``dtype`` / ``quantization`` (None: the export's); with ``raw`` a group whose
+quantizer compresses keeps its codes and scales, any other group is dense. The file is the ``.npz`` of `SequenceExport` in format version 3;
 `SequenceExport.load` reads either kind. `easykv.checkpoint.transfer` makes and consumes exports.
 
 An export is input like any other: every field is checked when it is built (also from a file
@@ -43,13 +45,17 @@ from easykv.validation import boolean, integer, optional_int, positive_int, show
 
 _HEADER_FIELDS = ("format", "length", "dtype", "quantization", "raw", "source_page_size", "groups", "dtypes")
 _GROUP_FIELDS = ("layers", "num_kv_heads", "key_head_dim", "value_head_dim", "latent", "first_position")
+# Written only for a group with a format of its own: an older reader refuses such a file (it
+# would read the group's arrays in the export's format) instead of misreading it.
+_GROUP_FORMAT_FIELDS = ("dtype", "quantization")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExportedGroup:
     """One layer group's part of a `GroupedSequenceExport` (see the module doc): the model
-    layers it holds (in the group's order), its geometry, the first position it holds, and its
-    keys and values (values None for a latent group). Checked by the export that holds it."""
+    layers it holds (in the group's order), its geometry, the first position it holds, its keys
+    and values (values None for a latent group), and its own ``dtype`` / ``quantization`` (None:
+    the export's). Checked by the export that holds it."""
 
     layers: tuple[int, ...]
     num_kv_heads: int
@@ -59,6 +65,8 @@ class ExportedGroup:
     first_position: int
     keys: Any
     values: Any
+    dtype: Any = None
+    quantization: str | None = None
 
     def geometry(self) -> tuple[Any, ...]:
         return (self.layers, self.num_kv_heads, self.key_head_dim, self.value_head_dim, self.latent)
@@ -89,14 +97,14 @@ class GroupedSequenceExport:
                              f"{show(self.quantization)}")
         quantizer = get_quantizer(self.quantization)
         raw = boolean("GroupedSequenceExport.raw", self.raw)
-        if raw and not is_compressing(quantizer):
-            raise ValueError(f"GroupedSequenceExport.raw=True needs a compressing quantizer (int8, fp8, int4, ...), "
-                             f"but quantization is {quantizer.name!r}")
         groups = self.groups
         if not isinstance(groups, (tuple, list)) or not groups:
             raise ValueError(f"GroupedSequenceExport.groups must be a non-empty tuple of ExportedGroup, got "
                              f"{show(groups)}")
         checked = tuple(_checked_group(g, i, length, dtype, quantizer, raw) for i, g in enumerate(groups))
+        if raw and not any(is_compressing(_format(g, dtype, quantizer)[1]) for g in checked):
+            raise ValueError(f"GroupedSequenceExport.raw=True needs a group with a compressing quantizer (int8, fp8, "
+                             f"int4, ...), but every group's is {quantizer.name!r}")
         layers = sorted(i for g in checked for i in g.layers)
         if layers != list(range(len(layers))):
             raise ValueError(f"GroupedSequenceExport.groups hold the layers {show(layers)}; together they must hold "
@@ -112,6 +120,14 @@ class GroupedSequenceExport:
     def num_hidden_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
 
+    def group_format(self, i: int) -> tuple[np.dtype, Any]:
+        """(dtype, quantizer) of group ``i``'s tokens: its own, else the export's."""
+        return _format(self.groups[i], self.dtype, get_quantizer(self.quantization))
+
+    def group_raw(self, i: int) -> bool:
+        """Whether group ``i`` holds raw codes and scales (else dense values in its dtype)."""
+        return self.raw and is_compressing(self.group_format(i)[1])
+
     @property
     def first_position(self) -> int:
         """The first position every group holds (0 when each holds the whole sequence)."""
@@ -123,8 +139,8 @@ class GroupedSequenceExport:
         scalars = ("length", "dtype", "quantization", "raw", "source_page_size")
         if any(getattr(self, f) != getattr(other, f) for f in scalars) or len(self.groups) != len(other.groups):
             return False
-        if any(a.geometry() + (a.first_position,) != b.geometry() + (b.first_position,)
-               for a, b in zip(self.groups, other.groups)):
+        if any(a.geometry() + (a.first_position, a.dtype, a.quantization)
+               != b.geometry() + (b.first_position, b.dtype, b.quantization) for a, b in zip(self.groups, other.groups)):
             return False
         return same_contents(self.token_ids, other.token_ids, [(g.keys, g.values) for g in self.groups],
                              [(g.keys, g.values) for g in other.groups])
@@ -136,18 +152,19 @@ class GroupedSequenceExport:
         return sum(int(a.nbytes) for a in jax.tree.leaves([(g.keys, g.values) for g in self.groups]))
 
     def dense(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per group, (keys, values) dense in ``dtype`` (values None for a latent group)."""
-        if not self.raw:
-            return [(g.keys, g.values) for g in self.groups]
-        q = get_quantizer(self.quantization)
+        """Per group, (keys, values) dense in the group's dtype (values None for a latent group)."""
+        out = []
+        for i, g in enumerate(self.groups):
+            dtype, q = self.group_format(i)
 
-        def decode(part: Any) -> np.ndarray | None:
-            if part is None:
-                return None
-            return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
-                                             q).dequantize(self.dtype))
+            def decode(part: Any) -> np.ndarray | None:
+                if part is None or not self.group_raw(i):
+                    return part
+                return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
+                                                 q).dequantize(dtype))
 
-        return [(decode(g.keys), decode(g.values)) for g in self.groups]
+            out.append((decode(g.keys), decode(g.values)))
+        return out
 
     # ---- files ---------------------------------------------------------------------------------
     def save(self, file: Any) -> None:
@@ -164,7 +181,10 @@ class GroupedSequenceExport:
                   "quantization": self.quantization, "raw": self.raw, "source_page_size": self.source_page_size,
                   "groups": [{"layers": list(g.layers), "num_kv_heads": g.num_kv_heads,
                               "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
-                              "latent": g.latent, "first_position": g.first_position} for g in self.groups],
+                              "latent": g.latent, "first_position": g.first_position,
+                              **({} if g.dtype is None else {"dtype": g.dtype.name}),
+                              **({} if g.quantization is None else {"quantization": g.quantization})}
+                             for g in self.groups],
                   "dtypes": dtypes}
         arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
         np.savez(file, **arrays)
@@ -211,7 +231,8 @@ class GroupedSequenceExport:
             where = f"{field} 'groups'[{i}]"
             if not isinstance(g, dict):
                 raise ValueError(f"{where} must be an object, got {show(g)}")
-            check_header_keys(g, _GROUP_FIELDS, "exported group", f"{source} ('groups'[{i}])")
+            check_header_keys(g, _GROUP_FIELDS, "exported group", f"{source} ('groups'[{i}])",
+                              optional=_GROUP_FORMAT_FIELDS)
             if not isinstance(g["layers"], list) or not g["layers"] or len(g["layers"]) > 1 << 16:
                 raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {show(g['layers'])}")
             layers = tuple(integer(f"{where}.layers", x, lo=0, hi=1 << 16) for x in g["layers"])
@@ -220,10 +241,15 @@ class GroupedSequenceExport:
             dv = positive_int(f"{where}.value_head_dim", g["value_head_dim"], hi=1 << 16)
             latent = boolean(f"{where}.latent", g["latent"])
             first = integer(f"{where}.first_position", g["first_position"], lo=0, hi=length - 1)
-            quantizer = _quantizer(f"{field} 'quantization'", header["quantization"], dk, dtype)
-            specs.update(_group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, dtype,
-                                      quantizer, raw))
-            shapes.append((layers, heads, dk, dv, latent, first))
+            own_dtype = None if "dtype" not in g else _cache_dtype(f"{where}.dtype", g["dtype"])
+            group_dtype = dtype if own_dtype is None else own_dtype
+            named = f"{where}.quantization" if "quantization" in g else f"{field} 'quantization'"
+            quantizer = _quantizer(named, g.get("quantization", header["quantization"]), dk, group_dtype)
+            if not latent:
+                _quantizer(named, quantizer.name, dv, group_dtype)
+            specs.update(_group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, group_dtype,
+                                      quantizer, raw and is_compressing(quantizer)))
+            shapes.append((layers, heads, dk, dv, latent, first, own_dtype, g.get("quantization")))
         names = {name: dt.name for name, (_, dt) in specs.items()}
         if header["dtypes"] != names:
             raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.300}, but the other fields imply {names}")
@@ -234,15 +260,15 @@ class GroupedSequenceExport:
         arrays = {name: read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
 
         def part(i: int, kind: str) -> Any:
-            if raw:
+            if f"group_{i:03d}.{kind}.values" in specs:
                 got = {s: arrays.get(f"group_{i:03d}.{kind}.{s}") for s in ("values", "scales")}
                 return None if got["values"] is None else got
             return arrays.get(f"group_{i:03d}.{kind}.dense")
 
         groups = tuple(ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv,
                                      latent=latent, first_position=first, keys=part(i, "keys"),
-                                     values=part(i, "values"))
-                       for i, (layers, heads, dk, dv, latent, first) in enumerate(shapes))
+                                     values=part(i, "values"), dtype=own_dtype, quantization=own_q)
+                       for i, (layers, heads, dk, dv, latent, first, own_dtype, own_q) in enumerate(shapes))
         try:
             return cls(length=length, groups=groups, dtype=dtype, quantization=header["quantization"], raw=raw,
                        token_ids=read_token_ids(read, members, length), source_page_size=source_page_size)
@@ -272,15 +298,31 @@ def _members(export: GroupedSequenceExport) -> list[tuple[str, Any]]:
             data = getattr(g, kind)
             if data is None:
                 continue
-            for sub, arr in (data.items() if export.raw else [("dense", data)]):
+            for sub, arr in (data.items() if export.group_raw(i) else [("dense", data)]):
                 out.append((f"group_{i:03d}.{kind}.{sub}", arr))
     return out
 
 
-def _checked_group(g: Any, i: int, length: int, dtype: np.dtype, quantizer: Any, raw: bool) -> ExportedGroup:
+def _format(g: ExportedGroup, dtype: np.dtype, quantizer: Any) -> tuple[np.dtype, Any]:
+    """(dtype, quantizer) of a checked group of an export of ``dtype`` and ``quantizer``."""
+    return (dtype if g.dtype is None else g.dtype,
+            quantizer if g.quantization is None else get_quantizer(g.quantization))
+
+
+def _checked_group(g: Any, i: int, length: int, export_dtype: np.dtype, export_quantizer: Any,
+                   export_raw: bool) -> ExportedGroup:
+    """Group ``i``, checked, with its own format None where it is the export's."""
     where = f"GroupedSequenceExport.groups[{i}]"
     if not isinstance(g, ExportedGroup):
         raise ValueError(f"{where} must be an ExportedGroup, got {type(g).__name__}")
+    dtype = export_dtype if g.dtype is None else _cache_dtype(f"{where}.dtype", g.dtype)
+    if g.quantization is not None and not isinstance(g.quantization, str):
+        raise ValueError(f"{where}.quantization must be a quantizer name or None, got {show(g.quantization)}")
+    try:
+        quantizer = export_quantizer if g.quantization is None else get_quantizer(g.quantization)
+    except ValueError as err:
+        raise ValueError(f"{where}.quantization: {err}") from None
+    raw = export_raw and is_compressing(quantizer)
     raw_layers = g.layers
     if isinstance(raw_layers, (str, bytes)) or not hasattr(raw_layers, "__iter__"):
         raise ValueError(f"{where}.layers must be a sequence of layer indices, got {show(raw_layers)}")
@@ -321,7 +363,9 @@ def _checked_group(g: Any, i: int, length: int, dtype: np.dtype, quantizer: Any,
         else:
             parts[kind] = _checked_array(name, data, *specs[f"{prefix}.dense"], what)
     return ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv, latent=latent,
-                         first_position=first, keys=parts["keys"], values=parts["values"])
+                         first_position=first, keys=parts["keys"], values=parts["values"],
+                         dtype=None if dtype == export_dtype else dtype,
+                         quantization=None if quantizer.name == export_quantizer.name else quantizer.name)
 
 
 __all__ = ["ExportedGroup", "GroupedSequenceExport"]

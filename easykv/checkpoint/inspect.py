@@ -84,7 +84,7 @@ def _group_line(group: Any) -> str:
     kind = group.attention if group.window is None else f"{group.attention} {group.window}"
     dims = (f"latent {group.key_head_dim} (values: its first {group.value_head_dim})" if group.latent
             else f"K {group.key_head_dim} / V {group.value_head_dim}")
-    return f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; {group.num_pages} pages"
+    return f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; {group.num_pages} pages{group.format_note}"
 
 
 def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[str], bool]:

@@ -3,9 +3,10 @@
 Two pieces, both used by `easykv.checkpoint.checkpointer.restore_cache` (the page manager
 follows the pages with `PageManager.reshard`: the manager owns its state format):
 
-* `target_metadata`: the saved metadata with the layout fields of the target mesh (kv-head and
-  page axes and shard counts) and, with ``convert=True``, another dtype or quantizer. The pool
-  (``num_pages_per_layer``) never changes, so page ids in the manager stay valid.
+* `check_format` and `target_metadata`: the saved metadata in the target's format (with
+  ``convert=True`` another dtype or quantizer, per layer group), then with the layout fields of the
+  target mesh (kv-head and page axes and shard counts). The pools never change, so page ids in
+  the manager stay valid.
 * `to_storage_dtype` / `convert_pages`: bitcasts between a platform's raw-bits storage (bf16 as
   uint16 on CPU) and native storage, and the explicit, lossy dtype/quantizer conversion.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from easykv.errors import CheckpointMismatchError
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
-from easykv.storage.pages import PageLayout, encode_tokens, from_storage, page_template
+from easykv.storage.pages import PageLayout, encode_tokens, from_storage, group_page_templates, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 
 # Fields that describe the model and the pool: a restore never changes them.
@@ -33,29 +34,13 @@ def target_metadata(
     saved: PagedAttentionCacheMetaData,
     mesh: Any,
     partition_manager: Any,
-    *,
-    dtype: Any,
-    quantization: str,
-    expected: PagedAttentionCacheMetaData | None,
 ) -> PagedAttentionCacheMetaData:
-    """The saved metadata laid out for ``mesh`` (see the module doc); CheckpointMismatchError
-    when the pool cannot be split that way or ``expected`` describes another model/pool."""
-    if expected is not None:
-        diff = [f"{f}: checkpoint {getattr(saved, f)!r}, target {getattr(expected, f)!r}"
-                for f in SHAPE_FIELDS if getattr(saved, f) != getattr(expected, f)]
-        if _geometry(saved) != _geometry(expected):
-            diff.append(f"layer groups: checkpoint {_geometry(saved)}, target {_geometry(expected)}")
-        if diff:
-            raise CheckpointMismatchError(
-                "the checkpoint's cache does not match the target metadata (" + "; ".join(diff) + "); "
-                "restore with metadata=None to get the saved shape, or create the target metadata with "
-                "the saved values (pool contents cannot be re-paged; export_sequence/import_sequence "
-                "moves single sequences between caches of different shapes)")
+    """The saved metadata (in the target's format, `check_format`) laid out for ``mesh`` (see the
+    module doc); CheckpointMismatchError when the pool cannot be split that way."""
     plan = plan_layout(mesh, num_kv_heads=saved.num_kv_heads, partition_manager=partition_manager,
                        emit_warnings=False)
     changes = dict(kv_head_mesh_axes=plan.kv_head_mesh_axes, kv_head_shards=plan.kv_head_shards,
-                   page_mesh_axes=plan.page_mesh_axes, page_shards=plan.page_shards,
-                   dtype=np.dtype(dtype), quantization=quantization)
+                   page_mesh_axes=plan.page_mesh_axes, page_shards=plan.page_shards)
     for g in saved.groups:
         if g.num_pages % plan.page_shards:
             pool = ("num_pages_per_layer" if saved.is_uniform else f"layers {g.span}: num_pages") + f"={g.num_pages}"
@@ -83,6 +68,21 @@ def target_metadata(
             f"the checkpoint's pool cannot be laid out on the target mesh {dict(mesh.shape)}: {err}") from err
 
 
+def check_same_cache(saved: PagedAttentionCacheMetaData, expected: PagedAttentionCacheMetaData) -> None:
+    """CheckpointMismatchError unless ``expected`` (a restore's target metadata) describes the
+    saved model and pool: only layout and format may differ."""
+    diff = [f"{f}: checkpoint {getattr(saved, f)!r}, target {getattr(expected, f)!r}"
+            for f in SHAPE_FIELDS if getattr(saved, f) != getattr(expected, f)]
+    if _geometry(saved) != _geometry(expected):
+        diff.append(f"layer groups: checkpoint {_geometry(saved)}, target {_geometry(expected)}")
+    if diff:
+        raise CheckpointMismatchError(
+            "the checkpoint's cache does not match the target metadata (" + "; ".join(diff) + "); "
+            "restore with metadata=None to get the saved shape, or create the target metadata with "
+            "the saved values (pool contents cannot be re-paged; export_sequence/import_sequence "
+            "moves single sequences between caches of different shapes)")
+
+
 def _geometry(meta: PagedAttentionCacheMetaData) -> list[tuple[Any, ...]]:
     """What each layer group's pages hold (not where they lie): a restore keeps it."""
     return [(g.layers, g.attention, g.window, g.num_kv_heads, g.key_head_dim, g.value_head_dim, g.latent, g.num_pages)
@@ -100,9 +100,7 @@ def stored_template(meta: PagedAttentionCacheMetaData, platform: str, *, layers:
 def group_templates(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[Any, Any]]:
     """Shapes and storage dtypes of each layer group's stacked (K pages, V pages) of ``meta`` on
     ``platform``, in the group's own geometry (V None for a latent group, which stores none)."""
-    return [tuple(None if shape is None else page_template(shape, meta.dtype, meta.quantizer, platform)
-                  for shape in (meta.group_pages_shape(g), meta.group_pages_shape(g, values=True)))
-            for g in meta.groups]
+    return [group_page_templates(meta, g, platform) for g in meta.groups]
 
 
 def _bitcast_leaf(x: jax.Array, dtype: np.dtype) -> jax.Array:
@@ -125,42 +123,53 @@ def to_storage_dtypes(arrays: list[jax.Array], dtypes: list[np.dtype]) -> list[j
     return list(_BITCAST(tuple(arrays), tuple(np.dtype(d) for d in dtypes)))
 
 
-def _decode(pages: Any, meta: PagedAttentionCacheMetaData) -> jax.Array:
-    """Stored pages of ``meta`` (array or QuantizedPages) -> float32 values."""
+def _decode(pages: Any, dtype: np.dtype) -> jax.Array:
+    """Stored pages of logical ``dtype`` (array or QuantizedPages) -> float32 values."""
     if isinstance(pages, QuantizedPages):
         value_dtype = pages.quantizer.value_shape(2)[1]
         q = QuantizedPages(from_storage(pages.values, value_dtype), pages.scales, pages.quantizer)
         return q.dequantize(jnp.float32)
-    return from_storage(pages, meta.dtype).astype(jnp.float32)
+    return from_storage(pages, dtype).astype(jnp.float32)
 
 
-def convert_pages(pages: Any, src: PagedAttentionCacheMetaData, dst: PagedAttentionCacheMetaData,
-                  dst_template: Any, layout: PageLayout) -> Any:
-    """One page array of ``src``'s format re-encoded in ``dst``'s (dequantize, cast, quantize);
-    lossy where ``dst`` is coarser. Runs as one jit with the target shardings."""
+def convert_pages(pages: Any, src_dtype: np.dtype, dst_dtype: np.dtype, dst_template: Any,
+                  layout: PageLayout) -> Any:
+    """One page array of logical ``src_dtype`` re-encoded as ``dst_template`` of ``dst_dtype``
+    (dequantize, cast, quantize); lossy where the target is coarser. Runs as one jit with the
+    target shardings."""
     out_shardings = jax.tree.map(lambda t: layout.sharding_for(len(t.shape)), dst_template)
 
     def run(p: Any) -> Any:
-        values = _decode(p, src).astype(dst.dtype)
-        return encode_tokens(values, dst_template)
+        return encode_tokens(_decode(p, src_dtype).astype(dst_dtype), dst_template)
 
     return jax.jit(run, out_shardings=out_shardings)(pages)
 
 
-def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any, convert: bool) -> tuple[np.dtype, str]:
-    """(target dtype, target quantizer name), refusing a change of format unless ``convert``."""
-    want_dtype = saved.dtype if dtype is None else canonical_dtype(dtype)
-    want_q = saved.quantization if quantizer is None else get_quantizer(quantizer).name
-    if (want_dtype, want_q) != (saved.dtype, saved.quantization) and not convert:
+def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any, convert: bool, *,
+                 like: PagedAttentionCacheMetaData | None) -> PagedAttentionCacheMetaData:
+    """``saved`` in the format a restore asks for: each layer group's dtype and quantizer as in
+    ``like`` (the target metadata; None: as saved), then ``dtype`` / ``quantizer`` for every group
+    where given. A change of any group's format is refused unless ``convert``. ``like`` has the
+    saved groups (`check_same_cache`)."""
+    base = saved if like is None else like
+    want_dtype = None if dtype is None else canonical_dtype(dtype)
+    want_q = None if quantizer is None else get_quantizer(quantizer).name
+    formats = [(want_dtype or base.group_dtype(b) or saved.group_dtype(s), want_q or base.group_quantizer(b).name)
+               for s, b in zip(saved.groups, base.groups)]
+    want = saved.with_formats(formats, dtype=want_dtype or base.dtype or saved.dtype,
+                              quantization=want_q or base.quantization)
+    changed = [(g, a, b) for g, a, b in zip(saved.groups, saved.group_formats, want.group_formats) if a != b]
+    if changed and not convert:
+        what = "; ".join(("" if saved.is_uniform else f"layers {g.span}: ") + f"the checkpoint holds {a[0].name} pages "
+                         f"with quantizer {a[1]!r}, but {b[0].name} with quantizer {b[1]!r} was asked for"
+                         for g, a, b in changed)
         raise CheckpointMismatchError(
-            f"the checkpoint holds {saved.dtype.name} pages with quantizer {saved.quantization!r}, but "
-            f"{want_dtype.name} with quantizer {want_q!r} was asked for; restore without dtype/quantizer to get "
-            "the saved format bit-exact, or pass convert=True to dequantize and re-encode every page "
-            "(lossy when the target is coarser)")
-    return want_dtype, want_q
+            f"{what}; restore without dtype/quantizer to get the saved format bit-exact, or pass convert=True to "
+            "dequantize and re-encode every page (lossy when the target is coarser)")
+    return want
 
 
 __all__ = [
-    "SHAPE_FIELDS", "check_format", "convert_pages", "group_templates", "stored_template",
+    "SHAPE_FIELDS", "check_format", "check_same_cache", "convert_pages", "group_templates", "stored_template",
     "target_metadata", "to_storage_dtypes",
 ]

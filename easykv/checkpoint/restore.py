@@ -37,6 +37,7 @@ from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import (
     check_format,
+    check_same_cache,
     convert_pages,
     group_templates,
     target_metadata,
@@ -85,8 +86,8 @@ def restore_cache(
     optionally over ``dp``); the metadata's layout fields are rebuilt for it and the pool keeps
     its size. ``metadata``: the target's metadata, checked against the saved model and pool
     shape (layers, kv heads, head_dim, page_size, pages, ...). ``dtype`` / ``quantizer``: the
-    target format (None: the ``metadata``'s, else the saved one; ``quantizer="none"`` asks for
-    unquantized pages); a change needs ``convert=True``. ``verify``: check every array's
+    target format of every layer group (None: each group's in ``metadata``, else as saved;
+    ``quantizer="none"`` asks for unquantized pages); a change needs ``convert=True``. ``verify``: check every array's
     fingerprint. ``restore_manager``: rebuild the PageManager when one was saved (re-split for
     another number of data-parallel page slices; a sequence whose pages would straddle two
     slices is refused). ``storage_platform``: whose storage dtypes the pages use (default the
@@ -107,10 +108,8 @@ def restore_cache(
     if metadata is not None:
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
-        dtype = metadata.dtype if dtype is None else dtype
-        quantizer = metadata.quantization if quantizer is None else quantizer
-    want_dtype, want_q = check_format(saved, dtype, quantizer, convert)
-    target = target_metadata(saved, mesh, partition_manager, dtype=want_dtype, quantization=want_q, expected=metadata)
+        check_same_cache(saved, metadata)
+    target = target_metadata(check_format(saved, dtype, quantizer, convert, like=metadata), mesh, partition_manager)
     platform = storage_platform or mesh.devices.flat[0].platform
     manager = _restore_manager(directory, step, saved, target) if restore_manager else None
     if manager is None and saved.page_shards != target.page_shards and target.page_shards > 1:
@@ -177,7 +176,7 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
     """The restored arrays bitcast to ``platform``'s storage, stacked per layer group when the
     step holds one array per layer (formats 1-2: the migration), and, when ``target`` asks for
     another dtype or quantizer, re-encoded; then the cache."""
-    same_format = target.replace(dtype=saved.dtype, quantization=saved.quantization)
+    same_format = target.with_formats(saved.group_formats, dtype=saved.dtype, quantization=saved.quantization)
     arrays = to_storage_dtypes(arrays, [np.dtype(s.dtype) for _, _, s in
                                         expected_leaves(same_format, platform, version)])
     pairs = page_pairs(expected_templates(same_format, platform, version), arrays)
@@ -187,10 +186,11 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
     dst_templates = group_templates(target, platform) if target != same_format else None
     keys, values = [], []
     for g, ((k, v), group_layout) in enumerate(zip(pairs, group_layouts(target, layout))):
-        if dst_templates is not None:
+        if dst_templates is not None and same_format.group_formats[g] != target.group_formats[g]:
             k_tmpl, v_tmpl = dst_templates[g]
-            k = convert_pages(k, same_format, target, k_tmpl, group_layout)
-            v = None if v is None else convert_pages(v, same_format, target, v_tmpl, group_layout)
+            src, dst = same_format.group_formats[g][0], target.group_formats[g][0]
+            k = convert_pages(k, src, dst, k_tmpl, group_layout)
+            v = None if v is None else convert_pages(v, src, dst, v_tmpl, group_layout)
         keys.append(k)
         values.append(v)
     return PagedAttentionCache(target, keys, values, layout)

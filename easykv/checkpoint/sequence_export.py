@@ -403,13 +403,16 @@ def read_token_ids(read: Any, members: Mapping[str, Any], length: int) -> np.nda
     return read("token_ids", check)
 
 
-def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: str, source: str) -> None:
+def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: str, source: str, *,
+                      optional: tuple[str, ...] = ()) -> None:
+    """``header`` holds every one of ``fields``, any of ``optional`` and nothing else."""
     missing = [k for k in fields if k not in header]
-    unknown = sorted(k for k in header if k not in fields)
+    unknown = sorted(k for k in header if k not in fields + optional)
     if missing or unknown:
         what = " and ".join(([f"lacks {missing}"] if missing else []) +
                             ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
-        raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}")
+        extra = f" (and may hold {list(optional)})" if optional else ""
+        raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}{extra}")
 
 
 def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: Any) -> np.ndarray:

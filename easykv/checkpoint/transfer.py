@@ -42,9 +42,9 @@ from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport
 from easykv.storage.cache import PagedAttentionCache, group_layouts
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
-from easykv.storage.pages import from_storage, read_pages, to_storage
+from easykv.storage.pages import encode_tokens, from_storage, read_pages, to_storage
 from easykv.manager.prefix_hash import salt_digest
-from easykv.quantization import QuantizedPages
+from easykv.quantization import QuantizedPages, is_compressing
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, show
 from easykv.storage.writes import scatter_encoded  # the encoded-token scatter every write uses
 
@@ -63,9 +63,10 @@ def _tokens_major(x: jax.Array) -> jax.Array:
 @partial(jax.jit, static_argnames=("group", "dequantize"))
 def _gather_group(cache: PagedAttentionCache, ids: jax.Array, group: int, dequantize: bool) -> Any:
     """Pages ``ids`` of layer group ``group``'s stacks, token-major ``(layers_in_group,
-    len(ids) * page_size, heads, dim)`` (values None for a latent group): dequantized, or a
-    quantized cache's raw codes and scales. Reads only those pages."""
+    len(ids) * page_size, heads, dim)`` (values None for a latent group): dequantized into the
+    group's dtype, or a quantized group's raw codes and scales. Reads only those pages."""
     meta = cache.metadata
+    dtype = meta.group_dtype(meta.groups[group])
 
     def read(pages: Any) -> Any:
         if pages is None:
@@ -75,7 +76,7 @@ def _gather_group(cache: PagedAttentionCache, ids: jax.Array, group: int, dequan
             return {"values": _tokens_major(from_storage(jnp.take(pages.values, ids, axis=2), value_dtype)),
                     "scales": _tokens_major(jnp.take(pages.scales, ids, axis=2))}
         layers = jax.tree.leaves(pages)[0].shape[0]
-        return _tokens_major(jnp.stack([read_pages(pages, ids, meta.dtype, i) for i in range(layers)]))
+        return _tokens_major(jnp.stack([read_pages(pages, ids, dtype, i) for i in range(layers)]))
 
     return read(cache.key_pages[group]), read(cache.value_pages[group])
 
@@ -135,7 +136,7 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
             raise ValueError(f"token_ids must be {length} integer ids (the sequence's committed tokens), got "
                              f"{token_ids.size} ids")
     ps = meta.page_size
-    raw = meta.quantizer.name != "none" and not dequantize
+    raw = not dequantize and any(is_compressing(meta.group_quantizer(g)) for g in meta.groups)
     held = [_held_pages(manager, meta, seq, length, g) for g in range(len(meta.groups))]
     if meta.is_single_geometry:  # every layer in one geometry: the format every easykv reads
         first, ids = held[0]
@@ -154,7 +155,8 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
         groups.append(ExportedGroup(layers=group.layers, num_kv_heads=group.num_kv_heads,
                                     key_head_dim=group.key_head_dim, value_head_dim=group.value_head_dim,
                                     latent=group.latent, first_position=first, keys=jax.tree.map(cut, keys),
-                                    values=None if values is None else jax.tree.map(cut, values)))
+                                    values=None if values is None else jax.tree.map(cut, values),
+                                    dtype=group.dtype, quantization=group.quantization))
     return GroupedSequenceExport(length=length, groups=tuple(groups), dtype=meta.dtype,
                                  quantization=meta.quantization, raw=raw, token_ids=token_ids, source_page_size=ps)
 
@@ -196,9 +198,10 @@ def _cutter(first: int, length: int, ps: int) -> Any:
 
 @partial(jax.jit, donate_argnums=0)
 def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...], slots: tuple[jax.Array, ...]) -> PagedAttentionCache:
-    """A quantized sequence's raw codes and scales, per layer group ``(layers_in_group, tokens,
-    heads, ...)`` (values None for a latent group), written at the group's ``slots`` into its
-    stacks: one scatter per array."""
+    """A sequence's rows per layer group ``(layers_in_group, tokens, heads, ...)`` (values None
+    for a latent group), written at the group's ``slots`` into its stacks: one scatter per array.
+    A group's rows are its raw codes and scales (a dict), or dense values in its dtype, encoded
+    as its pages store them."""
     keys, values = list(cache.key_pages), list(cache.value_pages)
     for g, (group_layout, (k, v)) in enumerate(zip(group_layouts(cache.metadata, cache.layout), parts)):
         pages, new = [keys[g]], [_as_pages(k, keys[g])]
@@ -212,7 +215,9 @@ def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...], s
     return PagedAttentionCache(cache.metadata, tuple(keys), tuple(values), cache.layout)
 
 
-def _as_pages(part: Any, like: QuantizedPages) -> QuantizedPages:
+def _as_pages(part: Any, like: Any) -> Any:
+    if not isinstance(part, dict):
+        return encode_tokens(jnp.asarray(part), like)
     return QuantizedPages(to_storage(part["values"], like.values.dtype), part["scales"], like.quantizer)
 
 
@@ -407,17 +412,21 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     # Without the prefix match, written pages would be keyed under no salt: commit their ids
     # only when that is the namespace asked for.
     commit_ids = tokens is not None and (reuse_prefix or salt is None)
-    raw_exact = exported.raw and exported.quantization == meta.quantization
-    # Per layer group: (keys, values or None, first position held), as stored or dense.
+    # Per layer group: (keys, values or None, first position held): a group's raw codes where
+    # the target group has the same quantizer (bit-exact), else dense in the target group's dtype.
+    formats = meta.group_formats
     if grouped:
-        parts = exported.dense() if not raw_exact else [(g.keys, g.values) for g in exported.groups]
+        exact = [exported.group_raw(i) and exported.group_format(i)[1].name == formats[i][1]
+                 for i in range(len(exported.groups))]
+        dense = exported.dense() if not all(exact) else None
+        parts = [(g.keys, g.values) if ok else dense[i] for i, (g, ok) in enumerate(zip(exported.groups, exact))]
         firsts = [g.first_position for g in exported.groups]
     else:
-        parts = [(exported.keys, exported.values) if raw_exact else exported.dense()]
+        exact = [exported.raw and exported.quantization == formats[0][1]]
+        parts = [(exported.keys, exported.values) if exact[0] else exported.dense()]
         firsts = [exported.first_position]
-    if not raw_exact:
-        parts = [(np.asarray(k).astype(meta.dtype), None if v is None else np.asarray(v).astype(meta.dtype))
-                 for k, v in parts]
+    parts = [(k, v) if ok else (np.asarray(k).astype(dt), None if v is None else np.asarray(v).astype(dt))
+             for (k, v), ok, (dt, _) in zip(parts, exact, formats)]
 
     if not _room(manager, meta, exported.length, match, salt, start // meta.page_size):
         # Only the manager knows whether the pages its prefix match shares leave room in that
@@ -445,7 +454,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     rts = step_meta if len(meta.groups) > 1 else (step_meta,)
     try:
         cache, _ = manager.apply_pending(cache)
-        if raw_exact:
+        if any(exact):
             slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
             cache = _write_raw(cache, tuple(spans), slots)
         else:

@@ -246,8 +246,9 @@ def with_model_groups(meta: PagedAttentionCacheMetaData, groups: tuple[LayerGrou
 
 
 def shares_one_table(meta: PagedAttentionCacheMetaData) -> bool:
-    """Whether every layer group has the cache-wide geometry and pool (one page table fits all)."""
-    return all(not g.latent and g.num_pages == meta.num_pages_per_layer
+    """Whether every layer group has the cache-wide geometry, format and pool (one page table
+    and one EasyDeL config fit all)."""
+    return meta.has_one_format and all(not g.latent and g.num_pages == meta.num_pages_per_layer
                and (g.num_kv_heads, g.key_head_dim, g.value_head_dim) ==
                (meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_dim_size) for g in meta.groups)
 
@@ -267,10 +268,10 @@ def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str
                          "(PagedAttentionCacheMetaData.create, or the views of an initialised cache)")
     if not meta.is_uniform and not shares_one_table(meta):
         kinds = "; ".join(f"layers {g.span}: {g.attention}, {g.num_kv_heads} kv heads x K {g.key_head_dim} / V "
-                          f"{g.value_head_dim}{' latent' if g.latent else ''}, {g.num_pages} pages" for g in meta.groups)
+                          f"{g.value_head_dim}{' latent' if g.latent else ''}, {g.num_pages} pages{g.format_note}" for g in meta.groups)
         raise ValueError(f"EasyDeL's ragged-page cache addresses every layer with one page table and one geometry, "
                          f"but this metadata's layer groups differ ({kinds}); only groups of the cache-wide geometry "
-                         "with the same pool (as use_easykv builds for sliding + full models) map to EasyDeL")
+                         "and format with the same pool (as use_easykv builds for sliding + full models) map to EasyDeL")
     heads, dim, shards = meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_shards
     if version == "v3" and shards > 1 and v3_storage_groups(heads, dim, meta.dtype) % shards:
         raise ValueError(f"EasyDeL's v3 layout packs {heads} kv heads of {meta.dtype.name} into "

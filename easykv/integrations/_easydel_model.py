@@ -181,8 +181,8 @@ class EasyKVCache(RaggedPagesCache):
         meta = cache.metadata
         if not meta.is_uniform and not shares_one_table(meta):
             raise ValueError("EasyDeL hands every layer one page table: an EasyKVCache holds layer groups of one "
-                             "geometry and one pool only (as use_easykv builds them), not "
-                             f"{[(g.span, g.attention, g.num_pages) for g in meta.groups]}")
+                             "geometry, one format and one pool only (as use_easykv builds them), not "
+                             f"{[(g.span, g.attention, g.num_pages, g.format_note) for g in meta.groups]}")
         if easydel_config is None:  # EasyDeL's config keeps no quantizer: the views' easykv metadata does
             easydel_config = easydel_config_from_metadata(dataclasses.replace(meta, quantization="none"),
                                                           version=version)

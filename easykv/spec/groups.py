@@ -13,6 +13,11 @@ pages have their own size and its sequences keep their own number of them:
 Geometry: ``num_kv_heads`` heads of ``key_head_dim`` keys and ``value_head_dim`` values, or, with
 ``latent=True``, one vector of ``key_head_dim`` per token and head and no value pages (DeepSeek's
 MLA: one head of 512 + 64; attention reads the first ``value_head_dim`` dims as the value).
+
+Format: ``dtype`` and ``quantization`` (a quantizer name) of the group's pages; None takes the
+cache's (``PagedAttentionCacheMetaData.dtype`` / ``quantization``), and a checked metadata keeps
+None wherever a group's format equals the cache's, so changing the cache's format changes every
+group that did not choose its own. E.g. int8 pages for the sliding layers of a bf16 model.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from easykv.quantization import get_quantizer
+from easykv.spec.dtypes import canonical_dtype
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
 
@@ -34,10 +41,11 @@ class LayerGroup(Serializable):
     """One group of layers (see the module doc). ``num_pages`` is the group's pool (pages per
     layer, over all data-parallel replicas); ``None`` until ``PagedAttentionCacheMetaData.create``
     sizes it. ``kv_head_mesh_axes`` / ``kv_head_shards``: how this group's heads are split over
-    the mesh (None: left to ``create`` / ``init_cache``, as the cache-wide fields)."""
+    the mesh (None: left to ``create`` / ``init_cache``, as the cache-wide fields).
+    ``dtype`` / ``quantization``: the group's own page format (None: the cache's)."""
 
     SCHEMA: ClassVar[str] = "easykv.LayerGroup"
-    SCHEMA_VERSION: ClassVar[int] = 1
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: dtype and quantization
 
     layers: tuple[int, ...] = dataclasses.field(metadata={"codec": "tuple"})
     attention: str = "full"
@@ -49,6 +57,8 @@ class LayerGroup(Serializable):
     num_pages: int | None = None
     kv_head_mesh_axes: tuple[str, ...] | None = dataclasses.field(default=None, metadata={"codec": "tuple"})
     kv_head_shards: int | None = None
+    dtype: np.dtype | None = dataclasses.field(default=None, metadata={"codec": "dtype", "since": 2})
+    quantization: str | None = dataclasses.field(default=None, metadata={"since": 2})
 
     def __post_init__(self) -> None:
         raw = self.layers
@@ -91,6 +101,13 @@ class LayerGroup(Serializable):
                 raise ValueError(f"kv_head_mesh_axes must be a tuple of mesh axis names, got "
                                  f"{show(self.kv_head_mesh_axes)}")
             object.__setattr__(self, "kv_head_mesh_axes", axes)
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.quantization is not None:
+            quantizer = get_quantizer(self.quantization)
+            for dim in {self.key_head_dim, self.value_head_dim if self.has_values else None} - {None}:
+                quantizer.validate(dim, np.dtype("bfloat16") if self.dtype is None else self.dtype)
+            object.__setattr__(self, "quantization", quantizer.name)
 
     @property
     def span(self) -> str:
@@ -99,6 +116,14 @@ class LayerGroup(Serializable):
         if len(ls) > 1 and ls == tuple(range(ls[0], ls[-1] + 1)):
             return f"{ls[0]}..{ls[-1]}"
         return show(list(ls))
+
+    @property
+    def format_note(self) -> str:
+        """The group's own format for messages (``"; own format int8 / float32"``), or ""."""
+        if self.dtype is None and self.quantization is None:
+            return ""
+        parts = [p for p in (self.quantization, None if self.dtype is None else self.dtype.name) if p]
+        return "; own format " + " / ".join(parts)
 
     @property
     def num_layers(self) -> int:
@@ -115,6 +140,12 @@ class LayerGroup(Serializable):
         return dataclasses.replace(
             self, num_kv_heads=self.num_kv_heads if self.num_kv_heads is not None else num_kv_heads,
             key_head_dim=k, value_head_dim=self.value_head_dim if self.value_head_dim is not None else k)
+
+    def own_format(self, *, dtype: np.dtype | None, quantization: str) -> LayerGroup:
+        """This group with None for a dtype or quantizer equal to the cache's (``dtype``,
+        ``quantization``): the one form of "the cache's format"."""
+        return dataclasses.replace(self, dtype=None if self.dtype == dtype else self.dtype,
+                                   quantization=None if self.quantization == quantization else self.quantization)
 
     def pages_per_sequence(self, max_tokens: int, page_size: int) -> int:
         """Pages one sequence of up to ``max_tokens`` keeps at once in one layer of this group

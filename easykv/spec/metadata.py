@@ -17,36 +17,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.spec.groups import LayerGroup, check_groups
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.errors import SerializationError
 from easykv.spec.serialization import Serializable
-from easykv.validation import INT64_MAX, as_dtype, positive_int, real, show
+from easykv.validation import INT64_MAX, positive_int, real, show
 from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
-# Logical cache dtypes. Compressed formats (int8, fp8, int4) are quantizers, not cache dtypes.
-SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _INT32_MAX = 2**31 - 1
 
 _EASYDEL_FIELDS = (
     "batch_size", "num_hidden_layers", "num_pages_per_layer", "num_pages_per_sequence",
     "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size", "hbm_utilization",
 )  # fmt: skip
-
-
-def canonical_dtype(dtype: Any) -> np.dtype:
-    """The numpy dtype for a user's dtype argument, or a ValueError naming the choices."""
-    choices = f"{', '.join(SUPPORTED_DTYPES)} (int8/fp8/int4 storage is chosen with quantizer=...)"
-    dt = as_dtype("dtype", dtype, choices=choices)
-    if not dt.isnative:  # '>f4' names float32 in another byte order: bits would be misread
-        raise ValueError(f"dtype {dt.str} is {dt.name} in a byte order other than this machine's; use {dt.name}")
-    if dt.name not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"dtype {dt.name} is not a cache dtype; use one of {', '.join(SUPPORTED_DTYPES)} "
-            "(int8/fp8/int4 storage is chosen with quantizer=...)"
-        )
-    return dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +147,8 @@ class PagedAttentionCacheMetaData(Serializable):
         raw = self.layer_groups
         if isinstance(raw, LayerGroup) or not isinstance(raw, (tuple, list)) or not raw:
             raise ValueError(f"layer_groups must be a non-empty sequence of LayerGroup, got {show(raw)}")
-        groups = tuple(g.filled(num_kv_heads=self.num_kv_heads, head_dim=self.kv_head_dim_size)
-                       if isinstance(g, LayerGroup) else g for g in raw)
+        groups = tuple(g.filled(num_kv_heads=self.num_kv_heads, head_dim=self.kv_head_dim_size).own_format(
+            dtype=self.dtype, quantization=self.quantization) if isinstance(g, LayerGroup) else g for g in raw)
         check_groups(groups, num_layers=self.num_hidden_layers, page_size=self.page_size)
         object.__setattr__(self, "layer_groups", groups)
         for i, g in enumerate(groups):
@@ -182,7 +167,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 raise ValueError(f"{where}: num_kv_heads={g.num_kv_heads} is not divisible by kv_head_shards="
                                  f"{g.kv_head_shards}")
             for dim in {g.key_head_dim, g.value_head_dim if g.has_values else g.key_head_dim}:
-                self.quantizer.validate(dim, self.sizing_dtype)
+                self.group_quantizer(g).validate(dim, self.group_sizing_dtype(g))
         largest = {"num_pages_per_layer": max(g.num_pages for g in groups),
                    "num_kv_heads": max(g.num_kv_heads for g in groups),
                    "kv_head_dim_size": max(g.key_head_dim for g in groups)}
@@ -253,8 +238,9 @@ class PagedAttentionCacheMetaData(Serializable):
         """One group of every layer in the cache-wide geometry (any attention kind): its pages
         are those of a uniform cache; only which of them a sequence keeps differs."""
         (g, *rest) = self.groups
-        return not rest and not g.latent and (g.num_kv_heads, g.key_head_dim, g.value_head_dim) == (
-            self.num_kv_heads, self.kv_head_dim_size, self.kv_head_dim_size)
+        return not rest and not g.latent and self.has_one_format and (
+            g.num_kv_heads, g.key_head_dim, g.value_head_dim) == (self.num_kv_heads, self.kv_head_dim_size,
+                                                                   self.kv_head_dim_size)
 
     def require_uniform(self, what: str, *, windows: bool = False) -> None:
         """Refuse a grouped description where ``what`` handles one group only (``windows``:
@@ -284,12 +270,54 @@ class PagedAttentionCacheMetaData(Serializable):
     def _group_head_shards(self, group: LayerGroup) -> int:
         return 1 if group.kv_head_shards is None else group.kv_head_shards
 
+    def group_dtype(self, group: LayerGroup) -> np.dtype | None:
+        """The logical dtype of ``group``'s pages: its own, else the cache's (None while the
+        cache's is left to ``init_cache``)."""
+        return self.dtype if group.dtype is None else group.dtype
+
+    def group_sizing_dtype(self, group: LayerGroup) -> np.dtype:
+        """`group_dtype`, or bfloat16 while it is left open (as `sizing_dtype`)."""
+        return self.sizing_dtype if group.dtype is None else group.dtype
+
+    def group_quantizer(self, group: LayerGroup) -> Quantizer:
+        """The quantizer of ``group``'s pages: its own, else the cache's."""
+        return get_quantizer(self.quantization if group.quantization is None else group.quantization)
+
+    @property
+    def has_one_format(self) -> bool:
+        """Every group stores the cache's dtype and quantizer (no group chose its own)."""
+        return all(g.dtype is None and g.quantization is None for g in self.groups)
+
+    @property
+    def group_formats(self) -> tuple[tuple[np.dtype | None, str], ...]:
+        """Each group's ``(dtype, quantizer name)``, in group order."""
+        return tuple((self.group_dtype(g), self.group_quantizer(g).name) for g in self.groups)
+
+    def with_formats(self, formats: Sequence[tuple[Any, Any]], *, dtype: Any,
+                     quantization: Any) -> PagedAttentionCacheMetaData:
+        """This metadata with group i storing ``formats[i] = (dtype, quantizer)``, and the cache's
+        own (the format of groups that do not choose theirs) ``dtype`` / ``quantization``. A
+        uniform cache has one group: its format is the cache's."""
+        if len(formats) != len(self.groups):
+            raise ValueError(f"formats gives {len(formats)} (dtype, quantizer) pairs for {len(self.groups)} groups")
+        if self.layer_groups is None:
+            ((dtype, quantization),) = formats
+            return self.replace(dtype=dtype, quantization=get_quantizer(quantization).name)
+        groups = tuple(dataclasses.replace(g, dtype=d, quantization=get_quantizer(q).name)
+                       for g, (d, q) in zip(self.layer_groups, formats))
+        return self.replace(dtype=dtype, quantization=get_quantizer(quantization).name, layer_groups=groups)
+
+    def group_token_head_bytes(self, group: LayerGroup) -> int:
+        """Stored bytes of one token of one kv head of ``group``: K and V, or the latent."""
+        quantizer, dtype = self.group_quantizer(group), self.group_sizing_dtype(group)
+        per_head = quantizer.bytes_per_token_head(group.key_head_dim, dtype)
+        if group.has_values:
+            per_head += quantizer.bytes_per_token_head(group.value_head_dim, dtype)
+        return per_head
+
     def group_page_bytes(self, group: LayerGroup) -> int:
         """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent)."""
-        per_head = self.quantizer.bytes_per_token_head(group.key_head_dim, self.sizing_dtype)
-        if group.has_values:
-            per_head += self.quantizer.bytes_per_token_head(group.value_head_dim, self.sizing_dtype)
-        return group.num_kv_heads // self._group_head_shards(group) * self.page_size * per_head
+        return group.num_kv_heads // self._group_head_shards(group) * self.page_size * self.group_token_head_bytes(group)
 
     def _cost_detail(self) -> str:
         return "; ".join(f"layers {g.span}: {g.num_pages // self.page_shards} pages x {g.num_layers} layers x "
@@ -305,13 +333,7 @@ class PagedAttentionCacheMetaData(Serializable):
         """Bytes of one cached token over all layers and kv heads, each head counted once
         (replicated heads cost this again on every device that holds a copy); in a windowed
         group a token costs this only while it is inside the window."""
-        total = 0
-        for g in self.groups:
-            per_head = self.quantizer.bytes_per_token_head(g.key_head_dim, self.sizing_dtype)
-            if g.has_values:
-                per_head += self.quantizer.bytes_per_token_head(g.value_head_dim, self.sizing_dtype)
-            total += g.num_kv_heads * per_head * g.num_layers
-        return total
+        return sum(g.num_kv_heads * self.group_token_head_bytes(g) * g.num_layers for g in self.groups)
 
     def bytes_per_sequence(self, tokens: int) -> int:
         """Bytes per device one sequence of ``tokens`` tokens holds once the pages that left
@@ -440,7 +462,11 @@ def _create_grouped(cls: Any, mesh: Any, layer_groups: Any, args: dict[str, Any]
     groups = [g.filled(num_kv_heads=heads, head_dim=dim) for g in layer_groups]
     uniform = (len(groups) == 1 and groups[0].attention == "full" and not groups[0].latent
                and (groups[0].num_kv_heads, groups[0].key_head_dim, groups[0].value_head_dim) == (heads, dim, dim))
-    if uniform:  # today's cache: EasyDeL's fields say it all
+    if uniform:  # today's cache: EasyDeL's fields say it all (its own format is the cache's)
+        if groups[0].dtype is not None:
+            args["dtype"] = groups[0].dtype
+        if groups[0].quantization is not None:
+            args["quantizer"] = groups[0].quantization
         check_groups(tuple(groups), num_layers=positive_int("num_hidden_layers", args["num_hidden_layers"]),
                      page_size=positive_int("page_size", args["page_size"]))
         if args["num_pages_per_layer"] is None and groups[0].num_pages is not None:

@@ -32,7 +32,7 @@ from easykv.storage.pages import (
     PageLayout,
     allocate_pages,
     encode_tokens,
-    page_template,
+    group_page_templates,
     read_pages,
     copy_pages_local,
     page_op,
@@ -130,8 +130,8 @@ class PagedAttentionCacheView(_EasyDeLForms):
 
     @property
     def dtype(self) -> np.dtype:
-        """Logical dtype of the cached keys and values."""
-        return self.metadata.dtype
+        """Logical dtype of the cached keys and values (this layer's group's)."""
+        return self.metadata.group_dtype(self.layer_group)
 
     @property
     def key_pages(self) -> Any:
@@ -435,7 +435,8 @@ class PagedAttentionCache(_EasyDeLForms):
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCache:
         """Allocate every layer group's stacked pages in one call; each device creates only its
-        own shard."""
+        own shard. ``dtype`` and ``quantizer`` are the metadata's (the cache's); a layer group
+        with a format of its own (`LayerGroup.dtype` / ``quantization``) is allocated in it."""
         metadata, layout, templates = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         _check_fits(mesh, metadata, metadata.bytes_per_device, f"{metadata.num_hidden_layers} layers")
         layouts = group_layouts(metadata, layout)
@@ -637,12 +638,10 @@ def gather_kv(
 
 @partial(jax.jit, static_argnums=2)
 def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
-    meta = view.metadata
-
     def read(pages: Any) -> jax.Array | None:
         if pages is None:
             return None
-        picked = read_pages(pages, ids, meta.dtype, view.layer)  # (heads, n, page_size, head_dim)
+        picked = read_pages(pages, ids, view.dtype, view.layer)  # (heads, n, page_size, head_dim)
         heads, dim = picked.shape[0], picked.shape[-1]
         return jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, heads, dim)[:length]
 
@@ -732,8 +731,7 @@ def _checked_layout(
         group = resolved.groups[g]
         if layers is not None:
             group = dataclasses.replace(group, layers=tuple(range(layers)))
-        return tuple(None if shape is None else page_template(shape, resolved.dtype, q, platform)
-                     for shape in (resolved.group_pages_shape(group), resolved.group_pages_shape(group, values=True)))
+        return group_page_templates(resolved, group, platform)
 
     return resolved, layout, templates
 

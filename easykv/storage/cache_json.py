@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.pages import page_template
+from easykv.storage.pages import group_page_templates
 from easykv.quantization import QuantizedPages
 from easykv.errors import SerializationError
 from easykv.spec.serialization import decode_array, encode_array
@@ -102,8 +102,7 @@ def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | N
         device = jax.devices()[0]
         layout, sharding = None, lambda ndim: SingleDeviceSharding(device)
         group = meta.groups[g]
-        stacked = tuple(None if shape is None else page_template(shape, meta.dtype, meta.quantizer, device.platform)
-                        for shape in (meta.group_pages_shape(group), meta.group_pages_shape(group, values=True)))
+        stacked = group_page_templates(meta, group, device.platform)
     else:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")

@@ -154,6 +154,15 @@ def page_template(
     )
 
 
+def group_page_templates(meta: Any, group: Any, platform: str) -> tuple[Any, Any]:
+    """(key, value) templates of layer group ``group``'s stacked pages of ``meta`` (a
+    PagedAttentionCacheMetaData) on ``platform``, in the group's geometry and format (value None
+    for a latent group, which stores none)."""
+    dtype, quantizer = meta.group_dtype(group), meta.group_quantizer(group)
+    return tuple(None if shape is None else page_template(shape, dtype, quantizer, platform)
+                 for shape in (meta.group_pages_shape(group), meta.group_pages_shape(group, values=True)))
+
+
 def allocate_pages(templates: Any, layout: PageLayout) -> Any:
     """Zero-filled page arrays for a pytree of ShapeDtypeStructs, created by the devices
     themselves: each device (and each host) materializes only its own shard; nothing of pool

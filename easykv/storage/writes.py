@@ -72,10 +72,11 @@ def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_token
     if x is None or shape != want:
         got = "None" if x is None else f"shape {shape}"
         raise ValueError(f"{name} has {got}, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
-    if dtype is None or np.dtype(dtype) != metadata.dtype:
+    stores = metadata.group_dtype(g)
+    if dtype is None or np.dtype(dtype) != stores:
         raise ValueError(
-            f"{name} has dtype {dtype}, but the cache stores {metadata.dtype.name}; "
-            f"cast with .astype({metadata.dtype.name}) first (a silent cast would hide a model bug)"
+            f"{name} has dtype {dtype}, but the cache stores {stores.name}{where}; "
+            f"cast with .astype({stores.name}) first (a silent cast would hide a model bug)"
         )
 
 

@@ -7,6 +7,7 @@ Bad flags give one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -84,6 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-size", type=int, default=32)
     plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     plan.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
+    plan.add_argument("--group-quant", action="append", default=[], metavar="KIND=NAME",
+                      help="a quantizer of their own for the layers of one attention kind (full, sliding, "
+                           "chunked) of a patterned preset, e.g. full=int8; repeatable")
     plan.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=1,tp=8 (default: tp=<local devices>)")
     plan.add_argument("--kv-head-axis", default="tp", help="mesh axis (or a,b) for kv heads; 'none' to replicate")
     plan.add_argument("--page-axis", default="none", help="mesh axis (or a,b) splitting the page pool, e.g. dp")
@@ -180,10 +184,34 @@ def _model_dims(args: argparse.Namespace) -> tuple[int, int, int, str, Any]:
         layers, heads, dim = (e if e is not None else p for e, p in
                               zip(explicit, (preset.layers, preset.num_kv_heads, preset.head_dim)))
         groups = None if preset.is_uniform or args.uniform else preset.layer_groups()
-        return layers, heads, dim, args.preset, groups
+        return layers, heads, dim, args.preset, _group_quantizers(args, groups)
     if None in explicit:
         raise UsageError("give --preset NAME or all of --layers, --kv-heads and --head-dim")
+    if args.group_quant:
+        raise UsageError("--group-quant needs a --preset with a layer pattern (gemma-3-27b, gpt-oss-20b, ...)")
     return *explicit, "custom", None
+
+
+def _group_quantizers(args: argparse.Namespace, groups: Any) -> Any:
+    """``groups`` with the quantizers ``--group-quant KIND=NAME`` gives the groups of each kind."""
+    chosen: dict[str, str] = {}
+    for item in args.group_quant:
+        kind, sep, name = item.partition("=")
+        if not sep or kind not in ("full", "sliding", "chunked") or not name:
+            raise UsageError(f"--group-quant {item!r}: write KIND=NAME with KIND full, sliding or chunked, e.g. full=int8")
+        if kind in chosen:
+            raise UsageError(f"--group-quant names {kind} twice ({chosen[kind]!r} and {name!r})")
+        chosen[kind] = name
+    if not chosen:
+        return groups
+    kinds = sorted({g.attention for g in groups or ()})
+    missing = sorted(set(chosen) - set(kinds))
+    if missing:
+        plan = f"--preset {args.preset}{' --uniform' * args.uniform}"
+        raise UsageError(f"--group-quant names {missing}, but the plan of {plan} has layer groups of kinds "
+                         f"{kinds or ['none (one uniform cache: use --quant)']}")
+    return tuple(dataclasses.replace(g, quantization=chosen[g.attention]) if g.attention in chosen else g
+                 for g in groups)
 
 
 def _mesh(args: argparse.Namespace) -> Any:

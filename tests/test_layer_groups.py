@@ -241,6 +241,38 @@ def test_plan_prints_each_group_and_tokens_per_gib(capsys):
     assert code == 0 and "group 0" not in out and "(1.00x" in out
 
 
+def test_plan_gives_the_layers_of_one_kind_a_quantizer_of_their_own(capsys):
+    def held(text):
+        line = text.split("tokens per GiB at 32,768 context")[1].split("\n")[0]
+        return float(line.split()[0].replace(",", "")), float(line.split("(")[1].split("x")[0])
+
+    base = ("--preset", "gemma-3-27b", "--mesh", "tp=8", "--memory", "16GiB", "--max-seq", "32768")
+    code, out, err = _plan(capsys, *base, "--group-quant", "full=int8")
+    assert code == 0 and err == ""
+    sliding = next(line for line in out.splitlines() if "sliding window 1024" in line)
+    full = next(line for line in out.splitlines() if "layers [5, 11, 17" in line)
+    assert full.endswith("own format int8") and "own format" not in sliding
+    # an int8 token-head costs (128 + 4) / 256 of a bf16 one; the comparison is with every layer
+    # full attention in the same formats, so the ratio is the windows' gain alone
+    r = (128 + 4) / 256
+    tokens, ratio = held(out)
+    assert ratio == pytest.approx((10 * 2048 * r + 52 * 2048) / (10 * 2048 * r + 52 * 65), abs=0.01)
+    _, plain, _ = _plan(capsys, *base)
+    assert tokens / held(plain)[0] == pytest.approx((10 * 2048 + 52 * 65) / (10 * 2048 * r + 52 * 65), rel=1e-3)
+    code, out, _ = _plan(capsys, *base, "--group-quant", "sliding=fp8", "--group-quant", "full=int4")
+    assert code == 0 and "own format fp8" in out and "own format int4" in out
+    for argv, words in ((("--preset", "llama-3.1-8b", "--group-quant", "full=int8"), "kinds ['none"),
+                        (("--preset", "gemma-2-9b", "--group-quant", "chunked=int8"), "names ['chunked']"),
+                        (("--preset", "gemma-2-9b", "--group-quant", "full"), "write KIND=NAME"),
+                        (("--preset", "gemma-2-9b", "--group-quant", "full=int8", "--group-quant", "full=fp8"),
+                         "names full twice"),
+                        (("--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--group-quant", "full=int8"),
+                         "needs a --preset"),
+                        (("--preset", "gemma-2-9b", "--group-quant", "full=int9"), "unknown quantizer 'int9'")):
+        code, _, err = _plan(capsys, *argv, "--mesh", "tp=8", "--memory", "1GiB")
+        assert code == 2 and words in err, (argv, err)
+
+
 def test_plan_refuses_changing_a_patterned_preset(capsys):
     code, out, err = _plan(capsys, "--preset", "gemma-2-9b", "--layers", "10", "--memory", "1GiB", "--mesh", "tp=8")
     assert code == 2 and "has a layer pattern" in err

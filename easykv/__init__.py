@@ -24,7 +24,7 @@ from easykv.errors import (
     StepNotFoundError,
     UnknownSequenceError,
 )
-from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics
+from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.spec.groups import ATTENTION_KINDS, LayerGroup, group_pattern
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
@@ -92,6 +92,7 @@ __all__ = [
     "PageManager",
     "PageManagerMetrics",
     "GroupPoolMetrics",
+    "VersionMetrics",
     "QuantizedPages",
     "UnknownSequenceError",
     "increment_cache_lengths",

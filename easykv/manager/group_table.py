@@ -58,10 +58,11 @@ class GroupTable:
         """The pages ``row`` holds in this group, in column order."""
         return self.table[row, self.start[row]:npages].tolist()
 
-    def release_pages(self, pages: list[int]) -> None:
-        """Drop one reference from each page; a pending copy into a page that became free is
-        dropped (nobody will read its destination)."""
-        for page in self.pool.release(pages):
+    def release_pages(self, pages: list[int], *, stale: bool = False) -> None:
+        """Drop one reference from each page (``stale``: of an older weight version, see
+        `PagePool.release`); a pending copy into a page that became free is dropped (nobody
+        will read its destination)."""
+        for page in self.pool.release(pages, stale=stale):
             self.copies.pop(page, None)
 
     def reset_row(self, row: int) -> None:

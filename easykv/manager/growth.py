@@ -144,17 +144,26 @@ class _Growth:
                 left[page] = count - 1
         return out
 
-    def fork(self, seq_id: int) -> int:
-        """A new sequence with the same history (parallel sampling, beam search). Written pages
-        are shared; whichever sequence next writes into a shared partly filled page gets a
-        private copy. Pages reserved ahead but not written stay with ``seq_id``."""
+    def fork(self, seq_id: int, n: int | None = None) -> int | list[int]:
+        """A new sequence with the same history (parallel sampling, beam search); with ``n``,
+        ``n`` of them in one call (GRPO-style samples of one prompt), returned as a list, all or
+        none. Written pages are shared; whichever sequence next writes into a shared partly
+        filled page gets a private copy. Pages reserved ahead but not written stay with
+        ``seq_id``."""
         row = self._row(seq_id)
+        count = 1 if n is None else positive_int("n", n, hi=self.batch_size,
+                                                  hint=f"children of one sequence, at most batch_size={self.batch_size}")
         free = np.flatnonzero(~self._active)
-        if not free.size:
+        if free.size < count:
             raise CacheFullError(
-                f"fork({row}) needs a free sequence slot but all batch_size={self.batch_size} are claimed; "
-                "release a sequence first", resource="sequence slots", needed=1, available=0)
-        child, k = int(free[0]), -(-int(self._lens[row]) // self.page_size)
+                f"fork({row}{'' if n is None else f', n={count}'}) needs {count} free sequence slot"
+                f"{'s' * (count > 1)} but {free.size} of batch_size={self.batch_size} are free; release sequences "
+                "first", resource="sequence slots", needed=count, available=int(free.size))
+        children = [self._fork_one(row, int(child)) for child in free[:count]]
+        return children[0] if n is None else children
+
+    def _fork_one(self, row: int, child: int) -> int:
+        k = -(-int(self._lens[row]) // self.page_size)
         for gt in self._groups:
             start = min(int(gt.start[row]), k)  # pages before it left the window: holes in both rows
             if self._lens[row] % self.page_size and start < k:
@@ -167,6 +176,7 @@ class _Growth:
         # A parent that holds only pages reserved ahead shares none: the child is unbound.
         self._lens[child], self._replica[child] = self._lens[row], (self._replica[row] if k else -1)
         self._hashes.copy_row(row, child)
+        self._row_version[child] = self._row_version[row]
         return child
 
     # ---- step metadata [MAX: fetch, increment_cache_lengths] --------------------------------------

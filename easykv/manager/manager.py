@@ -39,9 +39,10 @@ from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.manager.group_table import GroupTable
 from easykv.manager.growth import _Growth
+from easykv.manager.versions import VersionMetrics, _Versions
 from easykv.manager.windows import _Windows
 from easykv.manager.reshard import reshard_state
-from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes, as_token_ids, iter_page_digests, salt_digest
+from easykv.manager.prefix_hash import SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv.spec import sizing
 from easykv.runtime import PAD_PAGE, increment_cache_lengths, stack_metadata  # the last two: re-exported
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, non_negative_int, show
@@ -76,6 +77,7 @@ class PageManagerMetrics:
     copies: int  # copy-on-write page copies reported
     scrubs: int  # released pages reported for zeroing
     groups: tuple[GroupPoolMetrics, ...] = ()
+    versions: tuple[VersionMetrics, ...] = ()  # per weight version (`set_weight_version`)
 
     @property
     def usage(self) -> float:
@@ -94,7 +96,7 @@ class PageManagerMetrics:
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
 
 
-class PageManager(_Growth, _Windows):
+class PageManager(_Growth, _Windows, _Versions):
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
@@ -136,6 +138,7 @@ class PageManager(_Growth, _Windows):
         self._replica = np.full(b, -1, np.int32)  # -1 until the sequence's first page
         self._active = np.zeros(b, bool)
         self._hashes = SequenceHashes(b, ps)
+        self._init_versions()
         self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
 
     @property
@@ -168,6 +171,8 @@ class PageManager(_Growth, _Windows):
                 resource="sequence slots", needed=n, available=int(free.size))
         ids = free[:n]
         self._active[ids] = True
+        for row in ids.tolist():
+            self._start_row(row)
         return ids.tolist()
 
     def external_claim(self, seq_ids: Sequence[int]) -> None:
@@ -182,6 +187,8 @@ class PageManager(_Growth, _Windows):
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids {ids} repeat an id; claim each id once")
         self._active[ids] = True
+        for row in ids:
+            self._start_row(row)
 
     def contains(self, seq_id: int) -> bool:
         sid = self._check_id(seq_id, strict=False)  # the checked value, never the object again
@@ -201,9 +208,9 @@ class PageManager(_Growth, _Windows):
         """End a sequence: its id becomes free, its pages lose a reference. Full pages stay in
         the prefix cache (tail pages are evicted before head pages); others are freed."""
         row = self._row(seq_id)
-        n = int(self._npages[row])
+        n, stale = int(self._npages[row]), self._is_stale(row)
         for gt in self._groups:
-            gt.release_pages(gt.held(row, n)[::-1])
+            gt.release_pages(gt.held(row, n)[::-1], stale=stale)
         self._reset_row(row)
 
     def _reset_row(self, row: int) -> None:
@@ -213,6 +220,7 @@ class PageManager(_Growth, _Windows):
         self._replica[row] = -1
         self._active[row] = False
         self._hashes.reset(row)
+        self._row_version[row] = None
 
     # ---- prefix caching ------------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
@@ -229,6 +237,7 @@ class PageManager(_Growth, _Windows):
                 "pages; call match_prefix right after claim, before reserving or committing tokens")
         self._check_extent(row, tokens.size, "the prompt")
         salt_d = salt_digest(salt)
+        self._start_row(row)  # the version current now, whenever it was claimed
         self._hashes.salt[row] = salt_d
         if not self.enable_prefix_caching:
             return 0
@@ -237,6 +246,7 @@ class PageManager(_Growth, _Windows):
         c["prefix_queries"] += 1
         c["prefix_query_tokens"] += int(tokens.size)
         k = len(pages[0])
+        self._count_lookup(int(tokens.size), k * self.page_size)
         if k:
             for gt, group_pages in zip(self._groups, pages):
                 start = group_pages.count(PAD_PAGE)  # a sliding or chunked hit needs only its window's pages
@@ -270,8 +280,9 @@ class PageManager(_Growth, _Windows):
         found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
         # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
         searches = [(found[r], [gt.pool.digest_map(r) for gt in self._groups]) for r in replicas]
-        chain = ROOT_DIGEST
-        for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt)):
+        chain = root = self._root()
+        for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt,
+                                                     root)):
             alive = False
             for hits, maps in searches:
                 if len(hits) == k:  # one group (the common case) without a comprehension per page
@@ -350,15 +361,16 @@ class PageManager(_Growth, _Windows):
             hashes.hashable[rows[counts > 0]] = False
         elif self.enable_prefix_caching and isinstance(tokens, np.ndarray) and tokens.ndim == 1:
             f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
+            tags = [self._row_version[r] for r in f_rows.tolist()]
             for gt in self._groups:
-                for page, digest in zip(gt.table[f_rows, cols].tolist(), digests):
-                    gt.pool.commit(page, digest)
+                for page, digest, tag in zip(gt.table[f_rows, cols].tolist(), digests, tags):
+                    gt.pool.commit(page, digest, tag)
         elif self.enable_prefix_caching:
             for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
                 row = int(rows[i])
                 for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
                     for gt in self._groups:
-                        gt.pool.commit(int(gt.table[row, col]), digest)
+                        gt.pool.commit(int(gt.table[row, col]), digest, self._row_version[row])
         self._lens[rows] = lens + counts
         self._release_out_of_window(rows)
 
@@ -501,7 +513,8 @@ class PageManager(_Growth, _Windows):
         total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",
                                                                   "used_pages", "evictions")}
         return PageManagerMetrics(**total, active_sequences=int(self._active.sum()),
-                                  scrubs=sum(p.scrubs for p in pools), groups=groups, **self._counters)
+                                  scrubs=sum(p.scrubs for p in pools), groups=groups,
+                                  versions=self._version_metrics(), **self._counters)
 
     @property
     def usage(self) -> float:
@@ -637,5 +650,6 @@ def _padded(values: Any, n: int, pad_to: int | None, what: str, most: int) -> np
 
 __all__ = [
     "CacheFullError", "GroupPoolMetrics", "InvariantError", "PageManager", "PageManagerMetrics", "UnknownSequenceError",
+    "VersionMetrics",
     "increment_cache_lengths", "stack_metadata",
 ]

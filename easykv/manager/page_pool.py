@@ -10,6 +10,9 @@ one of three states:
   least-recently-released order and evicted only when no free page is left;
 * used: referenced by at least one sequence (a used page may also be in the prefix map).
 
+A prefix page carries the weight version of the sequence that filled it (a tag; None before any
+version was set): cached pages of a version other than the current one are evicted first.
+
 With data-parallel replicas the pool is split into equal slices, ``[r * n, (r + 1) * n)`` for
 replica ``r``; each slice has its own free heap, LRU and prefix map, so a page never crosses
 replicas and prefixes are only shared within one.
@@ -44,6 +47,7 @@ class PagePool:
         self.scrub_released = bool(scrub_released)
         self.refcount = np.zeros(self.num_pages, np.int32)
         self._digest: list[bytes | None] = [None] * self.num_pages
+        self._tag: list[bytes | None] = [None] * self.num_pages  # weight version of a prefix page
         n = self.pages_per_replica
         self._free: list[list[int]] = [list(range(r * n, (r + 1) * n)) for r in range(self.num_replicas)]
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
@@ -91,7 +95,7 @@ class PagePool:
         while len(out) < n:
             page, _ = lru.popitem(last=False)
             del self._by_digest[replica][self._digest[page]]
-            self._digest[page] = None
+            self._digest[page] = self._tag[page] = None
             self.evictions += 1
             self._mark_scrub(page)
             out.append(page)
@@ -110,11 +114,12 @@ class PagePool:
                 del self._lru[self.replica_of(page)][page]
             self.refcount[page] += 1
 
-    def release(self, pages: Iterable[int]) -> list[int]:
+    def release(self, pages: Iterable[int], *, stale: bool = False) -> list[int]:
         """Drop one reference from each page, in order. Pages left unreferenced become cached
-        (if in the prefix map; the first released is the first evicted) or free. Returns the
-        pages that became free."""
-        freed = []
+        (if in the prefix map; the first released is the first evicted) or free. ``stale``:
+        the pages belong to an older weight version, so cached ones go ahead of every other
+        cached page (evicted first). Returns the pages that became free."""
+        freed, front = [], []
         for page in pages:
             count = self.refcount[page] - 1
             if count < 0:
@@ -123,11 +128,37 @@ class PagePool:
             if count == 0:
                 if self._digest[page] is not None:
                     self._lru[self.replica_of(page)][page] = None
+                    if stale:
+                        front.append(page)
                 else:
                     heapq.heappush(self._free[self.replica_of(page)], page)
                     self._mark_scrub(page)
                     freed.append(page)
+        for page in reversed(front):  # ahead of the others, in release order among themselves
+            self._lru[self.replica_of(page)].move_to_end(page, last=False)
         return freed
+
+    def demote(self, current: bytes | None) -> None:
+        """Put cached pages of weight versions other than ``current`` ahead of the others in
+        every LRU (evicted first), keeping the order within each kind."""
+        for r, lru in enumerate(self._lru):
+            stale = [p for p in lru if self._tag[p] != current]
+            if stale and len(stale) < len(lru):
+                self._lru[r] = OrderedDict.fromkeys(stale + [p for p in lru if self._tag[p] == current])
+
+    def forget_prefixes(self) -> int:
+        """Empty the prefix map: cached pages become free (scrubbed when the pool scrubs), pages
+        in use keep their contents but can no longer be found. Returns the pages it held."""
+        held = sum(len(m) for m in self._by_digest)
+        for r, lru in enumerate(self._lru):
+            for page in lru:
+                heapq.heappush(self._free[r], page)
+                self._mark_scrub(page)
+            lru.clear()
+            self._by_digest[r].clear()
+        self._digest = [None] * self.num_pages
+        self._tag = [None] * self.num_pages
+        return held
 
     def _mark_scrub(self, page: int) -> None:
         if self.scrub_released and page not in self._scrub:
@@ -146,15 +177,25 @@ class PagePool:
     def digest_of(self, page: int) -> bytes | None:
         return self._digest[page]
 
-    def commit(self, page: int, digest: bytes) -> bool:
-        """Enter a used, just-filled page in the prefix map. When another page of the replica
-        already holds that digest (two sequences filled the same prefix at once), this one
-        stays private and is freed normally; returns whether it was entered."""
+    def tag_of(self, page: int) -> bytes | None:
+        """The weight version of a prefix page (None: none was set)."""
+        return self._tag[page]
+
+    def cached_tags(self) -> list[bytes | None]:
+        """The weight version of every cached page (metrics)."""
+        return [self._tag[p] for lru in self._lru for p in lru]
+
+    def commit(self, page: int, digest: bytes, tag: bytes | None = None) -> bool:
+        """Enter a used, just-filled page in the prefix map, of weight version ``tag``. When
+        another page of the replica already holds that digest (two sequences filled the same
+        prefix at once), this one stays private and is freed normally; returns whether it was
+        entered."""
         by_digest = self._by_digest[self.replica_of(page)]
         if digest in by_digest or self._digest[page] is not None:
             return False
         by_digest[digest] = page
         self._digest[page] = digest
+        self._tag[page] = tag
         return True
 
     # ---- device work to report ---------------------------------------------------------------
@@ -172,7 +213,7 @@ class PagePool:
     # ---- persistence --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         hashed = [[p, d.hex()] for p, d in enumerate(self._digest) if d is not None]
-        return {
+        out = {
             "free": [sorted(h) for h in self._free],
             "lru": [list(q) for q in self._lru],
             "digests": hashed,
@@ -180,9 +221,14 @@ class PagePool:
             "evictions": self.evictions,
             "scrubs": self.scrubs,
         }
+        tags = [[p, t.hex()] for p, t in enumerate(self._tag) if t is not None]
+        if tags:  # only once weight versions are in use: other states keep their form
+            out["versions"] = tags
+        return out
 
     def load_state(self, *, free: list[Any], lru: list[Any], digests: list[tuple[int, bytes]], scrub: list[int],
-                   evictions: int, scrubs: int, refcount: np.ndarray) -> None:
+                   evictions: int, scrubs: int, refcount: np.ndarray,
+                   versions: list[tuple[int, bytes]] = ()) -> None:
         """Replace this (fresh) pool's state with values already checked for type and range
         (`state.read_state`); ``refcount`` comes from the owners. Whether they agree
         with each other is for `check`."""
@@ -194,6 +240,9 @@ class PagePool:
         for page, digest in digests:
             self._digest[page] = digest
             self._by_digest[self.replica_of(page)][digest] = page
+        self._tag = [None] * self.num_pages
+        for page, tag in versions:
+            self._tag[page] = tag
         self._scrub = dict.fromkeys(scrub)
         self.evictions = evictions
         self.scrubs = scrubs
@@ -232,6 +281,8 @@ class PagePool:
                 raise InvariantError(f"page {page} has refcount {ref} but is {('used', 'free', 'cached')[kind]}")
             if kind == 1 and digest is not None:
                 raise InvariantError(f"free page {page} still carries a digest")
+            if digest is None and self._tag[page] is not None:
+                raise InvariantError(f"page {page} carries a weight version but is not in the prefix cache")
             if kind == 2 and digest is None:
                 raise InvariantError(f"cached page {page} has no digest")
         if self.num_free() + self.num_cached() + int(np.count_nonzero(self.refcount)) != self.num_pages:

@@ -25,6 +25,24 @@ NO_SALT: bytes = hashlib.sha256(b"easykv.prefix_hash.v1.no-salt").digest()
 
 
 
+def _tagged(value: Any, name: str, what: str) -> bytes:
+    """``value`` (a str, bytes or int of 64 bits) as bytes tagged by its type, so ``"1"``,
+    ``b"1"`` and ``1`` differ; the same on every host (never Python's ``hash()``)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={show(value)} is a bool; use a str, bytes or int {what}")
+    if isinstance(value, str):
+        return b"s:" + value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return b"b:" + bytes(value)
+    if isinstance(value, (int, np.integer)):
+        if not -(2**63) <= int(value) < 2**64:
+            raise ValueError(f"an int {name} must fit 64 bits, got one of {int(value).bit_length()} bits; use a str "
+                             f"or bytes {what}")
+        return b"i:" + str(int(value)).encode("ascii")
+    raise ValueError(f"{name}={show(value)} of type {type(value).__name__} is not supported; use a str, bytes or int "
+                     f"{what} (one every host hashes alike)")
+
+
 def salt_digest(salt: Any) -> bytes:
     """The 32-byte extra key of a sequence; None is the default namespace.
 
@@ -33,20 +51,25 @@ def salt_digest(salt: Any) -> bytes:
     """
     if salt is None:
         return NO_SALT
-    if isinstance(salt, (bool, np.bool_)):
-        raise ValueError(f"salt={show(salt)} is a bool; use a str, bytes or int tenant/adapter key")
-    if isinstance(salt, str):
-        tagged = b"s:" + salt.encode("utf-8")
-    elif isinstance(salt, (bytes, bytearray, memoryview)):
-        tagged = b"b:" + bytes(salt)
-    elif isinstance(salt, (int, np.integer)):
-        if not -(2**63) <= int(salt) < 2**64:
-            raise ValueError(f"an int salt must fit 64 bits, got one of {int(salt).bit_length()} bits; use a str or "
-                             "bytes tenant/adapter key")
-        tagged = b"i:" + str(int(salt)).encode("ascii")
-    else:
-        raise ValueError(f"salt={show(salt)} of type {type(salt).__name__} is not supported; use a str, bytes or int")
-    return hashlib.sha256(b"easykv.prefix_hash.v1.salt|" + tagged).digest()
+    return hashlib.sha256(b"easykv.prefix_hash.v1.salt|" + _tagged(salt, "salt", "tenant/adapter key")).digest()
+
+
+def version_digest(version: Any) -> bytes | None:
+    """The 32-byte digest of a weight version (a str, bytes or int); None for None, the
+    version of a manager that never set one (its page digests are those of easykv before
+    weight versions)."""
+    if version is None:
+        return None
+    return hashlib.sha256(b"easykv.prefix_hash.v1.version|" + _tagged(version, "version", "weight version")).digest()
+
+
+def version_root(version: bytes | None) -> bytes:
+    """The parent digest of the first page of a sequence of weight version ``version`` (a
+    `version_digest`): pages of different versions never share a digest, so a prefix lookup
+    under one version never finds K/V another version's weights computed."""
+    if version is None:
+        return ROOT_DIGEST
+    return hashlib.sha256(b"easykv.prefix_hash.v1.root|" + version).digest()
 
 
 def as_token_ids(token_ids: Any, name: str = "token_ids") -> np.ndarray:
@@ -89,9 +112,9 @@ class SequenceHashes:
         self.salt: list[bytes] = [NO_SALT] * batch_size
         self.hashable = np.ones(batch_size, bool)
 
-    def reset(self, row: int) -> None:
+    def reset(self, row: int, root: bytes = ROOT_DIGEST) -> None:
         self.partial[row] = 0
-        self.chain[row], self.salt[row], self.hashable[row] = ROOT_DIGEST, NO_SALT, True
+        self.chain[row], self.salt[row], self.hashable[row] = root, NO_SALT, True
 
     def copy_row(self, src: int, dst: int) -> None:
         self.partial[dst], self.hashable[dst] = self.partial[src], self.hashable[src]
@@ -147,5 +170,5 @@ class SequenceHashes:
 
 __all__ = [
     "DIGEST_BYTES", "NO_SALT", "ROOT_DIGEST", "SequenceHashes", "as_token_ids", "iter_page_digests",
-    "page_digest", "salt_digest",
+    "page_digest", "salt_digest", "version_digest", "version_root",
 ]

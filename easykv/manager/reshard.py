@@ -68,13 +68,15 @@ def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
         for seq in state["sequences"]:
             pages = np.asarray(rows(seq)[g], np.int64)
             np.add.at(refcount, pages[pages != PAD_PAGE], 1)
-        _reshard_pool(pool, refcount, per, new_shards, cfg["scrub_released"])
+        _reshard_pool(pool, refcount, per, new_shards, cfg["scrub_released"], state.get("versions", {}).get("current"))
     cfg["page_shards"] = new_shards
     return state
 
 
-def _reshard_pool(pool: dict[str, Any], refcount: np.ndarray, per: int, new_shards: int, scrub_released: bool) -> None:
-    """One group's pool state (in place) for slices of ``per`` pages."""
+def _reshard_pool(pool: dict[str, Any], refcount: np.ndarray, per: int, new_shards: int, scrub_released: bool,
+                  current: str | None) -> None:
+    """One group's pool state (in place) for slices of ``per`` pages; cached pages of weight
+    versions other than ``current`` (a digest's hex) stay ahead in each LRU."""
     digest_of = {int(p): d for p, d in pool["digests"]}
     lru_all = [int(p) for q in pool["lru"] for p in q]  # slice order, then each slice's LRU order
     lru_rank = {p: i for i, p in enumerate(lru_all)}
@@ -89,10 +91,15 @@ def _reshard_pool(pool: dict[str, Any], refcount: np.ndarray, per: int, new_shar
     if scrub_released:  # like an eviction: zero before reuse
         known = set(scrub)
         scrub += [p for p in freed if p not in known]
+    tags = {int(p): t for p, t in pool.get("versions", [])}
+    lru = sorted(lru, key=lambda p: tags.get(p) == current)  # stable: stale pages first, each kind in order
     pool["free"] = [[p for p in free if p // per == r] for r in range(new_shards)]
     pool["lru"] = [[p for p in lru if p // per == r] for r in range(new_shards)]
     pool["digests"] = [[p, d] for p, d in sorted(digest_of.items()) if p in kept]
     pool["scrub"] = scrub
+    pool.pop("versions", None)
+    if any(p in kept for p in tags):
+        pool["versions"] = [[p, t] for p, t in sorted(tags.items()) if p in kept]
 
 
 __all__ = ["reshard_state"]

@@ -15,6 +15,10 @@ or not the manager was restored on the way (what `assert_lockstep` compares acro
 A manager of one layer group writes format 1 (``pages`` a list per sequence, one ``pool``, one
 ``copies`` list); one of several groups writes format 2, where each of those is a list with one
 entry per group (groups have their own pools) and ``config.groups`` names each group's pool.
+Once a weight version was set (`PageManager.set_weight_version`), either format adds
+``versions`` (the current one and every one known, with its lookups), each sequence's
+``version`` (where it has one) and each pool's prefix pages' ``versions``; a manager that never
+set one writes neither, so its state keeps the form older easykv reads.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import numpy as np
 
 from easykv.errors import InvariantError, ManagerStateError
 from easykv.manager.group_table import GroupTable
-from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST
+from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST, version_digest, version_root
+from easykv.manager.versions import VERSION_COUNTERS
 from easykv.runtime import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
 
@@ -44,6 +49,8 @@ _CONFIG_FLAGS = ("enable_prefix_caching", "scrub_released")
 COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies")
 _SEQUENCE_KEYS = ("id", "length", "pages", "replica", "hashable", "chain", "salt", "partial")
 _POOL_KEYS = ("free", "lru", "digests", "scrub", "evictions", "scrubs")
+_STATE_KEYS = ("format", "config", "sequences", "pool", "copies", "counters")
+_VERSION_KEYS = ("digest", "version", "counters")
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 
 
@@ -89,9 +96,11 @@ def write_state(m: PageManager) -> dict[str, Any]:
                           "salt": m._hashes.salt[r].hex(), "partial": partial})
         if m._floor[r]:  # a resumed sequence (only then: other states keep their form)
             sequences[-1]["floor"] = int(m._floor[r])
+        if m._row_version[r] is not None:
+            sequences[-1]["version"] = m._row_version[r].hex()
     pools = [gt.pool.state_dict() for gt in m._groups]
     copies = [[[src, dst] for dst, src in gt.copies.items()] for gt in m._groups]
-    return {
+    out = {
         "format": GROUPED_STATE_FORMAT if grouped else STATE_FORMAT,
         "config": config(m.metadata, m.enable_prefix_caching, m.scrub_released),
         "sequences": sequences,
@@ -99,6 +108,22 @@ def write_state(m: PageManager) -> dict[str, Any]:
         "copies": copies if grouped else copies[0],
         "counters": dict(m._counters),
     }
+    if len(m._versions) > 1:  # a weight version was set
+        out["versions"] = {"current": None if m._version is None else m._version.hex(),
+                           "known": [{"digest": None if d is None else d.hex(), "version": _label(label),
+                                      "counters": dict(m._version_counters[d])} for d, label in m._versions.items()]}
+    return out
+
+
+def _label(version: Any) -> Any:
+    """A weight version as JSON: its type kept (``1``, ``"1"`` and ``b"1"`` are three versions)."""
+    if version is None:
+        return None
+    if isinstance(version, str):
+        return {"str": version}
+    if isinstance(version, (bytes, bytearray, memoryview)):
+        return {"bytes": bytes(version).hex()}
+    return {"int": int(version)}
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -106,13 +131,14 @@ def _fail(field: str, message: str) -> ManagerStateError:
     return ManagerStateError(message, field=field)
 
 
-def _mapping(value: Any, field: str, keys: tuple[str, ...]) -> Mapping[str, Any]:
+def _mapping(value: Any, field: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise _fail(field, f"must be an object with keys {list(keys)}, got {type(value).__name__}")
     missing = [k for k in keys if k not in value]
-    unknown = sorted(str(k) for k in value if k not in keys)
+    unknown = sorted(str(k) for k in value if k not in keys + optional)
     if missing or unknown:
-        raise _fail(field, f"must have exactly the keys {list(keys)}; missing {missing}, unknown {unknown[:8]}")
+        also = f" (and may have {list(optional)})" if optional else ""
+        raise _fail(field, f"must have exactly the keys {list(keys)}{also}; missing {missing}, unknown {unknown[:8]}")
     return value
 
 
@@ -177,6 +203,7 @@ class _Sequence:
     salt: bytes
     partial: np.ndarray
     floor: int
+    version: bytes | None
 
 
 def _per_group(value: Any, field: str, n: int) -> list[tuple[Any, str]]:
@@ -219,7 +246,7 @@ def _read_config(m: PageManager, raw: Any) -> dict[str, Any]:
 def read_state(m: PageManager, state: Any) -> None:
     """Load ``state`` into the fresh manager ``m`` after checking every field's type and range
     (ManagerStateError). Cross-references are checked by `check_consistency` afterwards."""
-    state = _mapping(state, "(top level)", ("format", "config", "sequences", "pool", "copies", "counters"))
+    state = _mapping(state, "(top level)", _STATE_KEYS, optional=("versions",))
     groups = m._groups
     want_format = GROUPED_STATE_FORMAT if len(groups) > 1 else STATE_FORMAT
     if state["format"] != want_format:
@@ -240,6 +267,14 @@ def read_state(m: PageManager, state: Any) -> None:
               for gt, (raw, field) in zip(groups, _per_group(state["copies"], "copies", len(groups)))]
     counters_in = _mapping(state["counters"], "counters", COUNTERS)
     counters = {k: _int(counters_in[k], f"counters.{k}", 0, INT64_MAX) for k in COUNTERS}
+    current, known = _read_versions(state.get("versions"))
+    for i, seq in enumerate(sequences):
+        if seq.version not in known:
+            raise _fail(f"sequences[{i}].version", "names a weight version the state's versions.known does not list")
+    for pool, (_, field) in zip(pools, _per_group(state["pool"], "pool", len(groups))):
+        for page, tag in pool["versions"]:
+            if tag not in known:
+                raise _fail(f"{field}.versions", f"gives page {page} a weight version versions.known does not list")
 
     # Every field is well-formed: fill the manager (ids and pages are in range, so no write can fail).
     for seq in sequences:
@@ -251,6 +286,7 @@ def read_state(m: PageManager, state: Any) -> None:
         hashes = m._hashes
         hashes.hashable[r], hashes.chain[r], hashes.salt[r] = seq.hashable, seq.chain, seq.salt
         hashes.partial[r, : seq.partial.size] = seq.partial
+        m._row_version[r] = seq.version
         if not seq.hashable:  # canonical: see write_state
             hashes.chain[r] = ROOT_DIGEST
             hashes.partial[r] = 0
@@ -261,13 +297,64 @@ def read_state(m: PageManager, state: Any) -> None:
         gt.pool.load_state(**pool, refcount=np.bincount(gt.table[held], minlength=gt.pool.num_pages))
         gt.copies = pending
     m._counters = counters
+    m._version, m._versions = current, {d: label for d, (label, _) in known.items()}
+    m._version_counters = {d: c for d, (_, c) in known.items()}
     for gt in groups:
         gt.shared_partial = m._fork_shared_pages(gt)
 
 
+def _read_versions(raw: Any) -> tuple[bytes | None, dict[bytes | None, tuple[Any, dict[str, int]]]]:
+    """(the current version's digest, digest -> (version, lookup counters) of every known one);
+    a state without ``versions`` knows only the unversioned None. Each version must hash to its
+    digest: a crafted pair would make lookups of one version find another's pages."""
+    if raw is None:
+        return None, {None: (None, dict.fromkeys(VERSION_COUNTERS, 0))}
+    raw = _mapping(raw, "versions", ("current", "known"))
+    known: dict[bytes | None, tuple[Any, dict[str, int]]] = {}
+    for i, entry in enumerate(_list(raw["known"], "versions.known", 1 << 20)):
+        where = f"versions.known[{i}]"
+        entry = _mapping(entry, where, _VERSION_KEYS)
+        digest = None if entry["digest"] is None else _digest(entry["digest"], f"{where}.digest")
+        version = _read_label(entry["version"], f"{where}.version")
+        if version_digest(version) != digest:
+            raise _fail(where, f"version {show(version)} does not hash to its digest; the state was edited or damaged")
+        if digest in known:
+            raise _fail(where, f"lists version {show(version)} twice")
+        counters_in = _mapping(entry["counters"], f"{where}.counters", VERSION_COUNTERS)
+        known[digest] = (version, {k: _int(counters_in[k], f"{where}.counters.{k}", 0, INT64_MAX)
+                                   for k in VERSION_COUNTERS})
+    if None not in known or len(known) < 2:
+        raise _fail("versions.known", "must list the unversioned None and every version set; a state of a manager "
+                                      "that never set one has no versions")
+    current = None if raw["current"] is None else _digest(raw["current"], "versions.current")
+    if current not in known:
+        raise _fail("versions.current", "names a version versions.known does not list")
+    return current, known
+
+
+def _read_label(raw: Any, field: str) -> Any:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in ("int", "str", "bytes"):
+        raise _fail(field, f"must be null or one of {{'int': n}}, {{'str': s}}, {{'bytes': hex}}, got {show(raw)}")
+    kind, value = next(iter(raw.items()))
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(field, f"an int version must be a JSON integer, got {show(value)}")
+        return value
+    if not isinstance(value, str):
+        raise _fail(field, f"a {kind} version must be a JSON string, got {show(value)}")
+    if kind == "str":
+        return value
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise _fail(field, f"a bytes version must be hex digits, got {show(value)}") from None
+
+
 def _read_pool(raw: Any, field: str, n: int, replicas: int) -> dict[str, Any]:
     """One pool's fields (`PagePool.load_state`'s keywords but the reference counts)."""
-    raw = _mapping(raw, field, _POOL_KEYS)
+    raw = _mapping(raw, field, _POOL_KEYS, optional=("versions",))
     free = [_ints(h, f"{field}.free[{r}]", 0, n - 1, unique=True) for r, h in enumerate(_list(raw["free"], f"{field}.free"))]
     lru = [_ints(q, f"{field}.lru[{r}]", 0, n - 1, unique=True) for r, q in enumerate(_list(raw["lru"], f"{field}.lru"))]
     for name, lists in ((f"{field}.free", free), (f"{field}.lru", lru)):
@@ -281,7 +368,17 @@ def _read_pool(raw: Any, field: str, n: int, replicas: int) -> dict[str, Any]:
                         _digest(entry[1], f"{field}.digests[{i}][1]")))
     if len({p for p, _ in digests}) != len(digests):
         raise _fail(f"{field}.digests", "gives one page two digests")
-    return {"free": free, "lru": lru, "digests": digests,
+    versions: list[tuple[int, bytes]] = []
+    for i, entry in enumerate(_list(raw.get("versions", []), f"{field}.versions", n)):
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise _fail(f"{field}.versions[{i}]", f"must be a [page, version digest] pair, got {show(entry)}")
+        versions.append((_int(entry[0], f"{field}.versions[{i}][0]", 0, n - 1),
+                         _digest(entry[1], f"{field}.versions[{i}][1]")))
+    if "versions" in raw and not versions:
+        raise _fail(f"{field}.versions", "is empty; a pool without versioned pages writes no versions")
+    if len({p for p, _ in versions}) != len(versions) or [p for p, _ in versions] != sorted(p for p, _ in versions):
+        raise _fail(f"{field}.versions", "must name each page once, in page order")
+    return {"free": free, "lru": lru, "digests": digests, "versions": versions,
             "scrub": _ints(raw["scrub"], f"{field}.scrub", 0, n - 1, unique=True).tolist(),
             "evictions": _int(raw["evictions"], f"{field}.evictions", 0, INT64_MAX),
             "scrubs": _int(raw["scrubs"], f"{field}.scrubs", 0, INT64_MAX)}
@@ -302,7 +399,7 @@ def _read_copies(raw: Any, field: str, n: int) -> dict[int, int]:
 def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     ps = m.page_size
     resumed = isinstance(entry, Mapping) and "floor" in entry
-    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()))
+    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()), optional=("version",))
     where = f"sequences[{i}]"
     sid = _int(entry["id"], f"{where}.id", 0, m.batch_size - 1)
     length = _int(entry["length"], f"{where}.length", 0, m.max_length)
@@ -330,7 +427,8 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     return _Sequence(id=sid, length=length, pages=rows, replica=replica,
                      hashable=_flag(entry["hashable"], f"{where}.hashable"),
                      chain=_digest(entry["chain"], f"{where}.chain"), salt=_digest(entry["salt"], f"{where}.salt"),
-                     partial=partial, floor=floor)
+                     partial=partial, floor=floor,
+                     version=_digest(entry["version"], f"{where}.version") if "version" in entry else None)
 
 
 # ---- the consistency rules -------------------------------------------------------------------------
@@ -397,6 +495,9 @@ def _check_group(m: PageManager, g: int, gt: GroupTable, columns: np.ndarray) ->
         if salt_of.setdefault(page, m._hashes.salt[row]) != m._hashes.salt[row]:
             raise Broken(f"sequences[id={row}].salt", f"page {page}{of} is shared between sequences with different "
                                                       "salts")
+        if pool.digest_of(page) is not None and pool.tag_of(page) != m._row_version[row]:
+            raise Broken(f"{pool_field}.versions", f"prefix page {page}{of} was written under another weight version "
+                                                   f"than sequence {row}, which holds it")
     if not m._fork_shared_pages(gt) <= gt.shared_partial:
         raise Broken("sequences", f"a partly filled page{of} is shared but copy-on-write does not know it")
     _check_pending(m, gt, held, f"copies[{g}]" if grouped else "copies", pool_field)
@@ -437,9 +538,9 @@ def _check_chains(m: PageManager) -> None:
         full = int(m._lens[row]) // ps
         chain = m._hashes.chain[row]
         if full == 0:
-            if chain != ROOT_DIGEST:
+            if chain != version_root(m._row_version[row]):
                 raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
-                                                          "other than the root")
+                                                          "other than the root of its weight version")
             continue
         for gt in m._groups:
             last = int(gt.table[row, full - 1])

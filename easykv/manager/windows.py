@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from easykv.manager.prefix_hash import ROOT_DIGEST, iter_page_digests
+from easykv.manager.prefix_hash import iter_page_digests
 from easykv.runtime import PAD_PAGE
 from easykv.validation import integer
 
@@ -41,7 +41,7 @@ class _Windows:
             for i in np.flatnonzero(cols > gt.start[rows]).tolist():
                 row, stop = int(rows[i]), int(cols[i])
                 start = int(gt.start[row])
-                gt.release_pages(gt.table[row, start:stop][::-1].tolist())
+                gt.release_pages(gt.table[row, start:stop][::-1].tolist(), stale=self._is_stale(row))
                 gt.table[row, start:stop] = PAD_PAGE
                 gt.start[row] = stop
             passed &= self._floor[rows] <= cols * self.page_size
@@ -54,7 +54,8 @@ class _Windows:
         window's older pages were evicted. A hit needs at least one cached page in each group
         (a chunk boundary alone is no hit)."""
         ps = self.page_size
-        digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt))
+        root = self._root()
+        digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root))
         ks = np.arange(1, len(digests) + 1)
         firsts = [gt.released_columns(ks * ps, ps).astype(np.int64) for gt in self._groups]  # the first column each hit needs
         avail = self._available_per_replica()
@@ -72,7 +73,7 @@ class _Windows:
                      for f, first in zip(found, firsts)]
             best = max(best, (k, int(avail[r]), -r, r, pages), key=lambda t: t[:3])
         k, _, _, r, pages = best
-        return r, pages, digests[k - 1] if k else ROOT_DIGEST
+        return r, pages, digests[k - 1] if k else root
 
     def first_kept_position(self, seq_id: int, *, group: int | None = None) -> int:
         """The first position whose K/V the sequence holds in layer group ``group`` (needed

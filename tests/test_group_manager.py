@@ -205,7 +205,7 @@ def test_state_round_trips_in_format_2_and_refuses_crafted_ones():
         (lambda s: s["config"]["groups"][1].update(window=6), "config", "another pool"),
         (lambda s: s["sequences"][0]["pages"][1].__setitem__(0, 3), "sequences[id=0].pages", "releases exactly 1"),
         (lambda s: s["pool"][1]["free"][0].append(1), "pool[1]", "listed twice|refcount"),
-        (lambda s: s["copies"][1].append([0, 4]), "copies[1][dst=4]", "a full page of the prefix cache"),
+        (lambda s: s["copies"][1].append([0, 4]), "copies[1][dst=4]", "a page of the prefix cache no sequence holds"),
     ]
     for edit, field, words in cases:
         with pytest.raises(ManagerStateError) as err:

@@ -62,7 +62,8 @@ class GroupTable:
         """Drop one reference from each page (``stale``: of an older weight version, see
         `PagePool.release`); a pending copy into a page that became free is dropped (nobody
         will read its destination)."""
-        for page in self.pool.release(pages, stale=stale):
+        sources = set(self.copies.values()) if self.copies else ()
+        for page in self.pool.release(pages, stale=stale, sources=sources):
             self.copies.pop(page, None)
 
     def reset_row(self, row: int) -> None:

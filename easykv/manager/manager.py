@@ -37,8 +37,10 @@ import numpy as np
 
 from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
+from easykv.manager.device_work import _DeviceWork
 from easykv.manager.group_table import GroupTable
 from easykv.manager.growth import _Growth
+from easykv.manager.rollback import _Rollback
 from easykv.manager.versions import VersionMetrics, _Versions
 from easykv.manager.windows import _Windows
 from easykv.manager.reshard import reshard_state
@@ -96,7 +98,7 @@ class PageManagerMetrics:
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
 
 
-class PageManager(_Growth, _Windows, _Versions):
+class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
@@ -257,6 +259,7 @@ class PageManager(_Growth, _Windows, _Versions):
             self._lens[row] = k * self.page_size
             self._replica[row] = replica
             self._hashes.chain[row] = chain
+            self._hashes.record(row, tokens[: k * self.page_size])  # the log holds every committed id
             c["prefix_hits"] += 1
             c["prefix_hit_tokens"] += k * self.page_size
             self._release_out_of_window(np.array([row]))
@@ -393,87 +396,6 @@ class PageManager(_Growth, _Windows, _Versions):
     def _in_group(self, gt: GroupTable) -> str:
         """`` of layer group g`` in messages of a manager of several groups."""
         return f" of layer group {self._groups.index(gt)}" if len(self._groups) > 1 else ""
-
-    # ---- device work to report --------------------------------------------------------------------
-    def pending_copies(self, pad_to: int | None = None) -> tuple[Any, Any]:
-        """(src, dst) int32 page ids the cache must copy, in every layer, before the next write
-        (with several layer groups, a tuple of one array per group each); ``pad_to`` pads them
-        with -1 (a fixed shape for the jitted copy)."""
-        srcs, dsts = [], []
-        for gt in self._groups:
-            most, n = gt.pool.num_pages, len(gt.copies)
-            srcs.append(_padded(gt.copies.values(), n, pad_to, "copies", most))
-            dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
-        return self._per_group(srcs), self._per_group(dsts)
-
-    def take_copies(self, pad_to: int | None = None) -> tuple[Any, Any]:
-        """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
-        step's writes (sources are read before destinations are written)."""
-        out = self.pending_copies(pad_to)
-        for gt in self._groups:
-            gt.copies.clear()
-        return out
-
-    def pending_scrubs(self, pad_to: int | None = None) -> Any:
-        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``
-        (with several layer groups, a tuple of one array per group)."""
-        out = []
-        for gt in self._groups:
-            pages = gt.pool.pending_scrubs()
-            out.append(_padded(pages, pages.size, pad_to, "scrubs", gt.pool.num_pages))
-        return self._per_group(out)
-
-    def take_scrubs(self, pad_to: int | None = None) -> np.ndarray:
-        """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
-        copies and before the step's writes."""
-        out = self.pending_scrubs(pad_to)
-        for gt in self._groups:
-            gt.pool.take_scrubs()
-        return out
-
-    def apply_pending(self, cache: Any) -> tuple[Any, int]:
-        """Apply the pending device work to ``cache`` in the required order: copy-on-write
-        copies, then scrubs. Call after building a step's metadata, before its writes. Returns
-        the updated cache (the one passed in is donated) and the number of pages copied.
-
-        The work is forgotten only once the device has taken it: when ``cache`` is not a live
-        cache of this pool (deleted by an earlier donation, another pool) nothing is applied
-        and everything stays pending, so a retry with the right cache still copies and
-        scrubs (a lost copy would leave a fork reading whatever its page held before)."""
-        self._check_cache(cache)
-        src, dst = self.pending_copies()
-        copies = sum(a.size for a in self._as_groups(src))
-        if copies:
-            cache = cache.copy_pages(src, dst)
-        for gt in self._groups:
-            gt.copies.clear()
-        scrubs = self.pending_scrubs()
-        if sum(a.size for a in self._as_groups(scrubs)):
-            cache = cache.zero_pages(scrubs)
-        for gt in self._groups:
-            gt.pool.take_scrubs()
-        return cache, copies
-
-    def _as_groups(self, value: Any) -> tuple[Any, ...]:
-        return value if len(self._groups) > 1 else (value,)
-
-    def _check_cache(self, cache: Any) -> None:
-        """A cache this manager can hand device work to: the same pool, every buffer alive.
-        (Duck-typed: the manager does not import the storage layer.)"""
-        meta = getattr(cache, "metadata", None)
-        if not callable(getattr(cache, "copy_pages", None)) or meta is None:
-            raise ValueError(f"apply_pending needs the PagedAttentionCache this manager schedules, got "
-                             f"{type(cache).__name__}")
-        fields = ("num_pages_per_layer", "page_size", "page_shards")
-        pool = {**{f: getattr(self.metadata, f) for f in fields}, "group_pages": [g.num_pages for g in self.metadata.groups]}
-        groups = getattr(meta, "groups", None)
-        theirs = {**{f: getattr(meta, f, None) for f in fields},
-                  "group_pages": [getattr(g, "num_pages", None) for g in groups] if isinstance(groups, tuple) else None}
-        if theirs != pool:
-            raise ValueError(f"apply_pending got a cache of another pool ({theirs}, this manager's: {pool})")
-        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
-            raise ValueError("apply_pending got a cache whose buffers were donated to an earlier call; pass the "
-                             "cache that call returned (nothing was applied; the work stays pending)")
 
     # ---- inspection -------------------------------------------------------------------------------
     def length(self, seq_id: int) -> int:
@@ -634,18 +556,6 @@ class PageManager(_Growth, _Windows, _Versions):
             raise ValueError(
                 f"sequence {row} would hold {end} tokens ({what}), past max_sequences={self.max_length}; "
                 "finish or truncate it, or create the metadata with a larger max_sequences")
-
-
-def _padded(values: Any, n: int, pad_to: int | None, what: str, most: int) -> np.ndarray:
-    """``values`` padded with -1 to ``pad_to`` entries; never more than ``most`` (the pool's
-    pages: no more copies or scrubs can be pending), so a huge pad allocates nothing."""
-    size = n if pad_to is None else non_negative_int("pad_to", pad_to, hi=most,
-                                                     hint=f"at most one entry per page of the pool of {most}")
-    if size < n:
-        raise ValueError(f"pad_to={pad_to} is below the {n} pending {what}; pass at least {n} (or None)")
-    out = np.full(size, -1, np.int32)
-    out[:n] = np.fromiter(values, np.int32, n)
-    return out
 
 
 __all__ = [

@@ -114,11 +114,14 @@ class PagePool:
                 del self._lru[self.replica_of(page)][page]
             self.refcount[page] += 1
 
-    def release(self, pages: Iterable[int], *, stale: bool = False) -> list[int]:
+    def release(self, pages: Iterable[int], *, stale: bool = False, sources: Any = ()) -> list[int]:
         """Drop one reference from each page, in order. Pages left unreferenced become cached
         (if in the prefix map; the first released is the first evicted) or free. ``stale``:
         the pages belong to an older weight version, so cached ones go ahead of every other
-        cached page (evicted first). Returns the pages that became free."""
+        cached page (evicted first). ``sources``: pages a pending copy still reads; one left
+        unreferenced leaves the prefix map and is freed (scrubbed after the copy read it), so a
+        copy reads a prefix page only while a sequence holds it. Returns the pages that became
+        free."""
         freed, front = [], []
         for page in pages:
             count = self.refcount[page] - 1
@@ -126,6 +129,9 @@ class PagePool:
                 raise InvariantError(f"release() of page {page}, which has no reference")
             self.refcount[page] = count
             if count == 0:
+                if self._digest[page] is not None and page in sources:
+                    del self._by_digest[self.replica_of(page)][self._digest[page]]
+                    self._digest[page] = self._tag[page] = None
                 if self._digest[page] is not None:
                     self._lru[self.replica_of(page)][page] = None
                     if stale:
@@ -184,6 +190,13 @@ class PagePool:
     def cached_tags(self) -> list[bytes | None]:
         """The weight version of every cached page (metrics)."""
         return [self._tag[p] for lru in self._lru for p in lru]
+
+    def uncommit(self, page: int) -> None:
+        """Take a used page out of the prefix map (a truncated sequence will overwrite its tail)."""
+        if self.refcount[page] < 1 or self._digest[page] is None:
+            raise InvariantError(f"uncommit() of page {page}, which is not a used prefix page")
+        del self._by_digest[self.replica_of(page)][self._digest[page]]
+        self._digest[page] = self._tag[page] = None
 
     def commit(self, page: int, digest: bytes, tag: bytes | None = None) -> bool:
         """Enter a used, just-filled page in the prefix map, of weight version ``tag``. When

@@ -103,6 +103,10 @@ class SequenceHashes:
     the token ids of its unfinished page, and whether its ids are known at all (tokens committed
     without ids end its prefix caching). Pages are named as they fill, so a page is findable
     from the step that completes it.
+
+    ``log[row, :n]``: the ids of every token the row committed, from position ``known[row]``
+    on (0, or where a loaded state's ids start: it keeps only the unfinished page's), so a
+    truncated row can name its pages again. Grown by doubling, never past the longest row.
     """
 
     def __init__(self, batch_size: int, page_size: int):
@@ -111,19 +115,56 @@ class SequenceHashes:
         self.chain: list[bytes] = [ROOT_DIGEST] * batch_size
         self.salt: list[bytes] = [NO_SALT] * batch_size
         self.hashable = np.ones(batch_size, bool)
+        self.log = np.zeros((batch_size, 4 * page_size), np.int32)
+        self.known = np.zeros(batch_size, np.int64)
+
+    def _room(self, end: int) -> None:
+        if end > self.log.shape[1]:
+            grown = np.zeros((self.log.shape[0], max(end, 2 * self.log.shape[1])), np.int32)
+            grown[:, : self.log.shape[1]] = self.log
+            self.log = grown
 
     def reset(self, row: int, root: bytes = ROOT_DIGEST) -> None:
         self.partial[row] = 0
         self.chain[row], self.salt[row], self.hashable[row] = root, NO_SALT, True
+        self.known[row] = 0
 
     def copy_row(self, src: int, dst: int) -> None:
         self.partial[dst], self.hashable[dst] = self.partial[src], self.hashable[src]
         self.chain[dst], self.salt[dst] = self.chain[src], self.salt[src]
+        self.log[dst], self.known[dst] = self.log[src], self.known[src]
+
+    def record(self, row: int, tokens: np.ndarray) -> None:
+        """Log ``tokens`` as the row's first ids (a prefix found in the cache)."""
+        self._room(tokens.size)
+        self.log[row, : tokens.size] = tokens
+
+    def ids(self, row: int, start: int, stop: int) -> np.ndarray | None:
+        """The row's token ids at positions ``start .. stop - 1``, or None where not known."""
+        if not self.hashable[row] or start < self.known[row]:
+            return None
+        return self.log[row, start:stop].copy()
+
+    def rewind(self, row: int, length: int, chain: bytes | None) -> None:
+        """The row truncated to ``length`` tokens whose last full page has digest ``chain``
+        (the root before the first; None: unknown): its unfinished page's ids come from the
+        log; a row whose digest or ids are not known stops hashing."""
+        ps = self.page_size
+        start = length - length % ps
+        tokens = self.ids(row, start, length)
+        if chain is None or tokens is None:
+            self.hashable[row] = False
+            return
+        self.chain[row] = chain
+        self.partial[row] = 0
+        self.partial[row, : tokens.size] = tokens
 
     def extend(self, row: int, start: int, tokens: np.ndarray) -> list[tuple[int, bytes]]:
         """Record ``tokens`` written from position ``start``; returns (page index, digest) of
         each page they complete."""
         ps, pos, i, sealed = self.page_size, start, 0, []
+        self._room(start + tokens.size)
+        self.log[row, start : start + tokens.size] = tokens
         off = pos % ps
         if off:
             i = min(ps - off, tokens.size)
@@ -149,6 +190,9 @@ class SequenceHashes:
             rows, lens, tokens = rows[keep], lens[keep], tokens[keep]
         offs = lens % ps
         self.partial[rows, offs] = tokens
+        if rows.size:
+            self._room(int(lens.max()) + 1)
+            self.log[rows, lens] = tokens
         full = np.flatnonzero(offs == ps - 1)
         rows, width = rows[full], 4 * ps
         blob = self.partial[rows].astype("<i4").tobytes()

@@ -4,8 +4,8 @@ A manager state is JSON (a checkpoint's ``manager.json``, a lock-step fingerprin
 between hosts), so it is input like any other: a crafted or damaged state must never become a
 manager in which one sequence can touch another's pages. Reading is therefore strict: every
 field is type- and range-checked on its own (`read_state`), then the manager built from it must
-pass the same consistency rules a live manager is held to (`check_consistency`, which
-`PageManager.check_invariants` runs as well). A broken rule raises `Broken` naming the field; a
+pass the same consistency rules a live manager is held to (`consistency.check_consistency`,
+which `PageManager.check_invariants` runs as well). A broken rule raises `Broken` naming the field; a
 live manager reports it as an easykv bug (`InvariantError`), a loaded state as bad input
 (`ManagerStateError`).
 
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from easykv.errors import InvariantError, ManagerStateError
-from easykv.manager.group_table import GroupTable
-from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST, version_digest, version_root
+from easykv.errors import ManagerStateError
+from easykv.manager.consistency import Broken, check_consistency
+from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST, version_digest
 from easykv.manager.versions import VERSION_COUNTERS
 from easykv.runtime import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
@@ -52,15 +52,6 @@ _POOL_KEYS = ("free", "lru", "digests", "scrub", "evictions", "scrubs")
 _STATE_KEYS = ("format", "config", "sequences", "pool", "copies", "counters")
 _VERSION_KEYS = ("digest", "version", "counters")
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
-
-
-class Broken(Exception):
-    """A consistency rule does not hold; ``field`` names the part of the state it concerns."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
 
 
 def config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
@@ -286,6 +277,10 @@ def read_state(m: PageManager, state: Any) -> None:
         hashes = m._hashes
         hashes.hashable[r], hashes.chain[r], hashes.salt[r] = seq.hashable, seq.chain, seq.salt
         hashes.partial[r, : seq.partial.size] = seq.partial
+        start = seq.length - seq.partial.size  # the state keeps the ids of the unfinished page only
+        hashes.known[r] = start
+        hashes._room(seq.length)
+        hashes.log[r, start: seq.length] = seq.partial
         m._row_version[r] = seq.version
         if not seq.hashable:  # canonical: see write_state
             hashes.chain[r] = ROOT_DIGEST
@@ -429,187 +424,6 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
                      chain=_digest(entry["chain"], f"{where}.chain"), salt=_digest(entry["salt"], f"{where}.salt"),
                      partial=partial, floor=floor,
                      version=_digest(entry["version"], f"{where}.version") if "version" in entry else None)
-
-
-# ---- the consistency rules -------------------------------------------------------------------------
-def check_consistency(m: PageManager) -> None:
-    """Raise `Broken` unless ``m``'s bookkeeping is consistent (see `PageManager.check_invariants`)."""
-    ps, n = m.page_size, m._npages
-    cols = np.arange(m.pages_per_sequence)
-    columns = cols[None, :] < n[:, None]
-    if np.any(columns & ~m._active[:, None]) or np.any(m._lens[~m._active]):
-        raise Broken("sequences", "a released sequence id still holds pages or tokens")
-    _check_floors(m)
-    if np.any(m._lens > n * ps) or np.any(m._lens > m.max_length):
-        raise Broken("sequences", "a sequence holds more tokens than its pages or max_sequences allow")
-    bound = m._replica >= 0
-    if np.any(bound != (n > 0)):
-        row = int(np.argmax(bound != (n > 0)))
-        raise Broken(f"sequences[id={row}].replica", f"sequence {row} holds {int(n[row])} pages but replica "
-                                                     f"{int(m._replica[row])}; a sequence is bound to a replica "
-                                                     "exactly when it holds pages")
-    for g, gt in enumerate(m._groups):
-        _check_group(m, g, gt, columns)
-    _check_chains(m)
-
-
-def _check_group(m: PageManager, g: int, gt: GroupTable, columns: np.ndarray) -> None:
-    """The rules of one layer group's pages: window holes, ownership, the pool, the prefix map,
-    copy-on-write and pending work."""
-    ps, n, pool = m.page_size, m._npages, gt.pool
-    grouped = len(m._groups) > 1
-    of = f" in layer group {g}" if grouped else ""
-    pool_field = f"pool[{g}]" if grouped else "pool"
-    cols = np.arange(m.pages_per_sequence)
-    start = _window_start(m, gt)
-    if np.any(gt.start != start):
-        row = int(np.argmax(gt.start != start))
-        raise Broken(f"sequences[id={row}].pages", f"sequence {row} of length {int(m._lens[row])} has released its "
-                                                   f"first {int(gt.start[row])} pages{of}, but its window releases "
-                                                   f"exactly {int(start[row])}")
-    held = columns & (cols[None, :] >= start[:, None])
-    if np.any(held != (gt.table != PAD_PAGE)):
-        raise Broken("sequences", f"a block-table row{of} disagrees with its page count: "
-                                  f"{np.argwhere(held != (gt.table != PAD_PAGE))[0].tolist()}")
-    pages = gt.table[held]
-    owner_rows = np.nonzero(held)[0]
-    if pages.size and np.any(pages // pool.pages_per_replica != m._replica[owner_rows]):
-        raise Broken("sequences", f"a sequence holds a page{of} outside its data-parallel replica's slice")
-    for row in np.flatnonzero(n > 1):
-        if np.unique(gt.table[row, start[row]: n[row]]).size != n[row] - start[row]:
-            raise Broken(f"sequences[id={row}].pages", f"sequence {row} holds a page{of} twice")
-    try:
-        pool.check(np.bincount(pages, minlength=pool.num_pages).astype(np.int32))
-    except InvariantError as err:
-        raise Broken(pool_field, err.detail) from None
-    if not m.enable_prefix_caching and (pool.num_cached() or any(pool.digest_of(p) is not None for p in range(pool.num_pages))):
-        raise Broken(f"{pool_field}.digests", "prefix caching is off but pages carry digests")
-    if not m.scrub_released and pool.has_pending_scrubs():
-        raise Broken(f"{pool_field}.scrub", "pages are to be scrubbed but the manager does not scrub released pages")
-    salt_of: dict[int, bytes] = {}
-    for row, col in np.argwhere(held):
-        page = int(gt.table[row, col])
-        if pool.digest_of(page) is not None and (col + 1) * ps > m._lens[row]:
-            raise Broken(f"{pool_field}.digests", f"page {page}{of} is in the prefix cache but sequence {row} has not "
-                                                  "filled it")
-        if salt_of.setdefault(page, m._hashes.salt[row]) != m._hashes.salt[row]:
-            raise Broken(f"sequences[id={row}].salt", f"page {page}{of} is shared between sequences with different "
-                                                      "salts")
-        if pool.digest_of(page) is not None and pool.tag_of(page) != m._row_version[row]:
-            raise Broken(f"{pool_field}.versions", f"prefix page {page}{of} was written under another weight version "
-                                                   f"than sequence {row}, which holds it")
-    if not m._fork_shared_pages(gt) <= gt.shared_partial:
-        raise Broken("sequences", f"a partly filled page{of} is shared but copy-on-write does not know it")
-    _check_pending(m, gt, held, f"copies[{g}]" if grouped else "copies", pool_field)
-
-
-def _window_start(m: PageManager, gt: GroupTable) -> np.ndarray:
-    """Per row, the columns a sequence has released in ``gt``: those wholly before the first
-    position its next query reads there (none for full attention), or before a resumed
-    sequence's floor."""
-    released = np.minimum(gt.released_columns(m._lens, m.page_size), m._npages)
-    return np.maximum(released, m._floor // m.page_size).astype(gt.start.dtype)
-
-
-def _check_floors(m: PageManager) -> None:
-    """A floor (a resumed sequence's first position with K/V) is a page boundary at most its
-    length, in a cache whose groups are all sliding or chunked, of a sequence that does not
-    hash, and only while a window still reaches before it (then it is forgotten)."""
-    ps = m.page_size
-    for row in np.flatnonzero(m._floor).tolist():
-        floor, length = int(m._floor[row]), int(m._lens[row])
-        where = f"sequences[id={row}].floor"
-        if not all(gt.windowed for gt in m._groups):
-            raise Broken(where, f"sequence {row} has floor {floor}, but a full-attention layer group reads every "
-                                "position")
-        if floor % ps or floor > length or m._hashes.hashable[row]:
-            raise Broken(where, f"floor {floor} of sequence {row} (length {length}) must be a multiple of "
-                                f"page_size={ps}, at most its length, on a sequence that does not hash")
-        if floor // ps <= min(int(gt.released_columns(np.array([length]), ps)[0]) for gt in m._groups):
-            raise Broken(where, f"sequence {row}'s window (length {length}) has moved past its floor {floor}; the "
-                                "floor is forgotten then")
-
-
-def _check_chains(m: PageManager) -> None:
-    """A hashing sequence's chain digest is its last full page's digest (in every group whose
-    prefix cache holds that page), or the root before its first full page."""
-    ps = m.page_size
-    for row in np.flatnonzero(m._active & m._hashes.hashable).tolist():
-        full = int(m._lens[row]) // ps
-        chain = m._hashes.chain[row]
-        if full == 0:
-            if chain != version_root(m._row_version[row]):
-                raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
-                                                          "other than the root of its weight version")
-            continue
-        for gt in m._groups:
-            last = int(gt.table[row, full - 1])
-            digest = gt.pool.digest_of(last) if last != PAD_PAGE else None  # released from the window: not checkable
-            if digest is not None and digest != chain:
-                raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest differs from the digest "
-                                                          f"of its last full page {last}")
-
-
-def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_field: str, pool_field: str) -> None:
-    """Pending device work touches only pages it may: a copy-on-write destination is the
-    unfinished page of every sequence holding it (nothing else reads it yet); a page to scrub
-    is free, or reserved by one sequence that has written nothing into it."""
-    ps, pool, table = m.page_size, gt.pool, gt.table
-    where = {}  # page -> [(row, col)] over every holder
-    for row, col in np.argwhere(held).tolist():
-        where.setdefault(int(table[row, col]), []).append((row, col))
-    scrub = set(pool.pending_scrubs().tolist())
-    for dst, src in gt.copies.items():
-        field = f"{copies_field}[dst={dst}]"
-        if src == dst:
-            raise Broken(field, f"copy {src} -> {dst} copies a page onto itself")
-        if pool.replica_of(src) != pool.replica_of(dst):
-            raise Broken(field, f"copy {src} -> {dst} crosses data-parallel replicas")
-        if dst in scrub:
-            raise Broken(field, f"page {dst} is both a copy destination and a page to scrub")
-        if pool.digest_of(src) is not None:  # a source is an unfinished page: commits into it wait for the copy
-            raise Broken(field, f"copy {src} -> {dst} reads page {src}, a full page of the prefix cache; a "
-                                "copy-on-write source is an unfinished page")
-        holders = where.get(dst, [])
-        if not holders or pool.digest_of(dst) is not None:
-            raise Broken(field, f"copy {src} -> {dst} targets page {dst}, which no sequence holds as its own "
-                                "unfinished page")
-        # A copy-on-write copy is pending from the moment a sequence that shared a partly filled
-        # page (a fork) reserves room in it until the copy is applied, and no commit touches
-        # either page meanwhile. So every holder of the destination, and every holder of the
-        # source that has written into it, has the same length, the page at the same column,
-        # and the same pages before it: anything else would copy one sequence's tokens into
-        # another's page. (A source freed and taken again as another copy's destination is
-        # read before that copy writes it: its new holders' tokens are not in it yet.)
-        length = int(m._lens[holders[0][0]])
-        col = length // ps
-        before = table[holders[0][0], :col]
-        if length % ps == 0:
-            raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {holders[0][0]} "
-                                f"holds with {length} tokens written (a full page, not an unfinished one)")
-        writers = [] if src in gt.copies else [(r, c) for r, c in where.get(src, []) if c * ps < int(m._lens[r])]
-        partial = None  # the unfinished page's token ids, where the sequences know them
-        for row, c in holders + writers:
-            if int(m._lens[row]) != length or c != col or not np.array_equal(table[row, :col], before):
-                raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
-                                    f"(sequence {row} holds page {table[row, c]} at column {c} with "
-                                    f"{int(m._lens[row])} tokens; sequence {holders[0][0]} holds page {dst} at "
-                                    f"column {col} with {length})")
-            if m._hashes.hashable[row]:
-                tokens = m._hashes.partial[row, : length % ps]
-                if partial is not None and not np.array_equal(tokens, partial):
-                    raise Broken(field, f"copy {src} -> {dst} joins unfinished pages holding different tokens "
-                                        f"(sequence {row}: {tokens.tolist()}, another: {partial.tolist()})")
-                partial = tokens
-    for page in sorted(scrub):
-        holders = where.get(page, [])
-        if not holders:
-            continue  # free: zeroing it harms nobody
-        (row, col), *others = holders
-        if others or pool.digest_of(page) is not None or col * ps < int(m._lens[row]):
-            raise Broken(f"{pool_field}.scrub", f"page {page} is to be zeroed but holds written tokens of sequence {row} "
-                                       f"(column {col}){' and is shared' if others else ''}")
-
 
 
 # ---- what a checkpoint records of a state ------------------------------------------------------

@@ -1,0 +1,246 @@
+"""truncate(seq, length) and fork(seq, n) on tiny pools (page_size 4), with exact page ids, and a
+hypothesis machine that runs the manager against a simulated device: every page holds the token
+ids written into it (copies and scrubs applied as an engine applies them), and after every rule
+each live sequence's tokens, read through its page table, must be exactly its own history. That
+is what truncation has to keep: whole pages freed, shared pages untouched, prefix hits and
+copy-on-write copies still right, and a truncated-then-regrown sequence equal to one that never
+had the tail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from easykv.errors import CacheFullError
+from easykv.manager.manager import PageManager
+from test_manager import PS, make, make_meta, prefill
+from test_weight_versions import cached_ids
+
+
+class Device:
+    """Pages of token ids, written and copied as the manager says (the K/V stand-in)."""
+
+    def __init__(self, pages):
+        self.store = np.full((pages, PS), -1, np.int64)
+
+    def apply(self, pm):
+        src, dst = pm.take_copies()
+        self.store[dst] = self.store[src].copy()  # every source read before any destination is written
+        self.store[pm.take_scrubs()] = -1
+
+    def write(self, rt, tokens):
+        slots = np.asarray(rt.slot_mapping)[: len(tokens)]
+        assert (slots >= 0).all()
+        self.store.reshape(-1)[slots] = tokens
+
+    def run(self, pm, seq, tokens):
+        """One step of ``seq`` writing ``tokens``, as an engine runs it."""
+        rt = pm.build_step_metadata([seq], [len(tokens)])
+        self.apply(pm)
+        self.write(rt, tokens)
+        pm.step([seq], [list(tokens)])
+
+    def view(self, pm):
+        """The store as it will be once the pending copies and scrubs are applied."""
+        store = self.store.copy()
+        src, dst = pm.pending_copies()
+        store[dst] = self.store[src]
+        store[pm.pending_scrubs()] = -1
+        return store
+
+    def tokens(self, pm, seq):
+        store, pages, n = self.view(pm), pm.pages(seq), pm.length(seq)
+        return [int(store[pages[i // PS], i % PS]) for i in range(n)]
+
+
+def test_truncate_frees_whole_pages_and_regrows_like_a_sequence_without_the_tail():
+    pm, dev = make(batch=4, pages=10, max_len=24), Device(10)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(14)))  # pages 0..3, 2 tokens in page 3
+    pm.build_step_metadata([a], [6])  # and room reserved ahead: page 4
+    assert pm.pages(a) == [0, 1, 2, 3, 4]
+    pm.truncate(a, 6)
+    assert pm.pages(a) == [0, 1] and pm.length(a) == 6 and pm.capacity(a) == 8
+    assert cached_ids(pm) == [2]  # page 2 was full: cached; pages 3 and 4 freed
+    dev.run(pm, a, [50, 51, 52])
+    assert pm.pages(a) == [0, 1, 3] and dev.tokens(pm, a) == [0, 1, 2, 3, 4, 5, 50, 51, 52]
+    pm.check_invariants()
+    # the regrown sequence's pages are cached under their real content
+    pm.release(a)
+    [b] = pm.claim(1)
+    assert pm.match_prefix(b, [0, 1, 2, 3, 4, 5, 50, 51, 52]) == 8
+    # page 1 now holds the new tail: the old history's second page is gone from the cache (page 2,
+    # cached under it, is found no more and waits for eviction)
+    [c] = pm.claim(1)
+    assert pm.match_prefix(c, list(range(14))) == 4 and pm.pages(c) == [0]
+
+
+def test_truncating_into_a_shared_page_gives_a_private_copy_and_leaves_the_others_untouched():
+    pm, dev = make(batch=4, pages=12, max_len=24), Device(12)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(10)))  # pages 0, 1 full; page 2 holds 2
+    kids = pm.fork(a, 2)
+    for k, s in enumerate([a] + kids):
+        dev.run(pm, s, [20 + k] * 2)  # each writes into its own copy of page 2 (the last writer keeps it)
+    assert [pm.pages(s) for s in [a] + kids] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
+    # rewind child 1 to inside page 1, which all three share: it gets page 5, a copy of page 1
+    pm.truncate(kids[0], 6)
+    assert pm.pages(kids[0]) == [0, 5] and pm.pending_copies()[0].tolist() == [1]
+    assert dev.tokens(pm, kids[0]) == [0, 1, 2, 3, 4, 5]
+    dev.run(pm, kids[0], [90, 91, 92])
+    assert dev.tokens(pm, kids[0]) == [0, 1, 2, 3, 4, 5, 90, 91, 92]
+    assert dev.tokens(pm, a) == list(range(10)) + [20] * 2  # untouched
+    assert dev.tokens(pm, kids[1]) == list(range(10)) + [22] * 2
+    pm.check_invariants()
+    # and the shared page 1 is still the prefix cache's
+    [d] = pm.claim(1)
+    assert pm.match_prefix(d, list(range(10))) == 8 and pm.pages(d) == [0, 1]
+
+
+def test_truncating_into_a_prefix_page_only_it_holds_takes_it_out_of_the_cache():
+    pm, dev = make(batch=4, pages=10, max_len=24), Device(10)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(9)))
+    pm.truncate(a, 5)  # inside page 1, full and cached under a's content, held by a alone
+    assert pm.pages(a) == [0, 1] and pm.cached_prefix_length(list(range(9))) == 4
+    dev.run(pm, a, [7, 7, 7, 7])
+    pm.release(a)
+    [b] = pm.claim(1)
+    assert pm.match_prefix(b, [0, 1, 2, 3, 4, 7, 7, 7, 9]) == 8 and pm.pages(b) == [0, 1]
+
+
+def test_truncate_checks_its_input_and_changes_nothing_when_it_refuses():
+    pm, dev = make(batch=2, pages=6, max_len=24), Device(6)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(10)))
+    [b] = pm.fork(a, 1)
+    dev.run(pm, b, [1] * 10)  # b: a private copy of page 2, then pages 4, 5 (6 pages in use)
+    assert pm.metrics.free_pages == 0
+    before = pm.state_dict()
+    with pytest.raises(CacheFullError, match="needs 1 page"):
+        pm.truncate(a, 6)  # page 1 is shared with b: a copy needs a free page, and none is left
+    for bad, words in ((11, "length must be"), (-1, "length must be"), (2.0, "length must be"),
+                       (True, "bool"), (2**80, "length must be")):
+        with pytest.raises(ValueError, match=words):
+            pm.truncate(a, bad)
+    assert pm.state_dict() == before
+    pm.truncate(a, 10)  # its own length: nothing dropped
+    assert pm.state_dict() == before
+
+
+def test_truncate_respects_windows_and_resumed_sequences():
+    from easykv import LayerGroup
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+
+    meta = PagedAttentionCacheMetaData(batch_size=2, num_hidden_layers=1, num_pages_per_layer=10,
+                                       num_pages_per_sequence=6, max_sequences=24, page_size=PS, num_kv_heads=2,
+                                       kv_head_dim_size=8, hbm_utilization=0.9,
+                                       layer_groups=(LayerGroup((0,), "sliding", 5, num_pages=10),))
+    pm = PageManager(meta)
+    [a] = pm.claim(1)
+    prefill(pm, a, list(range(17)))  # window 5 at length 17: positions 13.. are read; pages 0..2 released
+    assert pm.pages(a) == [-1, -1, -1, 3, 4]
+    with pytest.raises(ValueError, match="window released those before position 12"):
+        pm.truncate(a, 14)  # a query at 14 reads from position 10: page 2, released
+    pm.truncate(a, 16)
+    assert pm.pages(a) == [-1, -1, -1, 3] and pm.length(a) == 16
+    [b] = pm.claim(1)
+    pm.resume(b, 8)
+    pm.build_step_metadata([b], [1])
+    pm.advance(b, 1)  # length 9: its window still reaches back before 8
+    with pytest.raises(ValueError, match="holds no tokens before position 8"):
+        pm.truncate(b, 7)
+    pm.truncate(b, 8)
+    assert pm.length(b) == 8 and pm.pages(b) == [-1, -1]
+    pm.check_invariants()
+
+
+# ---- the machine --------------------------------------------------------------------------------------
+PROMPTS = [tuple(range(9)), tuple(range(6)) + (9, 9, 9), (5,) * 7, tuple(range(13))]
+
+
+class TruncateMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.pm = PageManager(make_meta(batch=6, pages=16, max_len=20), scrub_released=True)
+        self.dev = Device(16)
+        self.model: dict[int, list[int]] = {}
+
+    def _room(self, n):
+        return self.pm.metrics.free_pages + self.pm.metrics.cached_pages >= n
+
+    @precondition(lambda self: len(self.model) < 6)
+    @rule(prompt=st.sampled_from(PROMPTS))
+    def admit(self, prompt):
+        [s] = self.pm.claim(1)
+        done = self.pm.match_prefix(s, list(prompt))
+        try:
+            rt = self.pm.build_step_metadata([s], [len(prompt) - done])
+        except CacheFullError:
+            self.pm.release(s)
+            return
+        self.dev.apply(self.pm)
+        self.dev.write(rt, prompt[done:])
+        self.pm.step([s], [list(prompt[done:])])
+        self.model[s] = list(prompt)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), token=st.integers(0, 3), n=st.integers(1, 5))
+    def extend(self, data, token, n):
+        s = data.draw(st.sampled_from(sorted(self.model)))
+        n = min(n, 20 - len(self.model[s]))
+        if not n:
+            return
+        tokens = [token + i for i in range(n)]
+        try:
+            rt = self.pm.build_step_metadata([s], [n])
+        except CacheFullError:
+            return
+        self.dev.apply(self.pm)
+        self.dev.write(rt, tokens)
+        self.pm.step([s], [tokens])
+        self.model[s] += tokens
+
+    @precondition(lambda self: self.model and len(self.model) < 6)
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def fork(self, data, n):
+        s = data.draw(st.sampled_from(sorted(self.model)))
+        n = min(n, 6 - len(self.model))
+        for child in self.pm.fork(s, n):
+            self.model[child] = list(self.model[s])
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def truncate(self, data):
+        s = data.draw(st.sampled_from(sorted(self.model)))
+        length = data.draw(st.integers(0, len(self.model[s])))
+        try:
+            self.pm.truncate(s, length)
+        except CacheFullError:
+            return
+        del self.model[s][length:]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data):
+        s = data.draw(st.sampled_from(sorted(self.model)))
+        self.pm.release(s)
+        del self.model[s]
+
+    @rule(version=st.sampled_from([None, 1]))
+    def set_version(self, version):
+        self.pm.set_weight_version(version)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        self.pm.check_invariants()
+        for s, tokens in self.model.items():
+            assert self.dev.tokens(self.pm, s) == tokens, s
+
+
+TestTruncateMachine = TruncateMachine.TestCase
+TestTruncateMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow])

@@ -244,3 +244,21 @@ class TruncateMachine(RuleBasedStateMachine):
 TestTruncateMachine = TruncateMachine.TestCase
 TestTruncateMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_truncating_to_its_own_length_only_drops_pages_reserved_ahead():
+    pm, dev = make(batch=4, pages=10, max_len=24), Device(10)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(6)))
+    [b] = pm.fork(a, 1)  # page 1 (2 tokens) shared: copy-on-write at the next write, not now
+    pm.build_step_metadata([a], [5])  # a reserves: a copy of page 1 (pending) and page 3
+    before = (pm.pages(b), pm.pending_copies()[0].tolist())
+    pm.truncate(b, 6)
+    assert (pm.pages(b), pm.pending_copies()[0].tolist()) == before and pm.length(b) == 6
+    pm.truncate(a, 6)
+    assert pm.pages(a) == [0, 2] and pm.capacity(a) == 8  # page 3 (reserved ahead) freed; a keeps its copy
+    dev.apply(pm)
+    dev.run(pm, a, [9])
+    dev.run(pm, b, [8])
+    assert dev.tokens(pm, a) == [0, 1, 2, 3, 4, 5, 9] and dev.tokens(pm, b) == [0, 1, 2, 3, 4, 5, 8]
+    pm.check_invariants()

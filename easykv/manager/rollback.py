@@ -52,7 +52,8 @@ class _Rollback:
                     f"but its {gt.group.attention} window released those before position {int(gt.start[row]) * ps}; "
                     "truncate to a length whose window starts after them, or release the sequence")
         col, replica = new // ps, int(self._replica[row])
-        shared = [bool(new % ps) and gt.pool.refcount[gt.table[row, col]] > 1 for gt in self._groups]
+        inside = bool(new % ps) and new < cur  # ends inside a page it wrote past: that page is written again
+        shared = [inside and gt.pool.refcount[gt.table[row, col]] > 1 for gt in self._groups]
         for gt, copy in zip(self._groups, shared):
             if copy and not gt.pool.num_available(replica):
                 self._raise_full(gt, replica, 1)
@@ -64,7 +65,7 @@ class _Rollback:
             first = max(keep, int(gt.start[row]))
             gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
             gt.table[row, keep:held] = PAD_PAGE
-            if not new % ps:
+            if not inside:
                 continue
             page = int(gt.table[row, col])
             if copy:  # a private page now, filled from the shared one before the next write

@@ -106,7 +106,10 @@ class _Versions:
 
     def _version_metrics(self) -> tuple[VersionMetrics, ...]:
         """Per known version (in order of first use; the unversioned one only while it holds or
-        counts anything or is current)."""
+        counts anything or is current); empty while no version was ever set (the counts walk
+        every page, so a manager without versions does not pay for them in `metrics`)."""
+        if len(self._versions) == 1:
+            return ()
         versions = list(self._versions)
         index = {v: i for i, v in enumerate(versions)}
         live = np.zeros(len(versions), np.int64)

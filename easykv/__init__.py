@@ -49,6 +49,7 @@ _LAZY = {
     **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.checkpoint.transfer"),
     **dict.fromkeys(("GroupedSequenceExport", "ExportedGroup"), "easykv.checkpoint.grouped_export"),
     "inspect_checkpoint": "easykv.checkpoint.inspect",
+    **dict.fromkeys(("sleep", "wake", "SleepingCache", "device_bytes"), "easykv.tiers.sleep"),
 }
 
 
@@ -86,6 +87,10 @@ __all__ = [
     "list_steps",
     "restore_cache",
     "save_cache",
+    "sleep",
+    "wake",
+    "SleepingCache",
+    "device_bytes",
     "CacheFullError",
     "InvariantError",
     "LockstepError",

@@ -177,7 +177,7 @@ class PagedAttentionCacheView(_EasyDeLForms):
         metadata, layout, templates = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         layouts = group_layouts(metadata, layout)
         g, _ = metadata.group_of(layer_index)
-        _check_fits(mesh, metadata, metadata.group_page_bytes(metadata.groups[g]) * metadata.groups[g].num_pages
+        check_fits(mesh, metadata, metadata.group_page_bytes(metadata.groups[g]) * metadata.groups[g].num_pages
                     // metadata.page_shards, f"1 layer of layers {metadata.groups[g].span}")
         k, v = allocate_pages(templates(g, layers=1), layouts[g])
         return cls(metadata=metadata, layer_index=layer_index, group_key_pages=k, group_value_pages=v,
@@ -438,7 +438,7 @@ class PagedAttentionCache(_EasyDeLForms):
         own shard. ``dtype`` and ``quantizer`` are the metadata's (the cache's); a layer group
         with a format of its own (`LayerGroup.dtype` / ``quantization``) is allocated in it."""
         metadata, layout, templates = _checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
-        _check_fits(mesh, metadata, metadata.bytes_per_device, f"{metadata.num_hidden_layers} layers")
+        check_fits(mesh, metadata, metadata.bytes_per_device, f"{metadata.num_hidden_layers} layers")
         layouts = group_layouts(metadata, layout)
         pages = [allocate_pages(templates(g), layouts[g]) for g in range(len(metadata.groups))]
         return cls(metadata, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
@@ -736,7 +736,7 @@ def _checked_layout(
     return resolved, layout, templates
 
 
-def _check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, need: int, what: str) -> None:
+def check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, need: int, what: str) -> None:
     """Refuse, before allocating, pages that cannot fit the devices' free memory (a metadata
     written for a bigger machine, or hand-edited): a precise error instead of an allocator
     failure or, on CPU, the kernel's OOM killer. ``need``: bytes per device of ``what``."""

@@ -183,9 +183,19 @@ def grouped_mode(directory: str) -> None:
 
     assert manager.first_kept_position(b, group=0) == 18  # length 23, window 6: the rest was released
     check(cache, manager)
+    # sleep (each process keeps its own shards in host memory) and wake where it slept
+    pool = easykv.device_bytes(cache)
+    sleeping = easykv.sleep(cache, manager)
+    assert sleeping.host_bytes == pool and easykv.device_bytes(sleeping.key_pages) == 0
+    cache, manager = easykv.wake(sleeping)
+    check(cache, manager)
     save_cache(directory, cache, manager, step=1)
     cache, manager = restore_cache(directory, mesh=create_mesh({"tp": 8}), partition_manager=PartitionManager(
         PartitionAxis()))
+    check(cache, manager)
+    # and from tp=8 back onto dp=2 x tp=4 through host memory: the manager re-sliced over dp
+    cache, manager = easykv.wake(easykv.sleep(cache, manager), mesh=mesh, partition_manager=pm)
+    assert manager.metadata.page_shards == 2
     check(cache, manager)
 
 

@@ -1,0 +1,159 @@
+"""Sleep and wake: the cache's device memory handed to someone else (an RL trainer sharing the
+accelerators) and taken back.
+
+- ``sleep(cache, manager, level=1)`` moves every page array to host memory (JAX's
+  ``pinned_host`` memory kind, with the same sharding: each host keeps its own shards) and frees
+  the device buffers; the manager keeps its state. ``wake`` puts the pages back, bit for bit, on
+  the same mesh or on another one (the pool re-split over its data-parallel slices, each group's
+  kv heads over the new mesh, as a checkpoint restore does).
+- ``level=2`` frees the device buffers and keeps nothing of the pages: the prefix cache is
+  emptied, so no sequence may be running; ``wake`` allocates fresh pages. What is kept is what
+  starting again needs: the metadata, and the manager with its weight versions and counters.
+
+A `SleepingCache` is woken once; its host copies are freed then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from easykv.checkpoint.reshard import target_metadata
+from easykv.manager.manager import PageManager
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.cache import PagedAttentionCache, check_fits, group_layouts
+from easykv.storage.pages import PageLayout, allocate_pages, group_page_templates
+from easykv.validation import integer
+
+HOST_KIND = "pinned_host"
+
+
+@dataclasses.dataclass(eq=False)
+class SleepingCache:
+    """A cache put to sleep (see the module doc): ``level``, the ``metadata`` and ``layout`` it
+    had, its ``manager``, and at level 1 its pages in host memory (``key_pages`` /
+    ``value_pages``, one entry per layer group, as the cache held them); None at level 2."""
+
+    level: int
+    metadata: PagedAttentionCacheMetaData
+    layout: PageLayout | None
+    manager: PageManager
+    key_pages: tuple[Any, ...] | None
+    value_pages: tuple[Any, ...] | None
+    woken: bool = False
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the pages hold here (every addressable shard; 0 at level 2)."""
+        return _held_bytes(jax.tree.leaves((self.key_pages, self.value_pages)), HOST_KIND)
+
+
+def device_bytes(tree: Any = None) -> int:
+    """Bytes of device memory held by the arrays of ``tree`` (default: every live array of this
+    process), counted from the arrays themselves: their addressable shards in the ``device``
+    memory kind (a replicated shard counts once per device holding it)."""
+    return _held_bytes(jax.live_arrays() if tree is None else jax.tree.leaves(tree), "device")
+
+
+def _held_bytes(arrays: Any, kind: str) -> int:
+    total = 0
+    for a in arrays:
+        if a.is_deleted() or (a.sharding.memory_kind or "device") != kind:
+            continue
+        total += sum(int(s.data.nbytes) for s in a.addressable_shards)
+    return total
+
+
+def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -> SleepingCache:
+    """Free ``cache``'s device memory (see the module doc); ``cache`` is consumed. Level 2 needs
+    every sequence released first (ValueError naming them, nothing changed)."""
+    from easykv.checkpoint.transfer import _check_pair  # the one check that a manager runs a cache's pool
+
+    meta = _check_pair(cache, manager)
+    level = integer("level", level, lo=1, hi=2, hint="1 keeps the pages in host memory, 2 discards them")
+    if level == 2 and cache.layout is None:
+        raise ValueError("sleep(level=2) needs a cache laid out on a mesh (init_cache) to allocate again on wake; "
+                         "sleep this one at level 1")
+    if level == 2 and manager.active_ids:
+        ids = manager.active_ids
+        raise ValueError(f"sleep(level=2) discards every page, but sequences {ids[:8]}{'...' * (len(ids) > 8)} are "
+                         "still running; release them first, or sleep at level 1 (pages kept in host memory)")
+    leaves = jax.tree.leaves((cache.key_pages, cache.value_pages))
+    if level == 1:
+        host = jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_KIND)),
+                            (cache.key_pages, cache.value_pages))
+        jax.block_until_ready(host)
+        keys, values = host
+    else:
+        keys = values = None
+        manager.reset_prefix_cache()
+        manager.take_scrubs()  # fresh pages are zero
+    for a in leaves:
+        a.delete()
+    return SleepingCache(level=level, metadata=meta, layout=cache.layout, manager=manager, key_pages=keys,
+                         value_pages=values)
+
+
+def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
+         partition_manager: Any = None) -> tuple[PagedAttentionCache, PageManager]:
+    """The cache (and its manager) back in device memory: on the mesh it slept on, or on
+    ``mesh`` laid out by ``partition_manager`` (kv heads re-split, the pool re-sliced over the
+    target's data-parallel replicas with the manager following). Level 1 restores every page
+    bit for bit; level 2 allocates zeroed pages. ValueError, with the sleeping cache unchanged,
+    when ``mesh`` cannot hold the pages or a sequence's pages would straddle two slices."""
+    if not isinstance(sleeping, SleepingCache):
+        raise ValueError(f"wake takes the SleepingCache sleep returned, got {type(sleeping).__name__}")
+    if sleeping.woken:
+        raise ValueError("this SleepingCache was woken already; its pages live in the cache wake returned")
+    meta, layout = sleeping.metadata, sleeping.layout
+    if mesh is None:
+        if partition_manager is not None:
+            raise ValueError("partition_manager lays the pages out on a new mesh; pass mesh= with it")
+        target, manager, moved = meta, sleeping.manager, False
+        layouts = group_layouts(meta, layout)
+        if layout is not None:
+            mesh = layout.mesh
+    else:
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        old = None if layout is None else layout.mesh.devices.flat[0].platform
+        if old is not None and mesh.devices.flat[0].platform != old:
+            raise ValueError(f"the pages slept on {old} and keep its storage dtypes; wake them on a {old} mesh (move "
+                             "them across platforms with save_cache / restore_cache)")
+        target = target_metadata(meta, mesh, partition_manager)
+        manager = sleeping.manager.reshard(target) if target.page_shards != meta.page_shards else sleeping.manager
+        new = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
+        layouts, layout, moved = group_layouts(target, new), new, True
+    if mesh is not None:
+        check_fits(mesh, target, target.bytes_per_device, "the woken pages")
+    if sleeping.level == 2:  # fresh zeroed pages, each device making its own shards
+        platform = mesh.devices.flat[0].platform
+        pages = [allocate_pages(group_page_templates(target, g, platform), gl)
+                 for g, gl in zip(target.groups, layouts)]
+        cache = PagedAttentionCache(target, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
+    else:
+        keys, values = [], []
+        for g, group_layout in enumerate(layouts):
+            if moved:
+                def place(a: Any, gl: PageLayout = group_layout) -> Any:
+                    return jax.device_put(a, gl.sharding_for(a.ndim))
+            else:  # where it slept: the very shardings it had
+                def place(a: Any) -> Any:
+                    return jax.device_put(a, a.sharding.with_memory_kind("device"))
+            keys.append(jax.tree.map(place, sleeping.key_pages[g]))
+            values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
+        cache = PagedAttentionCache(target, tuple(keys), tuple(values), layout)
+        jax.block_until_ready(jax.tree.leaves(cache))
+        for a in jax.tree.leaves((sleeping.key_pages, sleeping.value_pages)):
+            a.delete()
+        sleeping.key_pages = sleeping.value_pages = None
+    sleeping.woken = True
+    if manager is not sleeping.manager:
+        sleeping.manager = manager
+    return cache, manager
+
+
+__all__ = ["SleepingCache", "device_bytes", "sleep", "wake"]

@@ -59,12 +59,15 @@ def device_bytes(tree: Any = None) -> int:
 
 
 def _held_bytes(arrays: Any, kind: str) -> int:
-    total = 0
+    """Bytes of the distinct buffers behind the arrays' shards in memory kind ``kind`` (two
+    Array objects over one buffer, as a donation can leave them, count once)."""
+    seen: dict[tuple[Any, int], int] = {}
     for a in arrays:
         if a.is_deleted() or (a.sharding.memory_kind or "device") != kind:
             continue
-        total += sum(int(s.data.nbytes) for s in a.addressable_shards)
-    return total
+        for shard in a.addressable_shards:
+            seen[(shard.device, shard.data.unsafe_buffer_pointer())] = int(shard.data.nbytes)
+    return sum(seen.values())
 
 
 def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -> SleepingCache:

@@ -91,7 +91,7 @@ def test_bad_sleeps_and_wakes_are_refused_with_nothing_changed(monkeypatch):
     other, om, _, _ = filled("tp8")
     with pytest.raises(ValueError, match="level must be"):
         easykv.sleep(cache, m, level=3)
-    with pytest.raises(ValueError, match="does not manage this cache's pool"):
+    with pytest.raises(ValueError, match="a cache of another pool than this manager.s"):
         easykv.sleep(cache, om)
     assert _live(cache)
     sleeping = easykv.sleep(cache, m)

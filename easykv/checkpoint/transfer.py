@@ -81,29 +81,14 @@ def _gather_group(cache: PagedAttentionCache, ids: jax.Array, group: int, dequan
     return read(cache.key_pages[group]), read(cache.value_pages[group])
 
 
-_PAIRED = ("page_size", "num_pages_per_layer", "page_shards", "batch_size", "max_sequences", "num_pages_per_sequence")
-
-
 def _check_pair(cache: Any, manager: Any) -> Any:
-    """The cache's metadata, once ``cache`` is a live PagedAttentionCache and ``manager`` the
-    PageManager of its pool; ValueError otherwise."""
+    """The cache's metadata, once ``cache`` is a PagedAttentionCache and ``manager`` the live
+    PageManager of its pool (`PageManager.check_cache`); ValueError otherwise."""
     if not isinstance(cache, PagedAttentionCache):
         raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the easykv.PageManager of the cache's pool, got {type(manager).__name__}")
-    meta, mine = cache.metadata, manager.metadata
-    diff = [f"{k}: cache {getattr(meta, k)}, manager {getattr(mine, k)}" for k in _PAIRED
-            if getattr(meta, k) != getattr(mine, k)]
-    pools, theirs = ([(g.attention, g.window, g.num_pages) for g in m.groups] for m in (meta, mine))
-    if pools != theirs:
-        diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
-    if diff:
-        raise ValueError("the manager does not manage this cache's pool (" + "; ".join(diff) + "); pass the "
-                         "PageManager created with the cache's metadata")
-    if any(callable(getattr(leaf, "is_deleted", None)) and leaf.is_deleted() for leaf in jax.tree.leaves(cache)):
-        raise ValueError("cache holds deleted arrays: it was donated to an earlier call (cache.write, "
-                         "import_sequence, apply_pending, ...); pass the cache that call returned")
-    return meta
+    return manager.check_cache(cache)
 
 
 def _manager_token_ids(manager: Any, seq_id: int) -> Any:

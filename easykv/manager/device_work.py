@@ -63,7 +63,7 @@ class _DeviceWork:
         cache of this pool (deleted by an earlier donation, another pool) nothing is applied
         and everything stays pending, so a retry with the right cache still copies and
         scrubs (a lost copy would leave a fork reading whatever its page held before)."""
-        self._check_cache(cache)
+        self.check_cache(cache, what="apply_pending's cache")  # else nothing is applied: the work stays pending
         src, dst = self.pending_copies()
         copies = sum(a.size for a in self._as_groups(src))
         if copies:
@@ -80,23 +80,33 @@ class _DeviceWork:
     def _as_groups(self, value: Any) -> tuple[Any, ...]:
         return value if len(self._groups) > 1 else (value,)
 
-    def _check_cache(self, cache: Any) -> None:
-        """A cache this manager can hand device work to: the same pool, every buffer alive.
-        (Duck-typed: the manager does not import the storage layer.)"""
+    # The fields that say which pool a cache is: a manager schedules exactly one.
+    _POOL_FIELDS = ("page_size", "num_pages_per_layer", "page_shards", "batch_size", "max_sequences",
+                    "num_pages_per_sequence")
+
+    def check_cache(self, cache: Any, *, what: str = "the cache") -> Any:
+        """The metadata of ``cache``, once it is a live cache of this manager's pool (the same
+        pages, page split, sequences and layer groups, every buffer alive); ValueError naming
+        the difference otherwise. ``what`` names the call in the message. (Duck-typed: the
+        manager does not import the storage layer.)"""
         meta = getattr(cache, "metadata", None)
         if not callable(getattr(cache, "copy_pages", None)) or meta is None:
-            raise ValueError(f"apply_pending needs the PagedAttentionCache this manager schedules, got "
-                             f"{type(cache).__name__}")
-        fields = ("num_pages_per_layer", "page_size", "page_shards")
-        pool = {**{f: getattr(self.metadata, f) for f in fields}, "group_pages": [g.num_pages for g in self.metadata.groups]}
+            raise ValueError(f"{what} must be the PagedAttentionCache this manager schedules, got {type(cache).__name__}")
+        mine = self.metadata
+        diff = [f"{k}: cache {getattr(meta, k, None)}, manager {getattr(mine, k)}" for k in self._POOL_FIELDS
+                if getattr(meta, k, None) != getattr(mine, k)]
         groups = getattr(meta, "groups", None)
-        theirs = {**{f: getattr(meta, f, None) for f in fields},
-                  "group_pages": [getattr(g, "num_pages", None) for g in groups] if isinstance(groups, tuple) else None}
-        if theirs != pool:
-            raise ValueError(f"apply_pending got a cache of another pool ({theirs}, this manager's: {pool})")
+        pools = [(g.attention, g.window, g.num_pages) for g in groups] if isinstance(groups, tuple) else None
+        theirs = [(g.attention, g.window, g.num_pages) for g in mine.groups]
+        if pools != theirs:
+            diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
+        if diff:
+            raise ValueError(f"{what} is a cache of another pool than this manager's (" + "; ".join(diff) + "); pass "
+                             "the cache of the metadata the PageManager was created with")
         if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
-            raise ValueError("apply_pending got a cache whose buffers were donated to an earlier call; pass the "
-                             "cache that call returned (nothing was applied; the work stays pending)")
+            raise ValueError(f"{what} holds deleted arrays: it was donated to an earlier call (cache.write, "
+                             "import_sequence, apply_pending, sleep, ...); pass the cache that call returned")
+        return meta
 
 
 def _padded(values: Any, n: int, pad_to: int | None, what: str, most: int) -> np.ndarray:

@@ -73,9 +73,11 @@ def _held_bytes(arrays: Any, kind: str) -> int:
 def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -> SleepingCache:
     """Free ``cache``'s device memory (see the module doc); ``cache`` is consumed. Level 2 needs
     every sequence released first (ValueError naming them, nothing changed)."""
-    from easykv.checkpoint.transfer import _check_pair  # the one check that a manager runs a cache's pool
-
-    meta = _check_pair(cache, manager)
+    if not isinstance(cache, PagedAttentionCache):
+        raise ValueError(f"sleep takes a PagedAttentionCache, got {type(cache).__name__}")
+    if not isinstance(manager, PageManager):
+        raise ValueError(f"manager must be the easykv.PageManager of the cache's pool, got {type(manager).__name__}")
+    meta = manager.check_cache(cache)
     level = integer("level", level, lo=1, hi=2, hint="1 keeps the pages in host memory, 2 discards them")
     if level == 2 and cache.layout is None:
         raise ValueError("sleep(level=2) needs a cache laid out on a mesh (init_cache) to allocate again on wake; "

@@ -285,3 +285,37 @@ TestGroupedTruncateMachine = GroupedTruncateMachine.TestCase
 for case in (TestTruncateMachine, TestGroupedTruncateMachine):
     case.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_crafted_truncation_copy_is_refused_by_field():
+    """A legit state with a truncation copy pending loads; the same copy joined to another
+    history (another salt, other tokens, another sequence's page) is refused. (A copy from a
+    page every sequence let go of cannot be checked against anyone: like a fork's, it is taken
+    on trust.)"""
+    import json
+
+    from easykv.errors import ManagerStateError
+
+    pm, dev = make(batch=4, pages=12, max_len=24), Device(12)
+    [a, c] = pm.claim(2)
+    dev.run(pm, a, list(range(10)))  # pages 0, 1 full, page 2 holds [8, 9]
+    dev.run(pm, c, [7] * 6)  # another history: pages 3, 4
+    [b] = pm.fork(a, 1)
+    pm.truncate(b, 9)  # b: page 5, a pending copy of page 2 (a's unfinished page)
+    state = pm.state_dict()
+    assert state["copies"] == [[2, 5]] and [q["pages"] for q in state["sequences"]] == [[0, 1, 2], [3, 4],
+                                                                                       [0, 1, 5]]
+    assert PageManager.from_state_dict(pm.metadata, state).state_dict() == state
+
+    def crafted(edit):
+        bad = json.loads(json.dumps(state))
+        edit(bad)
+        return bad
+
+    for edit, words in (
+        (lambda s: s["sequences"][2].update(salt=s["sequences"][2]["salt"][::-1]), "different salts"),
+        (lambda s: s["sequences"][2].update(partial=[7]), "different tokens"),
+        (lambda s: s.update(copies=[[4, 5]]), "different histories"),
+    ):
+        with pytest.raises(ManagerStateError, match=words):
+            PageManager.from_state_dict(pm.metadata, crafted(edit))

@@ -154,10 +154,13 @@ def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any,
     base = saved if like is None else like
     want_dtype = None if dtype is None else canonical_dtype(dtype)
     want_q = None if quantizer is None else get_quantizer(quantizer).name
-    formats = [(want_dtype or base.group_dtype(b) or saved.group_dtype(s), want_q or base.group_quantizer(b).name)
-               for s, b in zip(saved.groups, base.groups)]
-    want = saved.with_formats(formats, dtype=want_dtype or base.dtype or saved.dtype,
-                              quantization=want_q or base.quantization)
+    def first(*choices: Any) -> Any:  # the first given (not None) of the choices
+        return next(c for c in choices if c is not None)
+
+    formats = [(first(want_dtype, base.group_dtype(b), saved.group_dtype(s)),
+                first(want_q, base.group_quantizer(b).name)) for s, b in zip(saved.groups, base.groups)]
+    want = saved.with_formats(formats, dtype=first(want_dtype, base.dtype, saved.dtype),
+                              quantization=first(want_q, base.quantization))
     changed = [(g, a, b) for g, a, b in zip(saved.groups, saved.group_formats, want.group_formats) if a != b]
     if changed and not convert:
         what = "; ".join(("" if saved.is_uniform else f"layers {g.span}: ") + f"the checkpoint holds {a[0].name} pages "

@@ -10,6 +10,7 @@ lock-step and restoring a saved manager both rely on that).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -63,6 +64,7 @@ def version_digest(version: Any) -> bytes | None:
     return hashlib.sha256(b"easykv.prefix_hash.v1.version|" + _tagged(version, "version", "weight version")).digest()
 
 
+@functools.lru_cache(maxsize=256)
 def version_root(version: bytes | None) -> bytes:
     """The parent digest of the first page of a sequence of weight version ``version`` (a
     `version_digest`): pages of different versions never share a digest, so a prefix lookup

@@ -291,7 +291,7 @@ def test_apply_pending_copies_then_scrubs_once():
     assert pm.state_dict() == before
     with pytest.raises(ValueError, match="another pool"):
         pm.apply_pending(RecordingCache(make_meta(pages=12)))
-    with pytest.raises(ValueError, match="needs the PagedAttentionCache"):
+    with pytest.raises(ValueError, match="must be the PagedAttentionCache this manager schedules"):
         pm.apply_pending(object())
     assert pm.state_dict() == before
     cache = RecordingCache(pm.metadata)

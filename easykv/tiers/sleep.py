@@ -58,6 +58,17 @@ def device_bytes(tree: Any = None) -> int:
     return _held_bytes(jax.live_arrays() if tree is None else jax.tree.leaves(tree), "device")
 
 
+def _to_kind(a: jax.Array, kind: str) -> jax.Array:
+    """``a`` with the same sharding in memory kind ``kind``: one transfer when this process holds
+    every shard; else shard by shard, each on its own device (a program over a multi-process mesh
+    that moves memory kinds is refused by some jaxlib versions)."""
+    sharding = a.sharding.with_memory_kind(kind)
+    if a.is_fully_addressable:
+        return jax.device_put(a, sharding)
+    shards = [jax.device_put(s.data, s.data.sharding.with_memory_kind(kind)) for s in a.addressable_shards]
+    return jax.make_array_from_single_device_arrays(a.shape, sharding, shards)
+
+
 def _held_bytes(arrays: Any, kind: str) -> int:
     """Bytes of the distinct buffers behind the arrays' shards in memory kind ``kind`` (two
     Array objects over one buffer, as a donation can leave them, count once)."""
@@ -88,8 +99,7 @@ def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -
                          "still running; release them first, or sleep at level 1 (pages kept in host memory)")
     leaves = jax.tree.leaves((cache.key_pages, cache.value_pages))
     if level == 1:
-        host = jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(HOST_KIND)),
-                            (cache.key_pages, cache.value_pages))
+        host = jax.tree.map(lambda a: _to_kind(a, HOST_KIND), (cache.key_pages, cache.value_pages))
         jax.block_until_ready(host)
         keys, values = host
     else:
@@ -142,12 +152,15 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
     else:
         keys, values = [], []
         for g, group_layout in enumerate(layouts):
-            if moved:
+            if moved:  # back to device memory as it was, then laid out on the new mesh
                 def place(a: Any, gl: PageLayout = group_layout) -> Any:
-                    return jax.device_put(a, gl.sharding_for(a.ndim))
+                    here = _to_kind(a, "device")
+                    out = jax.device_put(here, gl.sharding_for(a.ndim))
+                    here.delete()
+                    return out
             else:  # where it slept: the very shardings it had
                 def place(a: Any) -> Any:
-                    return jax.device_put(a, a.sharding.with_memory_kind("device"))
+                    return _to_kind(a, "device")
             keys.append(jax.tree.map(place, sleeping.key_pages[g]))
             values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
         cache = PagedAttentionCache(target, tuple(keys), tuple(values), layout)

@@ -175,8 +175,8 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         # copy is applied; no commit touches either page meanwhile. So every holder of the
         # destination has the same length, the page at the same column and the same pages
         # before it; every holder of the source that has written into it has the same pages
-        # before it and the same salt (its length may differ: a sibling that wrote on, or one
-        # truncated since), and where two of them know their unfinished page's ids, they agree
+        # before it (where both still hold them: a window may have released a longer one's) and
+        # the same salt (its length may differ: a sibling that wrote on, or one truncated since), and where two of them know their unfinished page's ids, they agree
         # on the positions both hold: anything else would copy one sequence's tokens into
         # another's page. (A source freed and taken again as another copy's destination is read
         # before that copy writes it: its new holders' tokens are not in it yet.)
@@ -191,7 +191,9 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         known = []  # (ids of the page's positions the sequence holds, sequence): where it knows them
         for k, (row, c) in enumerate(holders + writers):
             own = int(m._lens[row])
-            if (k < len(holders) and own != length) or c != col or not np.array_equal(table[row, :col], before) \
+            pages = table[row, :col]  # a page a window released (-1) in either row is not compared
+            same_before = np.all((pages == before) | (pages == PAD_PAGE) | (before == PAD_PAGE))
+            if (k < len(holders) and own != length) or c != col or not same_before \
                     or m._hashes.salt[row] != m._hashes.salt[first]:
                 raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
                                     f"(sequence {row} holds page {table[row, c]} at column {c} with "

@@ -150,27 +150,28 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
                  for g, gl in zip(target.groups, layouts)]
         cache = PagedAttentionCache(target, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
     else:
-        keys, values = [], []
+        keys, values, staged = [], [], []
         for g, group_layout in enumerate(layouts):
             if moved:  # back to device memory as it was, then laid out on the new mesh
                 def place(a: Any, gl: PageLayout = group_layout) -> Any:
-                    here = _to_kind(a, "device")
-                    out = jax.device_put(here, gl.sharding_for(a.ndim))
-                    here.delete()
-                    return out
+                    staged.append(_to_kind(a, "device"))
+                    return jax.device_put(staged[-1], gl.sharding_for(a.ndim))
             else:  # where it slept: the very shardings it had
                 def place(a: Any) -> Any:
                     return _to_kind(a, "device")
             keys.append(jax.tree.map(place, sleeping.key_pages[g]))
             values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
+            if staged:  # one group staged at a time: the extra device memory is one group's
+                jax.block_until_ready((keys[-1], values[-1]))
+                for a in staged:
+                    a.delete()
+                staged.clear()
         cache = PagedAttentionCache(target, tuple(keys), tuple(values), layout)
         jax.block_until_ready(jax.tree.leaves(cache))
-        for a in jax.tree.leaves((sleeping.key_pages, sleeping.value_pages)):
+        for a in jax.tree.leaves((sleeping.key_pages, sleeping.value_pages)):  # read: free the host copies
             a.delete()
         sleeping.key_pages = sleeping.value_pages = None
     sleeping.woken = True
-    if manager is not sleeping.manager:
-        sleeping.manager = manager
     return cache, manager
 
 

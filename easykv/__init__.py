@@ -24,6 +24,7 @@ from easykv.errors import (
     StepNotFoundError,
     UnknownSequenceError,
 )
+from easykv.manager.host_tier import HostTierMetrics
 from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.spec.groups import ATTENTION_KINDS, LayerGroup, group_pattern
@@ -50,6 +51,7 @@ _LAZY = {
     **dict.fromkeys(("GroupedSequenceExport", "ExportedGroup"), "easykv.checkpoint.grouped_export"),
     "inspect_checkpoint": "easykv.checkpoint.inspect",
     **dict.fromkeys(("sleep", "wake", "SleepingCache", "device_bytes"), "easykv.tiers.sleep"),
+    "HostTier": "easykv.tiers.host",
 }
 
 
@@ -91,6 +93,8 @@ __all__ = [
     "wake",
     "SleepingCache",
     "device_bytes",
+    "HostTier",
+    "HostTierMetrics",
     "CacheFullError",
     "InvariantError",
     "LockstepError",

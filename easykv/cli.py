@@ -33,14 +33,14 @@ _MAX_AXIS = 1 << 20  # devices along one mesh axis: far beyond any pod
 _MAX_CPU_DEVICES = 512  # simulated CPU devices: each costs the process memory and start-up time
 
 
-def parse_bytes(text: str) -> int:
-    """'16GiB', '1.5G', '800MB' or a plain number of bytes."""
+def parse_bytes(text: str, flag: str = "--memory") -> int:
+    """'16GiB', '1.5G', '800MB' or a plain number of bytes (``flag`` names the option in errors)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"--memory {text!r} is not a size; write e.g. 16GiB, 800MB or 1073741824")
+        raise UsageError(f"{flag} {text!r} is not a size; write e.g. 16GiB, 800MB or 1073741824")
     number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not 0 < number < 2**63:  # also a number of 400 digits, which float reads as inf
-        raise UsageError(f"--memory {text!r} must be a positive size below 8 EiB")
+        raise UsageError(f"{flag} {text!r} must be a positive size below 8 EiB")
     return int(number)
 
 
@@ -96,6 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="per-device bytes for the cache (e.g. 16GiB); plans any mesh without its devices")  # fmt: skip
     plan.add_argument("--cpu-devices", type=int, default=None,
                       help="simulate this many CPU devices (for meshes larger than this machine)")  # fmt: skip
+    plan.add_argument("--host-memory", default=None,
+                      help="host bytes per host for a host-memory tier (e.g. 64GiB): evicted prefixes, swapped sequences")
     demo = sub.add_parser("demo", help="a small model generating through the cache, checked against a dense cache")
     demo.add_argument("--requests", type=int, default=12, help="number of requests (one of them forked), 1..64")
     demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate per request, 2..128")
@@ -242,6 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     layers, heads, dim, model, groups = _model_dims(args)
     memory = parse_bytes(args.memory) if args.memory is not None else None
+    host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
     mesh = _mesh(args)
     pm = PartitionManager(PartitionAxis(kv_head_axis=_axes_flag(args.kv_head_axis), page_axis=_axes_flag(args.page_axis)))
     layout = plan_layout(mesh, num_kv_heads=heads, partition_manager=pm, emit_warnings=False)
@@ -250,7 +253,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         meta = PagedAttentionCacheMetaData.create(
             mesh, args.batch_size, layers, args.max_seq, args.page_size, heads, dim, args.utilization,
             args.dtype, partition_manager=pm, quantizer=args.quant, memory_bytes_per_device=memory,
-            layer_groups=groups,
+            layer_groups=groups, host_memory_bytes=host_memory,
         )  # fmt: skip
     if meta.kv_head_shards > 1:
         head_line = f"{heads} split over {meta.kv_head_mesh_axes} -> {meta.kv_heads_per_device} per device"
@@ -281,6 +284,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("sequences of max length", f"{meta.max_full_sequences} x {meta.max_sequences} tokens "
                                     f"({meta.num_pages_per_sequence} pages each)"),  # fmt: skip
     ]
+    if meta.has_host_tier:
+        rows.append(("host tier", f"{meta.host_pages_per_layer} pages per layer ({meta.host_pages_per_layer * meta.page_size:,}"
+                                  f" tokens{' in the largest group' * (not meta.is_uniform)}), "
+                                  f"{_format_bytes(meta.host_bytes_per_device)} of host memory per device"))
     held, uniform = tokens_per_gib(meta, meta.max_sequences), tokens_per_gib(meta, meta.max_sequences, uniform=True)
     rows.append((f"tokens per GiB at {meta.max_sequences:,} context",
                  f"{held:,.0f} ({held / uniform:.2f}x the {uniform:,.0f} of every layer full attention)"))

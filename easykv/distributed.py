@@ -110,7 +110,10 @@ def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
     ``manager`` is anything with ``state_dict()`` (the PageManager) or a JSON-safe mapping.
     Returns this process's fingerprint. Every process must call it at the same point.
     """
-    state = manager.state_dict() if hasattr(manager, "state_dict") else manager
+    if hasattr(manager, "lockstep_state"):  # the PageManager: its host tier included
+        state = manager.lockstep_state()
+    else:
+        state = manager.state_dict() if hasattr(manager, "state_dict") else manager
     if not isinstance(state, Mapping):
         raise ValueError(f"assert_lockstep needs an object with state_dict() or a mapping, got {type(manager).__name__}")
     digest = fingerprint(state)

@@ -285,8 +285,13 @@ def test_replace(dp_meta):
 def test_schema_and_version_checked(dp_meta):
     d = dp_meta.to_dict()
     assert d["__version__"] == 1 and "layer_groups" not in d  # uniform: the JSON easykv 1 wrote and reads
-    with pytest.raises(SerializationError, match=r"version 3, but this easykv reads up to version 2"):
-        PagedAttentionCacheMetaData.from_dict({**d, "__version__": 3})
+    with pytest.raises(SerializationError, match=r"version 4, but this easykv reads up to version 3"):
+        PagedAttentionCacheMetaData.from_dict({**d, "__version__": 4})
+    # A version-2 file cannot carry a field version 3 added (a host tier): edited or damaged.
+    with pytest.raises(SerializationError, match=r"host_pages_per_layer"):
+        PagedAttentionCacheMetaData.from_dict({**d, "__version__": 2, "host_pages_per_layer": 8})
+    tiered = dp_meta.replace(host_pages_per_layer=8).to_dict()
+    assert tiered["__version__"] == 3 and tiered["host_pages_per_layer"] == 8
     with pytest.raises(SerializationError, match=r"needs a positive int '__version__'"):
         PagedAttentionCacheMetaData.from_dict({k: v for k, v in d.items() if k != "__version__"})
     with pytest.raises(SerializationError, match=r"JSON is a 'easykv.PageManager', not a"):

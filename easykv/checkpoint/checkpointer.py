@@ -53,6 +53,7 @@ import functools
 import json
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -133,7 +134,12 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
     if diff:
         raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
                          "with the manager that schedules it")
-    state = manager.state_dict()
+    state = manager.state_dict()  # refuses swapped-out sequences and pending host transfers
+    host = getattr(manager, "metrics", None)
+    host = getattr(host, "host", None)
+    if host is not None and host.cached_pages:
+        warnings.warn(f"the checkpoint leaves out the host-memory tier: its {host.cached_pages} cached prefix pages "
+                      "are not saved (the restored manager starts with an empty host tier)", stacklevel=3)
     try:
         json.dumps(state, allow_nan=False)
     except (TypeError, ValueError) as err:

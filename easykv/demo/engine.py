@@ -9,6 +9,11 @@ full pages into the prefix cache). Requests arrive over time, finish, and free t
 Sampling is greedy, except that a forked request (parallel sampling) takes the second most
 likely token at its first step and then follows greedily, so the fork diverges from its parent
 through a copy-on-write of their shared last page.
+
+With a host-memory tier (``host=``, an `easykv.HostTier`), a step whose pages do not fit
+preempts: the running request that arrived last is swapped out to host memory and swapped back
+in, ahead of new requests, once its pages fit again; it continues where it stopped (no prefill
+is repeated).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.errors import InvariantError
+from easykv.errors import CacheFullError, InvariantError
 from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
 from easykv.manager.manager import PageManager
@@ -45,6 +50,7 @@ class Request:
     fed: int = 0  # prompt tokens written so far (cached ones included)
     output: list[int] = dataclasses.field(default_factory=list)
     done: bool = False
+    swapped: bool = False  # preempted to the host tier
     prompt_logits: np.ndarray | None = None  # logits after the last prompt token (for forks)
 
 
@@ -62,7 +68,7 @@ class Engine:
     """Runs requests to completion through one model, one paged cache and one page manager."""
 
     def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
-                 token_budget: int, max_seqs: int, prefill_chunk: int) -> None:  # fmt: skip
+                 token_budget: int, max_seqs: int, prefill_chunk: int, host: Any = None) -> None:  # fmt: skip
         if prefill_chunk > token_budget:
             raise ValueError(f"prefill_chunk={prefill_chunk} exceeds token_budget={token_budget}")
         if max_seqs > token_budget:
@@ -72,6 +78,8 @@ class Engine:
         self.step_index = 0
         self.history: list[StepRecord] = []
         self.copies = 0
+        self.host = host
+        self.preemptions = 0
 
     def run(self, requests: list[Request], *, until_step: int | None = None,
             on_step: Callable[[Engine, list[Request]], None] | None = None) -> None:  # fmt: skip
@@ -93,9 +101,17 @@ class Engine:
         slots remain, keeping one slot free for every fork still to come so that no fork can
         miss its point."""
         by_id = {r.rid: r for r in requests}
+        for r in (r for r in requests if r.swapped):  # preempted ones first, in arrival order
+            try:
+                self.manager.swap_in(r.seq)
+            except CacheFullError:
+                break
+            r.swapped = False
         waiting = [r for r in requests if r.seq is None and not r.done and r.arrival <= self.step_index]
         for r in (r for r in waiting if r.fork_of is not None):
             parent = by_id[r.fork_of]
+            if parent.swapped:
+                continue  # forks once its parent is back
             # Fork right after the parent's prompt is written (its first sampled token is not
             # written yet): both share the prompt's pages, the child starts from the parent's
             # prompt logits with the second most likely token.
@@ -118,13 +134,13 @@ class Engine:
         batch: list[tuple[Request, list[int]]] = []
         budget = self.token_budget
         for r in requests:
-            if r.seq is not None and not r.done and r.fed >= len(r.prompt) and r.output:
+            if r.seq is not None and not r.done and not r.swapped and r.fed >= len(r.prompt) and r.output:
                 batch.append((r, [r.output[-1]]))
                 budget -= 1
         for r in requests:
             if len(batch) >= self.max_seqs or budget <= 0:
                 break
-            if r.seq is not None and not r.done and r.fed < len(r.prompt):
+            if r.seq is not None and not r.done and not r.swapped and r.fed < len(r.prompt):
                 n = min(self.prefill_chunk, budget, len(r.prompt) - r.fed)
                 batch.append((r, r.prompt[r.fed : r.fed + n]))
                 budget -= n
@@ -133,9 +149,22 @@ class Engine:
     # ---- one device step --------------------------------------------------------------------
     def _step(self, batch: list[tuple[Request, list[int]]], requests: list[Request]) -> None:
         mgr = self.manager
-        seqs = [r.seq for r, _ in batch]
-        counts = [len(t) for _, t in batch]
-        meta = mgr.build_step_metadata(seqs, counts, pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
+        while True:
+            seqs = [r.seq for r, _ in batch]
+            counts = [len(t) for _, t in batch]
+            try:
+                meta = mgr.build_step_metadata(seqs, counts, pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
+                break
+            except CacheFullError:
+                if self.host is None or len(batch) == 1:
+                    raise
+                victim = max(batch, key=lambda item: (item[0].arrival, item[0].rid))[0]
+                self.cache, copied = mgr.apply_pending(self.cache, host=self.host)  # its pages complete first
+                self.copies += copied
+                mgr.swap_out(victim.seq)
+                victim.swapped = True
+                self.preemptions += 1
+                batch = [item for item in batch if item[0] is not victim]
         rt = meta[0] if isinstance(meta, tuple) else meta  # one per layer group: the same positions
         tokens = np.zeros(self.token_budget, np.int32)
         flat = [t for _, ids in batch for t in ids]
@@ -164,7 +193,7 @@ class Engine:
 
     def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
         """Apply pending copy-on-write copies, then write and attend for all layers in one jit."""
-        self.cache, copied = self.manager.apply_pending(self.cache)
+        self.cache, copied = self.manager.apply_pending(self.cache, host=self.host)
         self.copies += copied
         logits, self.cache = self.model.paged_step(self.cache, jnp.asarray(tokens), meta)
         return logits

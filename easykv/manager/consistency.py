@@ -31,12 +31,16 @@ class Broken(Exception):
 def check_consistency(m: PageManager) -> None:
     """Raise `Broken` unless ``m``'s bookkeeping is consistent (see `PageManager.check_invariants`)."""
     ps, n = m.page_size, m._npages
+    swapped = np.zeros(m.batch_size, bool)
+    swapped[list(m._swapped)] = True
+    if np.any(swapped & ((n > 0) | ~m._active)):
+        raise Broken("sequences", "a swapped-out sequence holds device pages, or is not claimed")
     cols = np.arange(m.pages_per_sequence)
     columns = cols[None, :] < n[:, None]
     if np.any(columns & ~m._active[:, None]) or np.any(m._lens[~m._active]):
         raise Broken("sequences", "a released sequence id still holds pages or tokens")
     _check_floors(m)
-    if np.any(m._lens > n * ps) or np.any(m._lens > m.max_length):
+    if np.any((m._lens > n * ps) & ~swapped) or np.any(m._lens > m.max_length):
         raise Broken("sequences", "a sequence holds more tokens than its pages or max_sequences allow")
     bound = m._replica >= 0
     if np.any(bound != (n > 0)):
@@ -46,6 +50,8 @@ def check_consistency(m: PageManager) -> None:
                                                      "exactly when it holds pages")
     for g, gt in enumerate(m._groups):
         _check_group(m, g, gt, columns)
+        if gt.host is not None:
+            _check_host(m, g, gt)
     _check_chains(m)
 
 
@@ -104,7 +110,9 @@ def _window_start(m: PageManager, gt: GroupTable) -> np.ndarray:
     position its next query reads there (none for full attention), or before a resumed
     sequence's floor."""
     released = np.minimum(gt.released_columns(m._lens, m.page_size), m._npages)
-    return np.maximum(released, m._floor // m.page_size).astype(gt.start.dtype)
+    start = np.maximum(released, m._floor // m.page_size).astype(gt.start.dtype)
+    start[list(m._swapped)] = 0  # a swapped-out sequence's row holds nothing
+    return start
 
 
 def _check_floors(m: PageManager) -> None:
@@ -214,6 +222,38 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         if others or pool.digest_of(page) is not None or col * ps < int(m._lens[row]):
             raise Broken(f"{pool_field}.scrub", f"page {page} is to be zeroed but holds written tokens of sequence {row} "
                                        f"(column {col}){' and is shared' if others else ''}")
+
+
+def _check_host(m: PageManager, g: int, gt: GroupTable) -> None:
+    """The host tier of one group: its pool agrees with its holders (swapped-out sequences and
+    pending transfers), swapped sequences hold what their length needs, transfers stay in a
+    replica and touch pages they may."""
+    of = f" in layer group {g}" if len(m._groups) > 1 else ""
+    host, pool, ps = gt.host, gt.pool, m.page_size
+    holders: list[int] = []
+    for row, record in m._swapped.items():
+        pages = record.pages[g]
+        want = record.npages - record.starts[g]
+        if len(pages) != want or record.npages != -(-int(m._lens[row]) // ps):
+            raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} of length {int(m._lens[row])} "
+                                                         f"holds {len(pages)} host pages{of} for {record.npages} columns")
+        if any(host.replica_of(h) != record.replica for h in pages):
+            raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} holds a host page{of} outside "
+                                                         f"replica {record.replica}")
+        holders += pages
+    for h, (src, digest, _) in gt.offloads.items():
+        if host.replica_of(h) != pool.replica_of(src) or host.digest_of(h) is not None:
+            raise Broken("host", f"offload {src} -> host page {h}{of} crosses replicas or targets a cached host page")
+    for dst, h in gt.onloads.items():
+        if host.replica_of(h) != pool.replica_of(dst) or (pool.refcount[dst] == 0 and pool.digest_of(dst) is None):
+            raise Broken("host", f"onload host page {h} -> {dst}{of} crosses replicas or fills a free page")
+        if dst in gt.copies or host.digest_of(h) != pool.digest_of(dst) and pool.digest_of(dst) is not None:
+            raise Broken("host", f"onload host page {h} -> {dst}{of} disagrees with the device page's copy or digest")
+    holders += list(gt.offloads) + list(gt.onloads.values())
+    try:
+        host.check(np.bincount(np.asarray(holders, np.int64), minlength=host.num_pages).astype(np.int32))
+    except InvariantError as err:
+        raise Broken("host", f"host tier{of}: {err.detail}") from None
 
 
 __all__ = ["Broken", "check_consistency"]

@@ -1,5 +1,7 @@
-"""The device work the page manager hands to the cache: copy-on-write copies (after a fork or
-a truncation) and scrubs of released pages, in the order they must run, before a step's writes.
+"""The device work the page manager hands to the cache: host-tier transfers (offloads of
+evicted prefix pages and swapped-out sequences, onloads of host hits and swapped-in ones),
+copy-on-write copies (after a fork or a truncation) and scrubs of released pages, in the order
+they must run, before a step's writes.
 
 ``_DeviceWork`` is a mixin of `PageManager` (manager.py): it reads the manager's group tables
 and duck-types the cache (the manager never imports the storage layer).
@@ -29,9 +31,15 @@ class _DeviceWork:
             dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
         return self._per_group(srcs), self._per_group(dsts)
 
+    def _refuse_transfers(self, what: str) -> None:
+        if self.has_host_tier and self.has_pending_transfers():
+            raise ValueError(f"{what}: host-tier transfers are pending and must run first (an offload reads a page a "
+                             "copy or scrub overwrites); call apply_pending(cache, host=...) instead")
+
     def take_copies(self, pad_to: int | None = None) -> tuple[Any, Any]:
         """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
         step's writes (sources are read before destinations are written)."""
+        self._refuse_transfers("take_copies")
         out = self.pending_copies(pad_to)
         for gt in self._groups:
             gt.copies.clear()
@@ -49,21 +57,44 @@ class _DeviceWork:
     def take_scrubs(self, pad_to: int | None = None) -> np.ndarray:
         """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
         copies and before the step's writes."""
+        self._refuse_transfers("take_scrubs")
         out = self.pending_scrubs(pad_to)
         for gt in self._groups:
             gt.pool.take_scrubs()
         return out
 
-    def apply_pending(self, cache: Any) -> tuple[Any, int]:
-        """Apply the pending device work to ``cache`` in the required order: copy-on-write
-        copies, then scrubs. Call after building a step's metadata, before its writes. Returns
-        the updated cache (the one passed in is donated) and the number of pages copied.
+    def apply_pending(self, cache: Any, *, host: Any = None) -> tuple[Any, int]:
+        """Apply the pending device work to ``cache`` in the required order: host-tier
+        transfers (through ``host``, the `easykv.tiers.HostTier` of this cache; needed while
+        any are pending), copy-on-write copies, then scrubs. Call after building a step's
+        metadata, before its writes. Returns the updated cache (the one passed in is donated)
+        and the number of pages copied on the device.
 
         The work is forgotten only once the device has taken it: when ``cache`` is not a live
-        cache of this pool (deleted by an earlier donation, another pool) nothing is applied
-        and everything stays pending, so a retry with the right cache still copies and
-        scrubs (a lost copy would leave a fork reading whatever its page held before)."""
+        cache of this pool (deleted by an earlier donation, another pool), or ``host`` is
+        missing or not this cache's tier, nothing is applied and everything stays pending, so a
+        retry with the right arguments still copies and scrubs (a lost copy would leave a fork
+        reading whatever its page held before)."""
         self.check_cache(cache, what="apply_pending's cache")  # else nothing is applied: the work stays pending
+        if self.has_host_tier and (host is not None or self.has_pending_transfers()):
+            if host is None:
+                raise ValueError("host-tier transfers are pending; pass the cache's tier: apply_pending(cache, "
+                                 "host=tier) with tier = easykv.tiers.HostTier(cache)")
+            self._check_tier(host)
+            # One program for all of it, in the order the work depends on (see `easykv.tiers.host`).
+            copies = tuple(zip(*map(self._as_groups, self.pending_copies())))
+            cache = host.apply(cache, self.pending_transfers(), copies=copies,
+                               scrubs=self._as_groups(self.pending_scrubs()), manager_metadata=self.metadata)
+            self._tier = host
+            self._transfers_done()  # the tier has taken them (offloads land in its host pages later)
+            copied = sum(len(gt.copies) for gt in self._groups)
+            for gt in self._groups:
+                gt.copies.clear()
+                gt.pool.take_scrubs()
+            return cache, copied
+        if host is not None:
+            raise ValueError("host= was given but this manager has no host-memory tier; leave it out, or create the "
+                             "metadata with a host tier (PagedAttentionCacheMetaData.create(..., host_memory_bytes=N))")
         src, dst = self.pending_copies()
         copies = sum(a.size for a in self._as_groups(src))
         if copies:

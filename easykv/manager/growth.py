@@ -34,6 +34,7 @@ class _Growth:
 
     def _reserve(self, rows: np.ndarray, new: np.ndarray) -> None:
         ps, groups = self.page_size, self._groups
+        self._refuse_swapped(rows, "reserving pages for it")
         lens = self._lens[rows]
         ends = lens + new
         if ends.size and ends.max() > self.max_length:
@@ -62,24 +63,21 @@ class _Growth:
             for i in cow:
                 row, col = int(rows[i]), int(lens[i]) // ps
                 src = int(gt.table[row, col])
-                dst = pool.allocate(int(self._replica[row]), 1, overwritten=True)[0]
+                dst = gt.allocate(int(self._replica[row]), 1, overwritten=True)[0]
                 gt.table[row, col] = dst
                 pool.release([src])
-                origin = gt.copies.get(src, src)  # a pending copy's destination does not hold its data yet
-                if origin != dst:  # else dst is that origin, freed and taken again: it still holds the data
-                    gt.copies[dst] = origin
-                    self._counters["copies"] += 1
+                self._counters["copies"] += gt.copy_into(dst, src)
             if not grow.size:
                 continue
             g_rows = rows[grow]
             if self._num_replicas == 1:
-                pages = pool.allocate(0, total)
+                pages = gt.allocate(0, total)
             else:  # one allocation per replica, handed out in batch order
                 pages = np.empty(total, np.int32)
                 owner = np.repeat(rep[grow], counts)
                 for r in np.unique(owner).tolist():
                     mask = owner == r
-                    pages[mask] = pool.allocate(r, int(mask.sum()))
+                    pages[mask] = gt.allocate(r, int(mask.sum()))
             if total == grow.size:  # one page each: the decode case
                 gt.table[g_rows, held[grow]] = pages
             else:
@@ -151,6 +149,7 @@ class _Growth:
         filled page gets a private copy. Pages reserved ahead but not written stay with
         ``seq_id``."""
         row = self._row(seq_id)
+        self._refuse_swapped(row, "fork")
         count = 1 if n is None else positive_int("n", n, hi=self.batch_size,
                                                   hint=f"children of one sequence, at most batch_size={self.batch_size}")
         free = np.flatnonzero(~self._active)

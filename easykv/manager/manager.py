@@ -40,6 +40,7 @@ from easykv.errors import CacheFullError, InvariantError, ManagerStateError, Unk
 from easykv.manager.device_work import _DeviceWork
 from easykv.manager.group_table import GroupTable
 from easykv.manager.growth import _Growth
+from easykv.manager.host_tier import HostTierMetrics, _HostTier
 from easykv.manager.rollback import _Rollback
 from easykv.manager.versions import VersionMetrics, _Versions
 from easykv.manager.windows import _Windows
@@ -80,6 +81,7 @@ class PageManagerMetrics:
     scrubs: int  # released pages reported for zeroing
     groups: tuple[GroupPoolMetrics, ...] = ()
     versions: tuple[VersionMetrics, ...] = ()  # per weight version (`set_weight_version`)
+    host: HostTierMetrics | None = None  # the host-memory tier (None without one)
 
     @property
     def usage(self) -> float:
@@ -98,22 +100,30 @@ class PageManagerMetrics:
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
 
 
-class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
+class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWork):
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
     ``enable_prefix_caching``: keep full pages findable by content (chained sha256 with salt).
     ``scrub_released``: report pages that leave every owner for zeroing (`take_scrubs`), so no
-    tenant's K/V outlives its sequence in device memory (cached pages are scrubbed when evicted).
+    tenant's K/V outlives its sequence in device memory (cached pages are scrubbed when evicted;
+    host-tier pages likewise in host memory).
+    ``host_tier``: keep evicted prefix pages and swapped-out sequences in the metadata's
+    host-memory tier (`host_tier.py`); None (the default) uses it when the metadata has one.
     """
 
-    def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False):
+    def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False,
+                 host_tier: bool | None = None):
         from easykv.spec.metadata import PagedAttentionCacheMetaData
 
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
         scrub_released = boolean("scrub_released", scrub_released)
+        host_tier = metadata.has_host_tier if host_tier is None else boolean("host_tier", host_tier)
+        if host_tier and not metadata.has_host_tier:
+            raise ValueError("host_tier=True but the metadata has no host-memory tier (host_pages_per_layer is None); "
+                             "create it with PagedAttentionCacheMetaData.create(..., host_memory_bytes=N)")
         groups = metadata.groups
         entries = metadata.batch_size * metadata.num_pages_per_sequence * len(groups)
         if entries > _MAX_TABLE_ENTRIES:
@@ -131,7 +141,8 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         # One pool and block table per layer group (groups have their own page ids); what a
         # sequence is (length, columns reserved, replica, hashes) is shared by all groups.
         self._groups = tuple(GroupTable.fresh(g, batch_size=b, pages_per_sequence=p,
-                                              page_shards=int(metadata.page_shards), scrub_released=scrub_released)
+                                              page_shards=int(metadata.page_shards), scrub_released=scrub_released,
+                                              host_pages=metadata.group_host_pages(g) if host_tier else 0)
                              for g in groups)
         self._num_replicas = int(metadata.page_shards)
         self._lens = np.zeros(b, np.int32)  # tokens written (K/V valid) per sequence
@@ -141,6 +152,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         self._active = np.zeros(b, bool)
         self._hashes = SequenceHashes(b, ps)
         self._init_versions()
+        self._init_host_tier(host_tier)
         self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
 
     @property
@@ -210,6 +222,8 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         """End a sequence: its id becomes free, its pages lose a reference. Full pages stay in
         the prefix cache (tail pages are evicted before head pages); others are freed."""
         row = self._row(seq_id)
+        if row in self._swapped:
+            self._release_swapped(row)
         n, stale = int(self._npages[row]), self._is_stale(row)
         for gt in self._groups:
             gt.release_pages(gt.held(row, n)[::-1], stale=stale)
@@ -233,6 +247,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         commit ``token_ids[returned:]`` after writing them."""
         row = self._row(seq_id)
         tokens = as_token_ids(token_ids)
+        self._refuse_swapped(row, "match_prefix")
         if self._lens[row] or self._npages[row]:
             raise ValueError(
                 f"sequence {row} already holds {int(self._lens[row])} tokens in {int(self._npages[row])} "
@@ -244,15 +259,19 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         if not self.enable_prefix_caching:
             return 0
         replica, pages, chain = self._lookup(tokens, salt_d, int(self._replica[row]))
+        if self.has_host_tier and not self._host_hit_room(replica, pages):  # no device room to bring them back
+            replica, pages, chain = self._lookup(tokens, salt_d, int(self._replica[row]), host=False)
         c = self._counters
         c["prefix_queries"] += 1
         c["prefix_query_tokens"] += int(tokens.size)
         k = len(pages[0])
         self._count_lookup(int(tokens.size), k * self.page_size)
         if k:
+            starts = [group_pages.count(PAD_PAGE) for group_pages in pages]  # a window needs only its pages
             for gt, group_pages in zip(self._groups, pages):
-                start = group_pages.count(PAD_PAGE)  # a sliding or chunked hit needs only its window's pages
-                gt.pool.share(group_pages[start:])
+                gt.pool.share([p for p in group_pages if p >= 0])
+            onloaded = self._attach_host_hits(row, replica, pages) if self.has_host_tier else 0
+            for gt, group_pages, start in zip(self._groups, pages, starts):
                 gt.table[row, :k] = group_pages
                 gt.start[row] = start
             self._npages[row] = k
@@ -262,6 +281,9 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
             self._hashes.record(row, tokens[: k * self.page_size])  # the log holds every committed id
             c["prefix_hits"] += 1
             c["prefix_hit_tokens"] += k * self.page_size
+            if onloaded:
+                self._host_counters["host_hits"] += 1
+                self._host_counters["host_hit_tokens"] += onloaded * self.page_size
             self._release_out_of_window(np.array([row]))
         return k * self.page_size
 
@@ -272,17 +294,21 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
             return 0
         return len(self._lookup(tokens, salt_digest(salt), -1)[1][0]) * self.page_size
 
-    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int) -> tuple[int, list[list[int]], bytes]:
+    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int, *,
+                host: bool = True) -> tuple[int, list[list[int]], bytes]:
         """The best replica, its cached pages for the prompt in every group (``PAD_PAGE``
-        where a window does not need one), and the digest of the last one. A hit of ``k`` pages
-        needs every group's pages for it. Best: most pages, then most available pages (in the
-        tightest group), then lowest index."""
+        where a window does not need one; ``-2 - h`` for page ``h`` of the host tier, unless
+        ``host`` is False), and the digest of the last one. A hit of ``k`` pages needs every
+        group's pages for it. Best: most pages, then most available pages (in the tightest
+        group), then lowest index."""
         replicas = [bound] if bound >= 0 else list(range(self._num_replicas))
+        host = host and self.has_host_tier
         if any(gt.windowed for gt in self._groups):
-            return self._lookup_window(tokens, salt, replicas)
+            return self._lookup_window(tokens, salt, replicas, host=host)
         found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
         # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
-        searches = [(found[r], [gt.pool.digest_map(r) for gt in self._groups]) for r in replicas]
+        searches = [(found[r], [gt.tier_map(r) if host else gt.pool.digest_map(r) for gt in self._groups])
+                    for r in replicas]
         chain = root = self._root()
         for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt,
                                                      root)):
@@ -338,6 +364,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
 
     def _commit(self, rows: np.ndarray, counts: np.ndarray, tokens: Any) -> None:
         ps = self.page_size
+        self._refuse_swapped(rows, "committing its tokens")
         lens = self._lens[rows]
         over = lens + counts > self._npages[rows] * ps
         if over.any():
@@ -356,7 +383,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
                         f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}"
                         f"{self._in_group(gt)}, which it shares since a fork; reserve (build_step_metadata) after "
                         "forking so it gets a private copy, then write")
-            if gt.copies or gt.pool.has_pending_scrubs():
+            if gt.copies or gt.pool.has_pending_scrubs() or gt.offloads or gt.onloads:
                 self._check_no_pending_work(gt, rows, lens, counts)
         # Validated: commit.
         hashes = self._hashes
@@ -382,15 +409,16 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         device work: it would overwrite them, or carry them into another sequence's page."""
         ps = self.page_size
         copied = set(gt.copies) | set(gt.copies.values())
-        pending = copied | set(gt.pool.pending_scrubs().tolist())
+        moved = set(gt.onloads) | {src for src, _, _ in gt.offloads.values()}
+        pending = copied | moved | set(gt.pool.pending_scrubs().tolist())
         for i in np.flatnonzero(counts > 0).tolist():
             row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
             for page in gt.table[row, first : last + 1].tolist():
                 if page in pending:
-                    work = "copy-on-write copy" if page in copied else "scrub"
+                    work = "copy-on-write copy" if page in copied else "host-tier transfer" if page in moved else "scrub"
                     raise ValueError(
                         f"sequence {row} commits tokens in page {page}{self._in_group(gt)}, whose {work} is still "
-                        "pending: the device would overwrite them. Call apply_pending(cache) after "
+                        "pending: the device would overwrite them. Call apply_pending(cache, host=...) after "
                         "build_step_metadata and before the step's writes")
 
     def _in_group(self, gt: GroupTable) -> str:
@@ -436,7 +464,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
                                                                   "used_pages", "evictions")}
         return PageManagerMetrics(**total, active_sequences=int(self._active.sum()),
                                   scrubs=sum(p.scrubs for p in pools), groups=groups,
-                                  versions=self._version_metrics(), **self._counters)
+                                  versions=self._version_metrics(), host=self._host_metrics(), **self._counters)
 
     @property
     def usage(self) -> float:
@@ -476,6 +504,11 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _DeviceWork):
         """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers.
         Canonical: the same calls give the same state, restored on the way or not."""
         return manager_state.write_state(self)
+
+    def lockstep_state(self) -> dict[str, Any]:
+        """`state_dict` with the host tier's bookkeeping (swapped-out sequences, pending transfers,
+        the host pools): what `easykv.distributed.assert_lockstep` compares between processes."""
+        return manager_state.write_state(self, host=True)
 
     @classmethod
     def from_state_dict(cls, metadata: Any, state: dict[str, Any]) -> PageManager:

@@ -53,6 +53,10 @@ class PagePool:
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.num_replicas)]
         self._by_digest: list[dict[bytes, int]] = [{} for _ in range(self.num_replicas)]
         self._scrub: dict[int, None] = {}  # ordered set of pages to zero on the device
+        # (page, digest, tag) of pages evicted since the owner last took them (`take_evicted`);
+        # kept only when a host tier wants to save them (`keep_evicted`).
+        self.keep_evicted = False
+        self._evicted: list[tuple[int, bytes, bytes | None]] = []
         self.evictions = 0
         self.scrubs = 0
 
@@ -95,6 +99,8 @@ class PagePool:
         while len(out) < n:
             page, _ = lru.popitem(last=False)
             del self._by_digest[replica][self._digest[page]]
+            if self.keep_evicted:
+                self._evicted.append((page, self._digest[page], self._tag[page]))
             self._digest[page] = self._tag[page] = None
             self.evictions += 1
             self._mark_scrub(page)
@@ -103,6 +109,13 @@ class PagePool:
         if overwritten and self._scrub:
             for page in out:
                 self._scrub.pop(page, None)
+        return out
+
+    def take_evicted(self) -> list[tuple[int, bytes, bytes | None]]:
+        """``(page, digest, weight version)`` of every page evicted since the last call, in
+        eviction order (only while `keep_evicted`): their contents are still on the device until
+        the step that overwrites them."""
+        out, self._evicted = self._evicted, []
         return out
 
     def share(self, pages: Iterable[int]) -> None:

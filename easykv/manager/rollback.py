@@ -37,6 +37,7 @@ class _Rollback:
         length past the committed one, or one whose tokens the sequence no longer holds (before
         its sliding or chunked window's first kept page, or before a resumed sequence's first)."""
         row = self._row(seq_id)
+        self._refuse_swapped(row, "truncate")
         ps, cur = self.page_size, int(self._lens[row])
         new = integer("length", length, lo=0, hi=cur,
                       hint=f"sequence {row} holds {cur} committed tokens; truncate keeps a prefix of them")
@@ -69,13 +70,10 @@ class _Rollback:
                 continue
             page = int(gt.table[row, col])
             if copy:  # a private page now, filled from the shared one before the next write
-                dst = gt.pool.allocate(replica, 1, overwritten=True)[0]
+                dst = gt.allocate(replica, 1, overwritten=True)[0]
                 gt.table[row, col] = dst
-                origin = gt.copies.get(page, page)  # a pending copy's destination does not hold its data yet
-                if origin != dst:  # else dst is that origin, freed and taken again: it still holds the data
-                    gt.copies[dst] = origin
+                self._counters["copies"] += gt.copy_into(dst, page)
                 gt.release_pages([page], stale=stale)
-                self._counters["copies"] += 1
             elif gt.pool.digest_of(page) is not None:
                 gt.pool.uncommit(page)
         self._npages[row] = keep

@@ -70,8 +70,16 @@ def config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> 
 
 
 # ---- writing -----------------------------------------------------------------------------------
-def write_state(m: PageManager) -> dict[str, Any]:
-    """The canonical JSON-safe state of ``m`` (see the module doc)."""
+def write_state(m: PageManager, *, host: bool = False) -> dict[str, Any]:
+    """The canonical JSON-safe state of ``m`` (see the module doc). The host-memory tier is not
+    part of it: ValueError while a sequence is swapped out or a host transfer is pending (its
+    pages would be lost); the host prefix cache is left out. ``host``: add the host tier's
+    bookkeeping as ``host`` (a fingerprint for `assert_lockstep`; no manager reads it back)."""
+    if not host and m.has_host_tier and (m._swapped or m.has_pending_transfers()):
+        what = (f"sequences {sorted(m._swapped)} are swapped out" if m._swapped
+                else "host-tier transfers are pending")
+        raise ValueError(f"a manager state does not hold the host-memory tier, and {what}; swap_in (or release) "
+                         "them and apply_pending(cache, host=...) first")
     ps, grouped = m.page_size, len(m._groups) > 1
     sequences = []
     for r in m.active_ids:
@@ -99,6 +107,15 @@ def write_state(m: PageManager) -> dict[str, Any]:
         "copies": copies if grouped else copies[0],
         "counters": dict(m._counters),
     }
+    if host and m.has_host_tier:
+        out["host"] = {
+            "pools": [gt.host.state_dict() for gt in m._groups],
+            "swapped": [[row, r.npages, r.replica, list(r.starts), [list(p) for p in r.pages]]
+                        for row, r in sorted(m._swapped.items())],
+            "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in gt.offloads.items()]
+                         for gt in m._groups],
+            "onloads": [[[dst, h] for dst, h in gt.onloads.items()] for gt in m._groups],
+            "counters": dict(m._host_counters)}
     if len(m._versions) > 1:  # a weight version was set
         out["versions"] = {"current": None if m._version is None else m._version.hex(),
                            "known": [{"digest": None if d is None else d.hex(), "version": _label(label),

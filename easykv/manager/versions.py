@@ -77,13 +77,22 @@ class _Versions:
             self._hashes.chain[row] = root
         for gt in self._groups:
             gt.pool.demote(digest)
+            if gt.host is not None:
+                gt.host.demote(digest)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now, also with sequences running (they keep their pages;
         pages they fill from now on are cached again as usual). Cached pages become free
         (scrubbed first when the manager scrubs). Returns how many pages the prefix cache
-        held, over every layer group."""
-        return sum(gt.pool.forget_prefixes() for gt in self._groups)
+        held, over every layer group (the host tier's included)."""
+        held = 0
+        for gt in self._groups:
+            held += gt.pool.forget_prefixes()
+            if gt.host is not None:
+                held += gt.host.forget_prefixes()
+                # Offloads still pending land as plain pages: their digests are forgotten too.
+                gt.offloads = {h: (page, None, None) for h, (page, _, _) in gt.offloads.items()}
+        return held
 
     # ---- helpers for the manager -----------------------------------------------------------------
     def _root(self) -> bytes:

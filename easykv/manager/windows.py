@@ -47,7 +47,8 @@ class _Windows:
             passed &= self._floor[rows] <= cols * self.page_size
         self._floor[rows[passed]] = 0
 
-    def _lookup_window(self, tokens: np.ndarray, salt: bytes, replicas: list[int]) -> tuple[int, list[list[int]], bytes]:
+    def _lookup_window(self, tokens: np.ndarray, salt: bytes, replicas: list[int], *,
+                       host: bool = False) -> tuple[int, list[list[int]], bytes]:
         """`_lookup` when a group is sliding or chunked: a hit of ``k`` pages needs, in every
         group, only the pages a sequence of ``k`` pages still reads there (all of them in a
         full group), so the longest ``k`` whose needed pages are all cached wins, even where a
@@ -64,8 +65,9 @@ class _Windows:
             whole = np.ones(ks.size, bool)
             found = []
             for gt, first in zip(self._groups, firsts):
-                pages = np.array([gt.pool.lookup(r, d) for d in digests], np.int64)
-                cached = np.concatenate([[0], np.cumsum(pages >= 0)])
+                find = gt.host_lookup if host else gt.pool.lookup
+                pages = np.array([find(r, d) for d in digests], np.int64)
+                cached = np.concatenate([[0], np.cumsum(pages != PAD_PAGE)])
                 whole &= (first < ks) & (cached[ks] - cached[first] == ks - first)
                 found.append(pages)
             k = int(ks[whole].max()) if whole.any() else 0
@@ -100,6 +102,7 @@ class _Windows:
         sequence that already holds tokens or pages, or a position outside
         ``0 .. max_sequences - 1``."""
         row = self._row(seq_id)
+        self._refuse_swapped(row, "resume")
         pos = integer("first_position", first_position, lo=0, hi=self.max_length - 1,
                       hint=f"a position of a sequence of at most max_sequences={self.max_length} tokens")
         if self._lens[row] or self._npages[row]:

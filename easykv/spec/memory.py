@@ -240,3 +240,14 @@ def device_memory_budget(
             f"(memory in use exceeds the utilization share); {fix_hint}, "
             "or pass memory_bytes_per_device=")
     return MemoryBudget(budget, source, f"{detail} = {_gib(budget)} per device")
+
+
+def devices_per_host(mesh: Any) -> int:
+    """Devices of ``mesh`` on this process, which share its host memory (an abstract mesh, planned
+    from one machine: all of them)."""
+    from jax.sharding import Mesh
+
+    if not isinstance(mesh, Mesh):  # an AbstractMesh has no devices
+        return int(mesh.size)
+    mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return mine or int(mesh.size)

@@ -19,7 +19,7 @@ import numpy as np
 
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.spec.groups import LayerGroup, check_groups
-from easykv.spec.memory import MemoryBudget, device_memory_budget
+from easykv.spec.memory import MemoryBudget, device_memory_budget, devices_per_host
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.errors import SerializationError
 from easykv.spec.serialization import Serializable
@@ -51,7 +51,7 @@ class PagedAttentionCacheMetaData(Serializable):
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionCacheMetaData"
-    SCHEMA_VERSION: ClassVar[int] = 2  # 2: layer_groups (absent: one full-attention group)
+    SCHEMA_VERSION: ClassVar[int] = 3  # 2: layer_groups (absent: one full-attention group); 3: host tier
 
     batch_size: int
     num_hidden_layers: int
@@ -71,6 +71,8 @@ class PagedAttentionCacheMetaData(Serializable):
     memory_bytes_per_device: int | None = None
     layer_groups: tuple[LayerGroup, ...] | None = dataclasses.field(
         default=None, metadata={"codec": "serializables", "type": LayerGroup, "since": 2})
+    # Pages per layer of the host-memory tier (None: no tier); groups scale it (`group_host_pages`).
+    host_pages_per_layer: int | None = dataclasses.field(default=None, metadata={"since": 3})
 
     def __post_init__(self) -> None:
         for name in (
@@ -133,6 +135,8 @@ class PagedAttentionCacheMetaData(Serializable):
             )
         if self.layer_groups is not None:
             self._check_layer_groups()
+        if self.host_pages_per_layer is not None:
+            self._check_host_tier()
         # The budget is what the pool was sized from: a pool that does not fit it is a
         # hand-edited or damaged description, never one `create` made.
         if self.memory_bytes_per_device is not None and self.bytes_per_device > self.memory_bytes_per_device:
@@ -181,7 +185,63 @@ class PagedAttentionCacheMetaData(Serializable):
         if groups == (self._uniform_group(),):
             object.__setattr__(self, "layer_groups", None)
 
+    def _check_host_tier(self) -> None:
+        """A host tier gives every group at least one host page per data-parallel replica."""
+        n = positive_int("host_pages_per_layer", self.host_pages_per_layer, hi=_INT32_MAX // self.page_size,
+                         hint="pages of the host-memory tier (None: no tier)")
+        object.__setattr__(self, "host_pages_per_layer", n)
+        if n % self.page_shards:
+            raise ValueError(f"host_pages_per_layer={n} is not divisible by page_shards={self.page_shards}; use a "
+                             f"multiple of {self.page_shards} (each data-parallel replica has its slice)")
+        for i, g in enumerate(self.groups):
+            if self.group_host_pages(g) < self.page_shards:
+                raise ValueError(
+                    f"host_pages_per_layer={n} gives layer group {i} (layers {g.span}, {g.num_pages} device pages of "
+                    f"the {self.num_pages_per_layer} of the largest group) no host page per replica; give the host "
+                    "tier more pages or leave it out (None)")
+
     # ---- derived figures -----------------------------------------------------------------
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether evicted prefix pages and swapped sequences go to a host-memory tier."""
+        return self.host_pages_per_layer is not None
+
+    def group_host_pages(self, group: LayerGroup) -> int:
+        """Host-tier pages of ``group`` (0 without a tier): ``host_pages_per_layer`` scaled by
+        the group's share of the largest pool, rounded down to whole replica slices, so every
+        group keeps as many sequences' worth of pages on the host as the largest."""
+        if self.host_pages_per_layer is None:
+            return 0
+        scaled = group.num_pages * self.host_pages_per_layer // self.num_pages_per_layer
+        return scaled // self.page_shards * self.page_shards
+
+    @property
+    def host_bytes_per_device(self) -> int:
+        """Host-memory bytes the tier holds for one device's shard (all groups, all layers)."""
+        return sum(self.group_page_bytes(g) * (self.group_host_pages(g) // self.page_shards) * g.num_layers
+                   for g in self.groups)
+
+    def with_host_memory(self, host_memory_bytes: int, devices_per_host: int) -> PagedAttentionCacheMetaData:
+        """This metadata with a host tier of as many pages as ``host_memory_bytes`` of each
+        host's memory holds for its ``devices_per_host`` devices (each stores the host pages of
+        its own shard). ValueError when that is not one page per replica in every group."""
+        budget = positive_int("host_memory_bytes", host_memory_bytes, hi=INT64_MAX,
+                              hint="bytes of host memory per host for the tier (leave it None for no tier)")
+        local = positive_int("devices_per_host", devices_per_host)
+        probe = self.replace(host_pages_per_layer=None)
+        # Bytes per device of one host page per layer of the largest pool, every group scaled alike.
+        unit = sum(self.group_page_bytes(g) * g.num_layers * g.num_pages for g in self.groups) / self.num_pages_per_layer
+        per_replica = int(budget // local / unit) // self.page_shards  # pages of the largest pool, per replica slice
+        per_replica = min(per_replica, _INT32_MAX // self.page_size // self.page_shards)
+        smallest = min(g.num_pages for g in self.groups)
+        need = -(-self.num_pages_per_layer // smallest)  # one page per replica in the smallest group
+        if per_replica < need:
+            raise ValueError(
+                f"host_memory_bytes={budget} over {local} device(s) per host holds {per_replica} host page(s) per "
+                f"replica slice ({unit:.0f} bytes per page per device across every layer); the tier needs {need} "
+                "(one page of every layer group); give it more memory or leave host_memory_bytes None")
+        return probe.replace(host_pages_per_layer=per_replica * self.page_shards)
+
     @property
     def quantizer(self) -> Quantizer:
         return get_quantizer(self.quantization)
@@ -371,6 +431,7 @@ class PagedAttentionCacheMetaData(Serializable):
         memory_bytes_per_device: int | None = None,
         num_pages_per_layer: int | None = None,
         layer_groups: Sequence[LayerGroup] | None = None,
+        host_memory_bytes: int | None = None,
     ) -> PagedAttentionCacheMetaData:
         """Size the pool from device memory (EasyDeL's positional order, extras keyword-only).
 
@@ -387,7 +448,17 @@ class PagedAttentionCacheMetaData(Serializable):
         a window are released: a sliding or chunked group needs only its window's pages per
         sequence. Groups that all give ``num_pages`` fix the pool instead. One full-attention
         group of the default geometry is the uniform cache (``layer_groups`` None).
+
+        ``host_memory_bytes``: bytes of each host's memory for a host-memory tier (evicted
+        prefix pages and swapped-out sequences; see `PageManager`), shared by the mesh devices
+        of that host; None (the default): no tier. Too little for one page is an error.
         """
+        if host_memory_bytes is not None:
+            meta = cls.create(mesh, batch_size, num_hidden_layers, max_sequences, page_size, num_kv_heads,
+                              kv_head_dim_size, hbm_utilization, dtype, partition_manager=partition_manager,
+                              quantizer=quantizer, memory_bytes_per_device=memory_bytes_per_device,
+                              num_pages_per_layer=num_pages_per_layer, layer_groups=layer_groups)
+            return meta.with_host_memory(host_memory_bytes, devices_per_host(mesh))
         if layer_groups is not None:
             return _create_grouped(cls, mesh, layer_groups, dict(
                 batch_size=batch_size, num_hidden_layers=num_hidden_layers, max_sequences=max_sequences,

@@ -90,6 +90,9 @@ def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -
         raise ValueError(f"manager must be the easykv.PageManager of the cache's pool, got {type(manager).__name__}")
     meta = manager.check_cache(cache)
     level = integer("level", level, lo=1, hi=2, hint="1 keeps the pages in host memory, 2 discards them")
+    if manager.has_host_tier and manager.has_pending_transfers():
+        raise ValueError("host-tier transfers are pending (they read and write the pages being put to sleep); call "
+                         "apply_pending(cache, host=...) first")
     if level == 2 and cache.layout is None:
         raise ValueError("sleep(level=2) needs a cache laid out on a mesh (init_cache) to allocate again on wake; "
                          "sleep this one at level 1")
@@ -139,9 +142,15 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
             raise ValueError(f"the pages slept on {old} and keep its storage dtypes; wake them on a {old} mesh (move "
                              "them across platforms with save_cache / restore_cache)")
         target = target_metadata(meta, mesh, partition_manager)
-        manager = sleeping.manager.reshard(target) if target.page_shards != meta.page_shards else sleeping.manager
+        manager = sleeping.manager
+        if manager.has_host_tier and manager.swapped_ids:
+            raise ValueError(f"sequences {manager.swapped_ids} are swapped out to the host tier, whose pages stay with "
+                             "the old placement; swap them in before sleeping, or wake on the mesh it slept on")
+        manager = manager.reshard(target) if target.page_shards != meta.page_shards else manager
         new = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
         layouts, layout, moved = group_layouts(target, new), new, True
+        if manager.has_host_tier:  # a HostTier holds pages of one placement: the new cache needs a new one
+            manager.forget_host_tier()
     if mesh is not None:
         check_fits(mesh, target, target.bytes_per_device, "the woken pages")
     if sleeping.level == 2:  # fresh zeroed pages, each device making its own shards

@@ -1,0 +1,305 @@
+"""The host-memory tier's pages: where evicted prefix pages and swapped-out sequences live, and
+the transfers between them and the cache's device pages.
+
+The `PageManager` decides which pages move (`easykv.manager.host_tier`); a `HostTier` holds
+them and moves them when the manager applies its pending work::
+
+    tier = easykv.HostTier(cache)              # host pages of every layer group, per shard
+    cache, _ = manager.apply_pending(cache, host=tier)   # before each step's writes
+
+The host pages of each layer group are kept per addressable shard of the cache's page arrays
+(each process holds the shards of its own devices; a shard replicated on several devices is
+kept once), as numpy arrays of the storage dtype: bit for bit what the device held, scales of
+quantized pages included. JAX's ``pinned_host`` memory kind would keep them in a jax array
+instead, but updating such an array in place needs host-side scatters that jaxlib 0.9 cannot
+compile over a sharded mesh, and easykv supports jaxlib 0.9.
+
+One `apply` is one jitted, donating call per step for every group: it gathers the pages to
+offload from the device pool and scatters the onloaded pages into it (reads before writes, so a
+page both evicted and refilled in one step is read first). Offloaded pages are copied to the
+host asynchronously (``copy_to_host_async``) and land in the host arrays at the start of the
+next `apply` (or `flush`), so the step never waits for them; host pages are read for onloads
+only after every earlier offload has landed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
+
+
+class HostTier:
+    """The host pages of ``cache``'s host-memory tier (see the module doc). Made for one
+    cache's metadata and placement: the cache `apply` takes must have both (a cache returned
+    by a write or an earlier `apply` of it does)."""
+
+    def __init__(self, cache: PagedAttentionCache):
+        if not isinstance(cache, PagedAttentionCache):
+            raise ValueError(f"HostTier takes the PagedAttentionCache whose tier it holds, got {type(cache).__name__}")
+        meta = cache.metadata
+        if not meta.has_host_tier:
+            raise ValueError("this cache's metadata has no host-memory tier (host_pages_per_layer is None); create it "
+                             "with PagedAttentionCacheMetaData.create(..., host_memory_bytes=N)")
+        self.metadata = meta
+        self._layouts = tuple(cache.layout_of(g) for g in range(len(meta.groups)))
+        self._groups: list[_GroupStore] = []
+        for g, group in enumerate(meta.groups):
+            leaves, treedef = jax.tree.flatten((cache.key_pages[g], cache.value_pages[g]))
+            self._groups.append(_GroupStore(leaves, treedef, meta.group_host_pages(group), meta.page_shards))
+        self._inflight: list[tuple[int, list[jax.Array], np.ndarray, np.ndarray]] = []
+        self.bytes_offloaded = 0  # bytes copied device -> host (every device's shard counted)
+        self.bytes_onloaded = 0  # bytes copied host -> device
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory this process holds for the tier's pages."""
+        return sum(a.nbytes for store in self._groups for shards in store.shards for a in shards.values())
+
+    def flush(self) -> None:
+        """Wait for every offload in flight and write it into the host pages."""
+        for g, staged, dst, counts in self._inflight:
+            self._groups[g].land(staged, dst, counts)
+        self._inflight.clear()
+
+    def read(self, group: int, page: int) -> list[np.ndarray]:
+        """Host page ``page`` of layer group ``group`` as this process holds it: one array per
+        page array leaf (keys, values, scales), each the concatenation of the shards this process
+        holds along the kv-head axis (for tests and inspection; flushes first)."""
+        self.flush()
+        return self._groups[group].read(page)
+
+    def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
+              manager_metadata: Any = None) -> PagedAttentionCache:
+        """Run a manager's pending work on ``cache`` (donated) and these host pages, in one
+        program per call: per layer group, ``transfers`` (`PageManager.pending_transfers`),
+        ``copies`` (``(src, dst)`` copy-on-write pairs) and ``scrubs`` (pages to zero). Returns the
+        new cache. Called by `PageManager.apply_pending`; everything is checked before anything
+        moves.
+
+        The order is what the manager's bookkeeping relies on: offloads read the device pages
+        first (an evicted page may be any later step's destination), then copies (a copy's
+        source may be freed and filled by an onload of the same call), then onloads, then scrubs
+        (pages released since)."""
+        meta = self.metadata
+        if not isinstance(cache, PagedAttentionCache) or cache.metadata != meta or tuple(
+                cache.layout_of(g) for g in range(len(meta.groups))) != self._layouts:
+            raise ValueError("host= is the HostTier of another cache (other metadata or placement); make one for this "
+                             "cache with easykv.HostTier(cache)")
+        if manager_metadata is not None and manager_metadata.groups != meta.groups:
+            raise ValueError("the manager's metadata describes other pools than this HostTier's cache")
+        n = len(meta.groups)
+        empty = np.zeros(0, np.int32)
+        copies = ((empty, empty),) * n if copies is None else copies
+        scrubs = (empty,) * n if scrubs is None else scrubs
+        if len(transfers) != n or len(copies) != n or len(scrubs) != n:
+            raise ValueError(f"transfers, copies and scrubs need one entry per layer group ({n}), got "
+                             f"{len(transfers)}, {len(copies)}, {len(scrubs)}")
+        plans = [store.plan(t, group.num_pages) for store, t, group in zip(self._groups, transfers, meta.groups)]
+        device_ids = []
+        for (src, dst), z, group in zip(copies, scrubs, meta.groups):
+            src, dst, z = (np.asarray(a, np.int32).reshape(-1) for a in (src, dst, z))
+            if src.shape != dst.shape or any(a.size and (a.min() < -1 or a.max() >= group.num_pages)
+                                             for a in (src, dst, z)):
+                raise ValueError(f"copies and scrubs are page ids of 0..{group.num_pages - 1} (-1: padding), "
+                                 f"src and dst paired; got src {src.tolist()}, dst {dst.tolist()}, scrubs {z.tolist()}")
+            device_ids.append((_padded(src), _padded(dst), _padded(z)))
+        self.flush()  # every earlier offload lands before a host page is read or zeroed
+        for store, t in zip(self._groups, transfers):
+            store.zero(np.asarray(t[4], np.int64))
+        staged_on = [store.gather(plan) for store, plan in zip(self._groups, plans)]
+        pools = tuple(jax.tree.leaves((cache.key_pages[g], cache.value_pages[g])) for g in range(len(meta.groups)))
+        off_ids = tuple(jnp.asarray(p.off_src) for p in plans)
+        on_ids = tuple(jnp.asarray(p.on_dst) for p in plans)
+        new_pools, staged_off = _move(pools, off_ids, tuple(staged_on), on_ids, tuple(device_ids),
+                                      layouts=self._layouts)
+        for g, (store, plan, staged) in enumerate(zip(self._groups, plans, staged_off)):
+            if plan.off_counts.any():
+                for a in staged:
+                    a.copy_to_host_async()
+                self._inflight.append((g, staged, plan.off_dst, plan.off_counts))
+                self.bytes_offloaded += store.page_bytes * int(plan.off_counts.sum())
+            self.bytes_onloaded += store.page_bytes * int(plan.on_counts.sum())
+        keys, values = [], []
+        for store, leaves in zip(self._groups, new_pools):
+            k, v = jax.tree.unflatten(store.treedef, leaves)
+            keys.append(k)
+            values.append(v)
+        return PagedAttentionCache(meta, tuple(keys), tuple(values), cache.layout)
+
+
+class _Plan:
+    """One group's transfers as per-replica local page ids, padded to a power of two."""
+
+    def __init__(self, off_src: np.ndarray, off_dst: np.ndarray, off_counts: np.ndarray, on_src: np.ndarray,
+                 on_dst: np.ndarray, on_counts: np.ndarray):
+        self.off_src, self.off_dst, self.off_counts = off_src, off_dst, off_counts
+        self.on_src, self.on_dst, self.on_counts = on_src, on_dst, on_counts
+
+
+class _GroupStore:
+    """One layer group's host pages: per page-array leaf, one numpy array per distinct shard
+    this process holds, ``(layers, heads of the shard, host pages of its replica, ...)``."""
+
+    def __init__(self, leaves: list[jax.Array], treedef: Any, host_pages: int, page_shards: int):
+        self.treedef = treedef
+        self.replicas = page_shards
+        self.device_local = leaves[0].shape[2] // page_shards
+        self.host_local = host_pages // page_shards
+        self.shards: list[dict[tuple[Any, ...], np.ndarray]] = []
+        self.devices: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: (device, shard key, replica)
+        self.shapes = [a.shape for a in leaves]
+        self.shardings = [a.sharding for a in leaves]
+        page_bytes = 0
+        for a in leaves:
+            stores, devices = {}, []
+            for shard in a.addressable_shards:
+                key = _key(shard.index, a.ndim)
+                pages = shard.index[2]
+                replica = (pages.start or 0) // self.device_local if self.replicas > 1 else 0
+                if key not in stores:
+                    shape = list(shard.data.shape)
+                    shape[2] = self.host_local
+                    stores[key] = np.zeros(shape, shard.data.dtype)
+                devices.append((shard.device, key, replica))
+            self.shards.append(stores)
+            self.devices.append(devices)
+            page_bytes += a.nbytes // a.shape[2]
+        self.page_bytes = page_bytes  # one page of every layer, every leaf, all heads
+
+    def plan(self, transfers: Any, num_pages: int) -> _Plan:
+        off_src, off_dst, on_src, on_dst = (np.asarray(t, np.int64) for t in transfers[:4])
+        hosts = self.host_local * self.replicas
+        for name, ids, n in (("offload source", off_src, num_pages), ("offload destination", off_dst, hosts),
+                             ("onload source", on_src, hosts), ("onload destination", on_dst, num_pages)):
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                raise ValueError(f"an {name} page id is outside 0..{n - 1}: {ids.tolist()}")
+        a, b, c = self._split(off_src, self.device_local, off_dst, self.host_local)
+        d, e, f = self._split(on_src, self.host_local, on_dst, self.device_local)
+        return _Plan(a, b, c, d, e, f)
+
+    def _split(self, src: np.ndarray, src_local: int, dst: np.ndarray, dst_local: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per replica, the pairs' local ids ``(replicas, k)``; padding: page 0 as a source (read
+        and thrown away), one past the slice as a destination (dropped). A pair crossing replicas
+        is refused."""
+        rep = src // src_local
+        if np.any(rep != dst // dst_local):
+            raise ValueError("a host-tier transfer crosses data-parallel replicas; each replica's pages stay in its "
+                             "own slice")
+        counts = np.bincount(rep, minlength=self.replicas) if src.size else np.zeros(self.replicas, np.int64)
+        k = _bucket(int(counts.max()))
+        out_src = np.zeros((self.replicas, k), np.int32)
+        out_dst = np.full((self.replicas, k), dst_local, np.int32)
+        for r in range(self.replicas):
+            mask = rep == r
+            out_src[r, : counts[r]] = src[mask] - r * src_local
+            out_dst[r, : counts[r]] = dst[mask] - r * dst_local
+        return out_src, out_dst, counts
+
+    def gather(self, plan: _Plan) -> list[jax.Array]:
+        """The onloaded pages as device arrays laid out like the pool, ``(layers, heads,
+        replicas * k, ...)``; padding rows are zeros and go nowhere."""
+        k = plan.on_src.shape[1]
+        out = []
+        for stores, devices, shape, sharding in zip(self.shards, self.devices, self.shapes, self.shardings):
+            parts: dict[tuple[Any, int], np.ndarray] = {}
+            for _, key, r in devices:
+                if (key, r) not in parts:
+                    store, n = stores[key], int(plan.on_counts[r])
+                    take = np.zeros(store.shape[:2] + (k,) + store.shape[3:], store.dtype)
+                    take[:, :, :n] = store[:, :, plan.on_src[r, :n]]
+                    parts[key, r] = take
+            # One batched transfer for every device (several single ones cost more than the floor's one).
+            arrays = jax.device_put([parts[key, r] for _, key, r in devices], [device for device, _, _ in devices])
+            global_shape = list(shape)
+            global_shape[2] = k * self.replicas
+            out.append(jax.make_array_from_single_device_arrays(tuple(global_shape), sharding, arrays))
+        return out
+
+    def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
+        """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``."""
+        for stores, devices, a in zip(self.shards, self.devices, staged):
+            done = set()
+            by_device = {shard.device: shard for shard in a.addressable_shards}
+            for device, key, r in devices:
+                if key in done:
+                    continue
+                done.add(key)
+                n = int(counts[r])
+                if n:
+                    stores[key][:, :, dst[r, :n]] = np.asarray(by_device[device].data)[:, :, :n]
+
+    def zero(self, pages: np.ndarray) -> None:
+        if not pages.size:
+            return
+        for stores, devices in zip(self.shards, self.devices):
+            for _, key, r in devices:
+                mine = pages[pages // self.host_local == r] - r * self.host_local
+                stores[key][:, :, mine] = 0
+
+    def read(self, page: int) -> list[np.ndarray]:
+        r, local = divmod(int(page), self.host_local)
+        out = []
+        for stores, devices in zip(self.shards, self.devices):
+            keys = sorted({key for _, key, rep in devices if rep == r})
+            out.append(np.concatenate([stores[key][:, :, local] for key in keys], axis=1) if keys else None)
+        return out
+
+
+def _key(index: tuple[Any, ...], ndim: int) -> tuple[Any, ...]:
+    return tuple((s.start or 0, s.stop) if isinstance(s, slice) else s for s in index[:ndim])
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (few compiled shapes); 0 stays 0."""
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _padded(ids: np.ndarray) -> np.ndarray:
+    out = np.full(_bucket(ids.size), -1, np.int32)
+    out[: ids.size] = ids
+    return out
+
+
+@partial(jax.jit, static_argnames=("layouts",), donate_argnums=0)
+def _move(pools: tuple[list[jax.Array], ...], off_ids: tuple[jax.Array, ...], staged_on: tuple[list[jax.Array], ...],
+          on_ids: tuple[jax.Array, ...], device_ids: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], *,
+          layouts: tuple[PageLayout | None, ...]) -> tuple[tuple[list[jax.Array], ...], tuple[list[jax.Array], ...]]:
+    """Every group's pending device work in one program (see `HostTier.apply` for the order)."""
+    new_pools, staged_off = [], []
+    for leaves, off, on_pages, on, ids, layout in zip(pools, off_ids, staged_on, on_ids, device_ids, layouts):
+        p, s = _local_move(layout, leaves, off, on_pages, on, ids)
+        new_pools.append(p)
+        staged_off.append(s)
+    return tuple(new_pools), tuple(staged_off)
+
+
+def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Array, on_pages: list[jax.Array],
+                on: jax.Array, ids: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+    def local(leaves: list[jax.Array], on_pages: list[jax.Array], off: jax.Array, on: jax.Array,
+              copy_src: jax.Array, copy_dst: jax.Array, scrubs: jax.Array) -> Any:
+        r = 0
+        if layout is not None and layout.page_shards > 1:
+            r = jax.lax.axis_index(layout.page_axes)
+        taken = [jnp.take(a, off[r], axis=2, mode="clip") for a in leaves]
+        leaves = copy_pages_local(leaves, None, copy_src, copy_dst, layout=layout)
+        leaves = [a.at[:, :, on[r]].set(u, mode="drop") for a, u in zip(leaves, on_pages)]
+        return zero_pages_local(leaves, None, scrubs, layout=layout), taken
+
+    if layout is None or layout.mesh.size == 1:
+        return local(leaves, on_pages, off, on, *ids)
+    specs = [layout.spec_for(a.ndim) for a in leaves]
+    replicated = (PartitionSpec(),) * 5
+    mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, specs, *replicated), out_specs=(specs, specs))
+    return mapped(leaves, on_pages, off, on, *ids)
+
+
+__all__ = ["HostTier"]

@@ -1,0 +1,170 @@
+"""The host tier's pages on 8 simulated devices: evicted prefix pages come back from host memory
+bit for bit (bf16 pages over tensor parallelism and over data-parallel slices, int8 pages with
+their scales, a sliding + full grouped cache), swapped sequences return unchanged, a HostTier
+refuses another cache, and the demo engine preempting to the host tier generates exactly what a
+dense reference does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import easykv
+from easykv.storage.cache import gather_kv
+from sharding import PartitionAxis, PartitionManager, create_mesh
+
+PS = 4
+
+
+def setup(layout="tp8", quantizer=None, dtype=jnp.bfloat16, groups=None):
+    dp = 2 if layout == "dp2tp4" else 1
+    mesh = create_mesh({"dp": dp, "tp": 8 // dp})
+    pm = PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis="dp" if dp > 1 else None))
+    kw = dict(layer_groups=groups) if groups else dict(num_pages_per_layer=8 * dp)
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, 4, 2, 16, PS, 8, 16, 0.5, dtype, partition_manager=pm, quantizer=quantizer, **kw)
+    meta = meta.replace(host_pages_per_layer=16 * dp)
+    cache = easykv.PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
+    return cache, easykv.HostTier(cache), easykv.PageManager(meta)
+
+
+def kv_of(prompt_index, n, dtype):
+    """The K/V a prompt writes (a function of the prompt only, so a re-prefill writes the same)."""
+    rng = np.random.default_rng(prompt_index)
+    k = rng.standard_normal((2, n, 8, 16)).astype(np.float32)
+    return jnp.asarray(k, dtype), jnp.asarray(-k, dtype)
+
+
+def read(cache, manager, seq, length):
+    out = []
+    for layer in range(2):
+        g = cache.metadata.group_of(layer)[0]
+        group = g if manager.num_groups > 1 else None
+        first = manager.first_kept_position(seq, group=group)
+        row = manager.page_table([seq], group=group)[0]
+        row = np.where(row < 0, 0, row)  # pages a window released: read as page 0, never compared
+        k, v = gather_kv(cache, layer, row, length)
+        out.append((first, np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32))))
+    return out  # per layer: the first position held, then K and V of positions 0 .. length - 1
+
+
+def serve(cache, tier, manager, prompts, dtype, rounds=2):
+    """Prefill every prompt ``rounds`` times (one at a time, released after); each prefix found
+    (on the device or brought back from the host) must read exactly what was first written."""
+    first = {}
+    for _ in range(rounds):
+        for i, prompt in enumerate(prompts):
+            [s] = manager.claim(1)
+            done = manager.match_prefix(s, prompt)
+            rt = manager.build_step_metadata([s], [len(prompt) - done])
+            cache, _ = manager.apply_pending(cache, host=tier)
+            if done:
+                for (a, k, v), (a0, k0, v0) in zip(read(cache, manager, s, done), first[i]):
+                    lo = max(a, a0)  # positions both reads hold (a window keeps the last ones)
+                    assert lo < done
+                    np.testing.assert_array_equal(k[lo:done], k0[lo:done])
+                    np.testing.assert_array_equal(v[lo:done], v0[lo:done])
+            k, v = kv_of(i, len(prompt), dtype)
+            cache, _ = cache.write(k[:, done:], v[:, done:], rt)
+            manager.step([s], [prompt[done:]])
+            manager.check_invariants()
+            if i not in first:
+                first[i] = read(cache, manager, s, len(prompt) - 1)
+            manager.release(s)
+    return cache
+
+
+PROMPTS = [[100 * i + t for t in range(13)] for i in range(5)]  # 3 full pages + 1 token each
+
+
+@pytest.mark.parametrize("layout,quantizer", [("tp8", None), ("dp2tp4", None), ("tp8", "int8")])
+def test_prefix_pages_come_back_from_the_host_bit_for_bit(layout, quantizer):
+    cache, tier, manager = setup(layout, quantizer)
+    cache = serve(cache, tier, manager, PROMPTS, jnp.bfloat16)
+    m = manager.metrics
+    assert m.host.host_hits >= 3 and m.host.onloaded_pages >= 9 and m.host.offloaded_pages >= 9
+    # 5 prompts x 3 full pages do not fit 8 device pages per replica: without the tier the second
+    # round would have missed; every one of its prompts hit.
+    assert m.prefix_hits == 5
+    assert tier.bytes_onloaded == m.host.onloaded_pages * tier._groups[0].page_bytes
+
+
+def test_a_sliding_and_full_cache_brings_back_the_pages_each_group_needs():
+    groups = (easykv.LayerGroup((0,), "sliding", 8, num_pages=8), easykv.LayerGroup((1,), num_pages=8))
+    cache, tier, manager = setup(groups=groups)
+    serve(cache, tier, manager, PROMPTS, jnp.bfloat16)
+    assert manager.metrics.host.host_hits >= 3
+
+
+def test_a_swapped_sequence_returns_unchanged():
+    cache, tier, manager = setup()
+    [s] = manager.claim(1)
+    prompt = list(range(10))
+    rt = manager.build_step_metadata([s], [10])
+    k, v = kv_of(7, 10, jnp.bfloat16)
+    cache, _ = cache.write(k, v, rt)
+    manager.step([s], [prompt])
+    before = read(cache, manager, s, 10)
+    manager.swap_out(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    # Another sequence takes every device page and writes over them.
+    [t] = manager.claim(1)
+    rt = manager.build_step_metadata([t], [16])
+    cache, _ = manager.apply_pending(cache, host=tier)
+    k2, v2 = kv_of(8, 16, jnp.bfloat16)
+    cache, _ = cache.write(k2, v2, rt)
+    manager.step([t], [list(range(50, 66))])
+    manager.release(t)
+    manager.swap_in(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    for (_, a, b), (_, c, d) in zip(read(cache, manager, s, 10), before):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+
+
+def test_a_host_tier_refuses_another_cache_and_keeps_the_work_pending():
+    cache, tier, manager = setup()
+    other, other_tier, _ = setup(quantizer="int8")
+    [s] = manager.claim(1)
+    rt = manager.build_step_metadata([s], [9])
+    k, v = kv_of(1, 9, jnp.bfloat16)
+    cache, _ = cache.write(k, v, rt)
+    manager.step([s], [list(range(9))])
+    manager.swap_out(s)
+    with pytest.raises(ValueError, match="HostTier of another cache"):
+        manager.apply_pending(cache, host=other_tier)
+    with pytest.raises(ValueError, match="pass the cache's tier"):
+        manager.apply_pending(cache)
+    assert manager.has_pending_transfers() and not any(a.is_deleted() for a in jax.tree.leaves(cache))
+    cache, _ = manager.apply_pending(cache, host=tier)
+    assert not manager.has_pending_transfers()
+    plain = easykv.PagedAttentionCache.init_cache(
+        create_mesh({"dp": 1, "tp": 8}), jnp.bfloat16, cache.metadata.replace(host_pages_per_layer=None),
+        PartitionManager(PartitionAxis(kv_head_axis="tp")))
+    with pytest.raises(ValueError, match="no host-memory tier"):
+        easykv.HostTier(plain)
+
+
+def test_the_demo_engine_preempts_to_the_host_and_generates_what_a_dense_cache_does():
+    from easykv.demo.engine import Engine, reference_generate
+    from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
+    from easykv.demo.workload import make_requests
+
+    cfg = DemoConfig(layers=2)
+    model = CompiledModel(DemoModel(cfg))
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, 4, cfg.layers, 256, 8, cfg.kv_heads, cfg.head_dim, 0.9, jnp.float32, partition_manager=pm,
+        num_pages_per_layer=40).replace(host_pages_per_layer=128)
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    manager = easykv.PageManager(meta)
+    requests = make_requests(6, 24, seed=3)
+    engine = Engine(model, cache, manager, token_budget=32, max_seqs=4, prefill_chunk=16,
+                    host=easykv.HostTier(cache))
+    engine.run(requests)
+    assert engine.preemptions >= 2 and manager.metrics.host.swap_ins == engine.preemptions
+    for r in requests:
+        assert r.output == reference_generate(model, r, max_len=256, dtype=jnp.float32), r.rid

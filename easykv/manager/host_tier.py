@@ -127,7 +127,7 @@ class _HostTier:
         self._require_host_tier("swap_out")
         row = self._row(seq_id)
         self._refuse_swapped(row, "swap_out")
-        ps, cols = self.page_size, -(-int(self._lens[row]) // self.page_size)
+        cols = -(-int(self._lens[row]) // self.page_size)
         replica = int(self._replica[row])
         plans = []
         for gt in self._groups:

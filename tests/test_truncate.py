@@ -287,6 +287,26 @@ for case in (TestTruncateMachine, TestGroupedTruncateMachine):
                              suppress_health_check=[HealthCheck.too_slow])
 
 
+def test_a_truncation_copy_between_rows_holding_one_history_in_different_pages():
+    """A page filled while another page already held its digest stays private; a later hit
+    shares the cached one. Two rows then hold the same tokens in different pages before the page
+    a truncation copies: still one history (found by the tiered truncation machine)."""
+    pm, dev = make(batch=4, pages=12, max_len=24), Device(12)
+    [a] = pm.claim(1)
+    dev.run(pm, a, list(range(9)))
+    pm.truncate(a, 1)  # page 1 (tokens 4..7) stays cached; page 0 leaves the cache
+    pm.truncate(a, 0)
+    [b, c] = pm.claim(2)
+    dev.run(pm, b, list(range(13)))  # its tokens 4..7 go to a fresh page: the digest is page 1's already
+    assert pm.match_prefix(c, list(range(13))) == 12
+    dev.run(pm, c, [12])
+    assert pm.pages(b)[:3] == [0, 2, 3] and pm.pages(c)[:3] == [0, 1, 3]
+    pm.truncate(b, 9)  # inside page 3, which c shares: b gets a private copy of it
+    pm.check_invariants()
+    dev.apply(pm)
+    assert dev.tokens(pm, b) == list(range(9)) and dev.tokens(pm, c) == list(range(13))
+
+
 def test_a_crafted_truncation_copy_is_refused_by_field():
     """A legit state with a truncation copy pending loads; the same copy joined to another
     history (another salt, other tokens, another sequence's page) is refused. (A copy from a

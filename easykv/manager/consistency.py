@@ -200,7 +200,8 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         for k, (row, c) in enumerate(holders + writers):
             own = int(m._lens[row])
             pages = table[row, :col]  # a page a window released (-1) in either row is not compared
-            same_before = np.all((pages == before) | (pages == PAD_PAGE) | (before == PAD_PAGE))
+            same_before = np.all((pages == before) | (pages == PAD_PAGE) | (before == PAD_PAGE)) \
+                or _same_ids(m, row, first, col * ps)
             if (k < len(holders) and own != length) or c != col or not same_before \
                     or m._hashes.salt[row] != m._hashes.salt[first]:
                 raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
@@ -254,6 +255,15 @@ def _check_host(m: PageManager, g: int, gt: GroupTable) -> None:
         host.check(np.bincount(np.asarray(holders, np.int64), minlength=host.num_pages).astype(np.int32))
     except InvariantError as err:
         raise Broken("host", f"host tier{of}: {err.detail}") from None
+
+
+def _same_ids(m: PageManager, a: int, b: int, n: int) -> bool:
+    """Whether rows ``a`` and ``b`` are known to hold the same ``n`` first token ids. Two rows may
+    hold a history in different pages: a page filled while another already held its digest
+    stays private, and a later prefix hit shares the cached one (a loaded state, whose token log
+    starts at each unfinished page, cannot show this and is refused)."""
+    ids_a, ids_b = m._hashes.ids(a, 0, n), m._hashes.ids(b, 0, n)
+    return ids_a is not None and ids_b is not None and np.array_equal(ids_a, ids_b)
 
 
 __all__ = ["Broken", "check_consistency"]

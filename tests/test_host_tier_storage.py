@@ -50,10 +50,11 @@ def read(cache, manager, seq, length):
     return out  # per layer: the first position held, then K and V of positions 0 .. length - 1
 
 
-def serve(cache, tier, manager, prompts, dtype, rounds=2):
+def serve(cache, tier, manager, prompts, dtype, rounds=2, first=None):
     """Prefill every prompt ``rounds`` times (one at a time, released after); each prefix found
-    (on the device or brought back from the host) must read exactly what was first written."""
-    first = {}
+    (on the device or brought back from the host) must read exactly what was first written
+    (``first``: what earlier calls read, by prompt index)."""
+    first = {} if first is None else first
     for _ in range(rounds):
         for i, prompt in enumerate(prompts):
             [s] = manager.claim(1)
@@ -168,3 +169,75 @@ def test_the_demo_engine_preempts_to_the_host_and_generates_what_a_dense_cache_d
     assert engine.preemptions >= 2 and manager.metrics.host.swap_ins == engine.preemptions
     for r in requests:
         assert r.output == reference_generate(model, r, max_len=256, dtype=jnp.float32), r.rid
+
+
+def _swapped_sequence(cache, tier, manager):
+    [s] = manager.claim(1)
+    rt = manager.build_step_metadata([s], [10])
+    cache, _ = manager.apply_pending(cache, host=tier)
+    k, v = kv_of(9, 10, jnp.bfloat16)
+    cache, _ = cache.write(k, v, rt)
+    manager.step([s], [list(range(900, 910))])
+    manager.swap_out(s)
+    return cache, s
+
+
+def test_checkpoints_leave_the_host_tier_out_and_say_so(tmp_path):
+    from easykv.checkpoint.checkpointer import restore_cache, save_cache
+
+    cache, tier, manager = setup()
+    cache = serve(cache, tier, manager, PROMPTS, jnp.bfloat16, rounds=1)
+    cache, s = _swapped_sequence(cache, tier, manager)
+    with pytest.raises(ValueError, match=r"swapped out"):
+        save_cache(tmp_path / "a", cache, manager)  # its pages would be lost
+    cache, _ = manager.apply_pending(cache, host=tier)
+    manager.swap_in(s)
+    with pytest.raises(ValueError, match=r"host-tier transfers are pending"):
+        save_cache(tmp_path / "a", cache, manager)  # its pages are not back yet
+    cache, _ = manager.apply_pending(cache, host=tier)
+    before = read(cache, manager, s, 10)
+    cached = manager.metrics.host.cached_pages
+    assert cached > 0
+    with pytest.warns(UserWarning, match=f"its {cached} cached prefix pages are not saved"):
+        save_cache(tmp_path / "b", cache, manager)
+    restored, again = restore_cache(tmp_path / "b", mesh=create_mesh({"dp": 1, "tp": 8}),
+                                    partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
+    assert again.has_host_tier and again.metrics.host.cached_pages == 0
+    assert again.metrics.host.total_pages == manager.metrics.host.total_pages
+    for (_, a, b), (_, c, d) in zip(read(restored, again, s, 10), before):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+
+
+def test_sleep_and_wake_with_a_host_tier():
+    cache, tier, manager = setup()
+    seen = {}
+    cache = serve(cache, tier, manager, PROMPTS, jnp.bfloat16, rounds=1, first=seen)
+    cache, s = _swapped_sequence(cache, tier, manager)
+    with pytest.raises(ValueError, match="host-tier transfers are pending"):
+        easykv.sleep(cache, manager)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, manager = easykv.wake(easykv.sleep(cache, manager))  # the same placement: the tier still holds
+    manager.swap_in(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    k, v = kv_of(9, 10, jnp.bfloat16)
+    np.testing.assert_array_equal(read(cache, manager, s, 10)[0][1], np.asarray(k[0].astype(jnp.float32)))
+    cache = serve(cache, tier, manager, PROMPTS[:2], jnp.bfloat16, rounds=1, first=seen)  # hits still right
+    manager.swap_out(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    sleeping = easykv.sleep(cache, manager)
+    other = create_mesh({"dp": 2, "tp": 4})
+    with pytest.raises(ValueError, match="swapped out to the host tier"):
+        easykv.wake(sleeping, mesh=other, partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
+    manager.swap_in(s)
+    cache, manager = easykv.wake(sleeping)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    cached = manager.metrics.host.cached_pages
+    assert cached
+    moved, manager = easykv.wake(easykv.sleep(cache, manager), mesh=other,
+                                 partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
+    # Another placement: the old tier's pages cannot serve it; the manager forgot them.
+    assert manager.metrics.host.cached_pages == 0
+    with pytest.raises(ValueError, match="HostTier of another cache"):
+        manager.apply_pending(moved, host=tier)
+    moved, _ = manager.apply_pending(moved, host=easykv.HostTier(moved))

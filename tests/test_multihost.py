@@ -75,6 +75,12 @@ def test_a_grouped_cache_runs_in_lockstep_across_two_processes(tmp_path):
         assert f"WORKER OK {pid}" in out, out
 
 
+def test_a_host_tier_runs_in_lockstep_across_two_processes(tmp_path):
+    outputs = run("host-tier", tmp_path, 240)
+    for pid, out in enumerate(outputs):
+        assert f"WORKER OK {pid}" in out, out
+
+
 def test_lockstep_names_the_diverging_process(tmp_path):
     outputs = run("diverge", tmp_path)
     assert all(f"WORKER OK {pid}" in out for pid, out in enumerate(outputs))

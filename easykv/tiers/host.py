@@ -93,8 +93,12 @@ class HostTier:
                 cache.layout_of(g) for g in range(len(meta.groups))) != self._layouts:
             raise ValueError("host= is the HostTier of another cache (other metadata or placement); make one for this "
                              "cache with easykv.HostTier(cache)")
-        if manager_metadata is not None and manager_metadata.groups != meta.groups:
-            raise ValueError("the manager's metadata describes other pools than this HostTier's cache")
+        if manager_metadata is not None:
+            mine = [(g.num_pages, meta.group_host_pages(g)) for g in meta.groups]
+            theirs = [(g.num_pages, manager_metadata.group_host_pages(g)) for g in manager_metadata.groups]
+            if mine != theirs:
+                raise ValueError(f"the manager's pools (device, host pages per group: {theirs}) are not this "
+                                 f"HostTier's ({mine})")
         n = len(meta.groups)
         empty = np.zeros(0, np.int32)
         copies = ((empty, empty),) * n if copies is None else copies

@@ -199,6 +199,55 @@ def grouped_mode(directory: str) -> None:
     check(cache, manager)
 
 
+def host_tier_mode() -> None:
+    """A host tier across two processes (pages over dp=2 x tp=4; each process keeps its own
+    shards' host pages): prefixes evicted from a small pool come back from the host bit for bit,
+    a sequence swapped out mid-way returns unchanged, and both processes stay in lock-step."""
+    mesh = create_mesh({"dp": 2, "tp": 4})
+    pm = PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis="dp"))
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, 2, 32, 4, 8, 16, 0.9, jnp.float32, partition_manager=pm,
+                                                     num_pages_per_layer=16).replace(host_pages_per_layer=32)
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    tier = easykv.HostTier(cache)
+    manager = easykv.PageManager(meta)
+    rng = np.random.default_rng(3)
+    prompts = [[50 * i + t for t in range(13)] for i in range(4)]
+    written = {i: rng.normal(size=(2, 13, 8, 16)).astype(np.float32) for i in range(4)}
+    spec = P(None, None, "tp")
+
+    def read(seq, n):
+        return [gathered(easykv.gather_kv(cache, layer, np.asarray(manager.pages(seq)), n)[0]) for layer in range(2)]
+
+    for _ in range(2):
+        for i, prompt in enumerate(prompts):
+            [s] = manager.claim(1)
+            done = manager.match_prefix(s, prompt)
+            rt = manager.build_step_metadata([s], [13 - done])
+            cache, _ = manager.apply_pending(cache, host=tier)
+            for layer, keys in enumerate(read(s, done) if done else ()):
+                assert np.array_equal(keys, written[i][layer, :done]), (i, layer)
+            k = global_array(written[i][:, done:], mesh, spec)
+            cache, _ = cache.write(k, k, rt)
+            manager.step([s], [prompt[done:]])
+            manager.release(s)
+            assert_lockstep(manager)
+    assert manager.metrics.host.host_hits >= 3
+    [s] = manager.claim(1)
+    rt = manager.build_step_metadata([s], [10])
+    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = cache.write(global_array(written[0][:, :10], mesh, spec), global_array(written[0][:, :10], mesh, spec),
+                           rt)
+    manager.step([s], [list(range(10))])
+    manager.swap_out(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    assert_lockstep(manager)
+    manager.swap_in(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    for layer, keys in enumerate(read(s, 10)):
+        assert np.array_equal(keys, written[0][layer, :10]), layer
+    assert_lockstep(manager)
+
+
 def gathered_pages(pages):
     return multihost_utils.process_allgather(pages, tiled=True)
 
@@ -254,6 +303,8 @@ elif MODE == "checkpoint":
     checkpoint_mode(sys.argv[2], sys.argv[3])
 elif MODE == "grouped":
     grouped_mode(sys.argv[2])
+elif MODE == "host-tier":
+    host_tier_mode()
 elif MODE == "diverge":
     diverge_mode()
 elif MODE == "fail":

@@ -317,8 +317,10 @@ class TieredVersionMachine(VersionMachine):
 
     @invariant()
     def host_pages_of_every_version_are_counted(self):
-        m = self.pm.metrics.host
-        assert m.free_pages + m.cached_pages + m.used_pages == m.total_pages
+        m = self.pm.metrics
+        assert m.host.free_pages + m.host.cached_pages + m.host.used_pages == m.host.total_pages
+        if m.versions:
+            assert sum(v.host_cached_pages for v in m.versions) == m.host.cached_pages
 
 
 TestTieredTruncateMachine = TieredTruncateMachine.TestCase
@@ -326,3 +328,44 @@ TestTieredVersionMachine = TieredVersionMachine.TestCase
 for case in (TestTieredTruncateMachine, TestTieredVersionMachine):
     case.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
+
+
+def onloads_pending_into_cached_pages(a):
+    """A 4-page pool whose prompt ``a``'s two full pages were brought back from the host by a
+    sequence released since: cached device pages still waiting for their onloads."""
+    pm, dev = tiered(pages=4, host=4), TierDevice(4, 4)
+    s, _ = admit(pm, dev, a)
+    pm.release(s)
+    t, _ = admit(pm, dev, [7] * 13)  # evicts a's pages to the host
+    pm.release(t)
+    [u] = pm.claim(1)
+    assert pm.match_prefix(u, a) == 8  # two onloads pending into fresh device pages
+    pm.release(u)
+    return pm, dev
+
+
+def test_an_onload_into_a_page_that_leaves_the_cache_before_it_ran_is_dropped():
+    a = list(range(9))
+    pm, dev = onloads_pending_into_cached_pages(a)
+    [v] = pm.claim(1)
+    pm.build_step_metadata([v], [16])  # the whole pool: evicts them before the onloads ran
+    pm.check_invariants()
+    assert pm.pending_transfers()[0][2].size == 0  # nothing will overwrite v's pages
+    dev.apply(pm)
+    assert pm.cached_prefix_length(a) == 8  # the host pages still hold a's prefix
+    pm.release(v)
+    [w] = pm.claim(1)
+    assert pm.match_prefix(w, a) == 8
+    dev.apply(pm)
+    assert dev.tokens(pm, w) == a[:8]
+
+
+def test_a_reset_drops_the_onloads_into_the_pages_it_frees():
+    pm, dev = onloads_pending_into_cached_pages(list(range(9)))
+    # two onloads pin their host pages; the hit's allocation evicted one of t's pages: an offload
+    assert len(pm.pending_transfers()[0][2]) == 2 and pm.metrics.host.used_pages == 3
+    pm.reset_prefix_cache()  # frees those pages: nothing will fill them
+    assert len(pm.pending_transfers()[0][2]) == 0 and pm.metrics.host.used_pages == 1
+    pm.check_invariants()
+    dev.apply(pm)
+    assert pm.metrics.host.used_pages == 0 and pm.metrics.host.cached_pages == 0  # landed as a plain page

@@ -89,7 +89,10 @@ def test_prefix_pages_come_back_from_the_host_bit_for_bit(layout, quantizer):
     # 5 prompts x 3 full pages do not fit 8 device pages per replica: without the tier the second
     # round would have missed; every one of its prompts hit.
     assert m.prefix_hits == 5
-    assert tier.bytes_onloaded == m.host.onloaded_pages * tier._groups[0].page_bytes
+    page_bytes = tier._groups[0].page_bytes  # one page of every layer: K, V (and scales), every head
+    assert tier.bytes_onloaded == m.host.onloaded_pages * page_bytes
+    assert tier.bytes_offloaded == m.host.offloaded_pages * page_bytes
+    assert tier.host_bytes == cache.metadata.host_pages_per_layer * page_bytes  # each shard kept once
 
 
 def test_a_sliding_and_full_cache_brings_back_the_pages_each_group_needs():
@@ -99,30 +102,36 @@ def test_a_sliding_and_full_cache_brings_back_the_pages_each_group_needs():
     assert manager.metrics.host.host_hits >= 3
 
 
+def _written(cache, tier, manager, n, seed):
+    """A new sequence with ``n`` tokens written (K/V ``kv_of(seed, n)``, ids 100 * seed ...)."""
+    [s] = manager.claim(1)
+    rt = manager.build_step_metadata([s], [n])
+    cache, _ = manager.apply_pending(cache, host=tier)
+    k, v = kv_of(seed, n, jnp.bfloat16)
+    cache, _ = cache.write(k, v, rt)
+    manager.step([s], [list(range(100 * seed, 100 * seed + n))])
+    return cache, s
+
+
+def _swapped_sequence(cache, tier, manager):
+    """A sequence of 10 written tokens, swapped out (its transfers pending)."""
+    cache, s = _written(cache, tier, manager, 10, 9)
+    manager.swap_out(s)
+    return cache, s
+
+
 def test_a_swapped_sequence_returns_unchanged():
     cache, tier, manager = setup()
-    [s] = manager.claim(1)
-    prompt = list(range(10))
-    rt = manager.build_step_metadata([s], [10])
-    k, v = kv_of(7, 10, jnp.bfloat16)
-    cache, _ = cache.write(k, v, rt)
-    manager.step([s], [prompt])
-    before = read(cache, manager, s, 10)
-    manager.swap_out(s)
+    cache, s = _swapped_sequence(cache, tier, manager)
     cache, _ = manager.apply_pending(cache, host=tier)
-    # Another sequence takes every device page and writes over them.
-    [t] = manager.claim(1)
-    rt = manager.build_step_metadata([t], [16])
-    cache, _ = manager.apply_pending(cache, host=tier)
-    k2, v2 = kv_of(8, 16, jnp.bfloat16)
-    cache, _ = cache.write(k2, v2, rt)
-    manager.step([t], [list(range(50, 66))])
+    k, v = kv_of(9, 10, jnp.bfloat16)
+    cache, t = _written(cache, tier, manager, 16, 8)  # takes every device page and writes over them
     manager.release(t)
     manager.swap_in(s)
     cache, _ = manager.apply_pending(cache, host=tier)
-    for (_, a, b), (_, c, d) in zip(read(cache, manager, s, 10), before):
-        np.testing.assert_array_equal(a, c)
-        np.testing.assert_array_equal(b, d)
+    for layer, (_, a, b) in enumerate(read(cache, manager, s, 10)):
+        np.testing.assert_array_equal(a, np.asarray(k[layer].astype(jnp.float32)))
+        np.testing.assert_array_equal(b, np.asarray(v[layer].astype(jnp.float32)))
 
 
 def test_a_host_tier_refuses_another_cache_and_keeps_the_work_pending():
@@ -169,17 +178,6 @@ def test_the_demo_engine_preempts_to_the_host_and_generates_what_a_dense_cache_d
     assert engine.preemptions >= 2 and manager.metrics.host.swap_ins == engine.preemptions
     for r in requests:
         assert r.output == reference_generate(model, r, max_len=256, dtype=jnp.float32), r.rid
-
-
-def _swapped_sequence(cache, tier, manager):
-    [s] = manager.claim(1)
-    rt = manager.build_step_metadata([s], [10])
-    cache, _ = manager.apply_pending(cache, host=tier)
-    k, v = kv_of(9, 10, jnp.bfloat16)
-    cache, _ = cache.write(k, v, rt)
-    manager.step([s], [list(range(900, 910))])
-    manager.swap_out(s)
-    return cache, s
 
 
 def test_checkpoints_leave_the_host_tier_out_and_say_so(tmp_path):

@@ -81,10 +81,15 @@ class GroupTable:
 
     def offload_evicted(self) -> None:
         """A pending offload for every prefix page the device pool evicted whose digest the host
-        tier does not hold yet; dropped (counted) when every host page of the replica is held."""
+        tier does not hold yet; dropped (counted) when every host page of the replica is held.
+        An evicted page still waiting for its onload never got its data: the onload is dropped
+        (the host page keeps the digest)."""
         host = self.host
         pending = {d for _, d, _ in self.offloads.values()} if self.offloads else ()
         for page, digest, tag in self.pool.take_evicted():
+            if page in self.onloads:
+                host.release([self.onloads.pop(page)])
+                continue
             replica = self.pool.replica_of(page)
             if host.lookup(replica, digest) >= 0 or digest in pending:
                 continue
@@ -121,6 +126,11 @@ class GroupTable:
     def tier_map(self, replica: int) -> _TierMap:
         """A prefix map of ``replica`` over both tiers (`host_lookup` as ``.get``)."""
         return _TierMap(self, replica)
+
+    def drop_freed_onloads(self) -> None:
+        """Drop the pending onloads into pages that became free (the prefix cache was emptied)."""
+        for page in [p for p in self.onloads if self.pool.refcount[p] == 0 and self.pool.digest_of(p) is None]:
+            self.host.release([self.onloads.pop(page)])
 
     def release_pages(self, pages: list[int], *, stale: bool = False) -> None:
         """Drop one reference from each page (``stale``: of an older weight version, see

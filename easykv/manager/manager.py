@@ -288,7 +288,9 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         return k * self.page_size
 
     def cached_prefix_length(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
-        """How many tokens of ``token_ids`` `match_prefix` would find cached now (no state change)."""
+        """How many tokens of ``token_ids`` `match_prefix` would find cached now (no state change),
+        on the device or in the host tier (`match_prefix` takes fewer when the device has no room
+        to bring the host part back)."""
         tokens = as_token_ids(token_ids)
         if not self.enable_prefix_caching:
             return 0

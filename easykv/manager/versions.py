@@ -33,7 +33,8 @@ VERSION_COUNTERS = ("prefix_queries", "prefix_hits", "prefix_hit_tokens")
 class VersionMetrics:
     """One weight version's share of the manager: ``version`` as it was set (None: before any
     was set), whether it is the current one, the pages its running sequences hold and the
-    cached pages it wrote (over every layer group's pool), and its prefix lookups."""
+    cached pages it wrote (over every layer group's pool; ``host_cached_pages``: those in the
+    host-memory tier), and its prefix lookups."""
 
     version: Any
     current: bool
@@ -42,6 +43,7 @@ class VersionMetrics:
     prefix_queries: int
     prefix_hits: int
     prefix_hit_tokens: int
+    host_cached_pages: int = 0
 
 
 class _Versions:
@@ -89,6 +91,7 @@ class _Versions:
         for gt in self._groups:
             held += gt.pool.forget_prefixes()
             if gt.host is not None:
+                gt.drop_freed_onloads()
                 held += gt.host.forget_prefixes()
                 # Offloads still pending land as plain pages: their digests are forgotten too.
                 gt.offloads = {h: (page, None, None) for h, (page, _, _) in gt.offloads.items()}
@@ -123,6 +126,7 @@ class _Versions:
         index = {v: i for i, v in enumerate(versions)}
         live = np.zeros(len(versions), np.int64)
         cached = np.zeros(len(versions), np.int64)
+        host = np.zeros(len(versions), np.int64)
         rows = np.flatnonzero(self._active)
         of_row = np.array([index[self._row_version[r]] for r in rows.tolist()], np.int64)
         for gt in self._groups:
@@ -131,13 +135,15 @@ class _Versions:
                 live[i] += np.unique(pages[pages >= 0]).size
             for tag in gt.pool.cached_tags():
                 cached[index[tag]] += 1
+            for tag in gt.host.cached_tags() if gt.host is not None else ():
+                host[index[tag]] += 1
         out = []
         for i, v in enumerate(versions):
             counters = self._version_counters[v]
-            if v is None and v != self._version and not (live[i] or cached[i] or any(counters.values())):
+            if v is None and v != self._version and not (live[i] or cached[i] or host[i] or any(counters.values())):
                 continue
             out.append(VersionMetrics(version=self._versions[v], current=v == self._version, live_pages=int(live[i]),
-                                      cached_pages=int(cached[i]), **counters))
+                                      cached_pages=int(cached[i]), host_cached_pages=int(host[i]), **counters))
         return tuple(out)
 
 

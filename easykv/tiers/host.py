@@ -55,8 +55,9 @@ class HostTier:
             leaves, treedef = jax.tree.flatten((cache.key_pages[g], cache.value_pages[g]))
             self._groups.append(_GroupStore(leaves, treedef, meta.group_host_pages(group), meta.page_shards))
         self._inflight: list[tuple[int, list[jax.Array], np.ndarray, np.ndarray]] = []
-        self.bytes_offloaded = 0  # bytes copied device -> host (every device's shard counted)
-        self.bytes_onloaded = 0  # bytes copied host -> device
+        # Bytes of the pages moved (every layer, K, V and scales, each kv head once).
+        self.bytes_offloaded = 0  # device -> host
+        self.bytes_onloaded = 0  # host -> device
 
     @property
     def host_bytes(self) -> int:
@@ -68,13 +69,6 @@ class HostTier:
         for g, staged, dst, counts in self._inflight:
             self._groups[g].land(staged, dst, counts)
         self._inflight.clear()
-
-    def read(self, group: int, page: int) -> list[np.ndarray]:
-        """Host page ``page`` of layer group ``group`` as this process holds it: one array per
-        page array leaf (keys, values, scales), each the concatenation of the shards this process
-        holds along the kv-head axis (for tests and inspection; flushes first)."""
-        self.flush()
-        return self._groups[group].read(page)
 
     def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
               manager_metadata: Any = None) -> PagedAttentionCache:
@@ -248,14 +242,6 @@ class _GroupStore:
             for _, key, r in devices:
                 mine = pages[pages // self.host_local == r] - r * self.host_local
                 stores[key][:, :, mine] = 0
-
-    def read(self, page: int) -> list[np.ndarray]:
-        r, local = divmod(int(page), self.host_local)
-        out = []
-        for stores, devices in zip(self.shards, self.devices):
-            keys = sorted({key for _, key, rep in devices if rep == r})
-            out.append(np.concatenate([stores[key][:, :, local] for key in keys], axis=1) if keys else None)
-        return out
 
 
 def _key(index: tuple[Any, ...], ndim: int) -> tuple[Any, ...]:

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
@@ -154,7 +154,7 @@ class _GroupStore:
         self.shards: list[dict[tuple[Any, ...], np.ndarray]] = []
         self.devices: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: (device, shard key, replica)
         self.shapes = [a.shape for a in leaves]
-        self.shardings = [a.sharding for a in leaves]
+        self.shardings = [_page_major(a.sharding) for a in leaves]
         page_bytes = 0
         for a in leaves:
             stores, devices = {}, []
@@ -162,10 +162,9 @@ class _GroupStore:
                 key = _key(shard.index, a.ndim)
                 pages = shard.index[2]
                 replica = (pages.start or 0) // self.device_local if self.replicas > 1 else 0
-                if key not in stores:
-                    shape = list(shard.data.shape)
-                    shape[2] = self.host_local
-                    stores[key] = np.zeros(shape, shard.data.dtype)
+                if key not in stores:  # page-major: a host page is one contiguous block
+                    shape = shard.data.shape
+                    stores[key] = np.zeros((self.host_local, *shape[:2], *shape[3:]), shard.data.dtype)
                 devices.append((shard.device, key, replica))
             self.shards.append(stores)
             self.devices.append(devices)
@@ -203,23 +202,19 @@ class _GroupStore:
         return out_src, out_dst, counts
 
     def gather(self, plan: _Plan) -> list[jax.Array]:
-        """The onloaded pages as device arrays laid out like the pool, ``(layers, heads,
-        replicas * k, ...)``; padding rows are zeros and go nowhere."""
+        """The onloaded pages as device arrays, page-major ``(replicas * k, layers, heads, ...)``
+        and sharded like the pool; padding pages go nowhere."""
         k = plan.on_src.shape[1]
         out = []
         for stores, devices, shape, sharding in zip(self.shards, self.devices, self.shapes, self.shardings):
             parts: dict[tuple[Any, int], np.ndarray] = {}
             for _, key, r in devices:
-                if (key, r) not in parts:
-                    store, n = stores[key], int(plan.on_counts[r])
-                    take = np.zeros(store.shape[:2] + (k,) + store.shape[3:], store.dtype)
-                    take[:, :, :n] = store[:, :, plan.on_src[r, :n]]
-                    parts[key, r] = take
+                if (key, r) not in parts:  # padding reads page 0: its destination drops it
+                    parts[key, r] = stores[key][plan.on_src[r]]
             # One batched transfer for every device (several single ones cost more than the floor's one).
             arrays = jax.device_put([parts[key, r] for _, key, r in devices], [device for device, _, _ in devices])
-            global_shape = list(shape)
-            global_shape[2] = k * self.replicas
-            out.append(jax.make_array_from_single_device_arrays(tuple(global_shape), sharding, arrays))
+            global_shape = (k * self.replicas, *shape[:2], *shape[3:])
+            out.append(jax.make_array_from_single_device_arrays(global_shape, sharding, arrays))
         return out
 
     def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
@@ -233,7 +228,7 @@ class _GroupStore:
                 done.add(key)
                 n = int(counts[r])
                 if n:
-                    stores[key][:, :, dst[r, :n]] = np.asarray(by_device[device].data)[:, :, :n]
+                    stores[key][dst[r, :n]] = np.asarray(by_device[device].data)[:n]
 
     def zero(self, pages: np.ndarray) -> None:
         if not pages.size:
@@ -241,7 +236,21 @@ class _GroupStore:
         for stores, devices in zip(self.shards, self.devices):
             for _, key, r in devices:
                 mine = pages[pages // self.host_local == r] - r * self.host_local
-                stores[key][:, :, mine] = 0
+                stores[key][mine] = 0
+
+
+def _page_major_spec(spec: PartitionSpec) -> PartitionSpec:
+    """The spec of a pool array's pages moved to the front: ``(pages, layers, heads, ...)``."""
+    entries = tuple(spec) + (None,) * max(0, 3 - len(spec))
+    return PartitionSpec(entries[2], *entries[:2], *entries[3:])
+
+
+def _page_major(sharding: Any) -> Any:
+    """``sharding`` of a pool array for its page-major transfer arrays (one that splits nothing,
+    or a single device's, serves as it is)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, _page_major_spec(sharding.spec), memory_kind=sharding.memory_kind)
+    return sharding
 
 
 def _key(index: tuple[Any, ...], ndim: int) -> tuple[Any, ...]:
@@ -279,16 +288,17 @@ def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Arr
         r = 0
         if layout is not None and layout.page_shards > 1:
             r = jax.lax.axis_index(layout.page_axes)
-        taken = [jnp.take(a, off[r], axis=2, mode="clip") for a in leaves]
+        taken = [jnp.moveaxis(jnp.take(a, off[r], axis=2, mode="clip"), 2, 0) for a in leaves]  # page-major
         leaves = copy_pages_local(leaves, None, copy_src, copy_dst, layout=layout)
-        leaves = [a.at[:, :, on[r]].set(u, mode="drop") for a, u in zip(leaves, on_pages)]
+        leaves = [a.at[:, :, on[r]].set(jnp.moveaxis(u, 0, 2), mode="drop") for a, u in zip(leaves, on_pages)]
         return zero_pages_local(leaves, None, scrubs, layout=layout), taken
 
     if layout is None or layout.mesh.size == 1:
         return local(leaves, on_pages, off, on, *ids)
     specs = [layout.spec_for(a.ndim) for a in leaves]
+    moved = [_page_major_spec(s) for s in specs]
     replicated = (PartitionSpec(),) * 5
-    mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, specs, *replicated), out_specs=(specs, specs))
+    mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, moved, *replicated), out_specs=(specs, moved))
     return mapped(leaves, on_pages, off, on, *ids)
 
 

@@ -239,3 +239,28 @@ def test_sleep_and_wake_with_a_host_tier():
     with pytest.raises(ValueError, match="HostTier of another cache"):
         manager.apply_pending(moved, host=tier)
     moved, _ = manager.apply_pending(moved, host=easykv.HostTier(moved))
+
+
+def test_sequences_move_between_tiered_caches():
+    cache, tier, manager = setup()
+    cache, s = _written(cache, tier, manager, 10, 4)
+    ids = list(range(400, 410))
+    manager.swap_out(s)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    with pytest.raises(ValueError, match="swapped out to the host tier"):
+        easykv.export_sequence(cache, manager, s, token_ids=ids)
+    manager.swap_in(s)
+    with pytest.raises(ValueError, match="pending copy-on-write copy, onload or scrub"):
+        easykv.export_sequence(cache, manager, s, token_ids=ids)
+    cache, _ = manager.apply_pending(cache, host=tier)
+    exported = easykv.export_sequence(cache, manager, s, token_ids=ids)
+    other, other_tier, other_manager = setup()
+    before = other_manager.state_dict()
+    with pytest.raises(ValueError, match="pass its HostTier"):
+        easykv.import_sequence(other, other_manager, exported)
+    assert other_manager.state_dict() == before and not any(a.is_deleted() for a in jax.tree.leaves(other))
+    other, seq = easykv.import_sequence(other, other_manager, exported, host=other_tier)
+    k, v = kv_of(4, 10, jnp.bfloat16)
+    for layer, (_, a, b) in enumerate(read(other, other_manager, seq, 10)):
+        np.testing.assert_array_equal(a, np.asarray(k[layer].astype(jnp.float32)))
+        np.testing.assert_array_equal(b, np.asarray(v[layer].astype(jnp.float32)))

@@ -113,6 +113,9 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     length = manager.length(seq)  # UnknownSequenceError when not claimed
     if length == 0:
         raise ValueError(f"sequence {seq} has no committed tokens to export; commit them first (manager.step)")
+    if manager.has_host_tier and manager.is_swapped(seq):
+        raise ValueError(f"sequence {seq} is swapped out to the host tier; swap_in({seq}) and apply_pending(cache, "
+                         "host=...) before exporting it")
     if token_ids is None:
         token_ids = _manager_token_ids(manager, seq)
     if token_ids is not None:
@@ -162,10 +165,13 @@ def _held_pages(manager: PageManager, meta: Any, seq: int, length: int, g: int) 
     if len(meta.groups) > 1:
         copies, scrubs = copies[g], scrubs[g]
     pending = set(copies.tolist()) | set(scrubs.tolist())
+    if manager.has_host_tier:
+        pending |= set(manager.pending_transfers()[g][3].tolist())  # onloads into its pages
     late = [p for p in ids.tolist() if p in pending]
     if late:
-        raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy or scrub, so the "
-                         "cache does not hold its tokens yet; apply it first: cache, _ = manager.apply_pending(cache)")
+        raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy, onload or scrub, so "
+                         "the cache does not hold its tokens yet; apply it first: cache, _ = "
+                         "manager.apply_pending(cache, host=...)")
     return first, ids
 
 
@@ -350,15 +356,16 @@ def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 
 
 def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: SequenceExport, *,
-                    seq_id: int | None = None, salt: Any = None,
-                    reuse_prefix: bool = True) -> tuple[PagedAttentionCache, int]:
+                    seq_id: int | None = None, salt: Any = None, reuse_prefix: bool = True,
+                    host: Any = None) -> tuple[PagedAttentionCache, int]:
     """Give ``exported`` a sequence id in ``manager`` (``seq_id``, or the lowest free one), pages in
     ``cache``, and write its K/V. Returns ``(cache, seq_id)``; like ``cache.write`` the cache
     passed in is donated. With token ids and ``reuse_prefix``, pages already cached for the
     same prefix (same ``salt``) are shared instead of written; the written pages enter the
     prefix cache under ``salt`` (with ``reuse_prefix=False`` and a salt they stay out of it).
     The manager's pending copy-on-write copies and scrubs are applied first (they must precede
-    any write).
+    any write); with a host-memory tier, so are its transfers, through ``host`` (the cache's
+    `HostTier`, required then).
 
     Into a sliding or chunked cache, the sequence gets pages only from its window's first page
     on (`PageManager.resume`): it never holds more than its window, however long it is. An
@@ -371,6 +378,9 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     the pool or in the data-parallel replica the sequence would live in), the manager is as
     before (``state_dict()`` equal) and the cache is neither donated nor written."""
     meta = _check_pair(cache, manager)
+    if manager.has_host_tier and host is None:
+        raise ValueError("this manager has a host-memory tier: pass its HostTier (import_sequence(..., host=tier)); "
+                         "the import's pages may bring prefixes back from it or push others to it")
     exported = _checked_export(exported)
     needed = _check_import(meta, exported)
     grouped = isinstance(exported, GroupedSequenceExport)
@@ -417,8 +427,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         # Only the manager knows whether the pages its prefix match shares leave room in that
         # replica; ask it on a copy so that a refusal leaves the real one untouched (a release
         # after match_prefix would not restore its counters and LRU order).
-        probe = PageManager.from_state_dict(manager.metadata, manager.state_dict())
-        _admit(probe, seq_id, match, salt, exported.length, start)
+        _admit(manager.clone(), seq_id, match, salt, exported.length, start)
     # Checked: from here on nothing fails for a reason the caller could have avoided.
     seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
     # Positions done .. length - 1 are written; a group's export holds first .. length - 1.
@@ -438,7 +447,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
              for (k, v), f in zip(parts, firsts)]
     rts = step_meta if len(meta.groups) > 1 else (step_meta,)
     try:
-        cache, _ = manager.apply_pending(cache)
+        cache, _ = manager.apply_pending(cache, host=host)
         if any(exact):
             slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
             cache = _write_raw(cache, tuple(spans), slots)

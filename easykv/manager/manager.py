@@ -507,6 +507,13 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         Canonical: the same calls give the same state, restored on the way or not."""
         return manager_state.write_state(self)
 
+    def clone(self) -> PageManager:
+        """An independent copy of this manager (to try calls on without changing it); the
+        `HostTier` it last applied work through is shared, not copied."""
+        import copy
+
+        return copy.deepcopy(self, {id(self._tier): self._tier} if self._tier is not None else {})
+
     def lockstep_state(self) -> dict[str, Any]:
         """`state_dict` with the host tier's bookkeeping (swapped-out sequences, pending transfers,
         the host pools): what `easykv.distributed.assert_lockstep` compares between processes."""

@@ -198,6 +198,9 @@ def test_checkpoints_leave_the_host_tier_out_and_say_so(tmp_path):
     assert cached > 0
     with pytest.warns(UserWarning, match=f"its {cached} cached prefix pages are not saved"):
         save_cache(tmp_path / "b", cache, manager)
+    from easykv.checkpoint.inspect import inspect_checkpoint
+
+    assert "host     a host-memory tier of 16 pages per layer; its pages are not saved" in inspect_checkpoint(tmp_path / "b")
     restored, again = restore_cache(tmp_path / "b", mesh=create_mesh({"dp": 1, "tp": 8}),
                                     partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
     assert again.has_host_tier and again.metrics.host.cached_pages == 0

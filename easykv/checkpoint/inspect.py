@@ -112,6 +112,9 @@ def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[s
     lines.append(f"  size     {_size(logical)} in {len(arrays)} arrays"
                  + (f"; {_size(disk)} on disk" if disk is not None else ""))
     lines.append(f"  mesh     {_mesh_line(record['mesh'])}")
+    if meta.has_host_tier:
+        lines.append(f"  host     a host-memory tier of {meta.host_pages_per_layer} pages per layer; its pages are not "
+                     "saved (it restores empty)")
     mgr = record["manager"]
     if mgr:
         lines.append(f"  manager  {mgr['active_sequences']} sequences, {mgr['tokens']} tokens; pages free "

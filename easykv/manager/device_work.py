@@ -81,6 +81,10 @@ class _DeviceWork:
                 raise ValueError("host-tier transfers are pending; pass the cache's tier: apply_pending(cache, "
                                  "host=tier) with tier = easykv.tiers.HostTier(cache)")
             self._check_tier(host)
+            if not (self.has_pending_transfers() or any(gt.copies or gt.pool.has_pending_scrubs()
+                                                        for gt in self._groups)):
+                host.check(cache, self.metadata)
+                return cache, 0  # nothing to run: no program dispatched this step
             # One program for all of it, in the order the work depends on (see `easykv.tiers.host`).
             copies = tuple(zip(*map(self._as_groups, self.pending_copies())))
             cache = host.apply(cache, self.pending_transfers(), copies=copies,

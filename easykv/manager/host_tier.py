@@ -74,7 +74,7 @@ class HostTierMetrics:
 class _HostTier:
     """`PageManager`'s host-memory tier and swapping (see the module doc)."""
 
-    def _init_host_tier(self, host_tier: Any) -> None:
+    def _init_host_tier(self) -> None:
         self._swapped: dict[int, SwappedSequence] = {}
         self._host_counters = dict.fromkeys(HOST_COUNTERS, 0)
         self._tier: Any = None  # the HostTier holding this manager's host pages (set by apply_pending)

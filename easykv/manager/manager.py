@@ -152,7 +152,7 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         self._active = np.zeros(b, bool)
         self._hashes = SequenceHashes(b, ps)
         self._init_versions()
-        self._init_host_tier(host_tier)
+        self._init_host_tier()
         self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
 
     @property

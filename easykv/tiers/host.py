@@ -70,6 +70,21 @@ class HostTier:
             self._groups[g].land(staged, dst, counts)
         self._inflight.clear()
 
+    def check(self, cache: Any, manager_metadata: Any = None) -> None:
+        """ValueError unless ``cache`` is this tier's cache (its metadata and placement) and
+        ``manager_metadata`` (if given) has its pools."""
+        meta = self.metadata
+        if not isinstance(cache, PagedAttentionCache) or cache.metadata != meta or tuple(
+                cache.layout_of(g) for g in range(len(meta.groups))) != self._layouts:
+            raise ValueError("host= is the HostTier of another cache (other metadata or placement); make one for this "
+                             "cache with easykv.HostTier(cache)")
+        if manager_metadata is not None:
+            mine = [(g.num_pages, meta.group_host_pages(g)) for g in meta.groups]
+            theirs = [(g.num_pages, manager_metadata.group_host_pages(g)) for g in manager_metadata.groups]
+            if mine != theirs:
+                raise ValueError(f"the manager's pools (device, host pages per group: {theirs}) are not this "
+                                 f"HostTier's ({mine})")
+
     def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
               manager_metadata: Any = None) -> PagedAttentionCache:
         """Run a manager's pending work on ``cache`` (donated) and these host pages, in one
@@ -82,17 +97,8 @@ class HostTier:
         first (an evicted page may be any later step's destination), then copies (a copy's
         source may be freed and filled by an onload of the same call), then onloads, then scrubs
         (pages released since)."""
+        self.check(cache, manager_metadata)
         meta = self.metadata
-        if not isinstance(cache, PagedAttentionCache) or cache.metadata != meta or tuple(
-                cache.layout_of(g) for g in range(len(meta.groups))) != self._layouts:
-            raise ValueError("host= is the HostTier of another cache (other metadata or placement); make one for this "
-                             "cache with easykv.HostTier(cache)")
-        if manager_metadata is not None:
-            mine = [(g.num_pages, meta.group_host_pages(g)) for g in meta.groups]
-            theirs = [(g.num_pages, manager_metadata.group_host_pages(g)) for g in manager_metadata.groups]
-            if mine != theirs:
-                raise ValueError(f"the manager's pools (device, host pages per group: {theirs}) are not this "
-                                 f"HostTier's ({mine})")
         n = len(meta.groups)
         empty = np.zeros(0, np.int32)
         copies = ((empty, empty),) * n if copies is None else copies

@@ -104,7 +104,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="hybrid", choices=("hybrid", "uniform"),
                       help="hybrid: sliding-window and full-attention layers, scanned (two layer groups); "
                            "uniform: full attention, unrolled")
-    demo.add_argument("--quant", default="none", help="quantizer: none, int8, fp8, int4")
+    demo.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
     demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="cache and model dtype")
     demo.add_argument("--mesh", default=None, help="mesh to serve on (default tp=8 on 8 simulated CPU devices)")
     demo.add_argument("--restore-mesh", default=None, help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")

@@ -19,8 +19,9 @@ from easykv.quantization import (
 )
 from sharding import PartitionAxis, PartitionManager, create_mesh
 
-QUANTIZERS = ["int8", "fp8", "int4", "int4-g8"]
-BOUNDS = {"int8": 1e-2, "fp8": 5e-2, "int4": 1.5e-1, "int4-g8": 1.5e-1}
+QUANTIZERS = ["int8", "fp8", "int4", "int4-g8", "int8-rot", "int4-rot", "int4-asym", "int4-g8-asym-rot"]
+BOUNDS = {"int8": 1e-2, "fp8": 5e-2, "int4": 1.5e-1, "int4-g8": 1.5e-1, "int8-rot": 1e-2, "int4-rot": 1.5e-1,
+          "int4-asym": 1.5e-1, "int4-g8-asym-rot": 1.5e-1, "fp8-rot": 5e-2, "int4-asym-rot": 1.5e-1}
 
 
 def rel_error(approx, exact):
@@ -144,7 +145,8 @@ def make_cache(quant, layout):
     return meta, easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=quant)
 
 
-@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "dp"), ("int4", "tp"), ("int4-g8", "dp")])
+@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "dp"), ("int4", "tp"), ("int4-g8", "dp"),
+                                           ("int8-rot", "dp"), ("int4-g8-asym-rot", "tp")])
 def test_quantized_cache_write_gather_copy_zero(quant, layout):
     meta, cache = make_cache(quant, layout)
     q = get_quantizer(quant)
@@ -169,16 +171,26 @@ def test_quantized_cache_write_gather_copy_zero(quant, layout):
     def expect(x):  # what the quantizer stores and gives back for these tokens
         return np.asarray(q.quantize(x).dequantize(jnp.bfloat16), np.float32)
 
+    # The same codes as an eager quantize; dequantized, the same values, except that a fused
+    # multiply-add may round an asymmetric code's lo + u * s one float32 bit differently.
+    same = np.testing.assert_array_equal if not q.name.count("asym") else \
+        (lambda a, b: np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-6))
     for layer in range(LAYERS):
         for seq, (start, n) in enumerate([(0, 7), (7, 10)]):
             keys, values = easykv.gather_kv(cache, layer, np.asarray(rows[seq]), n)
             assert keys.dtype == jnp.bfloat16 and keys.shape == (n, HEADS, DIM)
-            np.testing.assert_array_equal(np.asarray(keys, np.float32), expect(k[layer, start : start + n]))
-            np.testing.assert_array_equal(np.asarray(values, np.float32), expect(v[layer, start : start + n]))
+            same(np.asarray(keys, np.float32), expect(k[layer, start : start + n]))
+            same(np.asarray(values, np.float32), expect(v[layer, start : start + n]))
+            slots = np.asarray(rows[seq])[np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
+            stored = cache[layer].key_pages
+            want = q.quantize(k[layer, start : start + n])
+            for got_leaf, want_leaf in zip((stored.values, stored.scales), (want.values, want.scales)):
+                got_rows = np.asarray(got_leaf).reshape((HEADS, -1) + got_leaf.shape[3:])[:, slots]
+                np.testing.assert_array_equal(np.moveaxis(got_rows, 0, 1), np.asarray(want_leaf).view(got_rows.dtype))
             assert rel_error(values, v[layer, start : start + n]) < BOUNDS[quant]
     # V's scales come from V (10x larger values), not from K.
-    ks = np.asarray(cache[0].key_pages.scales[:, 5, 0])
-    vs = np.asarray(cache[0].value_pages.scales[:, 5, 0])
+    ks = np.abs(np.asarray(cache[0].key_pages.scales[:, 5, 0]))  # asymmetric: (step, lo) per group
+    vs = np.abs(np.asarray(cache[0].value_pages.scales[:, 5, 0]))
     assert np.all(vs > 3 * ks)
 
     before = easykv.gather_kv(cache, 1, np.asarray(rows[1]), 10)
@@ -213,7 +225,8 @@ def test_quantized_write_leaves_other_tokens_bit_identical():
 
 
 # ---- attention over quantized pages ----------------------------------------------------------
-@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "tp"), ("int4", "dp"), ("int4-g8", "tp")])
+@pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "tp"), ("int4", "dp"), ("int4-g8", "tp"),
+                                           ("int4-asym-rot", "dp"), ("fp8-rot", "tp")])
 def test_attention_over_quantized_pages(quant, layout):
     """The fast path equals the reference on the same quantized pages, and stays within the
     quantizer's bound of attention over unquantized pages holding the same tokens."""
@@ -254,7 +267,7 @@ def test_quantized_attention_refuses_pallas_and_missing_dtype():
         easykv.paged_attention(q, view.key_pages, view.value_pages.values, decode, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "int4-g16"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "int4-g16", "int8-rot", "int4-g16-asym-rot"])
 def test_quantized_values_of_their_own_head_dim_are_read_as_such(name):
     """Value pages narrower than the keys (a layer group with V dim != K dim), quantized: their
     head_dim is read from the stored shapes and attention equals the reference on the

@@ -103,7 +103,7 @@ def _meta():
     ({"window_aware_max_num_seqs": 8}, r"window_aware_max_num_seqs=8 .*enable_window_aware_runtime_cap=False"),
     ({"_mixed_layer_configs": {"0": 1}}, r"_mixed_layer_configs is set: .*per-layer"),
     ({"num_kv_heads": 4, "kv_head_shards": 8}, r"kv_head_shards=8 does not divide num_kv_heads=4.*whole kv heads"),
-    ({"turboquant_config": {"bits": 4}}, r"TurboQuantRaggedPagesCacheConfig.*quantizer='int4'"),
+    ({"turboquant_config": {"bits": 4}}, r"TurboQuantRaggedPagesCacheConfig.*quantizer='int4-rot'"),
     ({"extra_field": 1}, r"no fields \['extra_field'\]"),
 ])  # fmt: skip
 def test_refused_configs(changes, match):

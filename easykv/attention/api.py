@@ -18,13 +18,14 @@ window (a query at ``p`` sees keys in ``(p - window, p]``), a logit soft cap
 the weighted sum are float32; the output has q's dtype.
 
 The entry points and the jitted dispatch live here: :func:`run` places the computation in
-``shard_map`` over the page layout and calls, per device, the XLA path (``xla.py``) or the
-Pallas TPU kernel (``pallas.py``); :func:`paged_attention_reference` runs the dense reference
+``shard_map`` over the page layout and calls, per device, the XLA path (``xla.py``) or a
+Pallas kernel, TPU or GPU (``pallas.py``); :func:`paged_attention_reference` runs the dense reference
 (``reference.py``). Every argument is checked first, in ``checks.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from easykv.attention.checks import Config, prepare, view_pages
 from easykv.attention.options import IMPLEMENTATIONS, AttentionOptions
-from easykv.attention.pallas import pallas_decode_local
+from easykv.attention.pallas import pallas_decode_local, pallas_gpu_decode_local
 from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
 from easykv.attention.xla import attend_local
@@ -93,8 +94,9 @@ def paged_attention(
         ``NamedSharding`` when they are concrete arrays, else one device. Inside an outer ``jit``
         pass it (or use :func:`view_attention`) so the computation stays shard-local.
       dtype: logical dtype of the pages; needed when they are stored as raw bits (uint16/uint8).
-      implementation: ``"auto"``, ``"xla"`` or ``"pallas_tpu"`` (see
-        :func:`paged_attention_implementation`).
+      implementation: ``"auto"``, ``"xla"``, ``"pallas_tpu"``, ``"pallas_gpu"`` or
+        ``"pallas_gpu_interpret"`` (the GPU kernel in Pallas interpret mode, on any platform; see
+        ``pallas.py`` and :func:`paged_attention_implementation`).
       pages_per_block: pages per key/value block of the XLA path (default: 256 tokens' worth).
       query_block: query rows per block for prefill and mixed batches (default 32); a
         sequence's last block is masked past its end, except that fewer than 4 rows left (a
@@ -153,7 +155,8 @@ def paged_attention_implementation(
     **options: Any,
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
-    ``"pallas_tpu"``. Raises what ``paged_attention`` would raise for bad input."""
+    one of the Pallas kernels (``"pallas_tpu"``, ``"pallas_gpu"``, ``"pallas_gpu_interpret"``).
+    Raises what ``paged_attention`` would raise for bad input."""
     sinks, layer = options.pop("sinks", None), options.pop("layer", None)
     return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options), sinks=sinks,
                    layer=layer)[0].implementation
@@ -186,6 +189,28 @@ REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "value_head_dim", 
 
 
 # ---- the computation ----------------------------------------------------------------------------
+def _local_path(cfg: Config) -> Any:
+    """The per-device computation of ``cfg``: ``(q, kp, vp, rows, sinks, layer) -> out``.
+
+    Pages of a rotating quantizer are read in its rotated basis: ``q . k = (R q) . (R k)``, so
+    the query is rotated once, and the weighted sum of rotated values is rotated back once (a
+    latent cache's values are the leading dims of its keys: the whole rotated key is summed and
+    only those dims are taken back). No page is ever rotated."""
+    path = {"pallas_tpu": pallas_decode_local, "pallas_gpu": pallas_gpu_decode_local,
+            "pallas_gpu_interpret": partial(pallas_gpu_decode_local, interpret=True)}.get(cfg.implementation, attend_local)
+    if cfg.rotation is None:
+        return partial(path, cfg=cfg)
+    latent_dim = cfg.latent_value_dim
+    inner = partial(path, cfg=cfg if latent_dim is None else dataclasses.replace(cfg, latent_value_dim=cfg.rotation.dim))
+
+    def rotated(q: jax.Array, kp: Any, vp: Any, rows: Any, sinks: jax.Array, layer: jax.Array) -> jax.Array:
+        out = inner(cfg.rotation.apply(q), kp, vp, rows, sinks, layer)
+        back = cfg.rotation.undo_leading(out, latent_dim) if latent_dim is not None else cfg.value_rotation.undo(out)
+        return back.astype(q.dtype)
+
+    return rotated
+
+
 @partial(jax.jit, static_argnames=("cfg",))
 def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, sinks: Any = None,
         layer: Any = None, *, cfg: Config) -> jax.Array:
@@ -203,10 +228,7 @@ def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, si
     # No sinks: a sink of -inf adds nothing to any softmax (the one path serves both).
     sinks = jnp.full(q.shape[1], -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     layout = cfg.layout
-    if cfg.implementation == "pallas_tpu":
-        local = partial(pallas_decode_local, cfg=cfg)
-    else:
-        local = partial(attend_local, cfg=cfg)
+    local = _local_path(cfg)
     if layout is None:
         return local(q, kp, vp, rows, sinks, layer)
     heads = layout.spec[1]

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
-from easykv.quantization import QuantizedPages
+from easykv.quantization import Fp8Quantizer, Int8Quantizer, QuantizedPages, Rotation, rotation_of
 from easykv.runtime import PagedAttentionMetadata, as_mixed, step_form
 from easykv.runtime_checks import check_step, dtype_of, shape_of
 from easykv.validation import integer
@@ -47,11 +47,16 @@ class Config:
     sinks: bool  # per-q-head sink logits join the softmax
     latent_value_dim: int | None  # no value pages: a value is its key's first dims
     layout: PageLayout | None
-    implementation: str  # "xla" | "pallas_tpu"
+    implementation: str  # "xla" | one of KERNELS
     block_pages: int
     query_block: int
     num_pages: int  # global pages per layer
     page_size: int
+    # The quantizer rotates tokens (``-rot``): keys and values are read in its rotated basis,
+    # the query is rotated and the output rotated back instead (None: no rotation). The values'
+    # own rotation (their head_dim may differ); a latent cache's values are its keys'.
+    rotation: Rotation | None = None
+    value_rotation: Rotation | None = None
 
 
 def view_pages(view: Any) -> tuple[Any, Any, Any]:
@@ -258,39 +263,95 @@ def prepare(
         cap=options.logit_soft_cap, sinks=sinks is not None, latent_value_dim=options.value_head_dim,
         layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
         num_pages=num_pages, page_size=page_size,
+        rotation=rotation_of(key_pages.quantizer, head_dim) if quantized else None,
+        value_rotation=rotation_of(value_pages.quantizer, vs[3]) if quantized and not latent else None,
     )  # fmt: skip
-    why_not = _pallas_unfit(cfg, k_dtype, (head_dim, vs[3]), _platform(layout, stored_pages(key_pages_given)),
-                            step_form(metadata))
-    if quantized:  # its int8 path broadcasts scales to head_dim in memory, which we never do
-        why_not = "the Pallas TPU kernel does not read easykv's compact quantized pages"
-    if options.implementation == "pallas_tpu":
+    fit = _Fit(cfg, stored=k_dtype, head_dims=(head_dim, vs[3]), form=step_form(metadata),
+               platform=_platform(layout, stored_pages(key_pages_given)), table_width=shape_of(step.rt.page_table)[1],
+               quantizer=key_pages.quantizer if quantized else None)
+    chosen = options.implementation
+    if chosen == "auto":
+        chosen = next((kernel for kernel in KERNELS[:2] if not fit.why_not(kernel)), "xla")
+    elif chosen != "xla":
+        why_not = fit.why_not(chosen)
         if why_not:
-            raise ValueError(f"implementation='pallas_tpu' cannot run this call: {why_not}; use 'xla' or 'auto'")
-        cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
-    elif options.implementation == "auto" and not why_not:
-        cfg = dataclasses.replace(cfg, implementation="pallas_tpu")
-    return cfg, step.rt
+            raise ValueError(f"implementation={chosen!r} cannot run this call: {why_not}; use 'xla' or 'auto'")
+    return dataclasses.replace(cfg, implementation=chosen), step.rt
 
 
-def _pallas_unfit(cfg: Config, stored: np.dtype, head_dims: tuple[int, int], platform: str, form: str) -> str:
-    """Why the Pallas TPU kernel cannot take this call ('' when it can); ``head_dims`` are the
-    keys' and the values'."""
-    head_dim = head_dims[0]
-    if platform != "tpu":
-        return f"it runs on TPU only and the pages are on {platform}"
-    if cfg.chunk is not None or cfg.sinks or head_dims[1] != head_dim or cfg.latent_value_dim is not None:
-        return "it has no chunked attention, no sinks, no latent cache, and one head_dim for keys and values"
-    if not cfg.decode_only:
-        return f"it serves decode only (EasyDeL's decode form), this is {form} metadata"
-    if cfg.window is not None:
-        return "it has no sliding window"
-    if stored != cfg.dtype or cfg.dtype.name not in ("bfloat16", "float32"):
-        return f"it needs bfloat16/float32 pages stored as such, these are {stored.name} holding {cfg.dtype.name}"
-    if head_dim % 128:
-        return f"it needs head_dim a multiple of 128, got {head_dim}"
-    if cfg.layout is not None and cfg.layout.page_shards > 1:
-        return "it cannot read a page pool split over data-parallel replicas"
-    return ""
+# The Pallas kernels, in the order "auto" tries them (the interpreted GPU kernel only when asked).
+KERNELS = ("pallas_tpu", "pallas_gpu", "pallas_gpu_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    """What decides whether a Pallas kernel can take a call (see ``pallas.py``)."""
+
+    cfg: Config
+    stored: np.dtype  # the pages' stored dtype (values when quantized)
+    head_dims: tuple[int, int]  # the keys' and the values'
+    form: str  # the metadata's form, for messages
+    platform: str
+    table_width: int
+    quantizer: Any  # None: plain pages
+
+    def why_not(self, kernel: str) -> str:
+        """Why ``kernel`` cannot take this call ('' when it can)."""
+        cfg = self.cfg
+        gpu = kernel != "pallas_tpu"
+        if self.quantizer is not None and not gpu:  # its int8 path broadcasts scales to head_dim in memory
+            return "the Pallas TPU kernel does not read easykv's compact quantized pages"
+        if self.quantizer is not None and not isinstance(self.quantizer, (Int8Quantizer, Fp8Quantizer)):
+            return (f"it reads plain pages and int8 / fp8 pages with one scale per token and head, not "
+                    f"{self.quantizer.name} pages")
+        if kernel != "pallas_gpu_interpret" and self.platform != kernel[len("pallas_"):]:
+            where = "TPU" if kernel == "pallas_tpu" else "GPU"
+            hint = " ('pallas_gpu_interpret' runs it in Pallas interpret mode anywhere)" if gpu else ""
+            return f"it runs on {where} only and the pages are on {self.platform}{hint}"
+        if cfg.chunk is not None or cfg.sinks or len(set(self.head_dims)) > 1 or cfg.latent_value_dim is not None:
+            return "it has no chunked attention, no sinks, no latent cache, and one head_dim for keys and values"
+        if not cfg.decode_only:
+            return f"it serves decode only (EasyDeL's decode form), this is {self.form} metadata"
+        if cfg.window is not None:
+            return "it has no sliding window"
+        if cfg.layout is not None and cfg.layout.page_shards > 1:
+            return "it cannot read a page pool split over data-parallel replicas"
+        return self._gpu_unfit() if gpu else self._tpu_unfit()
+
+    def _tpu_unfit(self) -> str:
+        cfg, head_dim = self.cfg, self.head_dims[0]
+        if self.stored != cfg.dtype or cfg.dtype.name not in ("bfloat16", "float32"):
+            return f"it needs bfloat16/float32 pages stored as such, these are {self.stored.name} holding {cfg.dtype.name}"
+        if head_dim % 128:
+            return f"it needs head_dim a multiple of 128, got {head_dim}"
+        return ""
+
+    def _gpu_unfit(self) -> str:
+        cfg, head_dim = self.cfg, self.head_dims[0]
+        if cfg.dtype.name not in ("bfloat16", "float16"):
+            # Its dots take the query's dtype; on float32 they would run in TF32 (10-bit mantissa).
+            return f"it needs a bfloat16/float16 cache (its float32 dots run in TF32), this one is {cfg.dtype.name}"
+        if head_dim < 16 or head_dim & (head_dim - 1) or cfg.page_size & (cfg.page_size - 1):
+            return f"it needs head_dim >= 16 and page_size powers of two, got {head_dim} and {cfg.page_size}"
+        if gpu_blocks(self.table_width, cfg.page_size) is None:
+            return (f"page tables {self.table_width} pages wide with page_size {cfg.page_size} give no block of a "
+                    "power-of-two number (>= 16) of tokens")
+        return ""
+
+
+def gpu_blocks(width: int, page_size: int) -> tuple[int, int] | None:
+    """``(k_splits, pages_per_compute_block)`` for the GPU kernel over page tables ``width``
+    wide: the most splits (up to 16, dividing the width) whose partitions hold a block of a
+    power-of-two number of tokens, at least 16 (Triton's smallest dot); None when none does."""
+    for splits in (16, 8, 4, 2, 1):
+        if width % splits:
+            continue
+        per_split = width // splits
+        for pages in (8, 4, 2, 1):
+            tokens = pages * page_size
+            if per_split % pages == 0 and tokens >= 16 and tokens & (tokens - 1) == 0:
+                return splits, pages
+    return None
 
 
 def _one_layer(pages: Any) -> Any:

@@ -21,7 +21,7 @@ import numpy as np
 from easykv.storage.pages import PageLayout
 from easykv.validation import as_dtype, optional_int, real, show
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu")
+IMPLEMENTATIONS = ("auto", "xla", "pallas_tpu", "pallas_gpu", "pallas_gpu_interpret")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 

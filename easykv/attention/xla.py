@@ -20,7 +20,8 @@ them. Inside jit, page ids outside the pool (or outside this replica's slice) ar
 keys are masked out, never clipped onto another page.
 
 Pages are read through one function, :func:`_load_pages`, which turns stored pages (raw bits on
-CPU, see ``storage/pages.py``) into float32 values; quantized pages will be dequantized there.
+CPU, see ``storage/pages.py``) into float32 values; quantized pages are dequantized there (a
+rotating quantizer's stay in its rotated basis: ``api.run`` rotates the query and the output).
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ from easykv.quantization import QuantizedPages
 from easykv.storage.pages import read_pages
 
 
-def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _load_pages(pages: Any, ids: jax.Array, dtype: np.dtype, layer: jax.Array,
+                rotated: bool) -> tuple[jax.Array, jax.Array]:
     """The one way pages are read: pages ``ids`` (local ids; out of range -> absent) of layer
     ``layer`` of the stack, every local kv head, as float32 tokens ``(heads, len(ids) *
     page_size, head_dim)``, and whether each token lies on a present page. Plain pages (raw
     bits too) and quantized pages (values + scales, dequantized here, only for the pages read)
     go through `pages.read_pages`, which gathers from the stack itself: a layer sliced out
-    before the loop would be copied whole."""
+    before the loop would be copied whole. ``rotated``: a rotating quantizer's pages stay in its
+    rotated basis (``api.run`` rotates the query and the output)."""
     heads, count, page_size = stored_pages(pages).shape[1:4]
     present = (ids >= 0) & (ids < count)
-    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype, layer).astype(jnp.float32)
+    values = read_pages(pages, jnp.clip(ids, 0, count - 1), dtype, layer, rotated=rotated).astype(jnp.float32)
     return values.reshape(heads, -1, values.shape[-1]), jnp.repeat(present, page_size)
 
 
@@ -85,6 +88,7 @@ def attend_local(
     tokens, q_heads, head_dim = q.shape
     latent = cfg.latent_value_dim is not None  # no value pages: a value is its key's first v_dim dims
     v_dim = cfg.latent_value_dim if latent else _value_dim(vp)
+    rotated = cfg.rotation is not None
     group = q_heads // heads
     qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
@@ -135,8 +139,8 @@ def attend_local(
         def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
             m, l, acc = carry
             ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
-            k, present = _load_pages(kp, ids, cfg.dtype, layer)
-            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype, layer)[0]
+            k, present = _load_pages(kp, ids, cfg.dtype, layer, rotated)
+            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype, layer, rotated)[0]
             kpos = i * blk + jnp.arange(blk)
             usable = present & (kpos < hi) & (kpos >= lo)
             v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in

@@ -43,7 +43,8 @@ _NOT_RAGGED = {
     "MLARaggedPagesCacheConfig": "a multi-latent (MLA) cache stores one latent vector per token, easykv stores "
                                  "K and V per kv head; serve MLA models with EasyDeL's own MLARaggedPagesCache",
     "TurboQuantRaggedPagesCacheConfig": "TurboQuant pages (codebooks + QJL signs) have no easykv counterpart; use "
-                                        "a RaggedPagesCacheConfig with quantizer='int4' (4 bits) or 'int8'",
+                                        "a RaggedPagesCacheConfig with quantizer='int4-rot' (4 bits after "
+                                        "a fixed rotation, as TurboQuant) or 'int8-rot'",
     "UnifiedAttentionCacheConfig": "a unified-attention cache (K and V in separate [pages, page_size, heads, dim] "
                                    "arrays for GPU kernels) is not a RaggedPagesCacheConfig; use the model with "
                                    "attn_mechanism='ragged_page_attention_v3' (or 'v2')",
@@ -358,7 +359,8 @@ def quantizer_from_easydel(value: Any, *, head_dim: int | None = None) -> str:
         return quantizer_from_easydel(value.config, head_dim=head_dim)
     if name == "TurboQuantConfig":
         raise ValueError(f"TurboQuantConfig(bits={getattr(value, 'bits', '?')}) has no easykv counterpart (codebooks "
-                         "and QJL signs); use quantizer='int4' (4-bit codes, scale per token and kv head) or 'int8'")
+                         "and QJL signs); use quantizer='int4-rot' (a fixed rotation, then 4-bit codes with a scale "
+                         "per token and kv head) or 'int8-rot'")
     if name == "QuantizationType":
         return _map_quantization(str(value), None, None, head_dim)
     if name == "QuantizationConfig":
@@ -382,7 +384,8 @@ _REFUSED = {
     "nvfp4": "NVFP4 (E2M1 codes, FP8 block scales) has no easykv counterpart: use 'int4-g16' (or 'int4')",
     "ternary": "ternary codes have no easykv counterpart; the smallest easykv pages are 'int4'",
     "binary": "binary codes have no easykv counterpart; the smallest easykv pages are 'int4'",
-    "turboquant": "TurboQuant has no easykv counterpart: use 'int4' or 'int8'",
+    "turboquant": "TurboQuant has no easykv counterpart (codebooks and QJL signs); its rotation is easykv's "
+                  "'-rot': use 'int4-rot' or 'int8-rot'",
 }
 
 
@@ -408,12 +411,13 @@ def _map_quantization(kind: str, bits: int | None, group: int | None, head_dim: 
                              f"and kv head (group_size = head_dim{'' if head_dim is None else ' = ' + str(head_dim)}); "
                              f"use group_size=None, or 'int4-g{group}' for grouped scales")
         return target
+    # Affine is scale + bias per group: easykv's asymmetric int4 (a zero point per group).
     group = 64 if group is None else int(group)  # EasyDeL's affine default
     if head_dim is None:
         raise ValueError("mapping EasyDeL 4-bit affine quantization needs head_dim (its group size must fit it)")
     if group >= head_dim or head_dim % group:
         if group == head_dim or group > head_dim:
-            return "int4"
-        raise ValueError(f"EasyDeL affine group_size={group} does not divide head_dim={head_dim}; use 'int4' or an "
-                         f"'int4-g<N>' whose N divides {head_dim}")
-    return f"int4-g{group}"
+            return "int4-asym"
+        raise ValueError(f"EasyDeL affine group_size={group} does not divide head_dim={head_dim}; use 'int4-asym' or "
+                         f"an 'int4-g<N>-asym' whose N divides {head_dim}")
+    return f"int4-g{group}-asym"

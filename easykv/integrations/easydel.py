@@ -69,8 +69,8 @@ Conversions (pure functions; JSON works without EasyDeL installed):
   axes of size 1 dropped). Every function here that takes a partition manager takes either.
 * :func:`quantizer_from_easydel`: ``EasyQuantizer`` / ``QuantizationConfig`` /
   ``QuantizationType`` -> easykv's quantizer name: INT8 (and AFFINE bits=8) -> ``int8``; NVFP8,
-  MXFP8 -> ``fp8``; AFFINE bits=4 -> ``int4-g<group_size>`` (EasyDeL's default group 64; ``int4``
-  when the group covers head_dim). easykv's ``int8`` / ``fp8`` keep one scale per token and kv
+  MXFP8 -> ``fp8``; AFFINE bits=4 (scale + bias per group) -> ``int4-g<group_size>-asym``
+  (EasyDeL's default group 64; ``int4-asym`` when the group covers head_dim). easykv's ``int8`` / ``fp8`` keep one scale per token and kv
   head: an explicit smaller ``group_size`` is refused.
 * :func:`runtime_from_easydel` (traceable) and :func:`easydel_metadata_from_easykv` (host, to
   drive an EasyDeL model from easykv's ``PageManager``).

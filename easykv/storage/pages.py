@@ -194,10 +194,11 @@ def take_pages(x: jax.Array, ids: jax.Array, layer: Any = 0) -> jax.Array:
     return jnp.moveaxis(picked, 0, 1)
 
 
-def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0) -> jax.Array:
+def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0, *, rotated: bool = False) -> jax.Array:
     """Pages ``ids`` of layer ``layer`` of one stacked page array as (heads, len(ids),
     page_size, head_dim) in the logical ``dtype``; only those pages are read (and dequantized);
-    ids outside the array read as zeros."""
+    ids outside the array read as zeros. ``rotated``: a rotating quantizer's values stay in its
+    rotated basis (`QuantizedPages.dequantize`)."""
     if isinstance(pages, QuantizedPages):
         value_dtype = pages.quantizer.value_shape(2)[1]
         picked = QuantizedPages(
@@ -205,7 +206,7 @@ def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0) -> jax.Ar
             take_pages(pages.scales, ids, layer),
             pages.quantizer,
         )
-        return picked.dequantize(dtype)
+        return picked.dequantize(dtype, rotated=rotated)
     return from_storage(take_pages(pages, ids, layer), np.dtype(dtype))
 
 

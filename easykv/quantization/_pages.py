@@ -1,0 +1,113 @@
+"""What the cache needs of a quantizer, and the stored form of quantized pages."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+from easykv.quantization._rotation import Rotation
+
+SCALE_DTYPE = np.dtype("float32")
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    """What the cache needs of a quantizer."""
+
+    name: str
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        """Stored bytes of one token of one kv head, values and scales together."""
+        ...
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        """Raise ValueError if this quantizer cannot store ``head_dim`` values of ``dtype``."""
+        ...
+
+
+@runtime_checkable
+class CompressingQuantizer(Quantizer, Protocol):
+    """A quantizer whose pages are ``QuantizedPages``. One that rotates tokens before
+    quantizing (see ``_rotation.py``) also has ``rotation(head_dim) -> Rotation | None`` and
+    takes ``dequantize(q, dtype, rotated=True)`` (values left in the rotated basis)."""
+
+    def value_shape(self, head_dim: int) -> tuple[tuple[int, ...], np.dtype]:
+        """Trailing shape and dtype of stored values for one token-head."""
+        ...
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...]:
+        """Trailing shape of the scales for one token-head (``()``: one scale)."""
+        ...
+
+    def quantize(self, x: jax.Array) -> QuantizedPages:
+        """(..., head_dim) -> values (..., packed) and scales (..., *scale_shape)."""
+        ...
+
+    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+        """The inverse of quantize, in ``dtype``."""
+        ...
+
+
+def rotation_of(quantizer: Any, head_dim: int) -> Rotation | None:
+    """The rotation ``quantizer`` applies to tokens of ``head_dim`` values (None: none)."""
+    rotation = getattr(quantizer, "rotation", None)
+    return rotation(head_dim) if callable(rotation) else None
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["quantizer"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """Stored values plus compact scales, for pages or for a batch of new tokens."""
+
+    values: Any
+    scales: Any
+    quantizer: Any
+
+    def dequantize(self, dtype: Any, *, rotated: bool = False) -> jax.Array:
+        """The values these codes stand for, in ``dtype``. ``rotated=True``: a rotating
+        quantizer's values are left in its rotated basis (attention rotates the query instead);
+        for any other quantizer it changes nothing."""
+        if rotated and self.rotation is not None:
+            return self.quantizer.dequantize(self, dtype, rotated=True)
+        return self.quantizer.dequantize(self, dtype)
+
+    @property
+    def rotation(self) -> Rotation | None:
+        return rotation_of(self.quantizer, self.head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        """The logical head_dim the values encode, read from the stored shapes (values ``(...,
+        packed)``, scales ``(..., *scale_shape)``): the smallest dim the quantizer lays out exactly
+        so (a whole number, at most 8, of values per stored element). ValueError when none does."""
+        vshape, sshape = np.shape(self.values), np.shape(self.scales)
+        packed, scale_tail = vshape[-1], tuple(sshape[len(vshape) - 1:])
+        if sshape[:len(vshape) - 1] != vshape[:-1] or packed <= 0:
+            raise ValueError(f"{self.quantizer.name} values {vshape} and scales {sshape} do not pair up")
+        for per_element in range(1, 9):  # values packed per stored element: 8 candidates, whatever the size
+            dim = packed * per_element
+            if tuple(self.quantizer.value_shape(dim)[0]) == (packed,) and \
+                    tuple(self.quantizer.scale_shape(dim)) == scale_tail:
+                return dim
+        raise ValueError(f"no head_dim gives {self.quantizer.name} values {vshape} and scales {sshape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoQuantizer:
+    """Pages hold the cache dtype itself."""
+
+    name: str = "none"
+
+    def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
+        return head_dim * np.dtype(dtype).itemsize
+
+    def validate(self, head_dim: int, dtype: np.dtype) -> None:
+        return None
+
+
+def is_compressing(quantizer: Quantizer) -> bool:
+    return isinstance(quantizer, CompressingQuantizer)

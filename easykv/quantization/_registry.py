@@ -1,0 +1,80 @@
+"""Quantizers by name: the built-in names, their grammar, and custom quantizers made nameable.
+
+The metadata records a cache's quantizer by name, so every quantizer a cache can hold has one:
+``none``, ``int8``, ``fp8``, ``int4``, ``int4-g<N>`` (one scale per N values), ``-asym`` after an
+int4 name (a zero point per group), ``-rot`` after any of int8 / fp8 / int4 names (the fixed
+rotation), and the names ``register_quantizer`` added.
+"""
+
+from __future__ import annotations
+
+import re
+
+from easykv.quantization._builtin import Fp8Quantizer, Int4Quantizer, Int8Quantizer
+from easykv.quantization._pages import NoQuantizer, Quantizer
+from easykv.validation import show
+
+_REGISTRY: dict[str, Quantizer] = {q.name: q for q in (NoQuantizer(),)}
+_BYTE = re.compile(r"(int8|fp8)(-rot)?")
+_INT4 = re.compile(r"int4(?:-g([0-9]+))?(-asym)?(-rot)?")
+_BUILT_IN = ("none", "int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot",
+             "int4-g<N>", "int4-g<N>-rot", "int4-g<N>-asym", "int4-g<N>-asym-rot")
+
+
+def available_quantizers() -> tuple[str, ...]:
+    """Every name ``get_quantizer`` (and so ``create`` / ``init_cache``) accepts: the built-in
+    ones (``<N>``: any even group size dividing head_dim) and the registered ones."""
+    return _BUILT_IN + tuple(sorted(set(_REGISTRY) - set(_BUILT_IN)))
+
+
+def register_quantizer(quantizer: Quantizer) -> None:
+    """Make a custom quantizer nameable (metadata records quantizers by name)."""
+    if not isinstance(quantizer, Quantizer):
+        raise ValueError(f"{show(quantizer)} does not implement the Quantizer protocol (name, bytes_per_token_head, validate)")
+    known = get_quantizer_or_none(quantizer.name)
+    if known is not None and known != quantizer:
+        raise ValueError(f"a different quantizer is already registered as {show(quantizer.name)}: {show(known)}")
+    _REGISTRY[quantizer.name] = quantizer
+
+
+def _built_in(key: str) -> Quantizer | None:
+    byte = _BYTE.fullmatch(key)
+    if byte:
+        cls = Int8Quantizer if byte.group(1) == "int8" else Fp8Quantizer
+        return cls(rotate=byte.group(2) is not None)
+    int4 = _INT4.fullmatch(key)
+    if int4:
+        group = None if int4.group(1) is None else int(int4.group(1))
+        return Int4Quantizer(group_size=group, asymmetric=int4.group(2) is not None, rotate=int4.group(3) is not None)
+    return None
+
+
+def get_quantizer(quantizer: str | Quantizer | None) -> Quantizer:
+    """Resolve ``None``, a name (see ``available_quantizers``) or a quantizer object to a
+    quantizer object."""
+    if quantizer is None:
+        return _REGISTRY["none"]
+    if isinstance(quantizer, str):
+        key = quantizer.lower()
+        found = _REGISTRY.get(key) or _built_in(key)
+        if found is None:
+            raise ValueError(f"unknown quantizer {show(quantizer)}; available: {', '.join(available_quantizers())}")
+        return found
+    if isinstance(quantizer, Quantizer):
+        if get_quantizer_or_none(quantizer.name) != quantizer:
+            raise ValueError(
+                f"quantizer {show(quantizer)} is not registered under its name {show(quantizer.name)}; the "
+                "metadata records quantizers by name, so call easykv.register_quantizer(q) first"
+            )
+        return quantizer
+    raise ValueError(
+        f"quantizer must be None, a name ({', '.join(available_quantizers())}) or a Quantizer "
+        f"object, got {type(quantizer).__name__}: {show(quantizer)}"
+    )
+
+
+def get_quantizer_or_none(name: str) -> Quantizer | None:
+    try:
+        return get_quantizer(name)
+    except ValueError:
+        return None

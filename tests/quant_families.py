@@ -1,0 +1,82 @@
+"""Data families for quantizer error bounds, and the errors measured on them (float64 numpy).
+
+Shared by tests/test_quantization_families.py (the documented bounds) and
+benchmarks/bench_quantizer_families.py (the README table), so both measure the same thing.
+
+Families (tokens x kv heads x head_dim, float32):
+  * ``gaussian``: N(0, 1), head_dim 128.
+  * ``outliers-4x50``: N(0, 1) with 4 of 64 channels 50x larger, the same channels for every
+    token of a head (as real keys: a few fixed channels tens of times larger).
+  * ``outliers-1x100``: one of 128 channels 100x larger.
+  * ``student-t3``: Student's t with 3 degrees of freedom, head_dim 128 (heavy tails, no fixed
+    channel).
+
+Errors (relative, ``|approx - exact| / |exact|`` over every token and head):
+  * ``all``: the whole round trip; ``ordinary``: the channels that are not outliers only (the
+    whole hides them: on the outlier families it is dominated by the large channels).
+  * ``attention``: softmax attention of Gaussian queries over keys and values of the family, each
+    quantized, against the same on the exact tokens, per head. The softmax scale makes the exact
+    logits of each head unit-variance: real attention logits are O(1), while with 50x channels
+    and the plain ``head_dim ** -0.5`` the softmax would be one-hot and the error would count
+    argmax flips rather than quantization.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+FAMILIES = ("gaussian", "outliers-4x50", "outliers-1x100", "student-t3")
+
+
+def family(name: str, tokens: int, heads: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, ordinary)``: x ``(tokens, heads, head_dim)`` float32 and, per head, a boolean mask of
+    its ordinary (not outlier) channels ``(heads, head_dim)``."""
+    rng = np.random.default_rng(seed)
+    if name == "student-t3":
+        x = rng.standard_t(3, size=(tokens, heads, 128))
+        return x.astype(np.float32), np.ones((heads, 128), bool)
+    dim, count, factor = {"gaussian": (128, 0, 1), "outliers-4x50": (64, 4, 50), "outliers-1x100": (128, 1, 100)}[name]
+    x = rng.standard_normal((tokens, heads, dim))
+    ordinary = np.ones((heads, dim), bool)
+    for h in range(heads):
+        channels = rng.choice(dim, count, replace=False)
+        x[:, h, channels] *= factor
+        ordinary[h, channels] = False
+    return x.astype(np.float32), ordinary
+
+
+def rel(approx: np.ndarray, exact: np.ndarray) -> float:
+    approx, exact = np.asarray(approx, np.float64), np.asarray(exact, np.float64)
+    return float(np.linalg.norm(approx - exact) / np.linalg.norm(exact))
+
+
+def round_trip(quantizer, x: np.ndarray) -> np.ndarray:
+    return np.asarray(quantizer.quantize(jnp.asarray(x)).dequantize(jnp.float32), np.float64)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Softmax attention per head in float64: q ``(queries, heads, dim)``, k and v ``(tokens,
+    heads, dim)``, one softmax scale per head."""
+    logits = np.einsum("qhd,thd->hqt", q, k) * scale[:, None, None]
+    logits -= logits.max(axis=-1, keepdims=True)
+    weights = np.exp(logits)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("hqt,thd->qhd", weights, v)
+
+
+def errors(quantizer, name: str, *, tokens: int = 512, heads: int = 8, queries: int = 32, seed: int = 0) -> dict:
+    """``{"all", "ordinary", "attention"}`` of ``quantizer`` on family ``name`` (K and V drawn
+    independently from it; the round-trip errors are the keys')."""
+    k, ordinary = family(name, tokens, heads, seed)
+    v, _ = family(name, tokens, heads, seed + 1)
+    q = np.random.default_rng(seed + 2).standard_normal((queries, heads, k.shape[-1]))
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    scale = 1.0 / np.einsum("qhd,thd->hqt", q, k64).reshape(heads, -1).std(axis=-1)
+    kq, vq = round_trip(quantizer, k), round_trip(quantizer, v)
+    mask = np.broadcast_to(ordinary, k.shape)
+    return {
+        "all": rel(kq, k64),
+        "ordinary": rel(kq[mask], k64[mask]),
+        "attention": rel(attention(q, kq, vq, scale), attention(q, k64, v64, scale)),
+    }

@@ -18,7 +18,7 @@ from test_attention import BLOCK, GROUP, LAYOUTS, MAKERS, PAGES, PS, D, _real_ro
 
 from easykv import PagedAttentionMetadata
 from easykv.attention.api import paged_attention, paged_attention_reference
-from easykv.attention.checks import _pallas_unfit, prepare
+from easykv.attention.checks import _Fit, prepare
 from easykv.attention.options import AttentionOptions
 
 V_DIM = 24  # value head dim different from the keys' (D = 16)
@@ -147,13 +147,18 @@ def test_the_pallas_kernel_is_not_chosen_for_what_it_cannot_do():
     q = np.zeros((md.num_tokens, 2 * GROUP, 128), np.float32)
     f32 = np.dtype("float32")
     plain, _ = prepare(q, k, k, md, AttentionOptions())
-    assert _pallas_unfit(plain, f32, (128, 128), "tpu", "decode") == ""  # on a TPU the baseline fits
+
+    def tpu_unfit(cfg, v_dim):
+        return _Fit(cfg, stored=f32, head_dims=(128, v_dim), form="decode", platform="tpu", table_width=8,
+                    quantizer=None).why_not("pallas_tpu")
+
+    assert tpu_unfit(plain, 128) == ""  # on a TPU the baseline fits
     for sinks, options, v_dim in ((np.zeros(2 * GROUP, np.float32), {}, 128), (None, {"chunk_size": 8}, 128),
                                   (None, {}, 64)):
         v = np.zeros((2, PAGES, PS, v_dim), np.float32)
         cfg, _ = prepare(q, k, v, md, AttentionOptions(**options), sinks=sinks)
         assert cfg.implementation == "xla"
-        assert _pallas_unfit(cfg, f32, (128, v_dim), "tpu", "decode") == (
+        assert tpu_unfit(cfg, v_dim) == (
             "it has no chunked attention, no sinks, no latent cache, and one head_dim for keys and values")
 
 

@@ -186,7 +186,7 @@ def test_unknown_dtypes_rejected(tp8):
 
 
 def test_unknown_quantizer_rejected(tp8):
-    with pytest.raises(ValueError, match=r"unknown quantizer 'int3'; available: fp8, int4, int8, none, int4-g<N>"):
+    with pytest.raises(ValueError, match=r"unknown quantizer 'int3'; available: none, int8, int8-rot, fp8, fp8-rot, int4, int4-rot"):
         make(tp8, quantizer="int3")
     assert make(tp8, quantizer="none").quantization == "none"
 

@@ -227,26 +227,51 @@ def _sample(row: np.ndarray, *, second: bool) -> int:
     return int(np.argmax(row))
 
 
+# How far below the reference's choice (in its own logits) the engine's token may be and still
+# count as agreeing: the engine and the dense reference compute the same function in different
+# float32 summation orders, and a quantized cache can turn a last-bit difference into a code
+# step; a tie closer than this is a coin toss, while a wrong page read moves logits by O(0.1-1).
+NEAR_TIE = 1e-3
+
+
 def reference_generate(model: CompiledModel, request: Request, *, max_len: int, dtype: Any,
                        quantizer: Any = None) -> list[int]:  # fmt: skip
     """The same request generated with a plain dense per-request cache, one token per call."""
+    return [choice for choice, _ in _reference_steps(model, request, max_len=max_len, dtype=dtype,
+                                                     quantizer=quantizer)]
+
+
+def reference_disagreements(model: CompiledModel, request: Request, *, max_len: int, dtype: Any,
+                            quantizer: Any = None, near_tie: float = NEAR_TIE) -> list[int]:  # fmt: skip
+    """The steps at which the engine's token (``request.output``) is not the dense reference's
+    choice given the same history (the reference is fed the engine's tokens) and trails it in
+    the reference's logits by more than ``near_tie``; a missing or extra token counts as one."""
+    out = list(request.output)
+    steps = _reference_steps(model, request, max_len=max_len, dtype=dtype, quantizer=quantizer, forced=out)
+    wrong = [i for i, ((choice, row), token) in enumerate(zip(steps, out))
+             if token != choice and not row[choice] - row[token] <= near_tie]
+    return wrong + ([min(len(out), len(steps))] if len(out) != len(steps) else [])
+
+
+def _reference_steps(model: CompiledModel, request: Request, *, max_len: int, dtype: Any, quantizer: Any,
+                     forced: list[int] | None = None) -> list[tuple[int, np.ndarray]]:  # fmt: skip
+    """The dense reference's (choice, logits row) before each generated token; the token fed
+    back is its own choice, or ``forced[i]`` (teacher forcing) while there is one."""
     cfg = model.cfg
     keys = jnp.zeros((cfg.layers, max_len, cfg.kv_heads, cfg.head_dim), dtype)
     values = jnp.zeros_like(keys)
-    out: list[int] = []
-    prompt = request.prompt
     row = None
-    for pos, tok in enumerate(prompt):
+    for pos, tok in enumerate(request.prompt):
         logits, keys, values = model.dense_step(keys, values, jnp.asarray([tok], jnp.int32), jnp.int32(pos), quantizer)
         row = np.asarray(logits[0])
-    pos = len(prompt)
-    first = True
-    while len(out) < request.max_new_tokens:
-        out.append(_sample(row, second=(request.fork_of is not None and first)))
-        first = False
-        if len(out) >= request.max_new_tokens:
+    steps: list[tuple[int, np.ndarray]] = []
+    for i in range(request.max_new_tokens):
+        choice = _sample(row, second=(request.fork_of is not None and i == 0))
+        steps.append((choice, row))
+        if i + 1 == request.max_new_tokens or (forced is not None and i >= len(forced)):
             break
-        logits, keys, values = model.dense_step(keys, values, jnp.asarray([out[-1]], jnp.int32), jnp.int32(pos), quantizer)
+        fed = choice if forced is None else forced[i]
+        pos = len(request.prompt) + i
+        logits, keys, values = model.dense_step(keys, values, jnp.asarray([fed], jnp.int32), jnp.int32(pos), quantizer)
         row = np.asarray(logits[0])
-        pos += 1
-    return out
+    return steps

@@ -84,7 +84,7 @@ def main() -> None:
           f"(tp=8), {QHEADS} q heads, head_dim {DIM}, median of {ROUNDS} interleaved rounds\n")
     print("| quantizer | bytes per token-head (head_dim 128) | tokens vs bf16 | " + " | ".join(FAMILIES)
           + " | decode attention |")
-    print("|---" * (5 + len(FAMILIES)) + "|")
+    print("|---" * (4 + len(FAMILIES)) + "|")
     bf16 = 2 * DIM
     for name in ("none",) + QUANTS:
         q = easykv.get_quantizer(name)

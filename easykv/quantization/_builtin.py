@@ -180,17 +180,14 @@ class Int4Quantizer(_Rotating):
 
     def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
         packed = q.values
-        if self.asymmetric:  # unsigned nibbles
-            low, high = packed & 0xF, packed >> 4
-        else:  # sign-extend each nibble: shift it to the top of an int8, then arithmetic-shift back
-            low, high = (packed << 4).astype(jnp.int8) >> 4, packed.astype(jnp.int8) >> 4
-        codes = jnp.stack([low, high], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+        nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
         scales = q.scales if self.group_size is not None else q.scales[..., None, :] if self.asymmetric \
             else q.scales[..., None]
         groups = scales.shape[-2] if self.asymmetric else scales.shape[-1]
-        grouped = _grouped(codes, groups)
         if self.asymmetric:
-            values = grouped * scales[..., 0:1] + scales[..., 1:2]
+            values = _grouped(nibbles, groups) * scales[..., 0:1] + scales[..., 1:2]
         else:
-            values = (grouped + 0.5) * scales[..., None]
-        return self._out_of_basis(values.reshape(codes.shape), dtype, rotated)
+            # A two's-complement nibble n is the code (n ^ 8) - 8, so both formats unpack alike;
+            # code + 0.5 = (n ^ 8) - 7.5, exact in float32.
+            values = (_grouped(nibbles ^ 8, groups) - 7.5) * scales[..., None]
+        return self._out_of_basis(values.reshape(nibbles.shape), dtype, rotated)

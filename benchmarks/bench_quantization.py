@@ -32,16 +32,24 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def main() -> None:
+def decode_workload(layers: int) -> tuple:
+    """The decode benchmark's setting, shared with bench_quantizer_families.py: ``(mesh, pm,
+    table, k, v, q, num_pages)`` for SEQS sequences of LEN Gaussian bf16 tokens in ``layers``
+    layers over a permuted page table, one query per sequence."""
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())
     rng = np.random.default_rng(0)
     pages_per_seq = LEN // PAGE
     num_pages = SEQS * pages_per_seq
     table = rng.permutation(num_pages).reshape(SEQS, pages_per_seq).astype(np.int32)
-    k = jnp.asarray(rng.normal(size=(LAYERS, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(LAYERS, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(layers, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(layers, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
     q = jnp.asarray(rng.normal(size=(SEQS, QHEADS, DIM)), jnp.bfloat16)
+    return mesh, pm, table, k, v, q, num_pages
+
+
+def main() -> None:
+    mesh, pm, table, k, v, q, num_pages = decode_workload(LAYERS)
     x = jax.random.normal(jax.random.key(1), (4096, HEADS, DIM), jnp.float32)
     budget = 256 * 2**20
     rows, reference, base_pages = [], None, None

@@ -29,13 +29,13 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import easykv  # noqa: E402
+from bench_quantization import DIM, HEADS, LEN, PAGE, QHEADS, SEQS, decode_workload  # noqa: E402
 from quant_families import FAMILIES, errors  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 QUANTS = ("int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g32",
           "int4-g32-rot", "int4-g32-asym-rot")
 TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot")
-HEADS, QHEADS, DIM, PAGE, SEQS, LEN, ROUNDS = 8, 32, 128, 16, 32, 512, 30
+ROUNDS = 30
 
 
 def error_cells(name: str) -> list[str]:
@@ -48,15 +48,7 @@ def error_cells(name: str) -> list[str]:
 
 
 def decode_times() -> dict[str, float]:
-    mesh = create_mesh({"tp": 8})
-    pm = PartitionManager(PartitionAxis())
-    rng = np.random.default_rng(0)
-    pages_per_seq = LEN // PAGE
-    num_pages = SEQS * pages_per_seq
-    table = rng.permutation(num_pages).reshape(SEQS, pages_per_seq).astype(np.int32)
-    k = jnp.asarray(rng.normal(size=(1, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
-    v = jnp.asarray(rng.normal(size=(1, SEQS * LEN, HEADS, DIM)), jnp.bfloat16)
-    q = jnp.asarray(rng.normal(size=(SEQS, QHEADS, DIM)), jnp.bfloat16)
+    mesh, pm, table, k, v, q, num_pages = decode_workload(1)
     calls = {}
     for name in TIMED:
         meta = easykv.PagedAttentionCacheMetaData.create(

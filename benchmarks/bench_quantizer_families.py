@@ -10,7 +10,8 @@ freedom. Each cell is "all channels / ordinary channels / attention", the mean o
 Decode time: attention of 32 sequences x 512 tokens (8 kv heads on tp=8, 32 q heads, head_dim
 128, page_size 16) over each quantizer's pages, timed interleaved (one call per quantizer per
 round, 30 rounds, median), with the rotated quantizer's time divided by its plain twin's in the
-same rounds.
+same rounds. Decode write: one token per sequence into those pages (cache.write's jitted body,
+donated), timed in the same rounds; int4-ch rereads and requantizes the page each token lands in.
 """
 
 from __future__ import annotations
@@ -29,27 +30,35 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import easykv  # noqa: E402
+from easykv.quantization import page_head_bytes  # noqa: E402
+from easykv.storage.cache import write_all  # noqa: E402
+from easykv.storage.writes import token_slots  # noqa: E402
 from bench_quantization import DIM, HEADS, LEN, PAGE, QHEADS, SEQS, decode_workload  # noqa: E402
 from quant_families import FAMILIES, errors  # noqa: E402
 
+# "int4-ch:decode": int4-ch pages filled one token per write (their scales grow as they fill).
 QUANTS = ("int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g32",
-          "int4-g32-rot", "int4-g32-asym-rot")
-TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot")
+          "int4-g32-rot", "int4-g32-asym-rot", "int4-ch", "int4-ch:decode")
+TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-ch")
 ROUNDS = 30
 
 
 def error_cells(name: str) -> list[str]:
+    quant, _, mode = name.partition(":")
     cells = []
     for fam in FAMILIES:
-        runs = [errors(easykv.get_quantizer(name), fam, seed=seed) for seed in range(5)]
+        runs = [errors(easykv.get_quantizer(quant), fam, seed=seed, decode=mode == "decode") for seed in range(5)]
         mean = {k: float(np.mean([r[k] for r in runs])) for k in ("all", "ordinary", "attention")}
         cells.append(f"{mean['all']:.3f} / {mean['ordinary']:.3f} / {mean['attention']:.3f}")
     return cells
 
 
-def decode_times() -> dict[str, float]:
+def decode_times() -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms of decode attention, and of a decode step's write (one token per sequence into
+    the pages above, through cache.write), per quantizer in TIMED."""
     mesh, pm, table, k, v, q, num_pages = decode_workload(1)
-    calls = {}
+    calls, writes = {}, {}
+    new_token = jnp.asarray(np.random.default_rng(9).normal(size=(1, SEQS, HEADS, DIM)), jnp.bfloat16)
     for name in TIMED:
         meta = easykv.PagedAttentionCacheMetaData.create(
             mesh, SEQS, 1, LEN, PAGE, HEADS, DIM, 0.9, jnp.bfloat16, partition_manager=pm, quantizer=name,
@@ -61,33 +70,47 @@ def decode_times() -> dict[str, float]:
         view = cache[0]
         calls[name] = (lambda view=view, decode=decode: easykv.view_attention(q, view, decode))
         jax.block_until_ready(calls[name]())  # compile
+        step = easykv.PagedAttentionMetadata.for_decode(table, [LEN - 2] * SEQS, cache_metadata=meta)
+        slots = (jax.device_put(np.asarray(token_slots(step, meta))),)
+        held = [easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=name)]
+
+        def write(held=held, slots=slots):  # donated: each call writes into the last call's pages
+            held[0], _ = write_all(held[0], new_token, new_token, slots)
+            return held[0]
+        writes[name] = write
+        jax.block_until_ready(write())  # compile
     samples: dict[str, list[float]] = {name: [] for name in TIMED}
+    written: dict[str, list[float]] = {name: [] for name in TIMED}
     for _ in range(ROUNDS):
         for name in TIMED:
-            t0 = time.perf_counter()
-            jax.block_until_ready(calls[name]())
-            samples[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(s)) * 1e3 for name, s in samples.items()}
+            for fn, into in ((calls[name], samples[name]), (writes[name], written[name])):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                into.append(time.perf_counter() - t0)
+    median = lambda d: {name: float(np.median(s)) * 1e3 for name, s in d.items()}  # noqa: E731
+    return median(samples), median(written)
 
 
 def main() -> None:
-    times = decode_times()
+    times, write_times = decode_times()
     print(f"errors: all / ordinary / attention, mean of 5 draws; decode: {SEQS} x {LEN} tokens, {HEADS} kv heads "
           f"(tp=8), {QHEADS} q heads, head_dim {DIM}, median of {ROUNDS} interleaved rounds\n")
-    print("| quantizer | bytes per token-head (head_dim 128) | tokens vs bf16 | " + " | ".join(FAMILIES)
-          + " | decode attention |")
-    print("|---" * (4 + len(FAMILIES)) + "|")
+    print("| quantizer | bytes per token-head (head_dim 128, page_size 16) | tokens vs bf16 | "
+          + " | ".join(FAMILIES) + " | decode attention | decode write |")
+    print("|---" * (5 + len(FAMILIES)) + "|")
     bf16 = 2 * DIM
     for name in ("none",) + QUANTS:
-        q = easykv.get_quantizer(name)
-        per = q.bytes_per_token_head(DIM, np.dtype("bfloat16"))
+        q = easykv.get_quantizer(name.partition(":")[0])
+        per = page_head_bytes(q, PAGE, DIM, np.dtype("bfloat16")) / PAGE
         cells = ["0 / 0 / 0"] * len(FAMILIES) if name == "none" else error_cells(name)
-        timed = f"{times[name]:.1f} ms" if name in times else ""
+        timed = [f"{t[name]:.2f} ms" if name in t else "" for t in (times, write_times)]
         label = "bf16" if name == "none" else name
-        print(f"| {label} | {per} B | {bf16 / per:.2f}x | " + " | ".join(cells) + f" | {timed} |")
+        print(f"| {label} | {per:g} B | {bf16 / per:.2f}x | " + " | ".join(cells) + f" | {' | '.join(timed)} |")
     print()
     for plain in ("int8", "int4", "int4-asym"):
         print(f"decode time {plain}-rot / {plain}: {times[plain + '-rot'] / times[plain]:.2f}x (target <= 1.3x)")
+    print(f"int4-ch / int4: decode attention {times['int4-ch'] / times['int4']:.2f}x, decode write "
+          f"{write_times['int4-ch'] / write_times['int4']:.2f}x (a write rereads and requantizes the pages it lands in)")
 
 
 if __name__ == "__main__":

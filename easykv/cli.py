@@ -142,11 +142,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                    ("--cpu-devices", args.cpu_devices, 1, 64)):  # fmt: skip
         if not low <= value <= high:
             raise UsageError(f"{flag} {value} is out of range; use {low}..{high}")
-    from easykv.quantization import get_quantizer
-
-    get_quantizer(args.quant)  # a bad name fails here, before any device work
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from easykv.demo.run import DemoOptions, run_demo
+    from easykv.demo.run import DemoOptions, demo_quantizer, run_demo
+
+    demo_quantizer(args.quant)  # a bad name fails here, before any device work
 
     n = jax.device_count()
     mesh = parse_mesh(args.mesh) if args.mesh else {"tp": n}

@@ -23,8 +23,12 @@ Errors (relative, ``|approx - exact| / |exact|`` over every token and head):
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from easykv.quantization import scales_per_page
+from easykv.storage.writes import scatter_page_scaled_local
 
 FAMILIES = ("gaussian", "outliers-4x50", "outliers-1x100", "student-t3")
 
@@ -51,8 +55,30 @@ def rel(approx: np.ndarray, exact: np.ndarray) -> float:
     return float(np.linalg.norm(approx - exact) / np.linalg.norm(exact))
 
 
-def round_trip(quantizer, x: np.ndarray) -> np.ndarray:
-    return np.asarray(quantizer.quantize(jnp.asarray(x)).dequantize(jnp.float32), np.float64)
+PAGE_SIZE = 16  # of the pages a quantizer with per-page scales (int4-ch) groups tokens into
+
+
+def round_trip(quantizer, x: np.ndarray, *, decode: bool = False) -> np.ndarray:
+    """``x`` ``(tokens, heads, dim)`` stored and read back. A quantizer with per-page scales
+    stores pages of PAGE_SIZE consecutive tokens: written whole, or with ``decode`` one token per
+    write through the cache's write path (each page's scales grow as it fills)."""
+    if not scales_per_page(quantizer):
+        return np.asarray(quantizer.quantize(jnp.asarray(x)).dequantize(jnp.float32), np.float64)
+    tokens, heads, dim = x.shape
+    pages = jnp.asarray(x).reshape(tokens // PAGE_SIZE, PAGE_SIZE, heads, dim).transpose(2, 0, 1, 3)[None]
+    if decode:
+        stored = jax.tree.map(jnp.zeros_like, quantizer.quantize(pages))
+        for t in range(tokens):
+            stored = _write_one(stored, jnp.asarray(x[t])[None], jnp.asarray([t], jnp.int32))
+    else:
+        stored = quantizer.quantize(pages)
+    back = stored.dequantize(jnp.float32)[0]  # (heads, pages, page_size, dim)
+    return np.asarray(back.transpose(1, 2, 0, 3).reshape(tokens, heads, dim), np.float64)
+
+
+@jax.jit
+def _write_one(stored, row, slot):
+    return scatter_page_scaled_local(stored, row, slot, 0, layout=None)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -65,15 +91,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray) ->
     return np.einsum("hqt,thd->qhd", weights, v)
 
 
-def errors(quantizer, name: str, *, tokens: int = 512, heads: int = 8, queries: int = 32, seed: int = 0) -> dict:
+def errors(quantizer, name: str, *, tokens: int = 512, heads: int = 8, queries: int = 32, seed: int = 0,
+           decode: bool = False) -> dict:
     """``{"all", "ordinary", "attention"}`` of ``quantizer`` on family ``name`` (K and V drawn
-    independently from it; the round-trip errors are the keys')."""
+    independently from it; the round-trip errors are the keys'). ``decode``: see `round_trip`."""
     k, ordinary = family(name, tokens, heads, seed)
     v, _ = family(name, tokens, heads, seed + 1)
     q = np.random.default_rng(seed + 2).standard_normal((queries, heads, k.shape[-1]))
     k64, v64 = k.astype(np.float64), v.astype(np.float64)
     scale = 1.0 / np.einsum("qhd,thd->hqt", q, k64).reshape(heads, -1).std(axis=-1)
-    kq, vq = round_trip(quantizer, k), round_trip(quantizer, v)
+    kq, vq = round_trip(quantizer, k, decode=decode), round_trip(quantizer, v, decode=decode)
     mask = np.broadcast_to(ordinary, k.shape)
     return {
         "all": rel(kq, k64),

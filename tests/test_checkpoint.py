@@ -76,7 +76,7 @@ def continue_run(cache, manager, seed=7):
 
 
 # ---- round trips ------------------------------------------------------------------------------
-@pytest.mark.parametrize("quantizer", ["none", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("quantizer", ["none", "int8", "fp8", "int4", "int4-ch"])
 def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
     cache, manager, _ = engine_run("heads", quantizer)
     before = raw_leaves(cache)
@@ -102,9 +102,10 @@ def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
     assert got.keys() == want.keys() and all(np.array_equal(got[k][i], want[k][i]) for k in got for i in (0, 1))
 
 
-@pytest.mark.parametrize(("src", "dst"), [("heads", "dp"), ("heads", "single"), ("dp", "heads")])
-def test_restore_onto_another_mesh(tmp_path, src, dst):
-    cache, manager, _ = engine_run(src, "int8" if src == "dp" else "none")
+@pytest.mark.parametrize(("src", "dst", "quant"), [("heads", "dp", "none"), ("heads", "single", "none"),
+                                                   ("dp", "heads", "int8"), ("dp", "heads", "int4-ch")])
+def test_restore_onto_another_mesh(tmp_path, src, dst, quant):
+    cache, manager, _ = engine_run(src, quant)
     quantizer = cache.metadata.quantization
     save_cache(tmp_path, cache, manager)
     mesh, pm, meta = qsetup(dst, quantizer)

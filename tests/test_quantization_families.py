@@ -36,6 +36,9 @@ BOUNDS = {
     "int4-g32": [(0.11, 0.11, 0.15), (0.32, 4.1, 0.76), (0.39, 3.5, 1.8), (0.19, 0.19, 1.4)],
     "int4-g32-rot": [(0.11, 0.11, 0.16), (0.078, 0.97, 0.16), (0.053, 0.47, 0.21), (0.1, 0.1, 0.14)],
     "int4-g32-asym-rot": [(0.09, 0.09, 0.13), (0.074, 0.93, 0.16), (0.051, 0.45, 0.21), (0.087, 0.087, 0.26)],
+    # A scale per channel per page (pages of 16 tokens): written whole, and one token per write.
+    "int4-ch": [(0.1, 0.1, 0.15), (0.1, 0.1, 0.19), (0.1, 0.1, 0.41), (0.16, 0.16, 0.33)],
+    "int4-ch:decode": [(0.11, 0.11, 0.16), (0.11, 0.11, 0.2), (0.12, 0.11, 0.41), (0.16, 0.16, 0.34)],
 }
 
 
@@ -43,10 +46,22 @@ BOUNDS = {
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_documented_bounds_per_family(name, fam):
     bound = dict(zip(("all", "ordinary", "attention"), BOUNDS[name][FAMILIES.index(fam)]))
+    quant, _, mode = name.partition(":")
     for seed in (0, 1):
-        got = errors(get_quantizer(name), fam, seed=seed)
+        got = errors(get_quantizer(quant), fam, seed=seed, decode=mode == "decode")
         over = {k: (round(got[k], 4), bound[k]) for k in bound if got[k] > bound[k]}
         assert not over, f"{name} on {fam} (seed {seed}) exceeds its documented bounds: {over}"
+
+
+def test_channel_scales_hold_the_ordinary_channels():
+    """What int4-ch is for: on outlier channels its ordinary-channel error stays that of Gaussian
+    data (< 0.15, decoded one token at a time too), where int4 with one scale per token (rotated
+    or not) loses them."""
+    for fam in ("outliers-4x50", "outliers-1x100"):
+        for decode in (False, True):
+            got = errors(get_quantizer("int4-ch"), fam, decode=decode)
+            assert got["ordinary"] < 0.15, (fam, decode, got)
+        assert errors(get_quantizer("int4-asym-rot"), fam)["ordinary"] > 0.35
 
 
 def test_rotation_wins_where_outliers_are():
@@ -184,21 +199,25 @@ def test_outlier_tokens_through_a_cache_with_rotation():
     assert rel(outs["int4"], outs["none"]) > 4 * rel(outs["int4-rot"], outs["none"])
 
 
-# ---- rotated pages through every attention path ------------------------------------------------
+# ---- rotated (and per-channel) pages through every attention path -------------------------------
 ROTATED_CASES = [
     ("single", "int8-rot", "decode", {"sinks": True, "logit_soft_cap": 3.0}),
     ("heads", "int4-asym-rot", "mixed", {"sliding_window": 6}),
     ("dp", "int4-g8-rot", "prefill", {"chunk_size": 6}),
     ("replicated", "fp8-rot", "mixed", {"latent": 10}),
     ("dp", "int4-rot", "decode", {"sliding_window": 9, "sinks": True}),
+    ("heads", "int4-ch", "mixed", {"sliding_window": 6, "logit_soft_cap": 3.0}),
+    ("dp", "int4-ch", "prefill", {"chunk_size": 6, "sinks": True}),
+    ("replicated", "int4-ch", "decode", {"latent": 10}),
+    ("single", "int4-ch", "decode", {}),
 ]
 
 
 @pytest.mark.parametrize("name,quant,mode,options", ROTATED_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in ROTATED_CASES])
 def test_rotated_pages_fast_path_matches_reference(name, quant, mode, options):
     """The fast path reads rotated pages in the rotated basis (query rotated, output rotated
-    back; a latent cache's values taken from the rotated-back sum); the reference dequantizes
-    every page to its true values and attends plainly. Random pages, permuted tables, GQA, every
+    back; a latent cache's values taken from the rotated-back sum), and int4-ch pages with their
+    scales per page; the reference dequantizes every page to its true values and attends plainly. Random pages, permuted tables, GQA, every
     layout and form, windows, chunks, sinks, a soft cap."""
     from test_attention import GROUP, LAYOUTS, MAKERS, PAGES, PS, D, page_layout, release_before_window
 

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
-from easykv.quantization import Fp8Quantizer, Int8Quantizer, QuantizedPages, Rotation, rotation_of
+from easykv.quantization import Fp8Quantizer, Int8Quantizer, QuantizedPages, Rotation, rotation_of, scales_per_page
 from easykv.runtime import PagedAttentionMetadata, as_mixed, step_form
 from easykv.runtime_checks import check_step, dtype_of, shape_of
 from easykv.validation import integer
@@ -386,11 +386,13 @@ def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int, value_head
         q = pages.quantizer
         tail, _ = q.value_shape(head_dim)
         vshape, sshape = shape_of(pages.values), shape_of(pages.scales)
-        want_s = vshape[:3] + tuple(q.scale_shape(head_dim))
+        per_page = scales_per_page(q)  # scales (heads, pages, ...) rather than (heads, pages, page_size, ...)
+        want_s = vshape[:2 if per_page else 3] + tuple(q.scale_shape(head_dim))
         if len(vshape) != 3 + len(tail) or vshape[3:] != tuple(tail) or sshape != want_s:
             raise ValueError(
                 f"{name} ({q.name}) has values {vshape} and scales {sshape}; for head_dim {head_dim} "
                 f"expected values (heads, pages, page_size, {', '.join(map(str, tail))}) and scales {want_s}"
+                + (" (one row per page)" if per_page else "")
             )
     if key_pages.quantizer != value_pages.quantizer:
         raise ValueError(f"key_pages use {key_pages.quantizer.name} but value_pages use {value_pages.quantizer.name}")

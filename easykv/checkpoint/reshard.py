@@ -22,7 +22,7 @@ import numpy as np
 
 from easykv.errors import CheckpointMismatchError
 from easykv.spec.metadata import PagedAttentionCacheMetaData, canonical_dtype, plan_layout
-from easykv.storage.pages import PageLayout, encode_tokens, from_storage, group_page_templates, page_template
+from easykv.storage.pages import PageLayout, encode_pages, from_storage, group_page_templates, page_template
 from easykv.quantization import QuantizedPages, get_quantizer
 
 # Fields that describe the model and the pool: a restore never changes them.
@@ -140,7 +140,7 @@ def convert_pages(pages: Any, src_dtype: np.dtype, dst_dtype: np.dtype, dst_temp
     out_shardings = jax.tree.map(lambda t: layout.sharding_for(len(t.shape)), dst_template)
 
     def run(p: Any) -> Any:
-        return encode_tokens(_decode(p, src_dtype).astype(dst_dtype), dst_template)
+        return encode_pages(_decode(p, src_dtype).astype(dst_dtype), dst_template)
 
     return jax.jit(run, out_shardings=out_shardings)(pages)
 

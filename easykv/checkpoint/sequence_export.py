@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.spec.metadata import SUPPORTED_DTYPES, canonical_dtype
-from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing
+from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing, scales_per_page
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, parse_json, positive_int
 
 _EXPORT_FORMAT = "easykv.SequenceExport/1"
@@ -59,6 +59,14 @@ def _member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np
     else:
         parts = {"dense": (base + (head_dim,), dtype)}
     return {f"{part}.{sub}": spec for part in ("keys", "values") for sub, spec in parts.items()}
+
+
+def check_raw_exportable(quantizer: Any, what: str) -> None:
+    """A raw export holds codes and scales token by token; a quantizer whose scales are per page
+    (``int4-ch``) has no such form: ValueError naming ``what`` asked for one."""
+    if scales_per_page(quantizer):
+        raise ValueError(f"{what}: {quantizer.name} pages keep one scale per page and channel, which a token-major "
+                         "raw export cannot carry; export with dequantize=True (the import quantizes the tokens again)")
 
 
 def _stored_dtype(dtype: np.dtype) -> np.dtype:
@@ -182,6 +190,8 @@ class SequenceExport:
         if raw and not is_compressing(quantizer):
             raise ValueError(f"SequenceExport.raw=True needs a compressing quantizer (int8, fp8, int4, ...), but "
                              f"quantization is {quantizer.name!r}; an export of an unquantized cache has raw=False")
+        if raw:
+            check_raw_exportable(quantizer, "SequenceExport.raw=True")
         specs = _member_specs(length - first, layers, heads, head_dim, dtype, quantizer, raw)
         span = f" (positions {first}..{length - 1})" if first else ""
         what = (f"{length - first} tokens{span} x {layers} layers x {heads} kv heads of head_dim {head_dim} "
@@ -320,6 +330,8 @@ class SequenceExport:
         raw = boolean(f"{field} 'raw'", header["raw"])
         if raw and not is_compressing(quantizer):
             raise ValueError(f"{field} 'raw' is true but quantization {quantizer.name!r} stores no raw format")
+        if raw:
+            check_raw_exportable(quantizer, f"{field} 'raw'")
         source_page_size = optional_int(f"{field} 'source_page_size'", header["source_page_size"], lo=1)
         first = 0
         if fmt == _WINDOW_FORMAT:  # version 2 exists for a window: first_position 0 is written as version 1

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
-from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport
+from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport, check_raw_exportable
 from easykv.storage.cache import PagedAttentionCache, group_layouts
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
@@ -125,6 +125,8 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
                              f"{token_ids.size} ids")
     ps = meta.page_size
     raw = not dequantize and any(is_compressing(meta.group_quantizer(g)) for g in meta.groups)
+    for g in meta.groups if raw else ():
+        check_raw_exportable(meta.group_quantizer(g), "export_sequence(dequantize=False)")
     held = [_held_pages(manager, meta, seq, length, g) for g in range(len(meta.groups))]
     if meta.is_single_geometry:  # every layer in one geometry: the format every easykv reads
         first, ids = held[0]

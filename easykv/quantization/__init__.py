@@ -4,20 +4,24 @@ A quantized layer stores, for K and for V separately, a ``QuantizedPages`` pytre
 
   values: (num_kv_heads, num_pages, page_size, packed_head_dim)  int8 / float8 / packed int4
   scales: (num_kv_heads, num_pages, page_size[, groups][, 2])     float32
+          (num_kv_heads, num_pages, head_dim)                     uint8, ``int4-ch``: per page
 
 Scales are compact (one per token and head, or per group of head_dim; asymmetric int4 adds a
-zero point); they are never broadcast to head_dim in memory. Writes quantize only the new
+zero point; ``int4-ch`` one log-coded byte per channel per page, ``_channel.py``); they are never
+broadcast in memory. Writes quantize only the new
 tokens; reads dequantize only the pages they gather. A quantizer is chosen once per cache, by
 name or as an object, and recorded in the metadata by name (``register_quantizer`` makes a
 custom one nameable; ``available_quantizers`` lists the names).
 
 Built in (``_builtin.py``): ``int8``, ``fp8``, ``int4``, ``int4-g<N>``, ``int4[-g<N>]-asym``;
-``-rot`` after any of them rotates every token by a fixed orthogonal matrix first
+``int4-ch`` (``_channel.py``) scales each channel per page instead; ``-rot`` after any of the
+others rotates every token by a fixed orthogonal matrix first
 (``_rotation.py``), which spreads outlier channels over all channels; attention rotates the
 query and the output instead of the pages.
 """
 
 from easykv.quantization._builtin import Fp8Quantizer, Int4Quantizer, Int8Quantizer
+from easykv.quantization._channel import Int4ChannelQuantizer
 from easykv.quantization._pages import (
     SCALE_DTYPE,
     CompressingQuantizer,
@@ -25,7 +29,10 @@ from easykv.quantization._pages import (
     QuantizedPages,
     Quantizer,
     is_compressing,
+    page_head_bytes,
     rotation_of,
+    scale_dtype,
+    scales_per_page,
 )
 from easykv.quantization._registry import (
     available_quantizers,
@@ -39,6 +46,7 @@ __all__ = [
     "SCALE_DTYPE",
     "CompressingQuantizer",
     "Fp8Quantizer",
+    "Int4ChannelQuantizer",
     "Int4Quantizer",
     "Int8Quantizer",
     "NoQuantizer",
@@ -51,5 +59,8 @@ __all__ = [
     "is_compressing",
     "register_quantizer",
     "rotation_matrix",
+    "page_head_bytes",
     "rotation_of",
+    "scale_dtype",
+    "scales_per_page",
 ]

@@ -52,6 +52,25 @@ class CompressingQuantizer(Quantizer, Protocol):
         ...
 
 
+def scales_per_page(quantizer: Any) -> bool:
+    """Whether ``quantizer`` keeps its scales per page (``(..., num_pages, *scale_shape)``, e.g.
+    ``int4-ch``) rather than per token (``(..., num_pages, page_size, *scale_shape)``)."""
+    return bool(getattr(quantizer, "scales_per_page", False))
+
+
+def scale_dtype(quantizer: Any) -> np.dtype:
+    """The dtype of ``quantizer``'s stored scales (float32 unless it says otherwise)."""
+    return np.dtype(getattr(quantizer, "scale_dtype", SCALE_DTYPE))
+
+
+def page_head_bytes(quantizer: Any, page_size: int, head_dim: int, dtype: np.dtype) -> int:
+    """Stored bytes of one page of one kv head: values and scales, per-page scales included."""
+    per_page = getattr(quantizer, "bytes_per_page_head", None)
+    if callable(per_page):
+        return int(per_page(page_size, head_dim, dtype))
+    return page_size * int(quantizer.bytes_per_token_head(head_dim, dtype))
+
+
 def rotation_of(quantizer: Any, head_dim: int) -> Rotation | None:
     """The rotation ``quantizer`` applies to tokens of ``head_dim`` values (None: none)."""
     rotation = getattr(quantizer, "rotation", None)
@@ -85,8 +104,9 @@ class QuantizedPages:
         packed)``, scales ``(..., *scale_shape)``): the smallest dim the quantizer lays out exactly
         so (a whole number, at most 8, of values per stored element). ValueError when none does."""
         vshape, sshape = np.shape(self.values), np.shape(self.scales)
-        packed, scale_tail = vshape[-1], tuple(sshape[len(vshape) - 1:])
-        if sshape[:len(vshape) - 1] != vshape[:-1] or packed <= 0:
+        lead = len(vshape) - (2 if scales_per_page(self.quantizer) else 1)  # per page: no page_size axis
+        packed, scale_tail = vshape[-1], tuple(sshape[lead:])
+        if len(vshape) < 2 or sshape[:lead] != vshape[:lead] or packed <= 0:
             raise ValueError(f"{self.quantizer.name} values {vshape} and scales {sshape} do not pair up")
         for per_element in range(1, 9):  # values packed per stored element: 8 candidates, whatever the size
             dim = packed * per_element

@@ -3,7 +3,7 @@
 The metadata records a cache's quantizer by name, so every quantizer a cache can hold has one:
 ``none``, ``int8``, ``fp8``, ``int4``, ``int4-g<N>`` (one scale per N values), ``-asym`` after an
 int4 name (a zero point per group), ``-rot`` after any of int8 / fp8 / int4 names (the fixed
-rotation), and the names ``register_quantizer`` added.
+rotation), ``int4-ch`` (a scale per channel per page), and the names ``register_quantizer`` added.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 import re
 
 from easykv.quantization._builtin import Fp8Quantizer, Int4Quantizer, Int8Quantizer
+from easykv.quantization._channel import Int4ChannelQuantizer
 from easykv.quantization._pages import NoQuantizer, Quantizer
 from easykv.validation import show
 
-_REGISTRY: dict[str, Quantizer] = {q.name: q for q in (NoQuantizer(),)}
+_REGISTRY: dict[str, Quantizer] = {q.name: q for q in (NoQuantizer(), Int4ChannelQuantizer())}
 _BYTE = re.compile(r"(int8|fp8)(-rot)?")
 _INT4 = re.compile(r"int4(?:-g([0-9]+))?(-asym)?(-rot)?")
 _BUILT_IN = ("none", "int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot",
-             "int4-g<N>", "int4-g<N>-rot", "int4-g<N>-asym", "int4-g<N>-asym-rot")
+             "int4-g<N>", "int4-g<N>-rot", "int4-g<N>-asym", "int4-g<N>-asym-rot", "int4-ch")
 
 
 def available_quantizers() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import numpy as np
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.spec.groups import LayerGroup, check_groups
 from easykv.spec.memory import MemoryBudget, device_memory_budget, devices_per_host
-from easykv.quantization import Quantizer, get_quantizer
+from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
 from easykv.errors import SerializationError
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT64_MAX, positive_int, real, show
@@ -274,7 +274,8 @@ class PagedAttentionCacheMetaData(Serializable):
     def page_bytes_per_device(self) -> int:
         """Bytes one device stores for one page of one layer, K and V together (of a uniform
         cache; a grouped one has `group_page_bytes` per group)."""
-        return 2 * self.kv_heads_per_device * self.page_size * self.bytes_per_token_head
+        return 2 * self.kv_heads_per_device * page_head_bytes(self.quantizer, self.page_size, self.kv_head_dim_size,
+                                                              self.sizing_dtype)
 
     # ---- layer groups -----------------------------------------------------------------------
     @property
@@ -367,17 +368,18 @@ class PagedAttentionCacheMetaData(Serializable):
                        for g, (d, q) in zip(self.layer_groups, formats))
         return self.replace(dtype=dtype, quantization=get_quantizer(quantization).name, layer_groups=groups)
 
-    def group_token_head_bytes(self, group: LayerGroup) -> int:
-        """Stored bytes of one token of one kv head of ``group``: K and V, or the latent."""
+    def group_page_head_bytes(self, group: LayerGroup) -> int:
+        """Stored bytes of one page of one kv head of ``group``: K and V, or the latent, with
+        their scales (per token or per page)."""
         quantizer, dtype = self.group_quantizer(group), self.group_sizing_dtype(group)
-        per_head = quantizer.bytes_per_token_head(group.key_head_dim, dtype)
+        per_head = page_head_bytes(quantizer, self.page_size, group.key_head_dim, dtype)
         if group.has_values:
-            per_head += quantizer.bytes_per_token_head(group.value_head_dim, dtype)
+            per_head += page_head_bytes(quantizer, self.page_size, group.value_head_dim, dtype)
         return per_head
 
     def group_page_bytes(self, group: LayerGroup) -> int:
         """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent)."""
-        return group.num_kv_heads // self._group_head_shards(group) * self.page_size * self.group_token_head_bytes(group)
+        return group.num_kv_heads // self._group_head_shards(group) * self.group_page_head_bytes(group)
 
     def _cost_detail(self) -> str:
         return "; ".join(f"layers {g.span}: {g.num_pages // self.page_shards} pages x {g.num_layers} layers x "
@@ -393,7 +395,8 @@ class PagedAttentionCacheMetaData(Serializable):
         """Bytes of one cached token over all layers and kv heads, each head counted once
         (replicated heads cost this again on every device that holds a copy); in a windowed
         group a token costs this only while it is inside the window."""
-        return sum(g.num_kv_heads * self.group_token_head_bytes(g) * g.num_layers for g in self.groups)
+        per_page = sum(g.num_kv_heads * self.group_page_head_bytes(g) * g.num_layers for g in self.groups)
+        return -(-per_page // self.page_size)  # per-page scales spread over the page's tokens, rounded up
 
     def bytes_per_sequence(self, tokens: int) -> int:
         """Bytes per device one sequence of ``tokens`` tokens holds once the pages that left

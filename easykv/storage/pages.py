@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from easykv.quantization import SCALE_DTYPE, QuantizedPages, Quantizer, is_compressing
+from easykv.quantization import QuantizedPages, Quantizer, is_compressing, scale_dtype, scales_per_page
 
 
 def storage_dtype(dtype: Any, platform: str) -> np.dtype:
@@ -147,9 +147,10 @@ def page_template(
         return jax.ShapeDtypeStruct(shape, storage_dtype(dtype, platform))
     *lead, head_dim = shape
     value_tail, value_dtype = quantizer.value_shape(head_dim)
+    scale_lead = lead[:-1] if scales_per_page(quantizer) else lead  # per page: no page_size axis
     return QuantizedPages(
         values=jax.ShapeDtypeStruct((*lead, *value_tail), storage_dtype(value_dtype, platform)),
-        scales=jax.ShapeDtypeStruct((*lead, *quantizer.scale_shape(head_dim)), SCALE_DTYPE),
+        scales=jax.ShapeDtypeStruct((*scale_lead, *quantizer.scale_shape(head_dim)), scale_dtype(quantizer)),
         quantizer=quantizer,
     )
 
@@ -175,12 +176,26 @@ def allocate_pages(templates: Any, layout: PageLayout) -> Any:
 
 
 def encode_tokens(new: jax.Array, pages: Any) -> Any:
-    """New tokens (..., head_dim) in the logical dtype -> what ``pages`` stores: quantized
-    values + scales, or the raw bits of the values."""
+    """New tokens (..., head_dim) in the logical dtype -> what ``pages`` stores for token rows:
+    quantized values + scales, or the raw bits of the values. Pages with a scale per page
+    (``int4-ch``) take the tokens themselves: their write quantizes against the pages' scales
+    (``writes.scatter_encoded``)."""
     if isinstance(pages, QuantizedPages):
+        if scales_per_page(pages.quantizer):
+            return new
         q = pages.quantizer.quantize(new)
         return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype), q.quantizer)
     return to_storage(new, pages.dtype)
+
+
+def encode_pages(x: jax.Array, pages: Any) -> Any:
+    """Whole pages ``(..., page_size, head_dim)`` in the logical dtype -> what ``pages`` (a
+    template or stored pages) stores for them; unlike ``encode_tokens``, a format with a scale
+    per page quantizes each page against its own tokens."""
+    if isinstance(pages, QuantizedPages) and scales_per_page(pages.quantizer):
+        q = pages.quantizer.quantize(x)
+        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype), q.quantizer)
+    return encode_tokens(x, pages)
 
 
 def take_pages(x: jax.Array, ids: jax.Array, layer: Any = 0) -> jax.Array:

@@ -3,6 +3,8 @@
 A slot is ``page_id * page_size + offset``. ``PAD_SLOT`` (-1) marks padding and is dropped
 without notice; any other slot outside the pool is dropped and counted, never clipped into a
 neighbouring page. Prefill, decode and mixed writes only differ in how they derive the slots.
+Pages with a scale per page (``int4-ch``) are written by a read-modify-write of the pages the
+tokens land in (``scatter_page_scaled_local``); every other format is a plain scatter of rows.
 
 Values of host-side (numpy) metadata are checked before anything is written; inside jit, where
 values are unknown until run time, the count of dropped tokens is returned instead.
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.quantization import QuantizedPages, scales_per_page
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout, encode_tokens, run_local
 from easykv.runtime import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
@@ -107,7 +110,86 @@ def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = N
                                                scatter_dims_to_operand_dims=inserted)
         return jax.lax.scatter(leaf, jnp.stack(at, axis=1), upd, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
-    return jax.tree.map(one, pages, new)
+    def entry(p: Any, upd: Any) -> Any:
+        if isinstance(p, QuantizedPages) and scales_per_page(p.quantizer):
+            return scatter_page_scaled_local(p, upd, slots, layer, layout=layout)
+        return jax.tree.map(one, p, upd)
+
+    return jax.tree.map(entry, pages, new, is_leaf=lambda x: isinstance(x, QuantizedPages))
+
+
+# Pages whose earlier tokens are requantized per pass of the write's loop (see below).
+_REQUANT_CHUNK = 256
+
+
+def scatter_page_scaled_local(pages: QuantizedPages, rows: jax.Array, slots: jax.Array, layer: Any = None, *,
+                              layout: PageLayout | None) -> QuantizedPages:
+    """One shard: write token rows (floats in the logical dtype) into pages whose scales are
+    per page and channel (``int4-ch``): a read-modify-write of the pages touched.
+
+    A page entered at its first slot starts over (its scales belonged to an earlier owner). Every
+    other page touched keeps its tokens: its scale becomes the larger of its own and what the new
+    tokens need, its earlier codes are requantized to the grown step, then the new tokens are
+    written under it. Tokens are grouped by page with a sort, so each page's scale is set once
+    and each page is requantized once, whatever the order of the slots; cost grows with the
+    tokens written (and the pages they land in), never with the pool.
+    """
+    t = slots.shape[0]
+    if t == 0:
+        return pages
+    q = pages.quantizer
+    values, scales = pages.values, pages.scales  # (L, H, P, S, d/2), (L, H, P, d)
+    num_layers, _, p, s = values.shape[:4]
+    base = layout.local_page_offset(p) * s if layout is not None else 0
+    local = slots - base
+    ok = (slots >= 0) & (local >= 0) & (local < p * s)
+    page = jnp.where(ok, local // s, p)  # p: outside the shard, dropped
+    offset = jnp.where(ok, local % s, 0)
+    if layer is None:  # rows (L, T, H, d) into every layer
+        layers = jnp.arange(num_layers, dtype=jnp.int32)
+    else:  # rows (T, H, d) into layer ``layer``; one outside the stack drops them
+        layer = jnp.asarray(layer, jnp.int32)
+        # .at[] would read a negative index from the end: every index outside the stack -> L
+        layers, rows = jnp.where((layer >= 0) & (layer < num_layers), layer, num_layers)[None], rows[None]
+    li = layers[:, None]
+
+    # Group the tokens by page: sorted order, a segment per page.
+    order = jnp.argsort(page, stable=True)
+    sorted_page = page[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_page[1:] != sorted_page[:-1]])
+    segment = jnp.cumsum(first) - 1  # (T,)
+    need = jnp.moveaxis(q.needed_codes(rows)[:, order], 1, 0)  # (T, n, H, d), sorted
+    page_need = jax.ops.segment_max(need, segment, num_segments=t, indices_are_sorted=True)
+    fresh = jax.ops.segment_max((ok & (offset == 0)).astype(jnp.int32)[order], segment, num_segments=t,
+                                indices_are_sorted=True) > 0
+
+    # The page's scale before the write (0 for a page that starts over) and after it.
+    at = sorted_page[None, :]
+    old = jnp.where(fresh[segment][None, :, None, None], 0, scales.at[li, :, at].get(mode="fill", fill_value=0))
+    new = jnp.maximum(old, jnp.moveaxis(page_need[segment], 0, 1))  # (n, T, H, d), sorted
+    own = jnp.where(first, sorted_page, p)[None, :]  # one writer per page
+    scales = scales.at[li, :, own].set(new, mode="drop")
+
+    # Requantize the earlier codes of every page that keeps them, a chunk of pages at a time.
+    keeps = first & (sorted_page < p) & ~fresh[segment]
+    rank = jnp.cumsum(keeps) - 1
+    chunk = min(t, _REQUANT_CHUNK)
+
+    def requantize(c: Any, vals: jax.Array) -> jax.Array:
+        (idx,) = jnp.nonzero(keeps & (rank // chunk == c), size=chunk, fill_value=t)
+        pick = jnp.minimum(idx, t - 1)
+        where = jnp.where(idx < t, sorted_page[pick], p)[None, :]
+        held = vals.at[li, :, where].get(mode="fill", fill_value=0)  # (n, chunk, H, S, d/2)
+        redone = q.requantize(held, old[:, pick][..., None, :], new[:, pick][..., None, :])
+        return vals.at[li, :, where].set(redone.astype(vals.dtype), mode="drop")
+
+    values = jax.lax.fori_loop(0, (jnp.sum(keeps) + chunk - 1) // chunk, requantize, values)
+
+    # The new tokens under their page's new scale, scattered by (page, offset).
+    scale_of = jnp.zeros_like(new).at[:, order].set(new)  # back to the tokens' order
+    codes = q.encode(rows, scale_of).astype(values.dtype)  # (n, T, H, d/2)
+    values = values.at[li, :, page[None, :], offset[None, :]].set(codes, mode="drop")
+    return QuantizedPages(values, scales, q)
 
 
 def scatter_kv(

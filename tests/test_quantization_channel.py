@@ -313,6 +313,15 @@ def test_raw_export_is_refused_and_a_dense_one_moves_the_sequence():
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=0.2 * float(np.abs(np.asarray(x)).max()))
 
 
+def test_a_crafted_raw_export_of_int4_ch_is_refused():
+    from easykv.checkpoint.sequence_export import SequenceExport
+
+    part = {"values": np.zeros((1, 4, 2, 8), np.uint8), "scales": np.zeros((1, 4, 2, 16), np.uint8)}
+    with pytest.raises(ValueError, match=r"SequenceExport.raw=True: int4-ch pages keep one scale per page"):
+        SequenceExport(length=4, num_hidden_layers=1, num_kv_heads=2, kv_head_dim_size=16, dtype=np.float32,
+                       quantization="int4-ch", raw=True, keys=part, values=part)
+
+
 def test_the_demo_refuses_int4_ch_with_a_way_out():
     from easykv.demo.run import demo_quantizer
 

@@ -106,9 +106,8 @@ class GroupedSequenceExport:
         if raw and not any(is_compressing(_format(g, dtype, quantizer)[1]) for g in checked):
             raise ValueError(f"GroupedSequenceExport.raw=True needs a group with a compressing quantizer (int8, fp8, "
                              f"int4, ...), but every group's is {quantizer.name!r}")
-        for g in checked:
-            if raw and is_compressing(_format(g, dtype, quantizer)[1]):
-                check_raw_exportable(_format(g, dtype, quantizer)[1], "GroupedSequenceExport.raw=True")
+        for g in checked if raw else ():
+            check_raw_exportable(_format(g, dtype, quantizer)[1], "GroupedSequenceExport.raw=True")
         layers = sorted(i for g in checked for i in g.layers)
         if layers != list(range(len(layers))):
             raise ValueError(f"GroupedSequenceExport.groups hold the layers {show(layers)}; together they must hold "

@@ -21,7 +21,9 @@ class Quantizer(Protocol):
     name: str
 
     def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
-        """Stored bytes of one token of one kv head, values and scales together."""
+        """Stored bytes of one token of one kv head, values and per-token scales together. A
+        quantizer with scales per page also has ``bytes_per_page_head(page_size, head_dim,
+        dtype)``, which sizing uses instead (``page_head_bytes``)."""
         ...
 
     def validate(self, head_dim: int, dtype: np.dtype) -> None:

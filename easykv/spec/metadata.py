@@ -268,6 +268,8 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def bytes_per_token_head(self) -> int:
+        """The quantizer's bytes of one token of one kv head (codes and per-token scales; scales
+        kept per page, as ``int4-ch``'s, are counted in ``page_bytes_per_device``)."""
         return self.quantizer.bytes_per_token_head(self.kv_head_dim_size, self.sizing_dtype)
 
     @property

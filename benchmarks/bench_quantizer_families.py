@@ -38,8 +38,8 @@ from quant_families import FAMILIES, errors  # noqa: E402
 
 # "int4-ch:decode": int4-ch pages filled one token per write (their scales grow as they fill).
 QUANTS = ("int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g32",
-          "int4-g32-rot", "int4-g32-asym-rot", "int4-ch", "int4-ch:decode")
-TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-ch")
+          "int4-g32-rot", "int4-g32-asym-rot", "int4-ch", "int4-ch:decode", "int4-ol", "int4-ol8")
+TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-ch", "int4-ol")
 ROUNDS = 30
 
 
@@ -111,6 +111,8 @@ def main() -> None:
         print(f"decode time {plain}-rot / {plain}: {times[plain + '-rot'] / times[plain]:.2f}x (target <= 1.3x)")
     print(f"int4-ch / int4: decode attention {times['int4-ch'] / times['int4']:.2f}x, decode write "
           f"{write_times['int4-ch'] / write_times['int4']:.2f}x (a write rereads and requantizes the pages it lands in)")
+    print(f"int4-ol / int4: decode attention {times['int4-ol'] / times['int4']:.2f}x, decode write "
+          f"{write_times['int4-ol'] / write_times['int4']:.2f}x (outliers found per token, decoded elementwise)")
 
 
 if __name__ == "__main__":

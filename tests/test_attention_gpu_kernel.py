@@ -66,6 +66,7 @@ def _unfit_cases(rng):
     q = jnp.zeros((2, 4 * HEADS, DIM), jnp.bfloat16)
     base = {"dtype": jnp.bfloat16}
     yield "int4 pages", (q, *pages(rng, "int4"), md), base, r"int8 / fp8 pages .* not int4 pages"
+    yield "int4-ol pages", (q, *pages(rng, "int4-ol"), md), base, r"int8 / fp8 pages .* not int4-ol pages"
     yield "float32 cache", (q.astype(jnp.float32), *pages(rng, "none", jnp.float32), md), {}, r"TF32"
     yield "window", (q, k, v, md), {**base, "sliding_window": 4}, r"no sliding window"
     yield "sinks", (q, k, v, md), {**base, "sinks": jnp.zeros(4 * HEADS)}, r"no sinks"

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -29,6 +30,7 @@ from checkpoint_helpers import (
     write_record,
     write_step,
 )
+from easykv.quantization import get_quantizer
 from easykv.storage.cache import gather_kv
 from easykv.errors import (
     CheckpointIntegrityError,
@@ -76,7 +78,7 @@ def continue_run(cache, manager, seed=7):
 
 
 # ---- round trips ------------------------------------------------------------------------------
-@pytest.mark.parametrize("quantizer", ["none", "int8", "fp8", "int4", "int4-ch"])
+@pytest.mark.parametrize("quantizer", ["none", "int8", "fp8", "int4", "int4-ch", "int4-ol"])
 def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
     cache, manager, _ = engine_run("heads", quantizer)
     before = raw_leaves(cache)
@@ -103,7 +105,8 @@ def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
 
 
 @pytest.mark.parametrize(("src", "dst", "quant"), [("heads", "dp", "none"), ("heads", "single", "none"),
-                                                   ("dp", "heads", "int8"), ("dp", "heads", "int4-ch")])
+                                                   ("dp", "heads", "int8"), ("dp", "heads", "int4-ch"),
+                                                   ("single", "dp", "int4-ol")])
 def test_restore_onto_another_mesh(tmp_path, src, dst, quant):
     cache, manager, _ = engine_run(src, quant)
     quantizer = cache.metadata.quantization
@@ -208,6 +211,11 @@ def test_other_format_needs_convert(tmp_path):
     k, _ = gather_kv(requant.cache, 0, np.asarray(manager.page_table([0])[0]), manager.length(0))
     ref = want[0, 0][0].view("bfloat16").astype(np.float32)
     assert np.max(np.abs(np.asarray(k, np.float32) - ref)) <= np.max(np.abs(ref)) / 7 + 1e-3
+    # Into int4-ol (uint8 side bytes per token): each token quantized from the int8 cache's values.
+    outliers = restore_cache(tmp_path, mesh=mesh, partition_manager=pm, quantizer="int4-ol", convert=True)
+    k, _ = gather_kv(outliers.cache, 0, np.asarray(manager.page_table([0])[0]), manager.length(0))
+    expect = get_quantizer("int4-ol").quantize(jnp.asarray(ref)).dequantize(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(expect, np.float32))
 
 
 # ---- async saves and step management -----------------------------------------------------------

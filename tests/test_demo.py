@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import easykv.demo.run as demo_run
 from easykv.demo.run import DemoOptions, run_demo
@@ -60,15 +61,16 @@ def test_the_reference_check_flags_a_wrong_token_and_forgives_a_near_tie():
     assert reference_disagreements(model, request, max_len=128, dtype=jnp.float32) == [1]
 
 
-def test_easykv_demo_command_succeeds(tmp_path):
+@pytest.mark.parametrize("quant", ["int8", "int4-ol"])
+def test_easykv_demo_command_succeeds(tmp_path, quant):
     done = subprocess.run(
         [sys.executable, "-m", "easykv.cli", "demo", "--requests", "3", "--max-new-tokens", "4", "--no-progress",
-         "--quant", "int8", "--checkpoint-dir", str(tmp_path / "ck")],
+         "--quant", quant, "--checkpoint-dir", str(tmp_path / "ck")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "check: every greedy token of all 3 requests is the dense-cache reference's choice" in done.stdout
-    assert "quantizer int8" in done.stdout
+    assert f"quantizer {quant}" in done.stdout
 
 
 def test_engine_under_slot_pressure_keeps_the_fork_and_matches_reference():

@@ -19,9 +19,11 @@ from easykv.quantization import (
 )
 from sharding import PartitionAxis, PartitionManager, create_mesh
 
-QUANTIZERS = ["int8", "fp8", "int4", "int4-g8", "int8-rot", "int4-rot", "int4-asym", "int4-g8-asym-rot"]
+QUANTIZERS = ["int8", "fp8", "int4", "int4-g8", "int8-rot", "int4-rot", "int4-asym", "int4-g8-asym-rot", "int4-ol",
+              "int4-ol8"]
 BOUNDS = {"int8": 1e-2, "fp8": 5e-2, "int4": 1.5e-1, "int4-g8": 1.5e-1, "int8-rot": 1e-2, "int4-rot": 1.5e-1,
-          "int4-asym": 1.5e-1, "int4-g8-asym-rot": 1.5e-1, "fp8-rot": 5e-2, "int4-asym-rot": 1.5e-1}
+          "int4-asym": 1.5e-1, "int4-g8-asym-rot": 1.5e-1, "fp8-rot": 5e-2, "int4-asym-rot": 1.5e-1, "int4-ol": 1.5e-1,
+          "int4-ol8": 1.5e-1}
 
 
 def rel_error(approx, exact):
@@ -146,7 +148,7 @@ def make_cache(quant, layout):
 
 
 @pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "dp"), ("int4", "tp"), ("int4-g8", "dp"),
-                                           ("int8-rot", "dp"), ("int4-g8-asym-rot", "tp")])
+                                           ("int8-rot", "dp"), ("int4-g8-asym-rot", "tp"), ("int4-ol", "dp")])
 def test_quantized_cache_write_gather_copy_zero(quant, layout):
     meta, cache = make_cache(quant, layout)
     q = get_quantizer(quant)
@@ -155,7 +157,7 @@ def test_quantized_cache_write_gather_copy_zero(quant, layout):
     groups = q.scale_shape(DIM)
     assert view.key_pages.scales.shape == (HEADS, 24, PAGE, *groups)
     assert view.key_pages.values.shape[:3] == (HEADS, 24, PAGE)
-    assert view.key_pages.scales.dtype == jnp.float32
+    assert view.key_pages.scales.dtype == (jnp.uint8 if quant == "int4-ol" else jnp.float32)
     if layout == "dp":  # each device holds 2 heads and 12 pages of values and of scales
         shard = view.key_pages.scales.addressable_shards[0].data.shape
         assert shard[:3] == (2, 12, PAGE)
@@ -188,9 +190,12 @@ def test_quantized_cache_write_gather_copy_zero(quant, layout):
                 got_rows = np.asarray(got_leaf).reshape((HEADS, -1) + got_leaf.shape[3:])[:, slots]
                 np.testing.assert_array_equal(np.moveaxis(got_rows, 0, 1), np.asarray(want_leaf).view(got_rows.dtype))
             assert rel_error(values, v[layer, start : start + n]) < BOUNDS[quant]
-    # V's scales come from V (10x larger values), not from K.
-    ks = np.abs(np.asarray(cache[0].key_pages.scales[:, 5, 0]))  # asymmetric: (step, lo) per group
-    vs = np.abs(np.asarray(cache[0].value_pages.scales[:, 5, 0]))
+    # V's scales come from V (10x larger values), not from K (int4-ol: its two log-coded steps,
+    # 19% apart, so 10x is more than 13 codes).
+    ks = np.abs(np.asarray(cache[0].key_pages.scales[:, 5, 0]).astype(np.float64))  # asymmetric: (step, lo) per group
+    vs = np.abs(np.asarray(cache[0].value_pages.scales[:, 5, 0]).astype(np.float64))
+    if quant == "int4-ol":
+        ks, vs = 2 ** (ks[:, :2] / 4), 2 ** (vs[:, :2] / 4)
     assert np.all(vs > 3 * ks)
 
     before = easykv.gather_kv(cache, 1, np.asarray(rows[1]), 10)
@@ -226,7 +231,7 @@ def test_quantized_write_leaves_other_tokens_bit_identical():
 
 # ---- attention over quantized pages ----------------------------------------------------------
 @pytest.mark.parametrize("quant, layout", [("int8", "tp"), ("fp8", "tp"), ("int4", "dp"), ("int4-g8", "tp"),
-                                           ("int4-asym-rot", "dp"), ("fp8-rot", "tp")])
+                                           ("int4-asym-rot", "dp"), ("fp8-rot", "tp"), ("int4-ol", "tp")])
 def test_attention_over_quantized_pages(quant, layout):
     """The fast path equals the reference on the same quantized pages, and stays within the
     quantizer's bound of attention over unquantized pages holding the same tokens."""
@@ -267,7 +272,7 @@ def test_quantized_attention_refuses_pallas_and_missing_dtype():
         easykv.paged_attention(q, view.key_pages, view.value_pages.values, decode, dtype=jnp.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "int4-g16", "int8-rot", "int4-g16-asym-rot"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4", "int4-g16", "int8-rot", "int4-g16-asym-rot", "int4-ol"])
 def test_quantized_values_of_their_own_head_dim_are_read_as_such(name):
     """Value pages narrower than the keys (a layer group with V dim != K dim), quantized: their
     head_dim is read from the stored shapes and attention equals the reference on the

@@ -13,7 +13,7 @@ import pytest
 import easykv
 from channel_reference import LIMITS, ChannelPages, encode, needed, values
 from easykv.quantization import Int4ChannelQuantizer, QuantizedPages, get_quantizer, page_head_bytes
-from easykv.quantization._channel import _unpack
+from easykv.quantization._logstep import unpack as _unpack
 from easykv.storage import writes
 from easykv.storage.writes import scatter_page_scaled_local
 from sharding import PartitionAxis, PartitionManager, create_mesh

@@ -39,6 +39,9 @@ BOUNDS = {
     # A scale per channel per page (pages of 16 tokens): written whole, and one token per write.
     "int4-ch": [(0.1, 0.1, 0.15), (0.1, 0.1, 0.19), (0.1, 0.1, 0.41), (0.16, 0.16, 0.33)],
     "int4-ch:decode": [(0.11, 0.11, 0.16), (0.11, 0.11, 0.2), (0.12, 0.11, 0.41), (0.16, 0.16, 0.34)],
+    # Each token's 4 (8) largest values at 8 bits.
+    "int4-ol": [(0.1, 0.1, 0.14), (0.011, 0.12, 0.017), (0.013, 0.12, 0.039), (0.11, 0.11, 0.14)],
+    "int4-ol8": [(0.086, 0.086, 0.12), (0.0093, 0.1, 0.017), (0.013, 0.12, 0.042), (0.079, 0.079, 0.1)],
 }
 
 
@@ -148,7 +151,7 @@ def test_every_listed_name_resolves_to_itself():
     names = available_quantizers()
     assert {"int8-rot", "fp8-rot", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g<N>-asym-rot"} <= set(names)
     for name in names:
-        concrete = name.replace("<N>", "32")
+        concrete = name.replace("<N>", "32").replace("<K>", "8")
         q = get_quantizer(concrete)
         assert q.name == concrete and get_quantizer(q.name) == q
     assert get_quantizer("INT4-G16-ASYM-ROT") == Int4Quantizer(16, asymmetric=True, rotate=True)
@@ -160,6 +163,7 @@ def test_every_listed_name_resolves_to_itself():
 @pytest.mark.parametrize("name, dim, bytes_per_token_head", [
     ("int8-rot", 128, 132), ("fp8-rot", 128, 132), ("int4-rot", 128, 68), ("int4-asym", 128, 72),
     ("int4-asym-rot", 128, 72), ("int4-g32-asym-rot", 128, 96), ("int4-rot", 64, 36), ("int4-asym-rot", 64, 40),
+    ("int4-ol", 128, 72), ("int4-ol", 64, 40),
 ])  # fmt: skip
 def test_bytes_and_capacity(name, dim, bytes_per_token_head):
     q = get_quantizer(name)
@@ -167,7 +171,7 @@ def test_bytes_and_capacity(name, dim, bytes_per_token_head):
     stored = q.quantize(jnp.zeros((1, dim)))
     assert stored.values.nbytes + stored.scales.nbytes == bytes_per_token_head
     gain = 2 * dim / bytes_per_token_head
-    if name.startswith("int4") and "g32" not in name and not (name.startswith("int4-asym") and dim == 64):
+    if name.startswith("int4") and "g32" not in name and not (name.startswith(("int4-asym", "int4-ol")) and dim == 64):
         assert gain >= 3.5  # int4 with one scale (or scale + zero point) per token-head at head_dim 128
     elif name.startswith(("int8", "fp8")):
         assert gain >= 1.9
@@ -210,6 +214,9 @@ ROTATED_CASES = [
     ("dp", "int4-ch", "prefill", {"chunk_size": 6, "sinks": True}),
     ("replicated", "int4-ch", "decode", {"latent": 10}),
     ("single", "int4-ch", "decode", {}),
+    ("dp", "int4-ol", "mixed", {"sliding_window": 6, "sinks": True}),
+    ("heads", "int4-ol", "prefill", {"chunk_size": 6, "logit_soft_cap": 3.0}),
+    ("replicated", "int4-ol", "decode", {"latent": 10}),
 ]
 
 

@@ -49,12 +49,16 @@ def test_dense_export_imports_onto_other_mesh_and_page_size():
     assert all(np.array_equal(g[i], s[i]) for g, s in zip(got2, src) for i in (0, 1))
 
 
-def test_raw_quantized_export_is_bit_exact_into_the_same_quantizer():
-    cache, manager, _ = engine_run("heads", "int8")
+@pytest.mark.parametrize("quant", ["int8", "int4-ol"])
+def test_raw_quantized_export_is_bit_exact_into_the_same_quantizer(quant):
+    cache, manager, _ = engine_run("heads", quant)
     exported = export_sequence(cache, manager, 1, dequantize=False)  # b: no token ids
     assert exported.raw and exported.token_ids is None
-    assert exported.keys["values"].dtype == np.int8 and exported.keys["scales"].shape == (LAYERS, manager.length(1), 8)
-    dst_cache, dst_mgr = target("single", "int8", page_size=8)
+    want = {"int8": (np.int8, np.float32, ()), "int4-ol": (np.uint8, np.uint8, (8,))}[quant]  # int4-ol: side bytes
+    assert exported.keys["values"].dtype == want[0] and exported.keys["scales"].dtype == want[1]
+    assert exported.keys["scales"].shape == (LAYERS, manager.length(1), 8, *want[2])
+    assert SequenceExport.from_bytes(exported.to_bytes()).keys["scales"].dtype == want[1]
+    dst_cache, dst_mgr = target("single", quant, page_size=8)
     dst_cache, seq = import_sequence(dst_cache, dst_mgr, exported, seq_id=2)
     assert seq == 2
     again = export_sequence(dst_cache, dst_mgr, 2, dequantize=False)

@@ -96,6 +96,7 @@ def test_partition_manager_refusals():
     (QuantizationConfig(dtype="mxfp8"), 128, "fp8"),
     (QuantizationType.INT8, 128, "int8"),
     ("int4-g32", 128, "int4-g32"),
+    ("int4-ol", 128, "int4-ol"),
     (easykv.get_quantizer("fp8"), 128, "fp8"),
 ])  # fmt: skip
 def test_quantizer_mapping(value, head_dim, name):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.spec.metadata import SUPPORTED_DTYPES, canonical_dtype
-from easykv.quantization import SCALE_DTYPE, QuantizedPages, get_quantizer, is_compressing, scales_per_page
+from easykv.quantization import QuantizedPages, get_quantizer, is_compressing, scale_dtype, scales_per_page
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, optional_int, parse_json, positive_int
 
 _EXPORT_FORMAT = "easykv.SequenceExport/1"
@@ -55,7 +55,7 @@ def _member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np
     if raw:
         value_tail, value_dtype = quantizer.value_shape(head_dim)
         parts = {"values": (base + tuple(value_tail), np.dtype(value_dtype)),
-                 "scales": (base + tuple(quantizer.scale_shape(head_dim)), np.dtype(SCALE_DTYPE))}
+                 "scales": (base + tuple(quantizer.scale_shape(head_dim)), scale_dtype(quantizer))}
     else:
         parts = {"dense": (base + (head_dim,), dtype)}
     return {f"{part}.{sub}": spec for part in ("keys", "values") for sub, spec in parts.items()}

@@ -5,16 +5,19 @@ A quantized layer stores, for K and for V separately, a ``QuantizedPages`` pytre
   values: (num_kv_heads, num_pages, page_size, packed_head_dim)  int8 / float8 / packed int4
   scales: (num_kv_heads, num_pages, page_size[, groups][, 2])     float32
           (num_kv_heads, num_pages, head_dim)                     uint8, ``int4-ch``: per page
+          (num_kv_heads, num_pages, page_size, 2 + 3 k / 2)       uint8, ``int4-ol``: side bytes
 
 Scales are compact (one per token and head, or per group of head_dim; asymmetric int4 adds a
-zero point; ``int4-ch`` one log-coded byte per channel per page, ``_channel.py``); they are never
+zero point; ``int4-ch`` one log-coded byte per channel per page, ``_channel.py``; ``int4-ol`` two
+log-coded steps, the outliers' channels and their low nibbles per token, ``_outlier.py``); they are never
 broadcast in memory. Writes quantize only the new
 tokens; reads dequantize only the pages they gather. A quantizer is chosen once per cache, by
 name or as an object, and recorded in the metadata by name (``register_quantizer`` makes a
 custom one nameable; ``available_quantizers`` lists the names).
 
 Built in (``_builtin.py``): ``int8``, ``fp8``, ``int4``, ``int4-g<N>``, ``int4[-g<N>]-asym``;
-``int4-ch`` (``_channel.py``) scales each channel per page instead; ``-rot`` after any of the
+``int4-ch`` (``_channel.py``) scales each channel per page instead; ``int4-ol`` (``_outlier.py``)
+keeps each token's largest values at 8 bits; ``-rot`` after any of the
 others rotates every token by a fixed orthogonal matrix first
 (``_rotation.py``), which spreads outlier channels over all channels; attention rotates the
 query and the output instead of the pages.
@@ -22,6 +25,7 @@ query and the output instead of the pages.
 
 from easykv.quantization._builtin import Fp8Quantizer, Int4Quantizer, Int8Quantizer
 from easykv.quantization._channel import Int4ChannelQuantizer
+from easykv.quantization._outlier import Int4OutlierQuantizer
 from easykv.quantization._pages import (
     SCALE_DTYPE,
     CompressingQuantizer,
@@ -47,6 +51,7 @@ __all__ = [
     "CompressingQuantizer",
     "Fp8Quantizer",
     "Int4ChannelQuantizer",
+    "Int4OutlierQuantizer",
     "Int4Quantizer",
     "Int8Quantizer",
     "NoQuantizer",

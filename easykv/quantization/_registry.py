@@ -3,7 +3,8 @@
 The metadata records a cache's quantizer by name, so every quantizer a cache can hold has one:
 ``none``, ``int8``, ``fp8``, ``int4``, ``int4-g<N>`` (one scale per N values), ``-asym`` after an
 int4 name (a zero point per group), ``-rot`` after any of int8 / fp8 / int4 names (the fixed
-rotation), ``int4-ch`` (a scale per channel per page), and the names ``register_quantizer`` added.
+rotation), ``int4-ch`` (a scale per channel per page), ``int4-ol`` / ``int4-ol<K>`` (each token's 4 / K
+largest values at 8 bits), and the names ``register_quantizer`` added.
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ import re
 
 from easykv.quantization._builtin import Fp8Quantizer, Int4Quantizer, Int8Quantizer
 from easykv.quantization._channel import Int4ChannelQuantizer
+from easykv.quantization._outlier import Int4OutlierQuantizer
 from easykv.quantization._pages import NoQuantizer, Quantizer
 from easykv.validation import show
 
 _REGISTRY: dict[str, Quantizer] = {q.name: q for q in (NoQuantizer(), Int4ChannelQuantizer())}
 _BYTE = re.compile(r"(int8|fp8)(-rot)?")
 _INT4 = re.compile(r"int4(?:-g([0-9]+))?(-asym)?(-rot)?")
+_OUTLIER = re.compile(r"int4-ol([0-9]+)?")
 _BUILT_IN = ("none", "int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot",
-             "int4-g<N>", "int4-g<N>-rot", "int4-g<N>-asym", "int4-g<N>-asym-rot", "int4-ch")
+             "int4-g<N>", "int4-g<N>-rot", "int4-g<N>-asym", "int4-g<N>-asym-rot", "int4-ch",
+             "int4-ol", "int4-ol<K>")
 
 
 def available_quantizers() -> tuple[str, ...]:
     """Every name ``get_quantizer`` (and so ``create`` / ``init_cache``) accepts: the built-in
-    ones (``<N>``: any even group size dividing head_dim) and the registered ones."""
+    ones (``<N>``: any even group size dividing head_dim; ``<K>``: an even number of outliers, at
+    most head_dim / 2) and the registered ones."""
     return _BUILT_IN + tuple(sorted(set(_REGISTRY) - set(_BUILT_IN)))
 
 
@@ -47,6 +52,9 @@ def _built_in(key: str) -> Quantizer | None:
     if int4:
         group = None if int4.group(1) is None else int(int4.group(1))
         return Int4Quantizer(group_size=group, asymmetric=int4.group(2) is not None, rotate=int4.group(3) is not None)
+    outlier = _OUTLIER.fullmatch(key)
+    if outlier:
+        return Int4OutlierQuantizer(4 if outlier.group(1) is None else int(outlier.group(1)))
     return None
 
 

@@ -49,7 +49,8 @@ class Int4OutlierQuantizer:
     def __post_init__(self) -> None:
         k = self.outliers
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 2 or k % 2:
-            raise ValueError(f"int4-ol outliers must be an even int >= 2 (two low nibbles per byte), got {k!r:.40}")
+            raise ValueError(f"int4-ol outliers must be an even int >= 2 (two low nibbles per byte), got {k!r:.40}; "
+                             "name an even count, e.g. 'int4-ol' (4) or 'int4-ol8'")
 
     @property
     def name(self) -> str:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.quantization._logstep import nibbles as unpacked_nibbles
+from easykv.quantization._logstep import pack
 from easykv.quantization._pages import SCALE_DTYPE, QuantizedPages
 from easykv.quantization._rotation import Rotation
 
@@ -172,15 +174,14 @@ class Int4Quantizer(_Rotating):
         else:
             scales = _absmax_scale(xg, 7.5)
             codes = jnp.clip(jnp.floor(_scaled(xg, scales)), -8, 7).astype(jnp.int8)
-        nibbles = (codes.reshape(x.shape) & 0xF).astype(jnp.uint8)
-        packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+        packed = pack(codes.reshape(x.shape))
         if self.group_size is None:
             scales = scales[..., 0, :] if self.asymmetric else scales[..., 0]
         return QuantizedPages(packed, scales, self)
 
     def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
         packed = q.values
-        nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+        nibbles = unpacked_nibbles(packed)
         scales = q.scales if self.group_size is not None else q.scales[..., None, :] if self.asymmetric \
             else q.scales[..., None]
         groups = scales.shape[-2] if self.asymmetric else scales.shape[-1]

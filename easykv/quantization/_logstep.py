@@ -1,5 +1,5 @@
-"""Log-coded one-byte steps and packed 4-bit codes: the arithmetic ``int4-ch`` (a step per
-channel per page) and ``int4-ol`` (steps per token) share.
+"""Log-coded one-byte steps, the arithmetic ``int4-ch`` (a step per channel per page) and
+``int4-ol`` (steps per token) share, and the packing of 4-bit codes every int4 format uses.
 
 A scale code c in 1..255 stands for the step ``2 ** ((c - 128) / 4)`` (steps 2**-31.75 ..
 2**31.75, 19% apart); c = 0 is step 0, so a zero-filled pool decodes to zeros. A 4-bit code u in

@@ -86,12 +86,14 @@ class Int4OutlierQuantizer:
         # The k largest one argmax at a time (the first of equals), not lax.top_k: its sharding
         # rule gathers head-sharded tokens onto every device, and on XLA:CPU a top_k whose values
         # are used runs as a full sort.
-        remaining, found = magnitude, []
+        lanes = jnp.arange(x.shape[-1])
+        remaining, found, hits = magnitude, [], []
         for _ in range(k):
             found.append(jnp.argmax(remaining, axis=-1))
-            remaining = jnp.where(jnp.arange(x.shape[-1]) == found[-1][..., None], -1.0, remaining)
+            hits.append(lanes == found[-1][..., None])
+            remaining = jnp.where(hits[-1], -1.0, remaining)
         channels = jnp.stack(found, axis=-1)
-        is_outlier = _one_hot(channels, x.shape[-1])  # (..., k, head_dim)
+        is_outlier = jnp.stack(hits, axis=-2)  # (..., k, head_dim)
         outlier = jnp.any(is_outlier, axis=-2)
         outlier_code = needed_codes(jnp.max(magnitude, axis=-1))
         ordinary_code = needed_codes(jnp.max(remaining, axis=-1))  # the largest of the rest

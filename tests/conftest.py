@@ -1,17 +1,49 @@
-"""Every test runs on 8 simulated CPU devices; this must happen before jax creates a backend."""
+"""The test session: 8 simulated CPU devices (tests/support/devices.py), the Hypothesis profile,
+and the two tiers.
+
+Tiers: ``python -m pytest tests`` runs the fast tier (``addopts`` in pyproject.toml deselects
+tests marked ``slow``); ``python -m pytest tests -m ""`` runs everything.
+
+Hypothesis profiles, chosen by ``EASYKV_HYPOTHESIS_PROFILE``: ``fast`` (few examples, the
+default when slow tests are deselected), ``full`` (the default when they run: at least as many
+examples and steps as any test asked for before the tiers existed) and ``deep`` (a soak run).
+"""
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from tests.support.devices import configure
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
+configure()  # before any test module imports jax
 
 import pytest  # noqa: E402
+from _pytest.mark.expression import Expression  # noqa: E402  pytest's own -m semantics
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 from sharding import create_mesh  # noqa: E402
+
+PROFILE_VARIABLE = "EASYKV_HYPOTHESIS_PROFILE"
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("fast", max_examples=15, stateful_step_count=25, **_COMMON)
+settings.register_profile("full", max_examples=150, stateful_step_count=40, **_COMMON)
+settings.register_profile("deep", max_examples=2000, stateful_step_count=80, **_COMMON)
+
+
+def _runs_slow_tests(config) -> bool:
+    expression = config.getoption("markexpr") or ""
+    return not expression.strip() or Expression.compile(expression).evaluate(lambda mark, **_: mark == "slow")
+
+
+def pytest_configure(config):
+    # Before collection: a state machine's TestCase takes its settings when its module is imported.
+    name = os.environ.get(PROFILE_VARIABLE) or ("full" if _runs_slow_tests(config) else "fast")
+    try:
+        settings.load_profile(name)
+    except Exception as err:  # hypothesis raises InvalidArgument
+        raise pytest.UsageError(f"{PROFILE_VARIABLE}={name!r} names no Hypothesis profile; use fast, full or deep") from err
+
+
+def pytest_report_header(config):
+    return f"hypothesis profile: {settings.get_current_profile_name()} (set {PROFILE_VARIABLE} to change it)"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Tests of ``easykv.attention``: paged attention against the numpy reference."""

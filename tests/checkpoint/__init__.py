@@ -1,0 +1,1 @@
+"""Tests of ``easykv.checkpoint``: saves, restores, integrity and sequence transfer."""

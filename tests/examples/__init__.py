@@ -1,0 +1,1 @@
+"""Tests that run every script of ``examples/``."""

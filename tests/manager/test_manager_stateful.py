@@ -1,0 +1,346 @@
+"""Random claim / prefix reuse / write / decode / fork / release / restore sequences.
+
+A plain model keeps each sequence's token ids; a simulated device (one token id per slot)
+applies the manager's page copies and scrubs, then each step's writes through its slot
+mapping. After every step the device, read through each sequence's page table, must give back
+exactly the model's tokens (prefix hits included), and check_invariants() must pass.
+
+Every call goes to two managers: one never restored, one restored from its JSON state at random
+points. Both must answer every call identically and hold the same state byte for byte: the
+state is canonical, so hosts in lock-step agree whether or not one of them restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from easykv.errors import CacheFullError, UnknownSequenceError
+from easykv.manager.manager import PageManager
+from easykv.spec.groups import LayerGroup
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.manager.prefix_hash import iter_page_digests, salt_digest
+
+PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
+BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')
+TOKENS = st.integers(0, 2)  # a small vocabulary: decoded pages get matched by later prompts
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b)) and np.asarray(a).dtype == np.asarray(b).dtype
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class Twins:
+    """Two managers driven by the same calls: ``live`` is never restored, ``restored`` is
+    rebuilt from its JSON state at random points. Each call must give both the same result,
+    or the same exception."""
+
+    def __init__(self, live: PageManager, restored: PageManager):
+        self.live, self.restored = live, restored
+
+    def __getattr__(self, name):
+        a, b = getattr(self.live, name), getattr(self.restored, name)
+        if not callable(a):
+            return a
+
+        def call(*args, **kwargs):
+            try:
+                got = a(*args, **kwargs)
+            except Exception as err:
+                with pytest.raises(type(err)):
+                    b(*args, **kwargs)
+                raise
+            assert _same(got, b(*args, **kwargs)), name
+            return got
+
+        return call
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    shards = 1
+    caching = True
+    scrub = True
+    # Layer groups, one layer each (None: one full-attention group of PAGES pages). A sliding or
+    # chunked group releases the pages that left its window; groups have their own pools.
+    layer_groups = None
+
+    @property
+    def groups(self):
+        return self.meta.groups
+
+    def _per_group(self, x):
+        """A manager answer as one item per group (a one-group manager answers with the item)."""
+        return x if len(self.groups) > 1 else (x,)
+
+    @initialize()
+    def setup(self):
+        groups = self.layer_groups
+        self.meta = PagedAttentionCacheMetaData(
+            batch_size=BATCH, num_hidden_layers=1 if groups is None else len(groups),
+            num_pages_per_layer=PAGES if groups is None else max(g.num_pages for g in groups),
+            num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
+            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards, layer_groups=groups)
+        self.pm = Twins(*(PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
+                          for _ in range(2)))
+        self.device = [np.full((g.num_pages, PS), -1, np.int64) for g in self.groups]  # one token id per slot
+        self.model: dict[int, dict] = {}
+        self.history: list[list[int]] = []  # token ids of released sequences
+
+    # ---- device simulation ---------------------------------------------------------------------
+    def _apply_page_ops(self):
+        srcs, dsts = map(self._per_group, self.pm.take_copies())
+        for device, src, dst in zip(self.device, srcs, dsts):
+            device[dst] = device[src]  # every source read before any destination written
+        for device, pages in zip(self.device, self._per_group(self.pm.take_scrubs())):
+            device[pages] = -1
+
+    def _write(self, meta, tokens):
+        for device, rt in zip(self.device, self._per_group(meta)):
+            slots = np.asarray(rt.slot_mapping)
+            real = slots >= 0
+            assert real.sum() == len(tokens)
+            device.reshape(-1)[slots[real]] = tokens
+
+    def _grow(self, seqs, tokens, ids=True):
+        """One mixed step: append ``tokens[i]`` to ``seqs[i]`` (committed with their ids, or
+        without: `advance`). False when the pool is full."""
+        before = self.pm.state_dict()
+        try:
+            meta = self.pm.build_step_metadata(seqs, [len(t) for t in tokens], pad_tokens_to=sum(map(len, tokens)) + 2)
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+            return False
+        self._apply_page_ops()
+        self._write(meta, [x for t in tokens for x in t])
+        if ids:
+            self.pm.step(seqs, tokens)
+        else:
+            self.pm.advance(seqs, [len(t) for t in tokens])
+        for s, t in zip(seqs, tokens):
+            self.model[s]["tokens"] += list(t)
+        return True
+
+    def _room(self, seq):
+        return MAX_LEN - len(self.model[seq]["tokens"])
+
+    # ---- rules ---------------------------------------------------------------------------------
+    @rule(data=st.data(), keep=st.integers(1, MAX_LEN), tail=st.lists(TOKENS, max_size=4),
+          salt=st.sampled_from([None, None, "tenant"]))
+    def admit(self, data, keep, tail, salt):
+        base = data.draw(st.sampled_from(BASES + self.history))
+        prompt = (base[:keep] + tail)[:MAX_LEN] or [0]
+        if len(self.model) == BATCH:
+            try:
+                self.pm.claim(1)
+            except CacheFullError as err:
+                assert err.resource == "sequence slots"
+                return
+            raise AssertionError("claim beyond batch_size succeeded")
+        [seq] = self.pm.claim(1)
+        done = self.pm.match_prefix(seq, prompt, salt=salt)
+        assert done % PS == 0 and (done <= len(prompt) - 1 or done == 0)
+        if not self.caching:
+            assert done == 0
+        self.model[seq] = {"tokens": prompt[:done], "salt": salt}
+        self._check_contents()  # the reused pages really hold the prompt's tokens
+        if not self._grow([seq], [prompt[done:]]):
+            self.pm.release(seq)
+            del self.model[seq]
+
+    @precondition(lambda self: all(g.attention != "full" for g in self.groups))
+    @rule(data=st.data(), first=st.integers(0, MAX_LEN - 1))
+    def resume(self, data, first):
+        """A sequence that starts mid-way (moved in with its window's tokens only): positions
+        before its first page hold nothing (-1 in the model)."""
+        if len(self.model) == BATCH:
+            return
+        [seq] = self.pm.claim(1)
+        self.pm.resume(seq, first)
+        start = first // PS * PS
+        self.model[seq] = {"tokens": [-1] * start, "salt": None, "floor": start}
+        n = data.draw(st.integers(0, MAX_LEN - start))
+        if not self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))]):
+            self.pm.release(seq)
+            del self.model[seq]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def write(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        n = data.draw(st.integers(0, self._room(seq)))
+        self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))], ids=data.draw(st.booleans()) or n == 0)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def decode(self, data, k):
+        ready = [s for s in sorted(self.model) if self._room(s) >= k]
+        if not ready:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
+        tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs), max_size=k * len(seqs)))).reshape(len(seqs), k)
+        before = self.pm.state_dict()
+        try:
+            steps = self.pm.build_decode_metadata(seqs, num_steps=k)
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+            return
+        self._apply_page_ops()
+        for j, meta in enumerate(steps):
+            self._write(meta, tokens[:, j])
+        self.pm.step(seqs, tokens[:, 0] if k == 1 else tokens)  # (n,): the one-token fast path
+        for s, t in zip(seqs, tokens.tolist()):
+            self.model[s]["tokens"] += t
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def reserve_ahead(self, data):
+        """Pages (and copy-on-write copies) reserved now, written by a later step."""
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        before = self.pm.state_dict()
+        try:
+            self.pm.reserve(seq, data.draw(st.integers(0, self._room(seq))))
+        except CacheFullError:
+            assert self.pm.state_dict() == before
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def fork(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        if len(self.model) == BATCH:
+            return
+        child = self.pm.fork(seq)
+        assert child not in self.model
+        self.model[child] = {**self.model[seq], "tokens": list(self.model[seq]["tokens"])}
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        self.pm.release(seq)
+        tokens = self.model.pop(seq)["tokens"]
+        if -1 not in tokens:  # a resumed sequence's history is not a prompt
+            self.history.append(tokens)
+        before = self.pm.state_dict()
+        try:
+            self.pm.release(seq)
+        except UnknownSequenceError:
+            assert self.pm.state_dict() == before
+        else:
+            raise AssertionError("double release succeeded")
+
+    @rule()
+    def restore(self):
+        state = json.loads(json.dumps(self.pm.restored.state_dict()))
+        self.pm = Twins(self.pm.live, PageManager.from_state_dict(self.meta, state))
+        assert self.pm.restored.state_dict() == state
+
+    # ---- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "pm"):
+            return
+        self.pm.check_invariants()
+        live, restored = (json.dumps(m.state_dict(), sort_keys=True) for m in (self.pm.live, self.pm.restored))
+        assert live == restored  # canonical: the same calls give the same state, restored or not
+        assert self.pm.active_ids == sorted(self.model)
+        self._check_contents()
+        m = self.pm.metrics
+        assert m.free_pages + m.cached_pages + m.used_pages == sum(g.num_pages for g in self.groups)
+        for g, (group, pool) in enumerate(zip(self.groups, m.groups)):
+            assert pool.free_pages + pool.cached_pages + pool.used_pages == pool.total_pages == group.num_pages
+            if self.scrub:  # a free page holds nothing, or is reported for zeroing
+                pending = set(self._per_group(self.pm.pending_scrubs())[g].tolist())
+                for heap in self.pm.live._groups[g].pool._free:
+                    for page in heap:
+                        assert page in pending or (self.device[g][page] == -1).all(), (g, page)
+
+    def _check_contents(self):
+        for g, group in enumerate(self.groups):
+            device = self.device[g].copy()  # as the next step will see it: pending copies applied
+            src, dst = (self._per_group(x)[g] for x in self.pm.pending_copies())
+            device[dst] = device[src]
+            for seq, info in self.model.items():
+                tokens = info["tokens"]
+                assert self.pm.length(seq) == len(tokens)
+                pages = self.pm.pages(seq, group=g)
+                # Exactly the pages wholly before the next query's window are released (-1), and
+                # no page inside it was freed or reused: it still holds the sequence's tokens.
+                gone = max(self._released(group, len(tokens), len(pages)), info.get("floor", 0) // PS)
+                assert all(p == -1 for p in pages[:gone]) and all(p >= 0 for p in pages[gone:]), (g, seq, pages)
+                got = device[pages[gone:]].reshape(-1)[: len(tokens) - gone * PS] if pages else np.zeros(0)
+                assert got.tolist() == tokens[gone * PS:], (g, seq, got.tolist(), tokens)
+                # a page in the prefix cache is named by exactly the history it holds
+                full = len(tokens) // PS
+                want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
+                for col, page in enumerate(pages[:full]):
+                    if col < gone:
+                        continue
+                    digest = self.pm.live._groups[g].pool.digest_of(page)
+                    assert digest is None or digest == want[col], (g, seq, col, page)
+
+    @staticmethod
+    def _released(group, length: int, held: int) -> int:
+        """Columns wholly before the first position a query at ``length`` reads, written here
+        from the definitions (sliding: the last W positions; chunked: its own chunk)."""
+        if group.attention == "full":
+            return 0
+        w = group.window
+        first = max(0, length - w + 1) if group.attention == "sliding" else length - length % w
+        return min(first // PS, held)
+
+
+class DataParallelMachine(ManagerMachine):
+    shards = 2
+
+
+class NoCachingMachine(ManagerMachine):
+    caching = False
+    scrub = False
+
+
+class SlidingWindowMachine(ManagerMachine):
+    layer_groups = (LayerGroup((0,), "sliding", 6, num_pages=PAGES),)  # a window over two pages, not a page multiple
+
+
+class ChunkedDataParallelMachine(ManagerMachine):
+    layer_groups = (LayerGroup((0,), "chunked", 8, num_pages=PAGES),)
+    shards = 2
+
+
+class HybridMachine(ManagerMachine):
+    """A full group beside a sliding one with a smaller pool (gpt-oss, Gemma): a prefix hit needs
+    both groups' pages, the sliding group frees what left its window, the full one keeps all."""
+    layer_groups = (LayerGroup((0,), "full", num_pages=PAGES), LayerGroup((1,), "sliding", 5, num_pages=8))
+
+
+class HybridDataParallelMachine(ManagerMachine):
+    """Three pools split over two replicas: full, chunked and sliding groups."""
+    layer_groups = (LayerGroup((0,), "full", num_pages=PAGES), LayerGroup((1,), "chunked", 8, num_pages=10),
+                    LayerGroup((2,), "sliding", 6, num_pages=8))
+    shards = 2
+
+
+class WindowsOnlyMachine(ManagerMachine):
+    """Two window groups (and no full one): sequences can resume mid-way in both."""
+    layer_groups = (LayerGroup((0,), "sliding", 3, num_pages=6), LayerGroup((1,), "chunked", 8, num_pages=PAGES))
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestDataParallelMachine = DataParallelMachine.TestCase
+TestNoCachingMachine = NoCachingMachine.TestCase
+TestSlidingWindowMachine = SlidingWindowMachine.TestCase
+TestChunkedDataParallelMachine = ChunkedDataParallelMachine.TestCase
+TestHybridMachine = HybridMachine.TestCase
+TestHybridDataParallelMachine = HybridDataParallelMachine.TestCase
+TestWindowsOnlyMachine = WindowsOnlyMachine.TestCase

@@ -1,0 +1,1 @@
+"""Tests of multi-process runs and the local launcher (``easykv.distributed``)."""

@@ -1,0 +1,1 @@
+"""Tests of ``easykv.quantization``: every quantizer family through write, read and attention."""

@@ -1,0 +1,254 @@
+"""Quantizers on data that is not Gaussian: the documented error bounds per data family, the
+rotation (orthogonal, fixed, undone in attention without rotating any page), asymmetric int4 by
+hand, the names every quantizer answers to, and the bytes each one costs."""
+
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import easykv
+from easykv.quantization import (
+    Int4Quantizer,
+    Int8Quantizer,
+    Rotation,
+    available_quantizers,
+    get_quantizer,
+    rotation_matrix,
+)
+from tests.support.quant_families import FAMILIES, errors, family, rel
+
+# Documented bounds (README "Quantized pages"): (all channels, ordinary channels, attention) per
+# family in FAMILIES order, the largest of five draws plus 15%. Plain int4 on the outlier families
+# is listed to show what it loses there, not as a bound anyone should live with.
+BOUNDS = {
+    "int8": [(0.0075, 0.0075, 0.011), (0.017, 0.21, 0.03), (0.03, 0.27, 0.11), (0.017, 0.017, 0.055)],
+    "int8-rot": [(0.0075, 0.0075, 0.011), (0.0048, 0.06, 0.0087), (0.0033, 0.029, 0.014), (0.0071, 0.0071, 0.013)],
+    "fp8": [(0.03, 0.03, 0.043), (0.02, 0.031, 0.044), (0.0035, 0.031, 0.0067), (0.026, 0.026, 0.035)],
+    "fp8-rot": [(0.03, 0.03, 0.044), (0.029, 0.36, 0.054), (0.029, 0.26, 0.097), (0.03, 0.03, 0.084)],
+    "int4": [(0.13, 0.13, 0.19), (0.41, 5.3, 1.2), (0.79, 7, 5.8), (0.32, 0.32, 2.3)],
+    "int4-rot": [(0.13, 0.13, 0.18), (0.081, 1, 0.16), (0.055, 0.49, 0.24), (0.12, 0.12, 0.19)],
+    "int4-asym": [(0.12, 0.12, 0.17), (0.21, 2.6, 0.37), (0.25, 2.2, 0.39), (0.2, 0.2, 0.55)],
+    "int4-asym-rot": [(0.12, 0.12, 0.17), (0.078, 0.98, 0.14), (0.054, 0.48, 0.21), (0.11, 0.11, 0.17)],
+    "int4-g32": [(0.11, 0.11, 0.15), (0.32, 4.1, 0.76), (0.39, 3.5, 1.8), (0.19, 0.19, 1.4)],
+    "int4-g32-rot": [(0.11, 0.11, 0.16), (0.078, 0.97, 0.16), (0.053, 0.47, 0.21), (0.1, 0.1, 0.14)],
+    "int4-g32-asym-rot": [(0.09, 0.09, 0.13), (0.074, 0.93, 0.16), (0.051, 0.45, 0.21), (0.087, 0.087, 0.26)],
+    # A scale per channel per page (pages of 16 tokens): written whole, and one token per write.
+    "int4-ch": [(0.1, 0.1, 0.15), (0.1, 0.1, 0.19), (0.1, 0.1, 0.41), (0.16, 0.16, 0.33)],
+    "int4-ch:decode": [(0.11, 0.11, 0.16), (0.11, 0.11, 0.2), (0.12, 0.11, 0.41), (0.16, 0.16, 0.34)],
+    # Each token's 4 (8) largest values at 8 bits.
+    "int4-ol": [(0.1, 0.1, 0.14), (0.011, 0.12, 0.017), (0.013, 0.12, 0.039), (0.11, 0.11, 0.14)],
+    "int4-ol8": [(0.086, 0.086, 0.12), (0.0093, 0.1, 0.017), (0.013, 0.12, 0.042), (0.079, 0.079, 0.1)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_documented_bounds_per_family(name, fam):
+    bound = dict(zip(("all", "ordinary", "attention"), BOUNDS[name][FAMILIES.index(fam)]))
+    quant, _, mode = name.partition(":")
+    for seed in (0, 1):
+        got = errors(get_quantizer(quant), fam, seed=seed, decode=mode == "decode")
+        over = {k: (round(got[k], 4), bound[k]) for k in bound if got[k] > bound[k]}
+        assert not over, f"{name} on {fam} (seed {seed}) exceeds its documented bounds: {over}"
+
+
+def test_channel_scales_hold_the_ordinary_channels():
+    """What int4-ch is for: on outlier channels its ordinary-channel error stays that of Gaussian
+    data (< 0.15, decoded one token at a time too), where int4 with one scale per token (rotated
+    or not) loses them."""
+    for fam in ("outliers-4x50", "outliers-1x100"):
+        for decode in (False, True):
+            got = errors(get_quantizer("int4-ch"), fam, decode=decode)
+            assert got["ordinary"] < 0.15, (fam, decode, got)
+        assert errors(get_quantizer("int4-asym-rot"), fam)["ordinary"] > 0.35
+
+
+def test_rotation_wins_where_outliers_are():
+    """What the rotation is for, as ratios measured in one run: on outlier channels it cuts
+    int4's attention error at least 4x and int8's ordinary-channel error at least 3x; on
+    Gaussian data it changes nothing much."""
+    for fam in ("outliers-4x50", "outliers-1x100"):
+        plain, rotated = errors(get_quantizer("int4"), fam), errors(get_quantizer("int4-rot"), fam)
+        assert rotated["attention"] * 4 < plain["attention"], (fam, plain, rotated)
+        plain, rotated = errors(get_quantizer("int8"), fam), errors(get_quantizer("int8-rot"), fam)
+        assert rotated["ordinary"] * 3 < plain["ordinary"], (fam, plain, rotated)
+    plain, rotated = errors(get_quantizer("int4"), "gaussian"), errors(get_quantizer("int4-rot"), "gaussian")
+    assert abs(rotated["all"] - plain["all"]) < 0.01
+
+
+def test_families_are_what_they_say():
+    x, ordinary = family("outliers-4x50", 2048, 4, seed=3)
+    assert x.shape == (2048, 4, 64) and ordinary.sum(axis=1).tolist() == [60] * 4
+    scale = np.sqrt((x.astype(np.float64) ** 2).mean(axis=0))  # per head and channel
+    np.testing.assert_allclose(scale[~ordinary], 50, rtol=0.1)
+    np.testing.assert_allclose(scale[ordinary], 1, rtol=0.1)
+    t3, _ = family("student-t3", 4096, 2, seed=3)
+    assert np.abs(t3).max() > 20  # heavy tails: a Gaussian this size stays under 6
+
+
+# ---- the rotation ------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim", [1, 2, 6, 16, 64, 80, 96, 128, 192, 576])
+def test_rotation_is_orthogonal_and_spreads_every_channel(dim):
+    r = rotation_matrix(dim).astype(np.float64)
+    np.testing.assert_allclose(r @ r.T, np.eye(dim), atol=1e-5)
+    assert np.all(np.abs(r) > 1e-3 / math.sqrt(dim)), "an input channel misses an output channel"
+    x = np.random.default_rng(dim).standard_normal((5, 3, dim)).astype(np.float32)
+    rot = Rotation(dim)
+    np.testing.assert_allclose(np.asarray(rot.undo(rot.apply(jnp.asarray(x)))), x, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(rot.apply(jnp.asarray(x))), x @ r.T, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(rot.undo_leading(rot.apply(jnp.asarray(x)), dim // 2 + 1)),
+                               x[..., : dim // 2 + 1], atol=2e-5)
+
+
+def test_rotation_is_fixed():
+    """The matrix is part of the stored format (a cache's codes are only readable with it):
+    pinned for the power-of-two dims, where it is exact in float32 on every platform."""
+    want = {64: "510b2217", 128: "fdc47f83"}
+    got = {dim: hashlib.sha256(rotation_matrix(dim).tobytes()).hexdigest()[:8] for dim in want}
+    assert got == want
+    r = rotation_matrix(4) * 2  # the randomized Hadamard transform: H (+-1) times fixed signs
+    assert set(np.abs(r).ravel().tolist()) == {1.0}
+
+
+def test_rotating_quantizer_stores_codes_of_the_rotated_token():
+    x = jax.random.normal(jax.random.key(4), (6, 3, 64), jnp.float32) * jnp.arange(1, 65)
+    rot = Rotation(64)
+    for plain, rotating in ((Int8Quantizer(), Int8Quantizer(rotate=True)),
+                            (Int4Quantizer(16, asymmetric=True), Int4Quantizer(16, asymmetric=True, rotate=True))):
+        got, want = rotating.quantize(x), plain.quantize(rot.apply(x))
+        np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want.values))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+        back = np.asarray(got.dequantize(jnp.float32))
+        np.testing.assert_allclose(back, np.asarray(rot.undo(want.dequantize(jnp.float32))), atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got.dequantize(jnp.float32, rotated=True)),
+                                   np.asarray(want.dequantize(jnp.float32)), atol=1e-6)
+        assert got.rotation == rot and want.rotation is None
+        # rotated=True means nothing to a quantizer that does not rotate
+        np.testing.assert_array_equal(np.asarray(want.dequantize(jnp.float32, rotated=True)),
+                                      np.asarray(want.dequantize(jnp.float32)))
+
+
+# ---- asymmetric int4 ---------------------------------------------------------------------------
+def test_asymmetric_int4_by_hand():
+    # lo 3, hi 10.5: step 0.5; codes round((x - 3) / 0.5) in [0, 15], low nibble first
+    x = jnp.array([[3.0, 3.5, 10.5, 4.1, 7.0, 6.74]], jnp.float32)
+    q = Int4Quantizer(asymmetric=True).quantize(x)
+    np.testing.assert_allclose(np.asarray(q.scales), [[0.5, 3.0]], rtol=1e-7)
+    assert np.asarray(q.values).tolist() == [[0x10, 0x2F, 0x78]]  # (0, 1), (15, 2), (8, 7)
+    np.testing.assert_allclose(np.asarray(q.dequantize(jnp.float32)), [[3.0, 3.5, 10.5, 4.0, 7.0, 6.5]], rtol=1e-6)
+    # A constant group stores its value exactly; groups have their own (step, lo).
+    q = Int4Quantizer(group_size=2, asymmetric=True).quantize(jnp.array([[2.5, 2.5, -1.0, 14.0]], jnp.float32))
+    np.testing.assert_allclose(np.asarray(q.scales), [[[0.0, 2.5], [1.0, -1.0]]])
+    np.testing.assert_allclose(np.asarray(q.dequantize(jnp.float32)), [[2.5, 2.5, -1.0, 14.0]])
+
+
+# ---- names and bytes ---------------------------------------------------------------------------
+def test_every_listed_name_resolves_to_itself():
+    names = available_quantizers()
+    assert {"int8-rot", "fp8-rot", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g<N>-asym-rot"} <= set(names)
+    for name in names:
+        concrete = name.replace("<N>", "32").replace("<K>", "8")
+        q = get_quantizer(concrete)
+        assert q.name == concrete and get_quantizer(q.name) == q
+    assert get_quantizer("INT4-G16-ASYM-ROT") == Int4Quantizer(16, asymmetric=True, rotate=True)
+    for bad in ("int4-rot-asym", "int8-asym", "fp8-g32", "int4-g", "rot"):
+        with pytest.raises(ValueError, match=rf"unknown quantizer '{bad}'; available: none, int8, int8-rot"):
+            get_quantizer(bad)
+
+
+@pytest.mark.parametrize("name, dim, bytes_per_token_head", [
+    ("int8-rot", 128, 132), ("fp8-rot", 128, 132), ("int4-rot", 128, 68), ("int4-asym", 128, 72),
+    ("int4-asym-rot", 128, 72), ("int4-g32-asym-rot", 128, 96), ("int4-rot", 64, 36), ("int4-asym-rot", 64, 40),
+    ("int4-ol", 128, 72), ("int4-ol", 64, 40),
+])  # fmt: skip
+def test_bytes_and_capacity(name, dim, bytes_per_token_head):
+    q = get_quantizer(name)
+    assert q.bytes_per_token_head(dim, np.dtype("bfloat16")) == bytes_per_token_head
+    stored = q.quantize(jnp.zeros((1, dim)))
+    assert stored.values.nbytes + stored.scales.nbytes == bytes_per_token_head
+    gain = 2 * dim / bytes_per_token_head
+    if name.startswith("int4") and "g32" not in name and not (name.startswith(("int4-asym", "int4-ol")) and dim == 64):
+        assert gain >= 3.5  # int4 with one scale (or scale + zero point) per token-head at head_dim 128
+    elif name.startswith(("int8", "fp8")):
+        assert gain >= 1.9
+
+
+def test_outlier_tokens_through_a_cache_with_rotation():
+    """int4-rot pages written through the cache and read by attention agree with attention over
+    the exact tokens within the documented bound, where plain int4 pages do not."""
+    from sharding import PartitionAxis, PartitionManager, create_mesh
+
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    k, _ = family("outliers-1x100", 256, 8, seed=5)
+    v, _ = family("outliers-1x100", 256, 8, seed=6)
+    q = np.random.default_rng(7).standard_normal((1, 8, 128)).astype(np.float32)
+    scale = 1.0 / float(np.std(np.einsum("qhd,thd->hqt", q, k)))
+    outs = {}
+    for name in ("none", "int4", "int4-rot"):
+        meta = easykv.PagedAttentionCacheMetaData.create(
+            mesh, 2, 1, 256, 16, 8, 128, 0.9, jnp.float32, partition_manager=pm, quantizer=name,
+            num_pages_per_layer=32)  # fmt: skip
+        cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm, quantizer=name)
+        table = np.random.default_rng(8).permutation(32)[:16].reshape(1, 16).astype(np.int32)
+        cache, _ = cache.write(jnp.asarray(k)[None], jnp.asarray(v)[None],
+                               easykv.PagedAttentionMetadata.for_mixed(table, [0], [256], cache_metadata=meta))
+        decode = easykv.PagedAttentionMetadata.for_decode(table, [255], cache_metadata=meta)
+        outs[name] = np.asarray(easykv.view_attention(jnp.asarray(q), cache[0], decode, scale=scale))
+    assert rel(outs["int4-rot"], outs["none"]) < BOUNDS["int4-rot"][2][2]
+    assert rel(outs["int4"], outs["none"]) > 4 * rel(outs["int4-rot"], outs["none"])
+
+
+# ---- rotated (and per-channel) pages through every attention path -------------------------------
+ROTATED_CASES = [
+    ("single", "int8-rot", "decode", {"sinks": True, "logit_soft_cap": 3.0}),
+    ("heads", "int4-asym-rot", "mixed", {"sliding_window": 6}),
+    ("dp", "int4-g8-rot", "prefill", {"chunk_size": 6}),
+    ("replicated", "fp8-rot", "mixed", {"latent": 10}),
+    ("dp", "int4-rot", "decode", {"sliding_window": 9, "sinks": True}),
+    ("heads", "int4-ch", "mixed", {"sliding_window": 6, "logit_soft_cap": 3.0}),
+    ("dp", "int4-ch", "prefill", {"chunk_size": 6, "sinks": True}),
+    ("replicated", "int4-ch", "decode", {"latent": 10}),
+    ("single", "int4-ch", "decode", {}),
+    ("dp", "int4-ol", "mixed", {"sliding_window": 6, "sinks": True}),
+    ("heads", "int4-ol", "prefill", {"chunk_size": 6, "logit_soft_cap": 3.0}),
+    ("replicated", "int4-ol", "decode", {"latent": 10}),
+]
+
+
+@pytest.mark.parametrize("name,quant,mode,options", ROTATED_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in ROTATED_CASES])
+def test_rotated_pages_fast_path_matches_reference(name, quant, mode, options):
+    """The fast path reads rotated pages in the rotated basis (query rotated, output rotated
+    back; a latent cache's values taken from the rotated-back sum), and int4-ch pages with their
+    scales per page; the reference dequantizes every page to its true values and attends plainly. Random pages, permuted tables, GQA, every
+    layout and form, windows, chunks, sinks, a soft cap."""
+    from tests.support.attention import GROUP, LAYOUTS, MAKERS, PAGES, PS, D, page_layout, release_before_window
+
+    rng = np.random.default_rng(sum(map(ord, name + quant + mode)))
+    heads = LAYOUTS[name][1]
+    quantizer = get_quantizer(quant)
+    x = rng.standard_normal((2, heads, PAGES, PS, D)).astype(np.float32)
+    x[..., 3] *= 30  # an outlier channel
+    k, v = (quantizer.quantize(jnp.asarray(a)) for a in x)
+    layout = page_layout(name)
+    if layout is not None:
+        k, v = (jax.tree.map(lambda a: jax.device_put(a, layout.layer_sharding_for(a.ndim)), p) for p in (k, v))
+    md = MAKERS[mode](rng, name)
+    if "sliding_window" in options:
+        md = release_before_window(md, options["sliding_window"])
+    opts = {key: val for key, val in options.items() if key not in ("sinks", "latent")}
+    sinks = jnp.asarray(rng.standard_normal(GROUP * heads), jnp.float32) if options.get("sinks") else None
+    values = v
+    if "latent" in options:
+        values, opts["value_head_dim"] = None, options["latent"]
+    q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
+    got = easykv.paged_attention(q, k, values, md, sinks, dtype=jnp.float32, pages_per_block=2, query_block=4, **opts)
+    exact_k = np.asarray(k.dequantize(jnp.float32))
+    exact_v = None if values is None else np.asarray(v.dequantize(jnp.float32))
+    want = easykv.paged_attention_reference(q, exact_k, exact_v, md, sinks, **opts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=2e-4)
+    assert np.abs(np.asarray(want)).sum() > 0

@@ -1,0 +1,1 @@
+"""Tests of the ``sharding`` package: meshes and logical-axis rules."""

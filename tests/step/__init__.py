@@ -1,0 +1,1 @@
+"""Tests of the per-step metadata (``easykv.runtime``, ``easykv.runtime_checks``)."""

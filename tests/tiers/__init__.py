@@ -1,0 +1,1 @@
+"""Tests of ``easykv.tiers``: the host-memory tier, sleep and wake."""

@@ -1,6 +1,7 @@
 """Checkpoint throughput: easykv's orbax save/restore of a paged pool vs plain numpy.
 
     python benchmarks/bench_checkpoint.py [--gib 1.0] [--repeats 5] [--dir /tmp/easykv-bench-checkpoint]
+    python benchmarks/bench_checkpoint.py --quick    # a 16 MiB pool, 2 repeats, a temporary directory (CI)
 
 A bf16 pool of ``--gib`` GiB (8 layers, 8 kv heads, head_dim 128, page_size 16) on 8 simulated
 CPU devices, kv heads sharded over tp=8. Per repeat, interleaved so that machine noise hits
@@ -24,6 +25,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 
@@ -50,8 +52,9 @@ def build_cache(gib: float):
     pages = max(8, int(gib * 2**30 / (page_bytes * LAYERS)) // 8 * 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)
+        # max length capped at the pool: create refuses a pool that cannot hold one sequence
         meta = PagedAttentionCacheMetaData.create(
-            mesh, 32, LAYERS, 4096, PAGE_SIZE, HEADS, HEAD_DIM, 0.9, "bfloat16",
+            mesh, 32, LAYERS, min(4096, pages * PAGE_SIZE), PAGE_SIZE, HEADS, HEAD_DIM, 0.9, "bfloat16",
             partition_manager=pm, num_pages_per_layer=pages,
         )  # fmt: skip
         cache = PagedAttentionCache.init_cache(mesh, meta.dtype, meta, pm)
@@ -84,52 +87,46 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", default="/tmp/easykv-bench-checkpoint")
-    args = ap.parse_args(argv)
-    root = args.dir
-    shutil.rmtree(root, ignore_errors=True)
-    mesh, pm, cache = build_cache(args.gib)
+ROWS = ("np_save", "save", "save_noint", "async_return", "async_total", "np_load", "restore", "restore_noverify",
+        "fingerprint")
+
+
+def one_repeat(root: str, r: int, mesh, pm, cache, rows: dict[str, list[float]]) -> None:
+    """Every operation once, appending its seconds to ``rows``; saves and loads rotate so that no
+    row always follows the same one."""
     leaves = jax.tree.leaves(cache)
-    nbytes = sum(x.nbytes for x in leaves)
-    gb = nbytes / 1e9
-    print(f"pool: {nbytes / 2**30:.2f} GiB in {len(leaves)} arrays of {leaves[0].shape} {leaves[0].dtype}, "
-          f"{len(jax.devices())} CPU devices, {os.cpu_count()} cores", file=sys.stderr)
-    rows: dict[str, list[float]] = {k: [] for k in (
-        "np_save", "save", "save_noint", "async_return", "async_total", "np_load", "restore", "restore_noverify",
-        "fingerprint")}
-    for r in range(args.repeats):
-        saves = [
-            ("np_save", lambda: numpy_save(f"{root}/np", leaves)),
-            ("save", lambda: save_cache(f"{root}/ck", cache, step=r)),
-            ("save_noint", lambda: save_cache(f"{root}/ck_noint", cache, step=r, integrity=False)),
-        ]
-        for name, fn in saves[r % 3:] + saves[: r % 3]:  # rotate: no row always follows the same one
-            rows[name].append(timed(fn)[0])
-        ckpt = CacheCheckpointer(f"{root}/ck_async")
-        rows["async_return"].append(timed(lambda: ckpt.save(cache, step=r))[0])
-        t0 = time.perf_counter() - rows["async_return"][-1]
-        ckpt.wait_until_finished()
-        rows["async_total"].append(time.perf_counter() - t0)
-        ckpt.close()
-        rows["fingerprint"].append(timed(lambda: fingerprints(leaves))[0])
-        loads = [
-            ("np_load", lambda: numpy_load(f"{root}/np", leaves)),
-            ("restore", lambda: jax.block_until_ready(restore_cache(f"{root}/ck", mesh=mesh, partition_manager=pm,
-                                                                     step=r).cache)),
-            ("restore_noverify", lambda: jax.block_until_ready(restore_cache(
-                f"{root}/ck", mesh=mesh, partition_manager=pm, step=r, verify=False).cache)),
-        ]
-        for name, fn in loads[r % 3:] + loads[: r % 3]:
-            rows[name].append(timed(fn)[0])
-        for d in ("ck", "ck_noint", "ck_async"):  # keep disk use to one copy per format
-            shutil.rmtree(f"{root}/{d}/{r}", ignore_errors=True)
+    saves = [
+        ("np_save", lambda: numpy_save(f"{root}/np", leaves)),
+        ("save", lambda: save_cache(f"{root}/ck", cache, step=r)),
+        ("save_noint", lambda: save_cache(f"{root}/ck_noint", cache, step=r, integrity=False)),
+    ]
+    for name, fn in saves[r % 3:] + saves[: r % 3]:
+        rows[name].append(timed(fn)[0])
+    ckpt = CacheCheckpointer(f"{root}/ck_async")
+    rows["async_return"].append(timed(lambda: ckpt.save(cache, step=r))[0])
+    t0 = time.perf_counter() - rows["async_return"][-1]
+    ckpt.wait_until_finished()
+    rows["async_total"].append(time.perf_counter() - t0)
+    ckpt.close()
+    rows["fingerprint"].append(timed(lambda: fingerprints(leaves))[0])
+    loads = [
+        ("np_load", lambda: numpy_load(f"{root}/np", leaves)),
+        ("restore", lambda: jax.block_until_ready(restore_cache(f"{root}/ck", mesh=mesh, partition_manager=pm,
+                                                                 step=r).cache)),
+        ("restore_noverify", lambda: jax.block_until_ready(restore_cache(
+            f"{root}/ck", mesh=mesh, partition_manager=pm, step=r, verify=False).cache)),
+    ]
+    for name, fn in loads[r % 3:] + loads[: r % 3]:
+        rows[name].append(timed(fn)[0])
+    for d in ("ck", "ck_noint", "ck_async"):  # keep disk use to one copy per format
+        shutil.rmtree(f"{root}/{d}/{r}", ignore_errors=True)
+
+
+def report(rows: dict[str, list[float]], nbytes: int, repeats: int) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
+    gb = nbytes / 1e9
     rate = lambda k: gb / med[k]  # noqa: E731
-    print(f"\n### Checkpoint of a {nbytes / 2**30:.2f} GiB pool (8 CPU devices, tp=8; median of {args.repeats})\n")
+    print(f"\n### Checkpoint of a {nbytes / 2**30:.2f} GiB pool (8 CPU devices, tp=8; median of {repeats})\n")
     print("| operation | time (s) | GB/s | vs numpy | target |")
     print("|---|---:|---:|---:|---|")
     print(f"| np.save + fsync (baseline) | {med['np_save']:.2f} | {rate('np_save'):.2f} | 1.00x | |")
@@ -151,7 +148,35 @@ def main(argv=None) -> None:
           f"save with vs without = {100 * (med['save'] - med['save_noint']) / med['save_noint']:+.1f}%; "
           f"restore verify on vs off = "
           f"{100 * (med['restore'] - med['restore_noverify']) / med['restore_noverify']:+.1f}%")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="a 16 MiB pool, 2 repeats, a temporary directory: checks the script runs (CI); numbers "
+                         "meaningless")
+    ap.add_argument("--gib", type=float, default=None, help="pool size (default 1.0; --quick: 1/64)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 5; --quick: 2")
+    ap.add_argument("--dir", default=None, help="scratch directory, removed afterwards (default "
+                                                "/tmp/easykv-bench-checkpoint; --quick: a temporary one)")
+    args = ap.parse_args(argv)
+    gib = args.gib or (1 / 64 if args.quick else 1.0)
+    repeats = args.repeats or (2 if args.quick else 5)
+    root = args.dir or (tempfile.mkdtemp(prefix="easykv-bench-checkpoint-") if args.quick
+                        else "/tmp/easykv-bench-checkpoint")
     shutil.rmtree(root, ignore_errors=True)
+    try:
+        mesh, pm, cache = build_cache(gib)
+        leaves = jax.tree.leaves(cache)
+        nbytes = sum(x.nbytes for x in leaves)
+        print(f"pool: {nbytes / 2**30:.2f} GiB in {len(leaves)} arrays of {leaves[0].shape} {leaves[0].dtype}, "
+              f"{len(jax.devices())} CPU devices, {os.cpu_count()} cores", file=sys.stderr)
+        rows: dict[str, list[float]] = {k: [] for k in ROWS}
+        for r in range(repeats):
+            one_repeat(root, r, mesh, pm, cache, rows)
+        report(rows, nbytes, repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

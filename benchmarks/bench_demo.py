@@ -1,6 +1,7 @@
 """The demo engine with the paged cache vs a dense cache preallocated at max length per request.
 
     python benchmarks/bench_demo.py
+    python benchmarks/bench_demo.py --quick    # 4 requests of 4 tokens, a 1-layer model (CI)
 
 Throughput: the demo model (4 layers, 16 q / 8 kv heads, head_dim 32, f32) serves the same
 24 requests (shared system prompt, lengths up to 256 tokens) with the same scheduler (token
@@ -16,6 +17,8 @@ ceil(length / page_size) pages (PageManager.reserve until CacheFullError).
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import time
 
 import jax
@@ -31,15 +34,27 @@ from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
 from easykv.demo.workload import make_requests  # noqa: E402
 from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
-MAX_LEN, PAGE, BUDGET, SEQS, REQUESTS, NEW = 256, 8, 64, 16, 24, 48
+MAX_LEN, PAGE, BUDGET, SEQS = 256, 8, 64, 16
 
 
-def run_paged(model: CompiledModel, meta, mesh, pm, prefix: bool) -> tuple[float, int]:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    requests: int
+    new_tokens: int
+    layers: int
+    admission: tuple[tuple[int, int, int], ...]  # (pages, page size, max length) per row
+
+
+FULL = Workload(24, 48, DemoConfig().layers, ((4096, 16, 2048), (16384, 16, 4096)))
+QUICK = Workload(4, 4, 1, ((256, 16, 512),))
+
+
+def run_paged(model: CompiledModel, meta, mesh, pm, prefix: bool, work: Workload) -> tuple[float, int]:
     def once() -> tuple[float, int]:
         cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
         mgr = easykv.PageManager(meta, enable_prefix_caching=prefix)
         engine = Engine(model, cache, mgr, token_budget=BUDGET, max_seqs=SEQS, prefill_chunk=BUDGET // 2)
-        requests = make_requests(REQUESTS, NEW, seed=1, fork=False)
+        requests = make_requests(work.requests, work.new_tokens, seed=1, fork=False)
         t0 = time.perf_counter()
         engine.run(requests)
         jax.block_until_ready(engine.cache)
@@ -49,13 +64,13 @@ def run_paged(model: CompiledModel, meta, mesh, pm, prefix: bool) -> tuple[float
     return once()
 
 
-def run_dense(model: CompiledModel, meta, cfg: DemoConfig) -> tuple[float, int]:
+def run_dense(model: CompiledModel, meta, cfg: DemoConfig, work: Workload) -> tuple[float, int]:
     def once() -> tuple[float, int]:
         shape = (cfg.layers, SEQS, MAX_LEN, cfg.kv_heads, cfg.head_dim)
         mgr = easykv.PageManager(meta, enable_prefix_caching=False)  # scheduling bookkeeping only
         engine = DenseEngine(model, (jnp.zeros(shape), jnp.zeros(shape)), mgr, token_budget=BUDGET, max_seqs=SEQS,
                              prefill_chunk=BUDGET // 2)  # fmt: skip
-        requests = make_requests(REQUESTS, NEW, seed=1, fork=False)
+        requests = make_requests(work.requests, work.new_tokens, seed=1, fork=False)
         t0 = time.perf_counter()
         engine.run(requests)
         jax.block_until_ready(engine.cache)
@@ -86,8 +101,9 @@ def admission(meta_pages: int, page_size: int, max_len: int, seed: int = 0) -> t
     return admitted, dense
 
 
-def main() -> None:
-    cfg = DemoConfig()
+def throughput(work: Workload) -> dict[str, tuple[float, int]]:
+    """(seconds, generated tokens) of the timed run of each engine."""
+    cfg = DemoConfig(layers=work.layers)
     model = CompiledModel(DemoModel(cfg))
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())
@@ -96,13 +112,22 @@ def main() -> None:
         mesh, SEQS, cfg.layers, MAX_LEN, PAGE, cfg.kv_heads, cfg.head_dim, 0.9, jnp.float32,
         partition_manager=pm, num_pages_per_layer=SEQS * MAX_LEN // PAGE,
     )  # fmt: skip
-    results = {
-        "paged, prefix caching on": run_paged(model, meta, mesh, pm, True),
-        "paged, prefix caching off": run_paged(model, meta, mesh, pm, False),
-        "dense, max length per request": run_dense(model, meta, cfg),
+    return {
+        "paged, prefix caching on": run_paged(model, meta, mesh, pm, True, work),
+        "paged, prefix caching off": run_paged(model, meta, mesh, pm, False, work),
+        "dense, max length per request": run_dense(model, meta, cfg, work),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="4 short requests on a 1-layer model: checks the script runs (CI); numbers meaningless")
+    work = QUICK if parser.parse_args().quick else FULL
+    results = throughput(work)
     dense_tps = results["dense, max length per request"][1] / results["dense, max length per request"][0]
-    print(f"{REQUESTS} requests, up to {NEW} new tokens each, token budget {BUDGET}, max length {MAX_LEN}\n")
+    print(f"{work.requests} requests, up to {work.new_tokens} new tokens each, token budget {BUDGET}, "
+          f"max length {MAX_LEN}, {work.layers}-layer demo model\n")
     print("| engine | generated tokens | time | tokens/s | vs dense |")
     print("|---|---|---|---|---|")
     for name, (seconds, tokens) in results.items():
@@ -111,7 +136,7 @@ def main() -> None:
     print()
     print("| memory (tokens) | max length | page size | paged admits | dense admits | ratio |")
     print("|---|---|---|---|---|---|")
-    for pages, page_size, max_len in ((4096, 16, 2048), (16384, 16, 4096)):
+    for pages, page_size, max_len in work.admission:
         paged, dense = admission(pages, page_size, max_len)
         print(f"| {pages * page_size:,} | {max_len} | {page_size} | {paged} | {dense} | {paged / dense:.2f}x |")
 

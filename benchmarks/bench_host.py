@@ -8,7 +8,8 @@ fraction of the same checks on the same arrays built by hand (unmarked).
 
 Each round times every case once, in turn (interleaved), and the table shows medians.
 
-    python benchmarks/bench_host.py [--quick]
+    python benchmarks/bench_host.py            # the table for the README
+    python benchmarks/bench_host.py --quick    # 60 rounds: a smoke run (CI)
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _manager_decode(rng: np.random.Generator) -> tuple[PageManager, np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="60 rounds instead of 600: checks the script runs (CI); numbers meaningless")
     args = parser.parse_args()
     rounds = 60 if args.quick else 600
     meta = _meta()

@@ -1,6 +1,7 @@
 """The host-memory tier: prefill saved on a shared-prefix workload, and the page copy bandwidth.
 
     python benchmarks/bench_host_tier.py [--repeats 15] [--pages 64]
+    python benchmarks/bench_host_tier.py --quick    # shorter documents, 2 questions each, 8 pages, 2 repeats (CI)
 
 1. Shared-prefix workload (the demo model and engine, 8 simulated CPU devices): 16 documents of
    128 tokens, each asked 3 questions in rounds (48 requests, 4 new tokens each, two running at
@@ -23,6 +24,7 @@ the PCIe copy dominates both.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -44,26 +46,40 @@ from easykv.demo.engine import Engine, Request  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
 from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
-DOCS, DOC_TOKENS, ROUNDS, PAGE = 16, 128, 3, 8
+PAGE = 8
 
 
-def workload() -> list[Request]:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    docs: int
+    doc_tokens: int
+    questions: int  # rounds of questions, each asking every document once
+    new_tokens: int
+
+
+# Quick keeps 16 documents: fewer make the pool (a quarter of their pages) too small for the two
+# requests running at once.
+FULL = Workload(docs=16, doc_tokens=128, questions=3, new_tokens=4)
+QUICK = Workload(docs=16, doc_tokens=64, questions=2, new_tokens=2)
+
+
+def workload(work: Workload) -> list[Request]:
     rng = np.random.default_rng(0)
-    docs = [rng.integers(32, 127, DOC_TOKENS).tolist() for _ in range(DOCS)]
+    docs = [rng.integers(32, 127, work.doc_tokens).tolist() for _ in range(work.docs)]
     requests = []
-    for r in range(ROUNDS):
+    for r in range(work.questions):
         for d, doc in enumerate(docs):
             question = list(f"\nQ{r}: what does part {d} say?\nA:".encode())
-            requests.append(Request(rid=len(requests), prompt=doc + question, max_new_tokens=4))
+            requests.append(Request(rid=len(requests), prompt=doc + question, max_new_tokens=work.new_tokens))
     return requests
 
 
-def serve(host_tier: bool) -> dict:
+def serve(host_tier: bool, work: Workload) -> dict:
     cfg = DemoConfig(layers=2)
     model = CompiledModel(DemoModel(cfg))
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())
-    pool = DOCS * DOC_TOKENS // PAGE // 4  # the documents need 4x the device pool
+    pool = work.docs * work.doc_tokens // PAGE // 4  # the documents need 4x the device pool
     meta = easykv.PagedAttentionCacheMetaData.create(mesh, 2, cfg.layers, 192, PAGE, cfg.kv_heads, cfg.head_dim, 0.9,
                                                      jnp.float32, partition_manager=pm, num_pages_per_layer=pool)
     if host_tier:
@@ -72,7 +88,7 @@ def serve(host_tier: bool) -> dict:
     manager = easykv.PageManager(meta)
     tier = easykv.HostTier(cache) if host_tier else None
     engine = Engine(model, cache, manager, token_budget=64, max_seqs=2, prefill_chunk=64, host=tier)
-    requests = workload()
+    requests = workload(work)
     start = time.perf_counter()
     engine.run(requests)
     wall = time.perf_counter() - start
@@ -126,23 +142,33 @@ def bandwidth(pages: int, repeats: int) -> dict:
     return dict(mib=mib, **med)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--pages", type=int, default=64)
-    args = parser.parse_args()
-    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
-    off, on = serve(False), serve(True)
-    print(f"\nshared-prefix workload: {DOCS} documents x {DOC_TOKENS} tokens x {ROUNDS} questions, device pool "
-          f"{off['pool']} pages of {PAGE} (the documents need {DOCS * DOC_TOKENS // PAGE / off['pool']:.0f}x it)")
+def report_workload(off: dict, on: dict, work: Workload) -> None:
+    print(f"\nshared-prefix workload: {work.docs} documents x {work.doc_tokens} tokens x {work.questions} questions, "
+          f"device pool {off['pool']} pages of {PAGE} (the documents need "
+          f"{work.docs * work.doc_tokens // PAGE / off['pool']:.0f}x it)")
     print("| run | prefill tokens | engine steps | device hit tokens | host hit tokens | wall s |")
     print("|---|---|---|---|---|---|")
     for name, r in (("no host tier", off), ("host tier", on)):
         print(f"| {name} | {r['prefill']} | {r['steps']} | {r['device_hit']} | {r['host_hit']} | {r['wall']:.2f} |")
     print(f"prefill tokens {off['prefill'] / on['prefill']:.2f}x fewer with the tier (target >= 2x); "
           f"steps {off['steps'] / on['steps']:.2f}x fewer; same tokens generated: {off['outputs'] == on['outputs']}")
-    b = bandwidth(args.pages, args.repeats)
-    print(f"\npage copy bandwidth: {args.pages} pages = {b['mib']:.0f} MiB, median of {args.repeats}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="shorter documents, 2 questions each, 8 pages, 2 repeats: checks the script runs (CI); numbers "
+                             "meaningless")
+    parser.add_argument("--repeats", type=int, default=None, help="default 15; --quick: 2")
+    parser.add_argument("--pages", type=int, default=None, help="default 64; --quick: 8")
+    args = parser.parse_args()
+    work = QUICK if args.quick else FULL
+    repeats = args.repeats or (2 if args.quick else 15)
+    pages = args.pages or (8 if args.quick else 64)
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
+    report_workload(serve(False, work), serve(True, work), work)
+    b = bandwidth(pages, repeats)
+    print(f"\npage copy bandwidth: {pages} pages = {b['mib']:.0f} MiB, median of {repeats}")
     print("| direction | page transfer ms | plain device_put ms | GiB/s | ratio (target >= 0.8) |")
     print("|---|---|---|---|---|")
     for name, mine, plain in (("device -> host (offload)", b["offload"], b["put_d2h"]),

@@ -5,7 +5,8 @@ page-boundary allocations included, under 0.5 ms median; a prefix lookup for a 4
 prompt under 1 ms; a shared-prefix workload (64 requests, 90% common prefix) needing at least
 80% fewer prefill tokens with prefix caching than without.
 
-    python benchmarks/bench_manager.py [--quick]
+    python benchmarks/bench_manager.py            # the table for the README
+    python benchmarks/bench_manager.py --quick    # a tenth of the repetitions: a smoke run (CI)
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def bench_shared_prefix(caching: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tenth of the repetitions: checks the script runs (CI); numbers meaningless")
     args = parser.parse_args()
     steps, repeats = (100, 50) if args.quick else (1000, 500)
     dec = bench_decode(steps)

@@ -1,8 +1,9 @@
 """Quantizers on real-looking activations: error per data family, bytes, and decode time.
 
     python benchmarks/bench_quantizer_families.py
+    python benchmarks/bench_quantizer_families.py --quick    # 1 draw of 64 tokens, tiny decode, 2 rounds (CI)
 
-Families and errors are defined in tests/quant_families.py (the tests' bounds use the same
+Families and errors are defined in tests/support/quant_families.py (the tests' bounds use the same
 code): Gaussian, outlier channels (4 of 64 x50; 1 of 128 x100), Student-t with 3 degrees of
 freedom. Each cell is "all channels / ordinary channels / attention", the mean of five draws
 (512 tokens x 8 kv heads, 32 Gaussian queries per head, K and V from the family).
@@ -16,6 +17,8 @@ donated), timed in the same rounds; int4-ch rereads and requantizes the page eac
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -27,63 +30,86 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # for tests.support
 
 import easykv  # noqa: E402
 from easykv.quantization import page_head_bytes  # noqa: E402
 from easykv.storage.cache import write_all  # noqa: E402
 from easykv.storage.writes import token_slots  # noqa: E402
-from bench_quantization import DIM, HEADS, LEN, PAGE, QHEADS, SEQS, decode_workload  # noqa: E402
-from quant_families import FAMILIES, errors  # noqa: E402
+from bench_quantization import DIM, FULL, HEADS, PAGE, QHEADS, QUICK, QUICK_HELP  # noqa: E402
+from bench_quantization import Sizes as DecodeSizes, decode_workload  # noqa: E402
+from tests.support.quant_families import FAMILIES, errors  # noqa: E402
 
 # "int4-ch:decode": int4-ch pages filled one token per write (their scales grow as they fill).
 QUANTS = ("int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g32",
           "int4-g32-rot", "int4-g32-asym-rot", "int4-ch", "int4-ch:decode", "int4-ol", "int4-ol8")
 TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-ch", "int4-ol")
-ROUNDS = 30
 
 
-def error_cells(name: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    decode: DecodeSizes  # the decode workload timed
+    rounds: int
+    draws: int  # error draws per cell (seeds)
+    tokens: int  # tokens per draw
+
+
+FULL_SIZES = Sizes(FULL, rounds=30, draws=5, tokens=512)
+QUICK_SIZES = Sizes(QUICK, rounds=2, draws=1, tokens=64)
+
+
+def error_cells(name: str, sizes: Sizes) -> list[str]:
     quant, _, mode = name.partition(":")
     cells = []
     for fam in FAMILIES:
-        runs = [errors(easykv.get_quantizer(quant), fam, seed=seed, decode=mode == "decode") for seed in range(5)]
+        runs = [errors(easykv.get_quantizer(quant), fam, tokens=sizes.tokens, seed=seed, decode=mode == "decode")
+                for seed in range(sizes.draws)]
         mean = {k: float(np.mean([r[k] for r in runs])) for k in ("all", "ordinary", "attention")}
         cells.append(f"{mean['all']:.3f} / {mean['ordinary']:.3f} / {mean['attention']:.3f}")
     return cells
 
 
-def decode_times() -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms of decode attention, and of a decode step's write (one token per sequence into
-    the pages above, through cache.write), per quantizer in TIMED."""
-    mesh, pm, table, k, v, q, num_pages = decode_workload(1)
-    calls, writes = {}, {}
-    new_token = jnp.asarray(np.random.default_rng(9).normal(size=(1, SEQS, HEADS, DIM)), jnp.bfloat16)
-    for name in TIMED:
-        meta = easykv.PagedAttentionCacheMetaData.create(
-            mesh, SEQS, 1, LEN, PAGE, HEADS, DIM, 0.9, jnp.bfloat16, partition_manager=pm, quantizer=name,
-            num_pages_per_layer=num_pages)  # fmt: skip
-        cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=name)
-        cache, _ = cache.write(k, v, easykv.PagedAttentionMetadata.for_mixed(table, [0] * SEQS, [LEN] * SEQS,
-                                                                             cache_metadata=meta))
-        decode = easykv.PagedAttentionMetadata.for_decode(table, [LEN - 1] * SEQS, cache_metadata=meta)
-        view = cache[0]
-        calls[name] = (lambda view=view, decode=decode: easykv.view_attention(q, view, decode))
-        jax.block_until_ready(calls[name]())  # compile
-        step = easykv.PagedAttentionMetadata.for_decode(table, [LEN - 2] * SEQS, cache_metadata=meta)
-        slots = (jax.device_put(np.asarray(token_slots(step, meta))),)
-        held = [easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=name)]
+def timed_calls(name: str, workload: tuple, d: DecodeSizes) -> tuple:
+    """(decode attention, decode write) of quantizer ``name``, compiled: the attention reads the
+    pages of the workload's tokens; the write puts one token per sequence (cache.write's jitted
+    body, donated: each call writes into the last call's pages)."""
+    mesh, pm, table, k, v, q, num_pages = workload
+    n, length = d.seqs, d.length
+    meta = easykv.PagedAttentionCacheMetaData.create(
+        mesh, n, 1, length, PAGE, HEADS, DIM, 0.9, jnp.bfloat16, partition_manager=pm, quantizer=name,
+        num_pages_per_layer=num_pages)  # fmt: skip
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=name)
+    cache, _ = cache.write(k, v, easykv.PagedAttentionMetadata.for_mixed(table, [0] * n, [length] * n,
+                                                                         cache_metadata=meta))
+    decode = easykv.PagedAttentionMetadata.for_decode(table, [length - 1] * n, cache_metadata=meta)
+    view = cache[0]
 
-        def write(held=held, slots=slots):  # donated: each call writes into the last call's pages
-            held[0], _ = write_all(held[0], new_token, new_token, slots)
-            return held[0]
-        writes[name] = write
-        jax.block_until_ready(write())  # compile
+    def attend():
+        return easykv.view_attention(q, view, decode)
+
+    step = easykv.PagedAttentionMetadata.for_decode(table, [length - 2] * n, cache_metadata=meta)
+    slots = (jax.device_put(np.asarray(token_slots(step, meta))),)
+    held = [easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=name)]
+    new_token = jnp.asarray(np.random.default_rng(9).normal(size=(1, n, HEADS, DIM)), jnp.bfloat16)
+
+    def write():
+        held[0], _ = write_all(held[0], new_token, new_token, slots)
+        return held[0]
+
+    jax.block_until_ready((attend(), write()))  # compile
+    return attend, write
+
+
+def decode_times(sizes: Sizes) -> tuple[dict[str, float], dict[str, float]]:
+    """Median ms of decode attention, and of a decode step's write, per quantizer in TIMED, every
+    round timing each once, in turn."""
+    workload = decode_workload(1, sizes.decode)
+    fns = {name: timed_calls(name, workload, sizes.decode) for name in TIMED}
     samples: dict[str, list[float]] = {name: [] for name in TIMED}
     written: dict[str, list[float]] = {name: [] for name in TIMED}
-    for _ in range(ROUNDS):
-        for name in TIMED:
-            for fn, into in ((calls[name], samples[name]), (writes[name], written[name])):
+    for _ in range(sizes.rounds):
+        for name, (attend, write) in fns.items():
+            for fn, into in ((attend, samples[name]), (write, written[name])):
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn())
                 into.append(time.perf_counter() - t0)
@@ -92,9 +118,14 @@ def decode_times() -> tuple[dict[str, float], dict[str, float]]:
 
 
 def main() -> None:
-    times, write_times = decode_times()
-    print(f"errors: all / ordinary / attention, mean of 5 draws; decode: {SEQS} x {LEN} tokens, {HEADS} kv heads "
-          f"(tp=8), {QHEADS} q heads, head_dim {DIM}, median of {ROUNDS} interleaved rounds\n")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    sizes = QUICK_SIZES if parser.parse_args().quick else FULL_SIZES
+    times, write_times = decode_times(sizes)
+    d = sizes.decode
+    print(f"errors: all / ordinary / attention, mean of {sizes.draws} draws of {sizes.tokens} tokens; decode: "
+          f"{d.seqs} x {d.length} tokens, {HEADS} kv heads (tp=8), {QHEADS} q heads, head_dim {DIM}, median of "
+          f"{sizes.rounds} interleaved rounds\n")
     print("| quantizer | bytes per token-head (head_dim 128, page_size 16) | tokens vs bf16 | "
           + " | ".join(FAMILIES) + " | decode attention | decode write |")
     print("|---" * (5 + len(FAMILIES)) + "|")
@@ -102,7 +133,7 @@ def main() -> None:
     for name in ("none",) + QUANTS:
         q = easykv.get_quantizer(name.partition(":")[0])
         per = page_head_bytes(q, PAGE, DIM, np.dtype("bfloat16")) / PAGE
-        cells = ["0 / 0 / 0"] * len(FAMILIES) if name == "none" else error_cells(name)
+        cells = ["0 / 0 / 0"] * len(FAMILIES) if name == "none" else error_cells(name, sizes)
         timed = [f"{t[name]:.2f} ms" if name in t else "" for t in (times, write_times)]
         label = "bf16" if name == "none" else name
         print(f"| {label} | {per:g} B | {bf16 / per:.2f}x | " + " | ".join(cells) + f" | {' | '.join(timed)} |")

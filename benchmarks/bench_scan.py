@@ -2,7 +2,7 @@
 group's stacked pages, against the same model unrolled, on 8 simulated CPU devices.
 
     python benchmarks/bench_scan.py            # the table for the README
-    python benchmarks/bench_scan.py --quick    # fewer repeats
+    python benchmarks/bench_scan.py --quick    # 2 and 4 layers, one compile, 3 steps: a smoke run (CI)
 
 The model (issue 12): per layer, project K, V and Q from the hidden state, write the new K/V
 into the layer's pages, attend over the cache, add the output back. bf16 pages, 8 kv heads on
@@ -16,9 +16,21 @@ median of 3; step time the median of interleaved calls (the cache donated each c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 HEADS, Q_HEADS, HEAD_DIM, PAGE, PAGES, SEQS, MODEL = 8, 16, 64, 16, 256, 32, 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    layers: tuple[int, ...]
+    compiles: int  # compile time is the median of this many fresh compiles
+    repeats: int  # timed steps
+
+
+FULL = Sizes(layers=(8, 32), compiles=3, repeats=40)
+QUICK = Sizes(layers=(2, 4), compiles=1, repeats=3)
 
 
 def _setup():
@@ -92,43 +104,48 @@ def compile_seconds(fn, cache, weights, h) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    repeats = 10 if args.quick else 40
+def bench_layers(layers: int, sizes: Sizes) -> None:
+    """Print the scan and unrolled rows of a model of ``layers`` layers."""
+    import jax
     import numpy as np
 
-    import jax
+    fns, new_cache, weights, h = _model(layers)
+    cache = new_cache()
+    compile_s = {name: float(np.median([compile_seconds(fn, cache, weights, h) for _ in range(sizes.compiles)]))
+                 for name, fn in fns.items()}
+    steps = {name: jax.jit(fn, donate_argnums=0) for name, fn in fns.items()}
+    state = {name: new_cache() for name in fns}
+    outs = {}
+    for name in fns:  # warm up, and the first step's output to compare
+        state[name], outs[name] = steps[name](state[name], weights, h)
+    equal = np.allclose(np.asarray(outs["scan"], np.float32), np.asarray(outs["unrolled"], np.float32),
+                        rtol=2e-2, atol=2e-2)
+    times = {name: [] for name in fns}
+    for _ in range(sizes.repeats):
+        for name in fns:
+            t0 = time.perf_counter()
+            state[name], out = steps[name](state[name], weights, h)
+            jax.block_until_ready(out)
+            times[name].append(time.perf_counter() - t0)
+    for name in fns:
+        ms = float(np.median(times[name]) * 1e3)
+        print(f"| {layers} | {name} | {compile_s[name]:.2f} s | {ms:.2f} ms | {equal} |")
+    print(f"| {layers} | unrolled / scan | {compile_s['unrolled'] / compile_s['scan']:.1f}x | "
+          f"{np.median(times['unrolled']) / np.median(times['scan']):.2f}x | |")
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="2 and 4 layers, one compile, 3 steps: checks the script runs (CI); numbers meaningless")
+    sizes = QUICK if parser.parse_args().quick else FULL
     print(f"easykv scan benchmark: bf16, {HEADS} kv heads on tp=8, {Q_HEADS} q heads, head_dim {HEAD_DIM}, "
           f"{PAGES} pages per layer, decode {SEQS} sequences x 1 token")  # fmt: skip
-    print("| layers | step | compile (median of 3) | step time (median) | outputs equal |")
+    print(f"| layers | step | compile (median of {sizes.compiles}) | step time (median of {sizes.repeats}) | "
+          "outputs equal |")
     print("|---|---|---|---|---|")
-    for layers in (8, 32):
-        fns, new_cache, weights, h = _model(layers)
-        cache = new_cache()
-        compile_s = {name: float(np.median([compile_seconds(fn, cache, weights, h) for _ in range(3)]))
-                     for name, fn in fns.items()}
-        steps = {name: jax.jit(fn, donate_argnums=0) for name, fn in fns.items()}
-        state = {name: new_cache() for name in fns}
-        outs = {}
-        for name in fns:  # warm up, and the first step's output to compare
-            state[name], outs[name] = steps[name](state[name], weights, h)
-        equal = np.allclose(np.asarray(outs["scan"], np.float32), np.asarray(outs["unrolled"], np.float32),
-                            rtol=2e-2, atol=2e-2)
-        times = {name: [] for name in fns}
-        for _ in range(repeats):
-            for name in fns:
-                t0 = time.perf_counter()
-                state[name], out = steps[name](state[name], weights, h)
-                jax.block_until_ready(out)
-                times[name].append(time.perf_counter() - t0)
-        for name in fns:
-            ms = float(np.median(times[name]) * 1e3)
-            print(f"| {layers} | {name} | {compile_s[name]:.2f} s | {ms:.2f} ms | {equal} |")
-        print(f"| {layers} | unrolled / scan | {compile_s['unrolled'] / compile_s['scan']:.1f}x | "
-              f"{np.median(times['unrolled']) / np.median(times['scan']):.2f}x | |")
+    for layers in sizes.layers:
+        bench_layers(layers, sizes)
 
 
 if __name__ == "__main__":

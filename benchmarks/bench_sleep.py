@@ -1,9 +1,11 @@
 """Sleep and wake: device memory handed back and taken again.
 
     python benchmarks/bench_sleep.py [--mib 256] [--repeats 5] [--dir /tmp/easykv-bench-sleep]
+    python benchmarks/bench_sleep.py --quick    # a 16 MiB pool, 2 repeats, a temporary directory (CI)
 
 A bf16 pool of ``--mib`` MiB (4 layers, 8 kv heads, head_dim 128, page_size 16) on 8 simulated
-CPU devices, kv heads over tp=8, with a manager holding sequences. Per repeat, interleaved
+CPU devices, kv heads over tp=8, with a manager holding 8 sequences of 512 tokens (``--quick``:
+64). Per repeat, interleaved
 (medians reported):
 
 * device bytes held, counted from the live arrays: before sleeping, asleep (level 1 and level
@@ -25,6 +27,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 
@@ -46,7 +49,7 @@ from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 LAYERS, HEADS, DIM, PAGE = 4, 8, 128, 16
 
 
-def build(mib: int):
+def build(mib: int, tokens: int):
     mesh = create_mesh({"dp": 1, "tp": 8})
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))
     per_page = 2 * LAYERS * HEADS * PAGE * DIM * 2
@@ -57,10 +60,10 @@ def build(mib: int):
     manager = easykv.PageManager(cache.metadata)
     rng = np.random.default_rng(0)
     ids = manager.claim(8)
-    rts = manager.build_step_metadata(ids, [512] * 8)
-    k = rng.standard_normal((LAYERS, 8 * 512, HEADS, DIM)).astype(jnp.bfloat16)
+    rts = manager.build_step_metadata(ids, [tokens] * 8)
+    k = rng.standard_normal((LAYERS, 8 * tokens, HEADS, DIM)).astype(jnp.bfloat16)
     cache, _ = cache.write(k, k, rts)
-    manager.advance(ids, 512)
+    manager.advance(ids, tokens)
     return mesh, pm, cache, manager
 
 
@@ -68,70 +71,64 @@ def ms(samples):
     return 1e3 * statistics.median(samples)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default="/tmp/easykv-bench-sleep")
-    args = parser.parse_args()
-    warnings.simplefilter("ignore")
-    mesh, pm, cache, manager = build(args.mib)
-    pool = easykv.device_bytes(cache)
-    shutil.rmtree(args.dir, ignore_errors=True)
-    save_cache(args.dir, cache, manager)
-    reference = [np.asarray(a) for a in jax.tree.leaves(cache)]
-    times = {k: [] for k in ("sleep1", "wake1", "sleep2", "wake2", "init", "restore", "device_put")}
-    held = {}
-    for _ in range(args.repeats):
-        gc.collect()
-        base = easykv.device_bytes() - pool
-        t0 = time.perf_counter()
-        sleeping = easykv.sleep(cache, manager)
-        t1 = time.perf_counter()
-        held["asleep (level 1)"] = easykv.device_bytes() - base
-        # the floor: the same pinned_host arrays back to device memory, plainly
-        host = jax.tree.leaves((sleeping.key_pages, sleeping.value_pages))
-        t2 = time.perf_counter()
-        plain = [jax.device_put(h, h.sharding.with_memory_kind("device")) for h in host]
-        jax.block_until_ready(plain)
-        times["device_put"].append(time.perf_counter() - t2)
-        del plain, host
-        t2 = time.perf_counter()
-        cache, manager = easykv.wake(sleeping)
-        t3 = time.perf_counter()
-        gc.collect()
-        held["awake"] = easykv.device_bytes() - base
-        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(cache), reference))
-        times["sleep1"].append(t1 - t0)
-        times["wake1"].append(t3 - t2)
-        t0 = time.perf_counter()
-        fresh = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, cache.metadata, pm)
-        jax.block_until_ready(jax.tree.leaves(fresh))
-        times["init"].append(time.perf_counter() - t0)
-        del fresh
-        t0 = time.perf_counter()
-        restored = restore_cache(args.dir, mesh=mesh, partition_manager=pm)
-        jax.block_until_ready(jax.tree.leaves(restored.cache))
-        times["restore"].append(time.perf_counter() - t0)
-        del restored
-    # level 2 (after the level-1 rounds: it discards the pages)
-    for i in range(args.repeats):
-        for s in manager.active_ids:
-            manager.release(s)
-        gc.collect()
-        base = easykv.device_bytes() - pool
-        t0 = time.perf_counter()
-        sleeping = easykv.sleep(cache, manager, level=2)
-        t1 = time.perf_counter()
-        held["asleep (level 2)"] = easykv.device_bytes() - base
-        cache, manager = easykv.wake(sleeping)
-        jax.block_until_ready(jax.tree.leaves(cache))
-        t2 = time.perf_counter()
-        times["sleep2"].append(t1 - t0)
-        times["wake2"].append(t2 - t1)
-    shutil.rmtree(args.dir, ignore_errors=True)
+def level1_round(state: dict, directory: str, reference: list, times: dict, held: dict) -> None:
+    """Sleep (level 1) and wake once, with the floor, a fresh init_cache and a restore from disk."""
+    mesh, pm, cache, manager, pool = (state[k] for k in ("mesh", "pm", "cache", "manager", "pool"))
+    gc.collect()
+    base = easykv.device_bytes() - pool
+    t0 = time.perf_counter()
+    sleeping = easykv.sleep(cache, manager)
+    t1 = time.perf_counter()
+    held["asleep (level 1)"] = easykv.device_bytes() - base
+    # the floor: the same pinned_host arrays back to device memory, plainly
+    host = jax.tree.leaves((sleeping.key_pages, sleeping.value_pages))
+    t2 = time.perf_counter()
+    plain = [jax.device_put(h, h.sharding.with_memory_kind("device")) for h in host]
+    jax.block_until_ready(plain)
+    times["device_put"].append(time.perf_counter() - t2)
+    del plain, host
+    t2 = time.perf_counter()
+    cache, manager = easykv.wake(sleeping)
+    t3 = time.perf_counter()
+    state["cache"], state["manager"] = cache, manager
+    gc.collect()
+    held["awake"] = easykv.device_bytes() - base
+    assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(cache), reference))
+    times["sleep1"].append(t1 - t0)
+    times["wake1"].append(t3 - t2)
+    t0 = time.perf_counter()
+    fresh = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, cache.metadata, pm)
+    jax.block_until_ready(jax.tree.leaves(fresh))
+    times["init"].append(time.perf_counter() - t0)
+    del fresh
+    t0 = time.perf_counter()
+    restored = restore_cache(directory, mesh=mesh, partition_manager=pm)
+    jax.block_until_ready(jax.tree.leaves(restored.cache))
+    times["restore"].append(time.perf_counter() - t0)
+
+
+def level2_round(state: dict, times: dict, held: dict) -> None:
+    """Sleep (level 2: the pages are discarded) and wake to zeroed pages, once."""
+    manager = state["manager"]
+    for s in manager.active_ids:
+        manager.release(s)
+    gc.collect()
+    base = easykv.device_bytes() - state["pool"]
+    t0 = time.perf_counter()
+    sleeping = easykv.sleep(state["cache"], manager, level=2)
+    t1 = time.perf_counter()
+    held["asleep (level 2)"] = easykv.device_bytes() - base
+    state["cache"], state["manager"] = easykv.wake(sleeping)
+    jax.block_until_ready(jax.tree.leaves(state["cache"]))
+    t2 = time.perf_counter()
+    times["sleep2"].append(t1 - t0)
+    times["wake2"].append(t2 - t1)
+
+
+def report(state: dict, times: dict, held: dict, repeats: int) -> None:
+    pool, cache = state["pool"], state["cache"]
     print(f"pool: {pool / 2**20:.1f} MiB over 8 devices ({cache.metadata.num_pages_per_layer} pages x {LAYERS} "
-          f"layers, bf16); {args.repeats} repeats, medians\n")
+          f"layers, bf16); {repeats} repeats, medians\n")
     print("| measure | value | target |\n|---|---|---|")
     print(f"| device bytes before sleep | {pool / 2**20:.1f} MiB | |")
     for name, value in held.items():
@@ -150,6 +147,38 @@ def main() -> None:
     print(f"\nwake level 1 vs init_cache + restore from disk: "
           f"{(ms(times['init']) + ms(times['restore'])) / ms(times['wake1']):.1f}x faster; "
           f"vs the device_put floor: {ms(times['device_put']) / ms(times['wake1']):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="a 16 MiB pool, 2 repeats, a temporary directory: checks the script runs (CI); numbers "
+                             "meaningless")
+    parser.add_argument("--mib", type=int, default=None, help="pool size (default 256; --quick: 16)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 5; --quick: 2")
+    parser.add_argument("--dir", default=None, help="where the pool is saved, removed afterwards (default "
+                                                    "/tmp/easykv-bench-sleep; --quick: a temporary one)")
+    args = parser.parse_args()
+    repeats = args.repeats or (2 if args.quick else 5)
+    directory = args.dir or (tempfile.mkdtemp(prefix="easykv-bench-sleep-") if args.quick
+                             else "/tmp/easykv-bench-sleep")
+    warnings.simplefilter("ignore")
+    mesh, pm, cache, manager = build(args.mib or (16 if args.quick else 256), 64 if args.quick else 512)
+    state = dict(mesh=mesh, pm=pm, cache=cache, manager=manager, pool=easykv.device_bytes(cache))
+    del cache, manager  # state holds the live ones: sleeping must free the only reference
+    times = {k: [] for k in ("sleep1", "wake1", "sleep2", "wake2", "init", "restore", "device_put")}
+    held = {}
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+        save_cache(directory, state["cache"], state["manager"])
+        reference = [np.asarray(a) for a in jax.tree.leaves(state["cache"])]
+        for _ in range(repeats):
+            level1_round(state, directory, reference, times, held)
+        for _ in range(repeats):  # level 2 after the level-1 rounds: it discards the pages
+            level2_round(state, times, held)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    report(state, times, held, repeats)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Write cost vs pool size, and init_cache memory, on 8 simulated CPU devices.
 
     python benchmarks/bench_writes.py            # the table for the README
-    python benchmarks/bench_writes.py --quick    # fewer repeats
+    python benchmarks/bench_writes.py --quick    # pools of 128 and 256 pages, 5 calls, a 32 MiB init (CI)
 
 Setup (issue 2): bf16, 4 layers, 8 kv heads (split over tp=8), head_dim 128, page_size 16.
 A decode write is 32 sequences x 1 token, a prefill write is one 512-token chunk, both for all
@@ -11,13 +11,14 @@ bf16 instead of raw uint16 bits, to show why easykv uses raw bits on CPU. The fl
 the same decode scatter with bare jax into one array holding every layer's K and V (split by kv
 head, raw bits), the plain cost easykv's write is compared with.
 
-The memory part runs in a fresh subprocess: it allocates a >= 2 GiB pool with init_cache and
-reports the peak RSS growth over the pool bytes.
+The memory part runs in a fresh subprocess (median of 3): it allocates a >= 2 GiB pool with
+init_cache and reports the peak RSS growth over the pool bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -27,6 +28,20 @@ import sys
 import time
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 4, 8, 128, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    pools: tuple[int, int]  # pages per layer of the small and the large pool
+    repeats: int  # calls per figure
+    native_repeats: int  # calls per figure of native bf16 pages: slow on CPU
+    init_pages: int  # pool of the memory part: 8192 pages x 4 layers x 2 x 16 x 8 x 128 x 2 B = 2 GiB
+    init_runs: int  # fresh processes of the memory part (median)
+
+
+# A pool holds at least one 2048-token sequence (128 pages): create refuses less.
+FULL = Sizes(pools=(256, 2048), repeats=200, native_repeats=20, init_pages=8192, init_runs=3)
+QUICK = Sizes(pools=(128, 256), repeats=5, native_repeats=2, init_pages=128, init_runs=1)
 
 
 def _setup_jax() -> None:
@@ -166,56 +181,68 @@ def memory_child(num_pages: int) -> None:
     print(json.dumps({"pool": pool, "seconds": seconds, "peak_growth": peak - before}))
 
 
+def memory_table(sizes: Sizes) -> None:
+    """init_cache's time and peak RSS growth, each run in a fresh process (the median one)."""
+    runs = []
+    for _ in range(sizes.init_runs):
+        out = subprocess.run(
+            [sys.executable, __file__, "--memory-child", str(sizes.init_pages)],
+            check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )  # fmt: skip
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    fig = sorted(runs, key=lambda r: r["peak_growth"])[len(runs) // 2]
+    print("| init_cache pool | time | peak RSS growth | growth / pool bytes |")
+    print("|---|---|---|---|")
+    print(f"| {fig['pool'] / 2**30:.2f} GiB ({sizes.init_pages} pages x {LAYERS} layers) | {fig['seconds']:.2f} s | "
+          f"{fig['peak_growth'] / 2**30:.2f} GiB | {fig['peak_growth'] / fig['pool']:.3f}x |")  # fmt: skip
+
+
+def write_table(sizes: Sizes) -> None:
+    """Write cost in the small and the large pool, raw bits and native bf16, interleaved."""
+    small, large = sizes.pools
+    results = {}
+    for native in (False, True):
+        calls = {(pages, kind): fn for pages in sizes.pools for kind, fn in write_calls(pages, native).items()}
+        reps = sizes.native_repeats if native else sizes.repeats
+        for (pages, kind), ms in _interleaved_medians(calls, reps).items():
+            results.setdefault((native, pages), {})[kind] = ms
+    # The same decode step on a 1-device mesh: what the 8-device figures pay for simulating 8
+    # devices on this machine's 2 cores (8 device programs per step).
+    one = _interleaved_medians({p: write_calls(p, False, devices=1)["decode_step"] for p in sizes.pools},
+                               sizes.repeats)
+    print()
+    print(f"| write (all 4 layers) | {small} pages | {large} pages | {large}/{small} | native bf16 {large}/{small} |")
+    print("|---|---|---|---|---|")
+    rows = (("decode", "decode, 32 seqs x 1 token (cache.write)"), ("decode_step", "decode, jitted step alone"),
+            ("prefill", "prefill, 512 tokens (cache.write)"))  # fmt: skip
+    for kind, label in rows:
+        a, b = results[(False, small)][kind], results[(False, large)][kind]
+        na, nb = results[(True, small)][kind], results[(True, large)][kind]
+        print(f"| {label} | {a:.3f} ms | {b:.3f} ms | {b / a:.2f}x | {nb / na:.2f}x ({na:.2f} -> {nb:.2f} ms) |")
+    print(f"| decode, jitted step alone, 1 device | {one[small]:.3f} ms | {one[large]:.3f} ms | "
+          f"{one[large] / one[small]:.2f}x | |")
+    fa, fb = results[(False, small)]["floor"], results[(False, large)]["floor"]
+    print(f"| decode, plain jax scatter into one stacked array (the floor) | {fa:.3f} ms | {fb:.3f} ms | "
+          f"{fb / fa:.2f}x | |")
+    step = results[(False, large)]["decode_step"]
+    print(f"\njitted decode step / plain floor, {large} pages: {step / fb:.1f}x")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="small pools, 5 calls, one small init: checks the script runs (CI); numbers meaningless")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:
         memory_child(args.memory_child)
         return
     _setup_jax()
-    repeats = 30 if args.quick else 200
+    sizes = QUICK if args.quick else FULL
     print(f"easykv write benchmark: bf16, {LAYERS} layers, {HEADS} kv heads on tp=8, head_dim {HEAD_DIM}, "
-          f"page_size {PAGE}; medians of {repeats} calls, all layers in one jit")  # fmt: skip
-    # 2 GiB and more: 4 layers x 2 (K, V) x pages x 16 tokens x 8 heads x 128 x 2 bytes.
-    pages = 8192  # 4 layers x 2 x 8192 x 16 x 8 x 128 x 2 B = 2 GiB
-    runs = []
-    for _ in range(3):  # median of 3 fresh processes
-        out = subprocess.run(
-            [sys.executable, __file__, "--memory-child", str(pages)],
-            check=True, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        )  # fmt: skip
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    fig = sorted(runs, key=lambda r: r["peak_growth"])[1]
-    print("| init_cache pool | time | peak RSS growth | growth / pool bytes |")
-    print("|---|---|---|---|")
-    print(f"| {fig['pool'] / 2**30:.2f} GiB ({pages} pages x {LAYERS} layers) | {fig['seconds']:.2f} s | "
-          f"{fig['peak_growth'] / 2**30:.2f} GiB | {fig['peak_growth'] / fig['pool']:.3f}x |")  # fmt: skip
-
-    results = {}
-    for native in (False, True):
-        calls = {(pages, kind): fn for pages in (256, 2048) for kind, fn in write_calls(pages, native).items()}
-        reps = repeats if not native else max(10, repeats // 10)  # native bf16 is slow on CPU
-        for (pages, kind), ms in _interleaved_medians(calls, reps).items():
-            results.setdefault((native, pages), {})[kind] = ms
-    # The same decode step on a 1-device mesh: what the 8-device figures pay for simulating 8
-    # devices on this machine's 2 cores (8 device programs per step).
-    one = _interleaved_medians({p: write_calls(p, False, devices=1)["decode_step"] for p in (256, 2048)}, repeats)
-    print()
-    print("| write (all 4 layers) | 256 pages | 2048 pages | 2048/256 | native bf16 2048/256 |")
-    print("|---|---|---|---|---|")
-    rows = (("decode", "decode, 32 seqs x 1 token (cache.write)"), ("decode_step", "decode, jitted step alone"),
-            ("prefill", "prefill, 512 tokens (cache.write)"))  # fmt: skip
-    for kind, label in rows:
-        a, b = results[(False, 256)][kind], results[(False, 2048)][kind]
-        na, nb = results[(True, 256)][kind], results[(True, 2048)][kind]
-        print(f"| {label} | {a:.3f} ms | {b:.3f} ms | {b / a:.2f}x | {nb / na:.2f}x ({na:.2f} -> {nb:.2f} ms) |")
-    print(f"| decode, jitted step alone, 1 device | {one[256]:.3f} ms | {one[2048]:.3f} ms | {one[2048] / one[256]:.2f}x | |")
-    fa, fb = results[(False, 256)]["floor"], results[(False, 2048)]["floor"]
-    print(f"| decode, plain jax scatter into one stacked array (the floor) | {fa:.3f} ms | {fb:.3f} ms | {fb / fa:.2f}x | |")
-    step = results[(False, 2048)]["decode_step"]
-    print(f"\njitted decode step / plain floor, 2048 pages: {step / fb:.1f}x")
+          f"page_size {PAGE}; medians of {sizes.repeats} calls, all layers in one jit")  # fmt: skip
+    memory_table(sizes)
+    write_table(sizes)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,15 @@ Run: ``. /work/venv-easydel/bin/activate && python -m pytest tests_easydel -q -p
 import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))  # helpers.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
+
+from tests.support.devices import configure  # noqa: E402
+
+configure()  # 8 CPU devices and the tests' compile flags, as in tests/
 
 import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
 import pytest  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))  # helpers.py
 
 # EasyDeL points JAX's persistent compilation cache at ~/.cache when imported; tests compile afresh.
 jax.config.update("jax_enable_compilation_cache", False)

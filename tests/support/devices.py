@@ -16,20 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 # Inside the checkout (ignored by git), so a fresh clone starts cold and `git clean -xdf` empties it.
 CACHE_DIR = REPO / ".jax_cache"
 NUM_DEVICES = 8
+# The tests check values, never speed. XLA:CPU's newer fusion emitters (MLIR) and LLVM's
+# optimisation passes are most of a typical test's compile time and buy nothing here: without
+# them the suite compiles about twice as fast (benchmarks/bench_suite.sh measures it).
+FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
 
 
 def configure(devices: int = NUM_DEVICES) -> None:
     """Set the environment and jax's device count; must run before jax creates a backend.
 
-    A flag or variable the caller has set already is kept: ``XLA_FLAGS`` naming an optimisation
-    level, ``JAX_COMPILATION_CACHE_DIR``, or ``JAX_ENABLE_COMPILATION_CACHE=false`` to compile
-    everything afresh."""
+    A variable the caller has set already is kept: ``XLA_FLAGS`` (set it, even to an empty
+    string, to run the tests with XLA's default flags), ``JAX_COMPILATION_CACHE_DIR``, or
+    ``JAX_ENABLE_COMPILATION_CACHE=false`` to compile everything afresh."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags:
-        # The tests check values, never speed: LLVM's optimisation passes are a quarter of the
-        # compile time of a typical test and buy nothing here.
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    os.environ.setdefault("XLA_FLAGS", " ".join(FAST_COMPILE_FLAGS))
     # Identical programs compiled by two test processes (pytest-xdist workers, the demo and
     # example subprocesses) or by two runs are compiled once; keys include the jax version.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(CACHE_DIR))

@@ -4,7 +4,6 @@ of the launcher's own failure handling use sleeper.py, which starts no JAX."""
 
 import os
 import pathlib
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +13,9 @@ import pytest
 
 from easykv.errors import MultiProcessError
 from easykv.distributed import launch_local
+
+# Every test here starts processes; the launcher's argument checks (test_launch_arguments.py) start none.
+pytestmark = [pytest.mark.slow, pytest.mark.multihost]
 
 HERE = pathlib.Path(__file__).parent
 WORKER = str(HERE / "worker.py")
@@ -33,7 +35,7 @@ def pids(tmp_path, monkeypatch):
     where.mkdir()
     monkeypatch.setenv("EASYKV_TEST_PID_DIR", str(where))
     yield where
-    assert_all_gone(where, within=5)
+    assert_all_gone(where, within=30)
 
 
 def recorded(where):
@@ -87,10 +89,10 @@ def test_lockstep_names_the_diverging_process(tmp_path):
 
 
 def test_a_dying_worker_fails_the_run_fast(tmp_path):
-    t0 = time.monotonic()
-    with pytest.raises(MultiProcessError, match=r"process 1 of 2 exited with code 3(.|\n)*fails on purpose"):
+    with pytest.raises(MultiProcessError, match=r"process 1 of 2 exited with code 3(.|\n)*fails on purpose") as info:
         run("die-early", tmp_path, timeout=120)
-    assert time.monotonic() - t0 < 60  # process 0 was stopped, not waited for
+    # Process 0 waits in initialize for a peer that never comes: it was stopped, not waited for.
+    assert "every worker was killed (process 0 was running)" in str(info.value)
 
 
 def test_a_hanging_run_hits_the_time_bound(tmp_path):
@@ -113,14 +115,14 @@ def test_a_worker_failing_after_initialize_is_reported_within_seconds(how, who, 
     logs = tmp_path / "logs"
     with pytest.raises(MultiProcessError) as info:
         run("fail", logs, 120, how, str(who))
-    reported = time.time()
     err = info.value
     assert (err.process, err.returncode, err.log_path) == (who, code, str(logs / f"process-{who}.log"))
     status = f"exited with code {code}" if code > 0 else "was killed by signal 9 (SIGKILL)"
     assert f"process {who} of 2 {status}" in str(err) and said in str(err), str(err)
     log = pathlib.Path(err.log_path).read_text()
-    failed_at = float(re.search(r"fails on purpose \(\S+\) at ([\d.]+)", log).group(1))
-    assert reported - failed_at < 4, f"reported {reported - failed_at:.1f} s after the failure"
+    # Reported at once: the peer, blocked in a collective with the failed process, was still running
+    # (the launcher killed it); a launcher that waited would see JAX abort it after its heartbeat timeout.
+    assert f"every worker was killed (process {1 - who} was running)" in str(err), str(err)
     if how == "raise":
         assert "Traceback (most recent call last)" in log
     if code > 0:  # it left by Python's own exit, past JAX's shutdown barrier
@@ -148,7 +150,7 @@ def test_a_hung_run_is_stopped_at_the_timeout_naming_the_hung_workers(tmp_path, 
     t0 = time.monotonic()
     with pytest.raises(MultiProcessError, match=r"processes \[0, 1\] of 2 still running after 8 s") as info:
         run("hang", tmp_path / "logs", 8)
-    assert 8 <= time.monotonic() - t0 < 12
+    assert time.monotonic() - t0 >= 8  # not before the timeout; the hung workers' own end is 600 s away
     assert (info.value.hung, info.value.process, info.value.returncode) == ((0, 1), 0, None)
 
 
@@ -184,7 +186,7 @@ def test_workers_die_with_their_launcher(sig, tmp_path, pids):
     finally:
         launcher.kill()
         launcher.wait()
-    assert_all_gone(pids, within=5)
+    assert_all_gone(pids, within=30)
 
 
 def test_checkpoint_written_by_two_processes_restores_in_one_and_back(tmp_path):
@@ -219,27 +221,3 @@ def test_checkpoint_written_by_two_processes_restores_in_one_and_back(tmp_path):
     outputs = launch_local([sys.executable, WORKER, "checkpoint", one, "restore"], num_processes=2,
                            cpu_devices_per_process=4, timeout=240, log_dir=str(tmp_path / "logs-b"))  # fmt: skip
     assert all(f"WORKER OK {pid}" in out for pid, out in enumerate(outputs))
-
-
-@pytest.mark.parametrize("bad, message", [
-    ({"num_processes": 0}, r"num_processes must be a positive int, got 0"),
-    ({"num_processes": 2**100}, r"num_processes must be a positive int, got 1267650600228229401496703205376"),
-    ({"num_processes": 2.0}, r"num_processes must be a positive int, got 2\.0"),
-    ({"cpu_devices_per_process": True}, r"cpu_devices_per_process must be a positive int, got True"),
-    ({"timeout": 0}, r"timeout must be a number in \(0, inf\), got 0"),
-    ({"timeout": -1.5}, r"timeout must be a number in \(0, inf\), got -1\.5"),
-    ({"timeout": float("nan")}, r"timeout must be a number .*got nan"),
-    ({"timeout": "10"}, r"timeout must be a number .*got '10' of type str"),
-    ({"timeout": True}, r"timeout must be a number .*got True"),
-    ({"argv": []}, r"argv must be a non-empty list of strings"),
-    ({"argv": "python worker.py"}, r"argv must be a non-empty list of strings"),
-    ({"argv": [sys.executable, 3]}, r"argv\[1\] must be a string or a path, got 3 of type int"),
-    ({"argv": ["/no/such/program"]}, r"argv\[0\] = '/no/such/program' is neither an executable"),
-    ({"log_dir": None}, r"log_dir must be a directory path, got None"),
-])  # fmt: skip
-def test_launch_local_rejects_bad_arguments_before_starting_anything(bad, message, tmp_path):
-    logs = tmp_path / "logs"
-    kwargs = {"argv": [sys.executable, "-c", "pass"], "log_dir": str(logs), **bad}
-    with pytest.raises(ValueError, match=message):
-        launch_local(kwargs.pop("argv"), **kwargs)
-    assert not logs.exists()  # nothing was started or written

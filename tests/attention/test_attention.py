@@ -38,6 +38,7 @@ from easykv.runtime import build_mixed
 from sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.attention import (BLOCK, COLLECTIVES, GROUP, LAYOUTS, MAKERS, PAGES, PS, WIDTH, D, decode_md, make_pages,
                                      mixed_md, page_layout, prefill_md, real_rows, release_before_window)
+from tests.support.tiers import tiered
 
 def assert_close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -127,8 +128,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("query_block", [4, 8])
-@pytest.mark.parametrize("name,dtype,mode,options", CASES, ids=["-".join(map(str, c[:3])) for c in CASES])
+# The fast tier: every case in blocks of 4 query rows; blocks of 8 (masked past a chunk's end) on
+# head-sharded pages.
+@pytest.mark.parametrize("name,dtype,mode,options,query_block", tiered(
+    [(*c, qb) for qb in (4, 8) for c in CASES], fast=lambda c: c[4] == 4 or c[0] == "heads",
+    ids=lambda c: "-".join(map(str, (*c[:3], c[4])))))
 def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     rng = np.random.default_rng(zlib.crc32(f"{name}{dtype}{mode}".encode()))
     (hk, hv), (k, v) = make_pages(rng, name, dtype)

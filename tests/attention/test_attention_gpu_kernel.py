@@ -11,6 +11,7 @@ from easykv.attention import checks
 from easykv.attention.checks import gpu_blocks
 from easykv.quantization import get_quantizer
 from sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.tiers import tiered
 
 HEADS, DIM, PS, PAGES, WIDTH = 2, 32, 8, 40, 8
 
@@ -130,7 +131,7 @@ def test_gpu_blocks(width, page_size, want):
 
 
 # ---- what it computes, in interpret mode ------------------------------------------------------------
-@pytest.mark.parametrize("quant", ["none", "int8", "fp8", "int8-rot"])
+@pytest.mark.parametrize("quant", tiered(["none", "int8", "fp8", "int8-rot"], fast={"none", "int8"}))
 def test_interpreted_kernel_equals_the_xla_path(quant):
     """Random pages, permuted tables, 4 q heads per kv head, a soft cap, a padding row and
     lengths ending mid-page: the kernel (interpret mode) equals the XLA path on the same pages

@@ -21,6 +21,7 @@ from easykv.attention.api import paged_attention, paged_attention_reference
 from easykv.attention.checks import _Fit, prepare
 from easykv.attention.options import AttentionOptions
 from tests.support.attention import numpy_attention
+from tests.support.tiers import tiered
 
 V_DIM = 24  # value head dim different from the keys' (D = 16)
 
@@ -72,8 +73,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("query_block", [4, 8])
-@pytest.mark.parametrize("name,mode,case", CASES, ids=[f"{c[0]}-{c[1]}-{'-'.join(c[2])}" for c in CASES])
+@pytest.mark.parametrize("name,mode,case,query_block", tiered(
+    [(*c, qb) for qb in (4, 8) for c in CASES], fast=lambda c: c[3] == 4,
+    ids=lambda c: f"{c[0]}-{c[1]}-{'-'.join(c[2])}-{c[3]}"))
 def test_fast_path_matches_reference(name, mode, case, query_block):
     rng = np.random.default_rng(zlib.crc32(f"{name}{mode}{sorted(case)}".encode()))
     heads = LAYOUTS[name][1]
@@ -156,7 +158,8 @@ LATENT_CASES = [("single", "mixed", {}), ("single", "decode", {"sinks": True}), 
                 ("heads", "mixed", {"chunk_size": 6}), ("dp", "decode", {"sliding_window": 5})]
 
 
-@pytest.mark.parametrize("name,mode,case", LATENT_CASES, ids=[f"{c[0]}-{c[1]}" for c in LATENT_CASES])
+@pytest.mark.parametrize("name,mode,case", tiered(LATENT_CASES, fast=lambda c: c[0] in ("single", "dp") and c[1] != "decode"
+                                                    or c[0] == "dp", ids=[f"{c[0]}-{c[1]}" for c in LATENT_CASES]))
 def test_latent_cache_values_are_the_keys_leading_dims(name, mode, case):
     """value_pages=None (DeepSeek's MLA stores one latent per token): attention equals attention
     over separate value pages holding the keys' first value_head_dim dims, and the numpy

@@ -50,6 +50,7 @@ from easykv.checkpoint.integrity import (
 )
 from easykv.checkpoint.inspect import inspect_checkpoint
 from easykv.manager.manager import PageManager
+from tests.support.tiers import tiered
 
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -78,7 +79,8 @@ def continue_run(cache, manager, seed=7):
 
 
 # ---- round trips ------------------------------------------------------------------------------
-@pytest.mark.parametrize("quantizer", ["none", "int8", "fp8", "int4", "int4-ch", "int4-ol"])
+@pytest.mark.parametrize("quantizer", tiered(["none", "int8", "fp8", "int4", "int4-ch", "int4-ol"],
+                                              fast={"none", "int8", "int4-ch"}))
 def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
     cache, manager, _ = engine_run("heads", quantizer)
     before = raw_leaves(cache)
@@ -104,9 +106,10 @@ def test_round_trip_bit_exact_with_manager_then_continue(tmp_path, quantizer):
     assert got.keys() == want.keys() and all(np.array_equal(got[k][i], want[k][i]) for k in got for i in (0, 1))
 
 
-@pytest.mark.parametrize(("src", "dst", "quant"), [("heads", "dp", "none"), ("heads", "single", "none"),
-                                                   ("dp", "heads", "int8"), ("dp", "heads", "int4-ch"),
-                                                   ("single", "dp", "int4-ol")])
+@pytest.mark.parametrize(("src", "dst", "quant"), tiered(
+    [("heads", "dp", "none"), ("heads", "single", "none"), ("dp", "heads", "int8"), ("dp", "heads", "int4-ch"),
+     ("single", "dp", "int4-ol")],
+    fast={("heads", "dp", "none"), ("dp", "heads", "int8")}))
 def test_restore_onto_another_mesh(tmp_path, src, dst, quant):
     cache, manager, _ = engine_run(src, quant)
     quantizer = cache.metadata.quantization

@@ -10,8 +10,10 @@ import pytest
 
 import easykv.demo.run as demo_run
 from easykv.demo.run import DemoOptions, run_demo
+from tests.support.tiers import SLOW
 
 
+@SLOW
 def test_demo_matches_dense_reference_and_catches_a_mismatch(monkeypatch, tmp_path, capsys):
     real = demo_run.reference_disagreements
     seen = {}
@@ -61,7 +63,9 @@ def test_the_reference_check_flags_a_wrong_token_and_forgives_a_near_tie():
     assert reference_disagreements(model, request, max_len=128, dtype=jnp.float32) == [1]
 
 
+@pytest.mark.examples
 @pytest.mark.parametrize("quant", ["int8", "int4-ol"])
+@SLOW
 def test_easykv_demo_command_succeeds(tmp_path, quant):
     done = subprocess.run(
         [sys.executable, "-m", "easykv.cli", "demo", "--requests", "3", "--max-new-tokens", "4", "--no-progress",
@@ -105,6 +109,7 @@ def test_engine_under_slot_pressure_keeps_the_fork_and_matches_reference():
         assert r.output == reference_generate(model, r, max_len=128, dtype=jnp.float32), r.rid
 
 
+@SLOW
 def test_the_hybrid_demo_checks_its_windows():
     """The default demo model is hybrid (sliding window 32 + full attention, scanned): the paged
     run equals a dense reference that masks each sliding layer to its window, and a reference

@@ -11,6 +11,8 @@ from tests.support.devices import REPO
 EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 
 
+@pytest.mark.slow
+@pytest.mark.examples
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # and the test session's XLA flags and compilation cache

@@ -18,6 +18,7 @@ from easykv import CacheFullError, LayerGroup, ManagerStateError, PagedAttention
     PageManager
 from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.attention import numpy_attention
+from tests.support.tiers import tiered
 
 PAD = -1
 PS = 4
@@ -247,7 +248,8 @@ GROUPS = (LayerGroup((0, 2), "sliding", 6, num_kv_heads=4, key_head_dim=8, value
 LAYERS = 5
 
 
-@pytest.mark.parametrize("layout,quantizer", [("tp8", "none"), ("dp2tp4", "none"), ("dp2tp4", "int8")])
+@pytest.mark.parametrize("layout,quantizer", tiered([("tp8", "none"), ("dp2tp4", "none"), ("dp2tp4", "int8")],
+                                                    fast={("tp8", "none")}))
 def test_a_manager_driven_grouped_cache_matches_dense_attention(layout, quantizer):
     """Three prompts (the third shares the first's prefix and hits it in every group), a fork,
     then decode steps: each step's metadata and copies come from the manager, the writes and

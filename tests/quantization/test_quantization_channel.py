@@ -17,6 +17,7 @@ from easykv.quantization._logstep import unpack as _unpack
 from easykv.storage import writes
 from easykv.storage.writes import scatter_page_scaled_local
 from sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.tiers import SLOW, tiered
 
 Q = Int4ChannelQuantizer()
 
@@ -106,7 +107,7 @@ def slots_of(rt, meta) -> np.ndarray:
                       .rt.slot_mapping)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", ["single", "tp", "dp"])
+@pytest.mark.parametrize("layout", tiered(["single", "tp", "dp"], fast={"dp"}))
 def test_writes_match_the_model_of_the_pages(layout):
     """Prefill chunks, decodes and mixed steps under permuted page tables (each sequence's pages
     in one dp half): after every write each page's codes and scales are the model's, for K and
@@ -151,6 +152,7 @@ def _scanned_write(cache, k, rt):
     return cache
 
 
+@SLOW
 def test_per_layer_and_scanned_views_write_what_the_whole_cache_write_does():
     """The EasyDeL view path (one layer per call), a lax.scan over the layers (a traced layer
     index) and cache.write store the same codes."""
@@ -197,6 +199,7 @@ def test_a_page_entered_at_its_first_slot_starts_over_and_others_grow():
     np.testing.assert_array_equal(np.asarray(out.values)[:, :, untouched], np.asarray(pages.values)[:, :, untouched])
 
 
+@SLOW
 def test_slot_order_within_a_write_does_not_matter():
     pages, rng = _one_shard(layers=2)
     rows = (rng.standard_normal((2, 9, 2, DIM)) * np.exp(rng.normal(size=(9, 1, 1)) * 2)).astype(np.float32)
@@ -221,6 +224,7 @@ def test_padding_other_shards_and_a_layer_outside_the_stack_change_nothing():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@SLOW
 def test_more_pages_to_requantize_than_one_pass_takes(monkeypatch):
     """The pages that keep their tokens are requantized a chunk at a time: with chunks of 2, a
     decode into 5 pages takes three passes and still matches the model."""

@@ -20,6 +20,7 @@ from easykv.quantization import (
     rotation_matrix,
 )
 from tests.support.quant_families import FAMILIES, errors, family, rel
+from tests.support.tiers import tiered
 
 # Documented bounds (README "Quantized pages"): (all channels, ordinary channels, attention) per
 # family in FAMILIES order, the largest of five draws plus 15%. Plain int4 on the outlier families
@@ -45,8 +46,10 @@ BOUNDS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(BOUNDS))
-@pytest.mark.parametrize("fam", FAMILIES)
+# The fast tier: every quantizer on Gaussian data, and int4-ol on the outlier channels it is for.
+@pytest.mark.parametrize("fam, name", tiered([(fam, name) for name in sorted(BOUNDS) for fam in FAMILIES],
+                                              fast=lambda c: c[0] == "gaussian" or c == ("outliers-4x50", "int4-ol"),
+                                              ids=lambda c: f"{c[0]}-{c[1]}"))
 def test_documented_bounds_per_family(name, fam):
     bound = dict(zip(("all", "ordinary", "attention"), BOUNDS[name][FAMILIES.index(fam)]))
     quant, _, mode = name.partition(":")
@@ -220,7 +223,10 @@ ROTATED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,quant,mode,options", ROTATED_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in ROTATED_CASES])
+@pytest.mark.parametrize("name,quant,mode,options", tiered(
+    ROTATED_CASES, fast=lambda c: c[:3] in {("single", "int8-rot", "decode"), ("dp", "int4-rot", "decode"),
+                                            ("dp", "int4-ch", "prefill")},
+    ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in ROTATED_CASES]))
 def test_rotated_pages_fast_path_matches_reference(name, quant, mode, options):
     """The fast path reads rotated pages in the rotated basis (query rotated, output rotated
     back; a latent cache's values taken from the rotated-back sum), and int4-ch pages with their

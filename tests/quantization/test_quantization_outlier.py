@@ -15,6 +15,7 @@ from tests.support.channel_model import STEPS, needed
 from easykv.quantization import Int4OutlierQuantizer, get_quantizer, page_head_bytes
 from tests.support.quant_families import errors
 from sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.tiers import SLOW, tiered
 
 
 def model(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -74,8 +75,8 @@ def crafted_tokens(dim: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
-@pytest.mark.parametrize("dim", [16, 64, 256])
+@pytest.mark.parametrize("dim, k", tiered([(dim, k) for dim in (16, 64, 256) for k in (2, 4, 8)], fast={(64, 4)},
+                                          ids=lambda c: f"{c[0]}-{c[1]}"))
 def test_codes_and_values_are_the_models(k, dim):
     x = crafted_tokens(dim)
     q = Int4OutlierQuantizer(k)
@@ -117,6 +118,7 @@ def test_outlier_channels_keep_8_bits_and_the_rest_their_own_step():
     assert rel(np.delete(plain, big, 1), np.delete(x, big, 1)) > 1
 
 
+@SLOW
 def test_attention_and_ordinary_targets_on_outlier_families():
     """What int4-ol is for: on keys and values with outlier channels, attention within 0.1 and
     the ordinary channels within 0.15, at 3.56x the bf16 tokens; int4-ch keeps the ordinary

@@ -15,6 +15,7 @@ import easykv
 from tests.support.pools import HEAD_DIM, PAGE_SIZE, PAGES, assert_unchanged, new_cache, random_tokens, setup, snapshot
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.tiers import SLOW
 
 
 def test_stale_view_is_refused_before_anything_changes():
@@ -119,6 +120,7 @@ def _layer(view, w, h, md):
     return view, h + out.mean(axis=1)
 
 
+@SLOW
 def test_scanned_32_layer_model_compiles_once_and_matches_unrolled():
     layers = 32
     mesh, pm, meta, w = _scan_model(layers)

@@ -14,6 +14,7 @@ import pytest
 import easykv
 from easykv.storage.cache import gather_kv
 from sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.tiers import SLOW
 
 PS = 4
 
@@ -157,6 +158,7 @@ def test_a_host_tier_refuses_another_cache_and_keeps_the_work_pending():
         easykv.HostTier(plain)
 
 
+@SLOW
 def test_the_demo_engine_preempts_to_the_host_and_generates_what_a_dense_cache_does():
     from easykv.demo.engine import Engine, reference_generate
     from easykv.demo.model import CompiledModel, DemoConfig, DemoModel

@@ -99,7 +99,7 @@ def demo_quantizer(name: str) -> Any:
     if scales_per_page(quantizer):
         raise ValueError(f"the demo cannot check {quantizer.name}: its codes depend on how tokens arrive in a page "
                          "(a page's scales grow as it fills), which the demo's dense reference does not model; use "
-                         "--quant int4-rot or int4-asym-rot for 4 bits (tests/test_quantization_channel.py checks "
+                         "--quant int4-rot or int4-asym-rot for 4 bits (tests/quantization/test_quantization_channel.py checks "
                          "int4-ch against a model of its pages)")
     return quantizer
 

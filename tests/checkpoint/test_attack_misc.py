@@ -67,14 +67,6 @@ def test_what_would_change_silently_is_refused(run, tmp_path):
         integer_array("ids", np.ma.masked_array([1, 2], mask=[0, 1]))  # the mask would be dropped
 
 
-def test_a_small_metadata_cannot_make_the_manager_allocate_gigabytes():
-    huge = PagedAttentionCacheMetaData(
-        batch_size=10**8, num_hidden_layers=1, num_pages_per_layer=16, num_pages_per_sequence=4, max_sequences=16,
-        page_size=4, num_kv_heads=1, kv_head_dim_size=8, hbm_utilization=0.9)
-    with pytest.raises(ValueError, match="block table of 400000000 entries"):
-        PageManager(huge)
-
-
 @pytest.mark.parametrize("kind", ["dev-zero", "fifo", "huge"])
 def test_a_manager_file_that_is_not_a_small_regular_file_is_damage(run, tmp_path, kind):
     cache, manager, _ = run

@@ -1,7 +1,7 @@
 """Checkpoints written before stacked storage (format 2, and format 1 of easykv 0.1: one page
 array per layer) restore into today's stacked caches: the fixture in
-``tests/fixtures/checkpoint_v2_layers`` was written by easykv e42ee6d
-(``tests/fixtures/make_checkpoint_v2_layers.py``); every gathered token must equal what that
+``tests/checkpoint/fixtures/checkpoint_v2_layers`` was written by easykv e42ee6d
+(``make_checkpoint_v2_layers.py`` there); every gathered token must equal what that
 code gathered before saving, on the mesh it was saved from and on another, and a migrated cache
 saves again in format 3 bit-exact."""
 

@@ -342,3 +342,11 @@ def test_resharding_a_state_checks_it_again():
     one = pm.reshard(make_meta(1))
     one.check_invariants()
     assert np.array_equal(one.page_table(one.active_ids), pm.page_table(pm.active_ids))
+
+
+def test_a_small_metadata_cannot_make_the_manager_allocate_gigabytes():
+    huge = PagedAttentionCacheMetaData(
+        batch_size=10**8, num_hidden_layers=1, num_pages_per_layer=16, num_pages_per_sequence=4, max_sequences=16,
+        page_size=4, num_kv_heads=1, kv_head_dim_size=8, hbm_utilization=0.9)
+    with pytest.raises(ValueError, match="block table of 400000000 entries"):
+        PageManager(huge)

@@ -1,5 +1,5 @@
 """int4-ch: a scale per channel per page. Codes and scales compared code for code with a plain
-numpy model of the pages (tests/channel_reference.py) through every write path, sharded or not;
+numpy model of the pages (tests/support/channel_model.py) through every write path, sharded or not;
 pages that start over; slot order, padding and dropped slots; the bytes it costs; reads, exports
 and the demo's refusal."""
 

@@ -289,7 +289,7 @@ def test_pattern_helper_errors():
 # ---- what does not take groups yet refuses them, before any state exists -----------------------
 def test_a_per_layer_checkpoint_cannot_claim_groups(tp8, tmp_path):
     """Formats 1-2 (one array per layer) were written before layer groups: a record of them that
-    names grouped metadata is damage (grouped checkpoints: tests/test_group_checkpoint.py)."""
+    names grouped metadata is damage (grouped checkpoints: tests/checkpoint/test_group_checkpoint.py)."""
     from easykv.checkpoint.record import saved_metadata
     from easykv.errors import CheckpointIntegrityError
 

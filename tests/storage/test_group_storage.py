@@ -259,7 +259,7 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
 
 def test_a_grouped_cache_saved_with_another_pools_manager_is_refused_before_anything_is_written(tmp_path):
     """The manager saved beside the pages must schedule exactly these pools (checkpoints of grouped
-    caches themselves: tests/test_group_checkpoint.py)."""
+    caches themselves: tests/checkpoint/test_group_checkpoint.py)."""
     _, _, meta, cache = grouped_meta("tp8")
     other = meta.replace(layer_groups=tuple(dataclasses.replace(g, window=8) if g.attention == "sliding" else g
                                             for g in meta.groups))

@@ -1,6 +1,6 @@
 """Data families for quantizer error bounds, and the errors measured on them (float64 numpy).
 
-Shared by tests/test_quantization_families.py (the documented bounds) and
+Shared by tests/quantization/test_quantization_families.py (the documented bounds) and
 benchmarks/bench_quantizer_families.py (the README table), so both measure the same thing.
 
 Families (tokens x kv heads x head_dim, float32):

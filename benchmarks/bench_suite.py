@@ -3,7 +3,8 @@ CI's steps, each on a clean clone of the committed tree, in a fresh virtual envi
 
     python benchmarks/bench_suite.py                    # fast tier cold and warm, full suite
     python benchmarks/bench_suite.py --baseline e53412b # also that commit's whole suite, in the same session
-    python benchmarks/bench_suite.py --ci               # also .ci/run end to end, step by step
+    python benchmarks/bench_suite.py --ci               # also .ci/run end to end, on a clone of its own
+    python benchmarks/bench_suite.py --ci --no-suite    # .ci/run only
     python benchmarks/bench_suite.py --quick            # one test file in this checkout (CI's smoke run)
 
 "Cold" is a clone's first run: its compilation cache (.jax_cache) is empty; "warm" runs the same
@@ -41,6 +42,7 @@ def passed(output: str) -> str:
 
 def clone(rev: str, where: Path) -> Path:
     target = where / rev.replace("/", "_")
+    where.mkdir(parents=True, exist_ok=True)
     subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(target)], check=True)
     subprocess.run(["git", "checkout", "--quiet", rev], cwd=target, check=True)
     return target
@@ -96,23 +98,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one test file in this checkout, cold and warm")
     parser.add_argument("--rev", default="HEAD", help="the commit to measure (default HEAD: commit first)")
     parser.add_argument("--baseline", help="also time this commit's whole suite (python -m pytest tests -q)")
-    parser.add_argument("--ci", action="store_true", help="also run .ci/run on the clone, step by step")
+    parser.add_argument("--ci", action="store_true", help="also run .ci/run, step by step, on a clone of its own")
+    parser.add_argument("--no-suite", action="store_true", help="skip the suite's own runs (with --ci or --baseline)")
     args = parser.parse_args()
 
     if args.quick:
         rows = quick_rows()
     else:
         with tempfile.TemporaryDirectory() as where:
-            checkout = clone(args.rev, Path(where))
-            seconds, python = install(checkout)
-            rows = [("install: fresh venv, pip install -e '.[test]'", seconds, "")] + suite_rows(checkout, python)
+            rows = []
+            if not args.no_suite:
+                checkout = clone(args.rev, Path(where) / "suite")
+                seconds, python = install(checkout)
+                rows = [("install: fresh venv, pip install -e '.[test]'", seconds, "")] + suite_rows(checkout, python)
             if args.baseline:
-                old = clone(args.baseline, Path(where))
+                old = clone(args.baseline, Path(where) / "baseline")
                 _, old_python = install(old)
                 seconds, out = timed([str(old_python), "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider"], old)
                 rows.append((f"whole suite of {args.baseline} (python -m pytest tests -q)", seconds, passed(out)))
-            if args.ci:
-                rows += ci_rows(checkout)
+            if args.ci:  # a clone of its own: CI starts with an empty compilation cache
+                rows += ci_rows(clone(args.rev, Path(where) / "ci"))
 
     print(f"test suite timings ({os.cpu_count()} cores)\n")
     print("| run | time | tests passed |\n|---|---|---|")

@@ -18,6 +18,7 @@ configure()  # before any test module imports jax
 import pytest  # noqa: E402
 from _pytest.mark.expression import Expression  # noqa: E402  pytest's own -m semantics
 from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.errors import InvalidArgument  # noqa: E402
 
 from sharding import create_mesh  # noqa: E402
 
@@ -38,7 +39,7 @@ def pytest_configure(config):
     name = os.environ.get(PROFILE_VARIABLE) or ("full" if _runs_slow_tests(config) else "fast")
     try:
         settings.load_profile(name)
-    except Exception as err:  # hypothesis raises InvalidArgument
+    except InvalidArgument as err:
         raise pytest.UsageError(f"{PROFILE_VARIABLE}={name!r} names no Hypothesis profile; use fast, full or deep") from err
 
 

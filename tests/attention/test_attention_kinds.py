@@ -14,13 +14,13 @@ import zlib
 import jax
 import numpy as np
 import pytest
-from tests.support.attention import BLOCK, GROUP, LAYOUTS, MAKERS, PAGES, PS, D, real_rows, page_layout, table_rows
+from tests.support.attention import (BLOCK, D, GROUP, LAYOUTS, MAKERS, PAGES, PS, numpy_attention, page_layout,
+                                     real_rows, table_rows)
 
 from easykv import PagedAttentionMetadata
 from easykv.attention.api import paged_attention, paged_attention_reference
 from easykv.attention.checks import _Fit, prepare
 from easykv.attention.options import AttentionOptions
-from tests.support.attention import numpy_attention
 from tests.support.tiers import tiered
 
 V_DIM = 24  # value head dim different from the keys' (D = 16)

@@ -12,8 +12,7 @@ import pytest
 
 from easykv.errors import CacheFullError
 from easykv.manager.manager import PageManager
-from tests.support.managers import PS, make, prefill
-from tests.support.managers import cached_ids
+from tests.support.managers import PS, cached_ids, make, prefill
 from tests.support.machines import Device, GroupedTruncateMachine, TruncateMachine
 
 

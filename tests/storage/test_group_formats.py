@@ -23,9 +23,8 @@ from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from sharding import ShardingAdjustedWarning
 from tests.support.attention import numpy_attention
-from tests.support.groups import LAYERS, PS, mesh_and_rule
-from tests.support.groups import read, same, with_header
-from tests.support.groups import create_formats, filled_formats, FORMAT_GROUPS, FORMATS, rows_for
+from tests.support.groups import (FORMAT_GROUPS, FORMATS, LAYERS, PS, create_formats, filled_formats,
+                                  mesh_and_rule, read, rows_for, same, with_header)
 
 def stored(meta, layer, x):
     """What the layer's group keeps of new rows ``x``: quantized and back, in float64."""

@@ -14,9 +14,7 @@ import pytest
 import easykv
 from easykv.spec.memory import MemoryBudget
 from sharding import ShardingAdjustedWarning
-from tests.support.groups import mesh_and_rule
-from tests.support.groups import filled_formats, rows_for
-from tests.support.groups import read, same
+from tests.support.groups import filled_formats, mesh_and_rule, read, rows_for, same
 
 
 def _live(cache):

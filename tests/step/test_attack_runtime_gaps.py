@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.pools import PAGE_SIZE, assert_unchanged, new_cache, setup, snapshot
@@ -62,7 +62,6 @@ def test_a_write_with_one_slot_twice_changes_nothing():
     assert_unchanged(cache, before)
 
 
-@settings(max_examples=80, deadline=None)
 @given(rows=st.lists(st.lists(st.integers(-1, 23), min_size=4, max_size=4), min_size=1, max_size=4),
        data=st.data())
 def test_for_mixed_accepts_exactly_the_steps_without_shared_pages_or_slots(rows, data):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.support.pools import LAYERS, PAGE_SIZE, PAGES, bits, new_cache, random_tokens, setup, snapshot
@@ -38,7 +38,6 @@ def reference_slot(table_row, pos, page_size, num_pages, width):
     return page * page_size + pos % page_size
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), page_size=st.sampled_from([1, 3, 4, 16, 64, 2**20]),
        num_pages=st.one_of(st.none(), st.integers(1, 2**31 - 1)))
 def test_slots_from_table_matches_exact_integer_arithmetic_on_host_and_device(data, page_size, num_pages):

@@ -11,7 +11,7 @@ from hypothesis import given
 
 from easykv import PagedAttentionCacheMetaData
 from easykv.validation import INT32_MAX
-from tests.support.hostile import GARBAGE, INTS, META, call_refuses_or_accepts_in_range, exact
+from tests.support.hostile import GARBAGE, INTS, META, check_refused_or_in_range, exact
 
 METADATA_CALLS: list[tuple[str, Callable[[Any], Any], tuple[int, int] | None]] = [
     *[(f"metadata.{field}", (lambda f: lambda x: META.replace(**{f: x}))(field), None)
@@ -26,11 +26,11 @@ METADATA_CALLS: list[tuple[str, Callable[[Any], Any], tuple[int, int] | None]] =
 @pytest.mark.parametrize("name,call,bounds", METADATA_CALLS, ids=[c[0] for c in METADATA_CALLS])
 def test_metadata_arguments_refuse_garbage(name, call, bounds):
     for x in GARBAGE:
-        call_refuses_or_accepts_in_range(call, x, bounds, name)
+        check_refused_or_in_range(call, x, bounds, name)
 
 
 @pytest.mark.parametrize("name,call,bounds", [c for c in METADATA_CALLS if c[2]],
                          ids=[c[0] for c in METADATA_CALLS if c[2]])
 @given(x=INTS)
 def test_metadata_integers_of_any_size_are_bounded_before_use(name, call, bounds, x):
-    call_refuses_or_accepts_in_range(call, x, bounds, name)
+    check_refused_or_in_range(call, x, bounds, name)

@@ -11,7 +11,7 @@ from hypothesis import given
 
 from easykv import PagedAttentionMetadata, increment_cache_lengths
 from easykv.validation import INT32_MAX, INT64_MAX
-from tests.support.hostile import DECODE, GARBAGE, INTS, META, call_refuses_or_accepts_in_range
+from tests.support.hostile import DECODE, GARBAGE, INTS, META, check_refused_or_in_range
 from tests.support.pools import MAX_LEN, PAGES
 
 RUNTIME_CALLS: list[tuple[str, Callable[[Any], Any], tuple[int, int] | None]] = [
@@ -45,13 +45,13 @@ RUNTIME_CALLS: list[tuple[str, Callable[[Any], Any], tuple[int, int] | None]] = 
 @pytest.mark.parametrize("name,call,bounds", RUNTIME_CALLS, ids=[c[0] for c in RUNTIME_CALLS])
 def test_runtime_arguments_refuse_garbage(name, call, bounds):
     for x in GARBAGE:
-        call_refuses_or_accepts_in_range(call, x, bounds, name)
+        check_refused_or_in_range(call, x, bounds, name)
 
 
 @pytest.mark.parametrize("name,call,bounds", [c for c in RUNTIME_CALLS if c[2]], ids=[c[0] for c in RUNTIME_CALLS if c[2]])
 @given(x=INTS)
 def test_runtime_integers_of_any_size_are_bounded_before_use(name, call, bounds, x):
-    call_refuses_or_accepts_in_range(call, x, bounds, name)
+    check_refused_or_in_range(call, x, bounds, name)
 
 
 def test_integer_arrays_with_uint64_entries_are_exact():

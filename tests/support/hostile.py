@@ -83,7 +83,7 @@ def check_range(accepted: bool, x: Any, bounds: tuple[int, int] | None, what: st
     assert value is not None and lo <= value <= hi, f"{what} accepted {x!r} ({type(x).__name__})"
 
 
-def call_refuses_or_accepts_in_range(call, x, bounds, name) -> None:
+def check_refused_or_in_range(call, x, bounds, name) -> None:
     """A call that takes only ``x``: it refuses it with an allowed error, or ``x`` is in range."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)

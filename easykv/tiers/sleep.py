@@ -81,6 +81,33 @@ def _held_bytes(arrays: Any, kind: str) -> int:
     return sum(seen.values())
 
 
+def _spans(arrays: Any) -> list[tuple[Any, int, int]]:
+    """(device, first byte, end) of the buffer behind each addressable shard of the arrays."""
+    out = []
+    for a in arrays:
+        if not a.is_deleted():
+            for shard in a.addressable_shards:
+                start = shard.data.unsafe_buffer_pointer()
+                out.append((shard.device, start, start + max(int(shard.data.nbytes), 1)))
+    return out
+
+
+def _free_unshared(arrays: Any, kept: Any) -> None:
+    """Delete each of ``arrays`` that shares no buffer with the arrays of ``kept``; drop the rest.
+
+    A transfer may hand back the buffers it was given rather than copies: a ``device_put`` onto
+    the sharding an array already has returns that array, and one onto another layout reuses
+    every shard already on its device (a replicated group's shards all are, so replicated kv heads
+    or a latent group keep some or all of the staged buffers). ``delete`` frees a buffer under
+    every array that holds it, so an array sharing one is left to be freed when the last array
+    over its buffers goes. Ranges, not just start addresses, are compared: a shard could be a
+    view into another's buffer."""
+    held = _spans(jax.tree.leaves(kept))
+    for a in jax.tree.leaves(arrays):
+        if not any(d == kd and lo < khi and klo < hi for d, lo, hi in _spans([a]) for kd, klo, khi in held):
+            a.delete()  # a deleted array has no spans: deleting it again is a no-op
+
+
 def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -> SleepingCache:
     """Free ``cache``'s device memory (see the module doc); ``cache`` is consumed. Level 2 needs
     every sequence released first (ValueError naming them, nothing changed)."""
@@ -109,8 +136,7 @@ def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -
         keys = values = None
         manager.reset_prefix_cache()
         manager.take_scrubs()  # fresh pages are zero
-    for a in leaves:
-        a.delete()
+    _free_unshared(leaves, (keys, values))
     return SleepingCache(level=level, metadata=meta, layout=cache.layout, manager=manager, key_pages=keys,
                          value_pages=values)
 
@@ -159,29 +185,37 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
                  for g, gl in zip(target.groups, layouts)]
         cache = PagedAttentionCache(target, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
     else:
-        keys, values, staged = [], [], []
-        for g, group_layout in enumerate(layouts):
-            if moved:  # back to device memory as it was, then laid out on the new mesh
-                def place(a: Any, gl: PageLayout = group_layout) -> Any:
-                    staged.append(_to_kind(a, "device"))
-                    return jax.device_put(staged[-1], gl.sharding_for(a.ndim))
-            else:  # where it slept: the very shardings it had
-                def place(a: Any) -> Any:
-                    return _to_kind(a, "device")
-            keys.append(jax.tree.map(place, sleeping.key_pages[g]))
-            values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
-            if staged:  # one group staged at a time: the extra device memory is one group's
-                jax.block_until_ready((keys[-1], values[-1]))
-                for a in staged:
-                    a.delete()
-                staged.clear()
-        cache = PagedAttentionCache(target, tuple(keys), tuple(values), layout)
-        jax.block_until_ready(jax.tree.leaves(cache))
-        for a in jax.tree.leaves((sleeping.key_pages, sleeping.value_pages)):  # read: free the host copies
-            a.delete()
+        cache = PagedAttentionCache(target, *_placed_pages(sleeping, layouts, moved), layout)
+        # the host copies are read: free them, unless a transfer handed their buffers to the cache
+        _free_unshared((sleeping.key_pages, sleeping.value_pages), cache)
         sleeping.key_pages = sleeping.value_pages = None
     sleeping.woken = True
     return cache, manager
+
+
+def _placed_pages(sleeping: SleepingCache, layouts: tuple[PageLayout | None, ...],
+                  moved: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The sleeping pages back in device memory: with the shardings they had, or (``moved``)
+    staged there as they were and laid out per ``layouts`` (one group at a time, so the extra
+    device memory is one group's). Returns (key pages, value pages), one entry per group, ready."""
+    keys, values = [], []
+    for g, group_layout in enumerate(layouts):
+        staged: list[jax.Array] = []
+
+        def place(a: Any, gl: PageLayout | None = group_layout, staged: list[jax.Array] = staged) -> Any:
+            if not moved:  # where it slept: the very shardings it had
+                return _to_kind(a, "device")
+            staged.append(_to_kind(a, "device"))
+            return jax.device_put(staged[-1], gl.sharding_for(a.ndim))
+
+        keys.append(jax.tree.map(place, sleeping.key_pages[g]))
+        values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
+        if staged:  # ready before a staged buffer goes: a transfer may still be reading it
+            jax.block_until_ready((keys[-1], values[-1]))
+            _free_unshared(staged, (keys[-1], values[-1]))
+            staged.clear()
+    jax.block_until_ready((keys, values))
+    return tuple(keys), tuple(values)
 
 
 __all__ = ["SleepingCache", "device_bytes", "sleep", "wake"]

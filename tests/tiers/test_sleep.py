@@ -5,16 +5,21 @@ are counted from the live arrays. Bad calls are refused with nothing changed."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import easykv
+from easykv import LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
 from easykv.spec.memory import MemoryBudget
-from sharding import ShardingAdjustedWarning
-from tests.support.groups import filled_formats, mesh_and_rule, read, rows_for, same
+from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from tests.support.groups import FORMAT_GROUPS, GROUPS, LAYERS, PS, filled_formats, mesh_and_rule, read, rows_for, same
+from tests.support.tiers import tiered
 
 
 def _live(cache):
@@ -110,3 +115,109 @@ def test_bad_sleeps_and_wakes_are_refused_with_nothing_changed(monkeypatch):
     woken, wm = easykv.wake(sleeping)  # still wakes where it slept
     assert _live(woken)
     del other, om
+
+
+# Where a cache sleeps and wakes: mesh axes, how many devices (the first ones), the pool's page axis.
+# "dp2tp4" splits the pool over dp; "dp2tp4r" replicates it there, so a group whose heads are
+# replicated over tp is on every device whole, as on "tp8".
+MESHES = {"tp8": ({"dp": 1, "tp": 8}, 8, None), "tp4": ({"dp": 1, "tp": 4}, 4, None),
+          "tp2": ({"dp": 1, "tp": 2}, 2, None), "dp2tp4": ({"dp": 2, "tp": 4}, 8, "dp"),
+          "dp2tp4r": ({"dp": 2, "tp": 4}, 8, None)}
+# Groups whose kv heads are replicated on tp=8 (fewer heads than devices), in every page format.
+GROUP_SETS = {
+    "one_head": (LayerGroup(tuple(range(LAYERS)), "full", num_kv_heads=1, key_head_dim=8, value_head_dim=8,
+                            num_pages=24),),
+    "latent": GROUPS,  # sliding 4 heads, full 8 heads, an MLA latent of 1 head; float32
+    "formats": FORMAT_GROUPS,  # the same, quantized: int8 and fp8 pages with their scales, and bfloat16
+}
+
+
+@functools.cache
+def _mesh(name):
+    axes, n, page_axis = MESHES[name]
+    mesh = create_mesh(axes, devices=np.array(jax.devices()[:n]))
+    return mesh, PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis=page_axis))
+
+
+def _filled(layout, groups, n=7):
+    """A cache on ``layout`` with one sequence of ``n`` tokens; the same values on every call."""
+    mesh, rule = _mesh(layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingAdjustedWarning)
+        meta = PagedAttentionCacheMetaData.create(mesh, 4, LAYERS, 32, PS, 8, 16, 0.9, "float32",
+                                                  partition_manager=rule, layer_groups=GROUP_SETS[groups])
+        cache = PagedAttentionCache.init_cache(mesh, jnp.float32, meta, rule)
+    m = PageManager(cache.metadata)
+    [s] = m.claim(1)
+    cache = _write(cache, m, s, rows_for(cache.metadata, np.random.default_rng(5), n))
+    return cache, m, s
+
+
+def _write(cache, m, s, rows):
+    rts = m.build_step_metadata([s], [len(rows[0][0])])
+    cache, dropped = cache.write([k for k, _ in rows], [v for _, v in rows], rts)
+    assert int(dropped) == 0
+    m.step([s], [list(range(len(rows[0][0])))])
+    return cache
+
+
+def _bits(tree):
+    return [np.asarray(a).view(f"uint{8 * a.dtype.itemsize}") for a in jax.tree.leaves(tree)]
+
+
+def _wake_moved(sleeping, layout):
+    if layout is None:
+        return easykv.wake(sleeping)
+    mesh, rule = _mesh(layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingAdjustedWarning)
+        return easykv.wake(sleeping, mesh=mesh, partition_manager=rule)
+
+
+WAKES = [(src, dst, groups) for groups in GROUP_SETS
+         for src, dst in (("tp8", "tp4"), ("tp8", "dp2tp4"), ("tp8", "dp2tp4r"), ("tp8", "tp8"), ("tp8", None),
+                          ("dp2tp4", "tp8"), ("dp2tp4", "dp2tp4"), ("tp2", "tp8"))]
+
+
+@pytest.mark.parametrize("src,dst,groups", tiered(
+    WAKES, fast={("tp8", "tp4", "one_head"), ("tp8", "dp2tp4r", "latent"), ("dp2tp4", "dp2tp4", "formats")},
+    ids=lambda c: f"{c[0]}-{c[1] or 'same'}-{c[2]}"))
+def test_level_1_wakes_replicated_heads_anywhere_bit_exact_and_usable(src, dst, groups):
+    # Replicated heads: the new layout can reuse the staged buffers (all of them where it is
+    # replicated on the same devices again, one per device where it splits them); wake used to
+    # delete those and hand back a cache over deleted buffers.
+    cache, m, s = _filled(src, groups)
+    twin, tm, ts = _filled(src, groups)  # never slept: what the woken cache must behave as
+    pages, want = _bits(cache), read(cache, m, s)
+    sleeping = easykv.sleep(cache, m)
+    gc.collect()
+    before = easykv.device_bytes()
+    woken, wm = _wake_moved(sleeping, dst)
+    gc.collect()
+    # every page back bit for bit, laid out on the target, and no staged copy left behind
+    assert sleeping.host_bytes == 0 and not any(a.is_deleted() for a in jax.tree.leaves(woken))
+    assert easykv.device_bytes() - before == easykv.device_bytes(woken) == woken.metadata.bytes_per_device * (
+        woken.layout.mesh.devices.size)
+    assert {a.sharding.mesh for a in jax.tree.leaves(woken)} == {_mesh(dst or src)[0]}
+    for got, had in zip(_bits(woken), pages, strict=True):
+        np.testing.assert_array_equal(got, had)
+    same(read(woken, wm, s), want)
+    # and it is a cache: one more token written and read back as on the cache that never slept
+    rows = rows_for(woken.metadata, np.random.default_rng(9), 1)
+    woken, twin = _write(woken, wm, s, rows), _write(twin, tm, ts, rows)
+    same(read(woken, wm, s), read(twin, tm, ts))
+
+
+@pytest.mark.parametrize("dst,groups", tiered([("dp2tp4r", "latent"), ("tp4", "formats"), ("tp8", "one_head")],
+                                              fast={("dp2tp4r", "latent")}))
+def test_level_2_wakes_replicated_heads_onto_another_mesh_as_fresh_pages(dst, groups):
+    cache, m, s = _filled("tp8", groups)
+    m.release(s)
+    woken, wm = _wake_moved(easykv.sleep(cache, m, level=2), dst)
+    assert {a.sharding.mesh for a in jax.tree.leaves(woken)} == {_mesh(dst)[0]}
+    assert all(not np.asarray(a).any() for a in jax.tree.leaves(woken))
+    # usable: the tokens a fresh cache on the target gets (the same values) read back the same
+    [t] = wm.claim(1)
+    woken = _write(woken, wm, t, rows_for(woken.metadata, np.random.default_rng(5), 7))
+    fresh, fm, f = _filled(dst, groups)
+    same(read(woken, wm, t), read(fresh, fm, f))

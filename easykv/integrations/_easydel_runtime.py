@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.runtime import PAD_POSITION, PagedAttentionMetadata, slots_from_table
+from easykv.runtime_checks import is_host
 
 
 def ragged_fields(metadata: Any) -> Any:
@@ -34,11 +35,18 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     """easykv's mixed form of an EasyDeL step, traceable (no host sync).
 
     Token ``t`` belongs to sequence ``b`` when ``query_start_loc[b] <= t < query_start_loc[b+1]``
-    and ``b < num_seqs`` (a step whose ``query_start_loc`` decreases among its real sequences
-    is all padding); its position is ``context_lens[b] - (query_start_loc[b+1] - t)`` (the
+    and ``b < num_seqs``; its position is ``context_lens[b] - (query_start_loc[b+1] - t)`` (the
     new tokens are the last of the sequence) and its slot comes from row ``b`` of the page table,
     bounded: a page outside the pool or the row gives an invalid slot that the write drops and
-    counts, never another sequence's page. Tokens past the real ones are padding (position -1).
+    counts, never another sequence's page. Every other token (before ``query_start_loc[0]``, at
+    or past ``query_start_loc[num_seqs]``) is padding: position -1, slot -1, in no sequence.
+    Sequences from ``num_seqs`` on are empty in the result (their ``query_start_loc`` entries,
+    which EasyDeL pads freely, become ``query_start_loc[num_seqs]``; their lengths 0).
+
+    The real sequences' ``query_start_loc[0 .. num_seqs]`` must lie in ``0 .. num_tokens`` and
+    never decrease. Host (numpy) values that break this are refused with a ValueError; traced
+    ones cannot be, so such a step is all padding (``num_seqs`` 0, nothing written) rather than
+    tokens written at positions or into pages that the metadata gives to other tokens.
     ``slot_mapping`` and ``request_distribution`` of v2/v3 are not needed: both are derivable.
     """
     md = ragged_fields(metadata)
@@ -49,18 +57,17 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     if table.ndim == 1:  # v3 kernels take the table flattened
         table = table.reshape(ctx.shape[0], -1)
     seqs = min(ctx.shape[0], qsl.shape[0] - 1, table.shape[0])
-    ctx, qsl, table = ctx[:seqs], jnp.clip(qsl[: seqs + 1], 0, num_tokens), table[:seqs]
-    num = jnp.clip(jnp.asarray(md.num_seqs, i32).reshape(-1)[0], 0, seqs)
+    if is_host(md.query_start_loc, md.num_seqs):
+        _check_host_starts(np.asarray(md.query_start_loc).reshape(-1)[: seqs + 1],
+                          np.asarray(md.num_seqs).reshape(-1)[0], num_tokens)
+    ctx, table = ctx[:seqs], table[:seqs]
+    qsl, num = _real_starts(qsl[: seqs + 1], jnp.asarray(md.num_seqs, i32).reshape(-1)[0], num_tokens)
     t = jnp.arange(num_tokens, dtype=i32)
-    # Entries past the real sequences are not ordered (EasyDeL pads them freely): search real ones.
-    bounds = jnp.where(jnp.arange(seqs) < num, qsl[1:], qsl[num])
-    owner = jnp.minimum(jnp.searchsorted(bounds, t, side="right").astype(i32), seqs - 1)
+    # qsl is non-decreasing now, so the search names the sequence whose range holds t; t outside
+    # qsl[0] .. qsl[num] gets a neighbour's index, which `real` keeps from reaching any field.
+    owner = jnp.minimum(jnp.searchsorted(qsl[1:], t, side="right").astype(i32), seqs - 1)
     pos = ctx[owner] - (qsl[owner + 1] - t)
-    # query_start_loc out of order would make ranges overlap and searchsorted name a sequence
-    # that does not hold the token: such a step writes nothing (every token dropped) rather
-    # than into another sequence's pages.
-    ordered = jnp.all((qsl[1:] >= qsl[:-1]) | (jnp.arange(seqs) >= num))
-    real = ordered & (t < qsl[num]) & (owner < num) & (pos >= 0)
+    real = (t >= qsl[0]) & (t < qsl[num]) & (pos >= 0)
     positions = jnp.where(real, pos, PAD_POSITION).astype(i32)
     slots = slots_from_table(table[owner], positions, page_size=page_size, num_pages=num_pages,
                              pages_per_sequence=pages_per_sequence)
@@ -68,6 +75,38 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
         slot_mapping=slots, positions=positions, query_start_loc=qsl, page_table=table,
         context_lens=jnp.where(jnp.arange(seqs) < num, ctx, 0).astype(i32), num_seqs=num,
     )  # fmt: skip
+
+
+def _real_starts(qsl: Any, num_seqs: Any, num_tokens: int) -> tuple[Any, Any]:
+    """(query_start_loc, num_seqs) with the padding sequences empty at the real tokens' end, and
+    0 real sequences when the real starts leave the token axis or decrease (traced: the step
+    is then all padding, as `runtime_from_easydel` documents)."""
+    seqs = qsl.shape[0] - 1
+    num = jnp.clip(num_seqs, 0, seqs)
+    lo, hi = qsl[:-1], qsl[1:]
+    # Clipping a start instead would shift the positions of the sequence's tokens onto others'.
+    ok = (lo >= 0) & (hi >= lo) & (hi <= num_tokens)
+    num = jnp.where(jnp.all(ok | (jnp.arange(seqs) >= num)), num, 0)
+    qsl = jnp.clip(qsl, 0, num_tokens)  # changes no real start; keeps a padding one on the axis
+    return jnp.where(jnp.arange(seqs + 1) <= num, qsl, qsl[num]), num
+
+
+def _check_host_starts(qsl: np.ndarray, num_seqs: Any, num_tokens: int) -> None:
+    """Host values of an EasyDeL step: ``num_seqs`` in ``0 .. len(query_start_loc) - 1`` and the
+    real sequences' starts ``query_start_loc[0 .. num_seqs]`` in ``0 .. num_tokens``, never
+    decreasing; the entry that breaks a rule is named."""
+    seqs, num = qsl.shape[0] - 1, int(num_seqs)
+    if not 0 <= num <= seqs:
+        raise ValueError(f"num_seqs={num} is outside 0..{seqs} (the sequences query_start_loc, context_lens and "
+                         "pages_tables describe)")
+    real = qsl[: num + 1].astype(np.int64) if num else qsl[:0]
+    for b, start in enumerate(real.tolist()):
+        if not 0 <= start <= num_tokens:
+            raise ValueError(f"query_start_loc[{b}]={start} is outside 0..{num_tokens} (the step's tokens); the "
+                             f"starts of the {num} real sequences index the token axis")
+        if b and start < real[b - 1]:
+            raise ValueError(f"query_start_loc[{b}]={start} is below query_start_loc[{b - 1}]={int(real[b - 1])}; "
+                             "the starts of the real sequences never decrease")
 
 
 def easydel_fields_from_easykv(rt: PagedAttentionMetadata, *, page_size: int, version: str = "v3",

@@ -1,7 +1,10 @@
 """easykv.integrations.easydel.runtime_from_easydel without EasyDeL installed: EasyDeL 0.3's
 per-step RaggedPagesMetadata fields -> easykv's mixed form, checked against a plain loop, also
-for crafted metadata (query_start_loc out of order, page ids outside the pool or the row)."""
+for crafted metadata (query_start_loc out of order or off the token axis, page ids outside the
+pool or the row), and padding tokens (before query_start_loc[0], past the real sequences)
+written through a cache, checked bit for bit against a numpy model of the pool."""
 
+import re
 import types
 
 import jax
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 
 from easykv.integrations.easydel import runtime_from_easydel
+from tests.support import pools
 
 PAGE, PAGES, TOKENS = 4, 16, 12
 
@@ -16,9 +20,8 @@ PAGE, PAGES, TOKENS = 4, 16, 12
 def expected(qsl, ctx, table, num):
     """Per token: (position, slot) from a plain loop; -1/-1 for a token no real sequence holds."""
     pos, slots = np.full(TOKENS, -1), np.full(TOKENS, -1)
-    qsl = np.clip(qsl, 0, TOKENS)
-    if any(qsl[b + 1] < qsl[b] for b in range(num)):
-        return pos, slots  # ranges out of order: the whole step is padding
+    if any(not 0 <= qsl[b] <= qsl[b + 1] <= TOKENS for b in range(num)):
+        return pos, slots  # ranges out of order or off the token axis: the whole step is padding
     for b in range(num):
         lo, hi = qsl[b], qsl[b + 1]
         for t in range(lo, hi):
@@ -32,12 +35,24 @@ def expected(qsl, ctx, table, num):
     return pos, slots
 
 
-def run(qsl, ctx, table, num):
-    def step(q, c, tab, n):  # traced: EasyDeL's metadata is a pytree of device arrays in its step
-        md = types.SimpleNamespace(query_start_loc=q, context_lens=c, pages_tables=tab, num_seqs=n)
-        return runtime_from_easydel(md, num_tokens=TOKENS, page_size=PAGE, num_pages=PAGES)
+def fields(qsl, ctx, table, num):
+    return types.SimpleNamespace(**{name: np.asarray(a, np.int32) for name, a in zip(
+        ("query_start_loc", "context_lens", "pages_tables", "num_seqs"), (qsl, ctx, table, [num]))})
 
-    rt = jax.jit(step)(*(np.asarray(a, np.int32) for a in (qsl, ctx, table, [num])))
+
+def convert(qsl, ctx, table, num, *, tokens=TOKENS, page=PAGE, pages=PAGES, traced=True, **kw):
+    """runtime_from_easydel of these fields: traced (as in EasyDeL's jitted step) or on numpy."""
+    def step(q, c, tab, n):
+        md = types.SimpleNamespace(query_start_loc=q, context_lens=c, pages_tables=tab, num_seqs=n)
+        return runtime_from_easydel(md, num_tokens=tokens, page_size=page, num_pages=pages, **kw)
+
+    md = fields(qsl, ctx, table, num)
+    args = (md.query_start_loc, md.context_lens, md.pages_tables, md.num_seqs)
+    return jax.jit(step)(*args) if traced else step(*args)
+
+
+def run(qsl, ctx, table, num):
+    rt = convert(qsl, ctx, table, num)
     return np.asarray(rt.positions), np.asarray(rt.slot_mapping)
 
 
@@ -46,7 +61,7 @@ def test_random_steps_match_a_plain_loop(seed):
     rng = np.random.default_rng(seed)
     seqs = 3
     counts = rng.integers(0, 5, seqs)
-    qsl = np.concatenate([[0], np.cumsum(counts)])
+    qsl = rng.integers(0, 3) + np.concatenate([[0], np.cumsum(counts)])  # tokens before qsl[0]: padding
     if seed % 5 == 2:  # crafted: ranges out of order, or past the token axis
         qsl[1:] = rng.permutation(qsl[1:]) if seed % 2 else qsl[1:] + rng.integers(0, 20)
     ctx = counts + rng.integers(0, 6, seqs)
@@ -74,3 +89,68 @@ def test_query_start_loc_out_of_order_writes_nothing():
     pos, slots = run([0, 2, 6, 8], [2, 4, 2], table, 3)
     np.testing.assert_array_equal(pos[:8], [0, 1, 0, 1, 2, 3, 0, 1])
     np.testing.assert_array_equal(slots[:8], [0, 1, 20, 21, 22, 23, 32, 33])
+
+
+def test_padding_tokens_belong_to_no_sequence():
+    table = np.array([[0, 1, 2], [5, 6, 7], [8, 9, 10], [11, 12, 13]], np.int32)
+    # tokens 0, 1: before query_start_loc[0]; sequence 0 holds 2..4, sequence 1 no new token,
+    # sequence 2 token 5; 6.. are past the real sequences; sequence 3 is inactive (its start,
+    # 1, is EasyDeL's free padding and overlaps sequence 0's range)
+    qsl, ctx, num = [2, 5, 5, 6, 1], [5, 4, 1, 9], 3
+    want_pos = [-1, -1, 2, 3, 4, 0] + [-1] * 6
+    want_slots = [-1, -1, 2, 3, 1 * PAGE, 8 * PAGE] + [-1] * 6  # pages 0, 0, 1 of row 0; page 8 of row 2
+    for traced in (True, False):
+        rt = convert(qsl, ctx, table, num, traced=traced)
+        np.testing.assert_array_equal(rt.positions, want_pos)
+        np.testing.assert_array_equal(rt.slot_mapping, want_slots)
+        np.testing.assert_array_equal(rt.query_start_loc, [2, 5, 5, 6, 6])  # the inactive one is empty
+        np.testing.assert_array_equal(rt.context_lens, [5, 4, 1, 0])
+        assert int(rt.num_seqs) == 3
+
+
+def test_padding_tokens_leave_the_cache_untouched():
+    """A real write through the cache: sequence 0's cached positions keep their bytes when a
+    step has tokens before query_start_loc[0] and after query_start_loc[num_seqs]."""
+    cache, (_, _, meta) = pools.new_cache("single"), pools.setup("single")
+    model, rng, tokens = pools.PoolModel(meta), np.random.default_rng(0), 8
+    table = np.array([[3, 7, 1, 2], [4, 5, 6, 8], [9, 10, 11, 12]], np.int32)
+    steps = [([0, 6, 6, 6], [6, 0, 0], 1),  # sequence 0 caches positions 0..5; tokens 6, 7 pad
+             ([3, 4, 5, 0], [7, 1, 4], 2)]  # tokens 0..2 lead, 5..7 trail; sequence 2 inactive
+    for qsl, ctx, num in steps:
+        shape = (pools.LAYERS, tokens, meta.num_kv_heads, meta.kv_head_dim_size)
+        k, v = pools.random_tokens(rng, shape), pools.random_tokens(rng, shape)
+        rt = convert(qsl, ctx, table, num, tokens=tokens, page=pools.PAGE_SIZE, pages=pools.PAGES,
+                     pages_per_sequence=pools.PAGES_PER_SEQ)
+        cache, dropped = cache.write(k, v, rt)
+        assert int(dropped) == 0
+        for b in range(num):
+            for t in range(qsl[b], qsl[b + 1]):
+                model.put(k, v, t, pools.slot(table[b], ctx[b] - (qsl[b + 1] - t)))
+    model.check_pool(cache)
+
+
+@pytest.mark.parametrize("qsl, message", [
+    ([0, 13, 13, 13], "query_start_loc[1]=13 is outside 0..12"),  # past the token axis
+    ([0, 4, 15, 3], "query_start_loc[2]=15 is outside 0..12"),
+    ([-2, 3, 5, 5], "query_start_loc[0]=-2 is outside 0..12"),
+    ([0, 6, 2, 8], "query_start_loc[2]=2 is below query_start_loc[1]=6"),
+])  # fmt: skip
+def test_malformed_starts_are_refused_on_host_and_write_nothing_traced(qsl, message):
+    table = np.array([[0, 1, 2], [5, 6, 7], [8, 9, 10]], np.int32)
+    ctx = [13, 11, 8]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert(qsl, ctx, table, 3, traced=False)
+    # Traced it cannot raise: clipping the start would write sequence 0's tokens at the positions
+    # of tokens the step does not hold; the step is padding instead.
+    rt = convert(qsl, ctx, table, 3)
+    assert (np.asarray(rt.positions) == -1).all() and (np.asarray(rt.slot_mapping) == -1).all()
+    assert int(rt.num_seqs) == 0 and (np.asarray(rt.context_lens) == 0).all()
+
+
+def test_host_num_seqs_outside_the_sequences_is_refused():
+    table = np.zeros((3, 3), np.int32)
+    with pytest.raises(ValueError, match=re.escape("num_seqs=4 is outside 0..3")):
+        convert([0, 1, 2, 3], [1, 1, 1], table, 4, traced=False)
+    # past the real sequences, starts are EasyDeL's free padding: never refused
+    rt = convert([0, 1, 40, -5], [1, 1, 1], table, 1, traced=False)
+    np.testing.assert_array_equal(rt.query_start_loc, [0, 1, 1, 1])

@@ -30,6 +30,15 @@ ends cleanly by running off the end of its script or by ``sys.exit(0)``; a bare
 ``raise SystemExit(0)`` or ``exit()`` counts as a failure: it skips the barrier, so peers still
 running are aborted by JAX. Should JAX's internals move, the hook finds nothing to detach and the
 old behaviour (the barrier) stays.
+
+Who failed first. A worker that raises takes its peers down with it: JAX's atexit hook frees its
+backend, which closes the connections of the collectives they wait in, so they raise too and exit
+with the same code, often before it (freeing the backend is slow). Neither exit codes nor exit order
+tell them apart, but our hook can: it runs before JAX's, so before any peer can fail because of this
+process, and under ``launch_local`` it records that moment (a monotonic clock, one for the whole
+machine) in a file the launcher reads. The launcher names the worker with the earliest moment; one
+that recorded none (killed by a signal, failed before ``initialize``) counts from the last time the
+launcher saw it running.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -141,12 +151,14 @@ def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
 
 # ---- leaving a run: a failing process skips JAX's shutdown barrier (module docstring) ----
 _NO_STATUS = object()
+_MARK_ENV = "EASYKV_FAILURE_MARK"  # set by launch_local: where a failing worker records when it failed
 _RETURNS = {"RETURN_VALUE", "RETURN_CONST"}  # how a module's code ends (3.11; 3.12 and later)
 
 
 class _FailFast:
-    def __init__(self, main_frame: Any):
+    def __init__(self, main_frame: Any, mark_path: str | None):
         self.main_frame = main_frame
+        self.mark_path = mark_path
         self.exit_status: Any = _NO_STATUS
         self.sys_exit = sys.exit
 
@@ -168,6 +180,12 @@ class _FailFast:
 
     def at_exit(self) -> None:
         if self.failing():
+            if self.mark_path:  # first: the launcher's evidence that this process failed before its peers
+                try:
+                    _write_mark(self.mark_path, time.monotonic())
+                except OSError as err:
+                    print(f"easykv: cannot record this failure for launch_local ({err}); it may name a peer "
+                          "that failed because of this process instead", file=sys.stderr, flush=True)  # fmt: skip
             print("easykv: this process is exiting with an error; it skips JAX's shutdown barrier",
                   file=sys.stderr, flush=True)  # fmt: skip
             _detach_jax_shutdown()
@@ -189,9 +207,30 @@ def _install_fail_fast() -> None:
         frame = frame.f_back
     if found is None:  # no script (an embedded interpreter): keep JAX's behaviour
         return
-    _fail_fast = _FailFast(found)
+    _fail_fast = _FailFast(found, os.environ.get(_MARK_ENV))
     sys.exit = _fail_fast.record_exit
     atexit.register(_fail_fast.at_exit)  # after `import jax` registered its hook, so it runs first
+
+
+def _write_mark(path: str, moment: float) -> None:
+    staged = f"{path}.{os.getpid()}"
+    with open(staged, "w") as f:
+        f.write(repr(moment))
+    try:
+        # Whole or absent for the launcher; and should a child of the worker fail too, the first stays.
+        os.link(staged, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(staged)
+
+
+def _read_mark(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):  # none recorded (or not by _write_mark): the launcher's own view decides
+        return None
 
 
 def _detach_jax_shutdown() -> None:
@@ -211,6 +250,9 @@ _MAX_LOCAL_PROCESSES = 256
 # The last words of a process that JAX aborted because *another* one failed.
 _JAX_FOLLOWER = "JAX distributed service detected fatal errors"
 _POLL_S = 0.02
+# How long after the first failure is seen the launcher waits for the worker that failed first to exit
+# (it may be freeing JAX's backend), or for the real culprit when only workers JAX aborted are seen.
+_GRACE_S = 5.0
 
 
 def initialize_from_env(**timeouts: int) -> int:
@@ -245,7 +287,8 @@ def launch_local(
 
     Each worker calls ``initialize_from_env()``. Output goes to ``log_dir/process-<i>.log``.
     Returns every worker's output once all exited with 0. Otherwise raises ``MultiProcessError``
-    naming the first worker to fail (its exit code or signal and the end of its log), or at
+    naming the first worker to fail (its exit code or signal and the end of its log; first by when
+    it began to fail, not by exit order: see the module docstring), or at
     ``timeout`` seconds the workers still running. Every worker runs in its own session; whatever
     happens, each worker's whole process group is killed before this returns or raises, also when
     SIGTERM or SIGINT stops the launcher (its handlers are restored and the signal passed on to
@@ -269,7 +312,8 @@ def launch_local(
     # PYTHONUNBUFFERED: a worker killed mid-run still leaves its last words in its log.
     env.update(JAX_PLATFORMS="cpu", EASYKV_COORDINATOR=f"127.0.0.1:{port}", EASYKV_NUM_PROCESSES=str(num_processes),
                EASYKV_CPU_DEVICES=str(cpu_devices_per_process), PYTHONUNBUFFERED="1")  # fmt: skip
-    workers = _Workers([os.path.join(log_dir, f"process-{i}.log") for i in range(num_processes)])
+    marks = tempfile.mkdtemp(prefix="easykv-launch-")  # where failing workers record when they failed
+    workers = _Workers([os.path.join(log_dir, f"process-{i}.log") for i in range(num_processes)], marks)
     guard = _SignalGuard()
     error = None
     try:
@@ -281,6 +325,7 @@ def launch_local(
     finally:
         guard.raising = False  # a signal now is only noted: the cleanup below must run to its end
         workers.kill_all()
+        shutil.rmtree(marks, ignore_errors=True)
         guard.restore()
     if guard.received is not None:
         name = signal.Signals(guard.received).name
@@ -354,8 +399,9 @@ class _SignalGuard:
 
 
 class _Workers:
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], mark_dir: str):
         self.paths = paths
+        self.marks = [os.path.join(mark_dir, f"process-{i}") for i in range(len(paths))]
         self.procs: list[subprocess.Popen] = []
         self.started = time.monotonic()
 
@@ -365,39 +411,66 @@ class _Workers:
             with open(path, "wb") as log, guard.held():
                 self.procs.append(subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env={**env, "EASYKV_PROCESS_ID": str(i)},
+                    env={**env, "EASYKV_PROCESS_ID": str(i), _MARK_ENV: self.marks[i]},
                     start_new_session=True,  # its own process group: killed as a whole, with its children
                 ))  # fmt: skip
 
     def wait(self, timeout: float) -> MultiProcessError | None:
         """Until all exited with 0 (None), one failed or the time is up (the error to raise)."""
         deadline, grace = self.started + timeout, None
+        running_at = [self.started] * len(self.procs)  # when the last poll that saw each one running began
         while True:
+            now = time.monotonic()
             codes = [_exit_status(p) for p in self.procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # A process that JAX aborted because a peer failed can be seen in the same poll as
-                # (or, on a loaded machine, just before) the one that failed: give that one a moment.
-                causes = [i for i in failed if not self._follower(i, codes[i])]
-                grace = grace or time.monotonic() + 1.0
-                if causes or time.monotonic() >= grace:
-                    return self._failure((causes or failed)[0], codes)
+            running_at = [now if c is None else t for c, t in zip(codes, running_at)]
+            if any(c not in (None, 0) for c in codes):
+                if grace is None:  # poll again at once: one that failed first may have exited during this poll
+                    grace = now + _GRACE_S
+                    continue
+                first, marked, settled = self._first_failure(codes, running_at)
+                if settled or now >= min(grace, deadline):
+                    return self._failure(first, codes, marked)
             elif all(c == 0 for c in codes):
                 return None
-            if time.monotonic() >= deadline:
+            if now >= deadline:
                 return self._timeout(timeout, [i for i, c in enumerate(codes) if c is None])
             time.sleep(_POLL_S)
 
-    def _follower(self, i: int, code: int) -> bool:
+    def _first_failure(self, codes: list[int | None], running_at: list[float]) -> tuple[int, bool, bool]:
+        """The worker that failed first, whether it recorded when, and whether that is settled.
+
+        A worker that recorded its failure (module docstring) counts from that moment, also while it
+        is still exiting; one that did not, from the last time it was seen running, which is before
+        any peer could fail because of it. Not settled: it has not exited yet (so its exit status is
+        unknown), or it is only a worker that JAX aborted because of another, which on a loaded
+        machine can be seen before that one. Settled or not, the caller reports it after the grace.
+        """
+        marks = [_read_mark(path) for path in self.marks]
+        failed = [i for i, c in enumerate(codes) if c not in (None, 0) or (c is None and marks[i] is not None)]
+
+        def order(i: int) -> tuple[bool, float, int]:
+            follower = marks[i] is None and self._follower(i, codes[i])
+            return follower, running_at[i] if marks[i] is None else marks[i], i
+
+        first = min(failed, key=order)
+        return first, marks[first] is not None, codes[first] is not None and not order(first)[0]
+
+    def _follower(self, i: int, code: int | None) -> bool:
         return code == -signal.SIGABRT and _JAX_FOLLOWER in _tail(self.paths[i], 200)
 
-    def _failure(self, i: int, codes: list[int | None]) -> MultiProcessError:
+    def _failure(self, i: int, codes: list[int | None], marked: bool) -> MultiProcessError:
+        code, elapsed = codes[i], f"{time.monotonic() - self.started:.1f} s after the start"
+        if code is None:  # it recorded its failure but had not exited by the end of the grace
+            how = f"failed and was still exiting {elapsed}"
+        elif marked and code < 0:  # JAX aborts a failing process whose peer (the coordinator) exits first
+            how = f"failed and, while exiting, {_how(code)} {elapsed}"
+        else:
+            how = f"{_how(code)} {elapsed}"
         others = ", ".join(f"process {j} {'was running' if c is None else _how(c)}"
                            for j, c in enumerate(codes) if j != i)  # fmt: skip
-        message = (f"process {i} of {len(codes)} {_how(codes[i])} {time.monotonic() - self.started:.1f} s after "
-                   f"the start; every worker was killed ({others or 'no others'}).\n"
+        message = (f"process {i} of {len(codes)} {how}; every worker was killed ({others or 'no others'}).\n"
                    f"--- {self.paths[i]} (last lines) ---\n{_tail(self.paths[i])}")  # fmt: skip
-        return MultiProcessError(message, process=i, returncode=codes[i], log_path=self.paths[i])
+        return MultiProcessError(message, process=i, returncode=code, log_path=self.paths[i])
 
     def _timeout(self, timeout: float, hung: list[int]) -> MultiProcessError:
         logs = "\n".join(f"--- {self.paths[i]} (last lines) ---\n{_tail(self.paths[i])}" for i in hung)

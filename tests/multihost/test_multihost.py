@@ -129,6 +129,55 @@ def test_a_worker_failing_after_initialize_is_reported_within_seconds(how, who, 
         assert "skips JAX's shutdown barrier" in log
 
 
+@pytest.mark.parametrize("who", [1, 0])
+def test_the_worker_that_raised_is_named_not_the_peer_whose_collective_it_broke(who, tmp_path, pids):
+    # The peer's collective fails as well ("Connection closed by peer") and it exits with 1 too, often
+    # before the raiser (whose JAX, freeing its backend as it exits, is what closed the connection).
+    logs = tmp_path / "logs"
+    with pytest.raises(MultiProcessError) as info:
+        run("raise-mid-collective", logs, 120, str(who))
+    err = info.value
+    assert (err.process, err.log_path) == (who, str(logs / f"process-{who}.log")), str(err)
+    # Its own exit status, unless the peer was process 0 and took JAX's coordinator down first:
+    # then JAX aborts the raiser while it exits.
+    status = {1: "exited with code 1"}
+    if who == 1:
+        status[-signal.SIGABRT] = "failed and, while exiting, was killed by signal 6 (SIGABRT)"
+    assert err.returncode in status and f"process {who} of 2 {status[err.returncode]}" in str(err), str(err)
+    assert f"RuntimeError: raiser-marker-{who}" in str(err), str(err)
+
+
+# Process 1 raises and is slow to exit (as when JAX frees its backend); process 0 fails because of it,
+# and fast: a launcher going by exit order names process 0. No JAX runtime; the fail-fast hook as
+# initialize_from_env installs it.
+SLOW_TO_EXIT = """
+import atexit, os, pathlib, sys, time
+delay, log_dir = float(sys.argv[1]), sys.argv[2]
+if os.environ["EASYKV_PROCESS_ID"] == "1":
+    atexit.register(time.sleep, delay)  # before the fail-fast hook, so it runs after it
+from easykv.distributed import _install_fail_fast
+_install_fail_fast()
+if os.environ["EASYKV_PROCESS_ID"] == "1":
+    raise RuntimeError("raiser-marker-1")
+peer = pathlib.Path(log_dir, "process-1.log")
+while "skips JAX's shutdown barrier" not in peer.read_text():  # process 1 is exiting
+    time.sleep(0.01)
+raise RuntimeError("Connection closed by peer (what the collective with process 1 says now)")
+"""
+
+
+@pytest.mark.parametrize("delay, status, code", [(1, "exited with code 1", 1),
+                                                 (600, "failed and was still exiting", None)])  # fmt: skip
+def test_a_worker_that_failed_first_is_named_though_a_peer_exited_before_it(delay, status, code, tmp_path):
+    logs = str(tmp_path / "logs")
+    with pytest.raises(MultiProcessError) as info:
+        launch_local([sys.executable, "-c", SLOW_TO_EXIT, str(delay), logs], timeout=60, log_dir=logs)
+    err = info.value
+    assert (err.process, err.returncode) == (1, code), str(err)
+    assert f"process 1 of 2 {status}" in str(err) and "RuntimeError: raiser-marker-1" in str(err), str(err)
+    assert "(process 0 exited with code 1)" in str(err), str(err)
+
+
 FOLLOWER = """
 import os, sys, time
 if os.environ["EASYKV_PROCESS_ID"] == "1":  # what JAX does to a process when a peer has died

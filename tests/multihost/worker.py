@@ -279,6 +279,17 @@ def fail_mode(how: str, who: int) -> None:
     raise AssertionError("a collective returned although a process had failed")
 
 
+def raise_mid_collective_mode(who: int) -> None:
+    """Process ``who`` raises while its peer waits in a collective with it; the peer's collective
+    then fails too (its connection to ``who`` closes), so both exit with 1."""
+    multihost_utils.sync_global_devices("both joined")  # the collectives' connections are up
+    if pid == who:
+        time.sleep(0.5)  # the peer is inside the collective below by now
+        raise RuntimeError(f"raiser-marker-{pid}")
+    multihost_utils.sync_global_devices("the raiser never comes")
+    raise AssertionError("a collective returned although a process had failed")
+
+
 def hang_mode() -> None:
     """Process 1 lives on (JAX's heartbeats go on) but never joins process 0's collective."""
     if pid == 1:
@@ -309,6 +320,8 @@ elif MODE == "diverge":
     diverge_mode()
 elif MODE == "fail":
     fail_mode(sys.argv[2], int(sys.argv[3]))
+elif MODE == "raise-mid-collective":
+    raise_mid_collective_mode(int(sys.argv[2]))
 elif MODE == "hang":
     hang_mode()
 elif MODE == "skew":

@@ -134,6 +134,8 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
     if diff:
         raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
                          "with the manager that schedules it")
+    # A restore holds the state to these rules: a manager breaking them is refused before anything is written.
+    manager.check_invariants()
     state = manager.state_dict()  # refuses swapped-out sequences and pending host transfers
     host = getattr(manager, "metrics", None)
     host = getattr(host, "host", None)

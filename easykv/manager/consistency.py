@@ -12,7 +12,7 @@ import numpy as np
 
 from easykv.errors import InvariantError
 from easykv.manager.group_table import GroupTable
-from easykv.manager.prefix_hash import version_root
+from easykv.manager.prefix_hash import iter_page_digests, version_root
 from easykv.runtime import PAD_PAGE
 
 if TYPE_CHECKING:
@@ -88,15 +88,11 @@ def _check_group(m: PageManager, g: int, gt: GroupTable, columns: np.ndarray) ->
         raise Broken(f"{pool_field}.digests", "prefix caching is off but pages carry digests")
     if not m.scrub_released and pool.has_pending_scrubs():
         raise Broken(f"{pool_field}.scrub", "pages are to be scrubbed but the manager does not scrub released pages")
-    salt_of: dict[int, bytes] = {}
     for row, col in np.argwhere(held):
         page = int(gt.table[row, col])
         if pool.digest_of(page) is not None and (col + 1) * ps > m._lens[row]:
             raise Broken(f"{pool_field}.digests", f"page {page}{of} is in the prefix cache but sequence {row} has not "
                                                   "filled it")
-        if salt_of.setdefault(page, m._hashes.salt[row]) != m._hashes.salt[row]:
-            raise Broken(f"sequences[id={row}].salt", f"page {page}{of} is shared between sequences with different "
-                                                      "salts")
         if pool.digest_of(page) is not None and pool.tag_of(page) != m._row_version[row]:
             raise Broken(f"{pool_field}.versions", f"prefix page {page}{of} was written under another weight version "
                                                    f"than sequence {row}, which holds it")
@@ -136,32 +132,46 @@ def _check_floors(m: PageManager) -> None:
 
 def _check_chains(m: PageManager) -> None:
     """A hashing sequence's chain digest is its last full page's digest (in every group whose
-    prefix cache holds that page), or the root before its first full page."""
+    prefix cache holds that page), or the root of its weight version before its first full page.
+    Where it knows its ids from position 0, they give its chain and name every full page it holds
+    in the prefix cache."""
     ps = m.page_size
     for row in np.flatnonzero(m._active & m._hashes.hashable).tolist():
         full = int(m._lens[row]) // ps
-        chain = m._hashes.chain[row]
-        if full == 0:
-            if chain != version_root(m._row_version[row]):
-                raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
-                                                          "other than the root of its weight version")
-            continue
+        chain, root = m._hashes.chain[row], version_root(m._row_version[row])
+        if full == 0 and chain != root:
+            raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
+                                                      "other than the root of its weight version")
+        digests = [None] * full
+        if full:
+            digests[-1] = chain
+        if m.enable_prefix_caching and m._hashes.known[row] == 0:
+            digests = list(iter_page_digests(m._hashes.log[row, : full * ps], ps, full, m._hashes.salt[row], root))
         for gt in m._groups:
-            last = int(gt.table[row, full - 1])
-            digest = gt.pool.digest_of(last) if last != PAD_PAGE else None  # released from the window: not checkable
-            if digest is not None and digest != chain:
-                raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest differs from the digest "
-                                                          f"of its last full page {last}")
+            for col, want in enumerate(digests):
+                page = int(gt.table[row, col])
+                digest = gt.pool.digest_of(page) if want is not None and page != PAD_PAGE else None
+                if digest is not None and digest != want:  # released from the window, or not cached: not checkable
+                    raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest differs from the digest "
+                                                              f"of its full page {page} (column {col})")
+        if full and digests[-1] != chain:
+            raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest is not the one its token ids "
+                                                      "give")
 
 
 def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_field: str, pool_field: str) -> None:
-    """Pending device work touches only pages it may: a copy-on-write destination is the
-    unfinished page of every sequence holding it (nothing else reads it yet); a page to scrub
-    is free, or reserved by one sequence that has written nothing into it."""
+    """Pages joined between sequences continue one history (`_check_joined`): every shared
+    page, and every pending copy-on-write, whose destination is the unfinished page of every
+    sequence holding it (nothing else reads it yet). A page to scrub is free, or reserved by one
+    sequence that has written nothing into it."""
     ps, pool, table = m.page_size, gt.pool, gt.table
     where = {}  # page -> [(row, col)] over every holder
     for row, col in np.argwhere(held).tolist():
         where.setdefault(int(table[row, col]), []).append((row, col))
+    checked: dict[tuple[int, int], int] = {}
+    for page, holders in where.items():
+        if len(holders) > 1:
+            _check_joined(m, holders, checked, None, f"page {page} is shared between sequences of different histories")
     scrub = set(pool.pending_scrubs().tolist())
     for dst, src in gt.copies.items():
         field = f"{copies_field}[dst={dst}]"
@@ -178,43 +188,19 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         if not holders or pool.digest_of(dst) is not None:
             raise Broken(field, f"copy {src} -> {dst} targets page {dst}, which no sequence holds as its own "
                                 "unfinished page")
-        # A copy is pending from the moment a sequence that shared a partly filled page (a fork)
-        # reserves room in it, or a truncated sequence ends inside a page it shares, until the
-        # copy is applied; no commit touches either page meanwhile. So every holder of the
-        # destination has the same length, the page at the same column and the same pages
-        # before it; every holder of the source that has written into it has the same pages
-        # before it (where both still hold them: a window may have released a longer one's) and
-        # the same salt (its length may differ: a sibling that wrote on, or one truncated since), and where two of them know their unfinished page's ids, they agree
-        # on the positions both hold: anything else would copy one sequence's tokens into
-        # another's page. (A source freed and taken again as another copy's destination is read
-        # before that copy writes it: its new holders' tokens are not in it yet.)
         first = holders[0][0]
         length = int(m._lens[first])
-        col = length // ps
-        before = table[first, :col]
-        if length % ps == 0:
+        if length % ps == 0 or any(int(m._lens[row]) != length or c != length // ps for row, c in holders):
             raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {first} "
-                                f"holds with {length} tokens written (a full page, not an unfinished one)")
+                                f"holds with {length} tokens written (not an unfinished page of every holder)")
+        # A copy is pending from the moment a sequence that shared a partly filled page (a fork)
+        # reserves room in it, or a truncated sequence ends inside a page it shares, until it is
+        # applied: the destination's holders and the source's writers shared the source then.
+        # (A source freed and taken again as another copy's destination is read before that copy
+        # writes it: its new holders' tokens are not in it yet.)
         writers = [] if src in gt.copies else [(r, c) for r, c in where.get(src, []) if c * ps < int(m._lens[r])]
-        known = []  # (ids of the page's positions the sequence holds, sequence): where it knows them
-        for k, (row, c) in enumerate(holders + writers):
-            own = int(m._lens[row])
-            pages = table[row, :col]  # a page a window released (-1) in either row is not compared
-            same_before = np.all((pages == before) | (pages == PAD_PAGE) | (before == PAD_PAGE)) \
-                or _same_ids(m, row, first, col * ps)
-            if (k < len(holders) and own != length) or c != col or not same_before \
-                    or m._hashes.salt[row] != m._hashes.salt[first]:
-                raise Broken(field, f"copy {src} -> {dst} joins pages of sequences with different histories "
-                                    f"(sequence {row} holds page {table[row, c]} at column {c} with "
-                                    f"{own} tokens; sequence {first} holds page {dst} at column {col} with {length})")
-            if m._hashes.hashable[row] and own < (col + 1) * ps:  # its unfinished page is this one
-                known.append((m._hashes.partial[row, : own - col * ps], row))
-        known.sort(key=lambda item: -item[0].size)
-        for tokens, row in known[1:]:
-            longest, other = known[0]
-            if not np.array_equal(tokens, longest[: tokens.size]):
-                raise Broken(field, f"copy {src} -> {dst} joins unfinished pages holding different tokens "
-                                    f"(sequence {row}: {tokens.tolist()}, sequence {other}: {longest.tolist()})")
+        _check_joined(m, holders + writers, checked, field,
+                      f"copy {src} -> {dst} joins pages of sequences with different histories")
     for page in sorted(scrub):
         holders = where.get(page, [])
         if not holders:
@@ -223,6 +209,43 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         if others or pool.digest_of(page) is not None or col * ps < int(m._lens[row]):
             raise Broken(f"{pool_field}.scrub", f"page {page} is to be zeroed but holds written tokens of sequence {row} "
                                        f"(column {col}){' and is shared' if others else ''}")
+
+
+def _check_joined(m: PageManager, members: list[tuple[int, int]], checked: dict[tuple[int, int], int],
+                  field: str | None, what: str) -> None:
+    """Sequences joined at one page (``members``: (row, column) of each) continue one history,
+    the one rule for sharing and copying alike, which a live manager and a loaded state both
+    meet: the page at one column, one salt and one weight version, and the same token ids
+    wherever two of them know them (a fork shares its parent's pages; a prefix hit or a swap-in
+    shares a page by a digest that names its whole history). Their earlier pages may differ: a
+    page filled while another already held its digest stays private, a later hit shares that
+    one. ``checked``: (row, row) -> ids compared so far (a shared prefix compares once).
+    ``field``: the state field to blame (None: the sequence's own field that differs)."""
+    ps, hashes = m.page_size, m._hashes
+    (first, col), *_ = members
+    for row, c in members:
+        differ = ("columns" if c != col else "salts" if hashes.salt[row] != hashes.salt[first]
+                  else "weight versions" if m._row_version[row] != m._row_version[first] else None)
+        if differ:
+            own = {"columns": "pages", "salts": "salt", "weight versions": "version"}[differ]
+            raise Broken(field or f"sequences[id={row}].{own}", f"{what}: sequences {first} and {row} hold it with different {differ} (columns {col} "
+                                f"and {c})")
+    ends = {row: min(int(m._lens[row]), (col + 1) * ps) for row, _ in members}
+    known = [row for row, _ in members if hashes.hashable[row] and int(hashes.known[row]) < ends[row]]
+    if len(known) < 2:
+        return
+    ref = min(known, key=lambda r: (int(hashes.known[r]), -ends[r]))  # knows the most: spans every other's
+    for row in known:
+        lo, hi = max(int(hashes.known[row]), int(hashes.known[ref])), min(ends[row], ends[ref])
+        if row == ref or hi <= lo or checked.get((ref, row), 0) >= hi:
+            continue
+        a, b = hashes.log[ref, lo:hi], hashes.log[row, lo:hi]
+        if not np.array_equal(a, b):
+            at = lo + int(np.argmax(a != b))
+            own = "tokens" if hashes.known[row] == 0 else "partial"
+            raise Broken(field or f"sequences[id={row}].{own}", f"{what}: they hold different tokens (sequence {row} token {int(b[at - lo])} at "
+                                f"position {at}, sequence {ref} token {int(a[at - lo])})")
+        checked[ref, row] = hi
 
 
 def _check_host(m: PageManager, g: int, gt: GroupTable) -> None:
@@ -255,15 +278,6 @@ def _check_host(m: PageManager, g: int, gt: GroupTable) -> None:
         host.check(np.bincount(np.asarray(holders, np.int64), minlength=host.num_pages).astype(np.int32))
     except InvariantError as err:
         raise Broken("host", f"host tier{of}: {err.detail}") from None
-
-
-def _same_ids(m: PageManager, a: int, b: int, n: int) -> bool:
-    """Whether rows ``a`` and ``b`` are known to hold the same ``n`` first token ids. Two rows may
-    hold a history in different pages: a page filled while another already held its digest
-    stays private, and a later prefix hit shares the cached one (a loaded state, whose token log
-    starts at each unfinished page, cannot show this and is refused)."""
-    ids_a, ids_b = m._hashes.ids(a, 0, n), m._hashes.ids(b, 0, n)
-    return ids_a is not None and ids_b is not None and np.array_equal(ids_a, ids_b)
 
 
 __all__ = ["Broken", "check_consistency"]

@@ -56,6 +56,12 @@ class GroupTable:
         return cls(group=group, pool=pool, table=np.full((batch_size, pages_per_sequence), PAD_PAGE, np.int32),
                    start=np.zeros(batch_size, np.int32), host=host)
 
+    def set_scrub_released(self, scrub: bool) -> None:
+        """Whether released pages are zeroed, in the device pool and the host tier alike."""
+        for pool in (self.pool, self.host):
+            if pool is not None:
+                pool.scrub_released = scrub
+
     @property
     def windowed(self) -> bool:
         """Whether the group releases pages that left its window (sliding or chunked)."""

@@ -107,8 +107,8 @@ class SequenceHashes:
     from the step that completes it.
 
     ``log[row, :n]``: the ids of every token the row committed, from position ``known[row]``
-    on (0, or where a loaded state's ids start: it keeps only the unfinished page's), so a
-    truncated row can name its pages again. Grown by doubling, never past the longest row.
+    on (0; or the unfinished page's first position, in a row loaded from a state of an easykv that
+    did not keep the ids), so a truncated row can name its pages again. Grown by doubling, never past the longest row.
     """
 
     def __init__(self, batch_size: int, page_size: int):
@@ -204,15 +204,19 @@ class SequenceHashes:
             digests.append(digest)
         return rows, lens[full] // ps, digests
 
-    def state(self, row: int, length: int) -> dict[str, Any]:
-        return {"hashable": bool(self.hashable[row]), "chain": self.chain[row].hex(), "salt": self.salt[row].hex(),
-                "partial": self.partial[row, : length % self.page_size].tolist()}
-
-    def load(self, row: int, state: dict[str, Any]) -> None:
-        self.hashable[row] = bool(state["hashable"])
-        self.chain[row], self.salt[row] = bytes.fromhex(state["chain"]), bytes.fromhex(state["salt"])
-        self.partial[row, : len(state["partial"])] = state["partial"]
-
+    def load_row(self, row: int, *, hashable: bool, chain: bytes, salt: bytes, length: int, partial: np.ndarray,
+                 tokens: np.ndarray | None) -> None:
+        """A row of a loaded state: its ids from position 0 (``tokens``), or, from a state that
+        did not keep them, those of its unfinished page only (``partial``)."""
+        self.hashable[row], self.salt[row] = hashable, salt
+        self.chain[row] = chain if hashable else ROOT_DIGEST  # never read again: canonical, as a state writes it
+        self.partial[row] = 0
+        if hashable:
+            self.partial[row, : partial.size] = partial
+        start = 0 if tokens is not None else length - partial.size
+        self.known[row] = start
+        self._room(length)
+        self.log[row, start:length] = tokens if tokens is not None else partial
 
 __all__ = [
     "DIGEST_BYTES", "NO_SALT", "ROOT_DIGEST", "SequenceHashes", "as_token_ids", "iter_page_digests",

@@ -19,6 +19,10 @@ Once a weight version was set (`PageManager.set_weight_version`), either format 
 ``versions`` (the current one and every one known, with its lookups), each sequence's
 ``version`` (where it has one) and each pool's prefix pages' ``versions``; a manager that never
 set one writes neither, so its state keeps the form older easykv reads.
+
+A sequence that hashes keeps every committed token id (``tokens``), so a restored manager names
+the pages of a truncated sequence again exactly as the one never restored does; a state of an
+easykv that did not write them still loads, knowing the ids of each unfinished page only.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ def write_state(m: PageManager, *, host: bool = False) -> dict[str, Any]:
             sequences[-1]["floor"] = int(m._floor[r])
         if m._row_version[r] is not None:
             sequences[-1]["version"] = m._row_version[r].hex()
+        if hashable and m.enable_prefix_caching and m._hashes.known[r] == 0:  # a truncation names pages again by them
+            sequences[-1]["tokens"] = m._hashes.log[r, :length].tolist()
     pools = [gt.pool.state_dict() for gt in m._groups]
     copies = [[[src, dst] for dst, src in gt.copies.items()] for gt in m._groups]
     out = {
@@ -212,6 +218,7 @@ class _Sequence:
     partial: np.ndarray
     floor: int
     version: bytes | None
+    tokens: np.ndarray | None  # every committed id (None: a state that keeps those of the unfinished page only)
 
 
 def _per_group(value: Any, field: str, n: int) -> list[tuple[Any, str]]:
@@ -291,19 +298,11 @@ def read_state(m: PageManager, state: Any) -> None:
         for gt, pages in zip(groups, seq.pages):
             gt.table[r, :k] = pages
         m._npages[r], m._lens[r], m._replica[r], m._floor[r] = k, seq.length, seq.replica, seq.floor
-        hashes = m._hashes
-        hashes.hashable[r], hashes.chain[r], hashes.salt[r] = seq.hashable, seq.chain, seq.salt
-        hashes.partial[r, : seq.partial.size] = seq.partial
-        start = seq.length - seq.partial.size  # the state keeps the ids of the unfinished page only
-        hashes.known[r] = start
-        hashes._room(seq.length)
-        hashes.log[r, start: seq.length] = seq.partial
+        m._hashes.load_row(r, hashable=seq.hashable, chain=seq.chain, salt=seq.salt, length=seq.length,
+                           partial=seq.partial, tokens=seq.tokens)
         m._row_version[r] = seq.version
-        if not seq.hashable:  # canonical: see write_state
-            hashes.chain[r] = ROOT_DIGEST
-            hashes.partial[r] = 0
     for gt, pool, pending in zip(groups, pools, copies):
-        gt.pool.scrub_released = m.scrub_released
+        gt.set_scrub_released(m.scrub_released)
         held = gt.table != PAD_PAGE
         gt.start[:] = np.where(held.any(axis=1), np.argmax(held, axis=1), m._npages)
         gt.pool.load_state(**pool, refcount=np.bincount(gt.table[held], minlength=gt.pool.num_pages))
@@ -411,7 +410,8 @@ def _read_copies(raw: Any, field: str, n: int) -> dict[int, int]:
 def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     ps = m.page_size
     resumed = isinstance(entry, Mapping) and "floor" in entry
-    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()), optional=("version",))
+    entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()),
+                     optional=("version", "tokens"))
     where = f"sequences[{i}]"
     sid = _int(entry["id"], f"{where}.id", 0, m.batch_size - 1)
     length = _int(entry["length"], f"{where}.length", 0, m.max_length)
@@ -436,11 +436,30 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
     if partial.size != length % ps:
         raise _fail(f"{where}.partial", f"holds {partial.size} token ids; a sequence of length {length} has "
                                         f"{length % ps} in its unfinished page")
-    return _Sequence(id=sid, length=length, pages=rows, replica=replica,
-                     hashable=_flag(entry["hashable"], f"{where}.hashable"),
+    hashable = _flag(entry["hashable"], f"{where}.hashable")
+    return _Sequence(id=sid, length=length, pages=rows, replica=replica, hashable=hashable,
                      chain=_digest(entry["chain"], f"{where}.chain"), salt=_digest(entry["salt"], f"{where}.salt"),
                      partial=partial, floor=floor,
-                     version=_digest(entry["version"], f"{where}.version") if "version" in entry else None)
+                     version=_digest(entry["version"], f"{where}.version") if "version" in entry else None,
+                     tokens=_read_tokens(entry, where, length, partial, hashable and m.enable_prefix_caching,
+                                         m.max_length))
+
+
+def _read_tokens(entry: Mapping[str, Any], where: str, length: int, partial: np.ndarray, hashable: bool,
+                 most: int) -> np.ndarray | None:
+    """A sequence's committed ids, where the state keeps them: exactly ``length`` of them, ending
+    in its ``partial`` ones, on a row that hashes (a row that does not knows no ids)."""
+    if "tokens" not in entry:
+        return None
+    tokens = _ints(entry["tokens"], f"{where}.tokens", 0, INT32_MAX, max_len=most)
+    if not hashable:
+        raise _fail(f"{where}.tokens", "is given for a sequence that does not hash (its ids are not known, or prefix "
+                                       "caching is off); a state keeps the ids of hashing sequences only")
+    if tokens.size != length or not np.array_equal(tokens[length - partial.size:], partial):
+        raise _fail(f"{where}.tokens", f"holds {tokens.size} ids ending in {tokens[-partial.size:].tolist()}; a "
+                                       f"sequence of length {length} has {length} ending in its partial "
+                                       f"{partial.tolist()}")
+    return tokens
 
 
 # ---- what a checkpoint records of a state ------------------------------------------------------
@@ -465,10 +484,12 @@ def summarize_state(state: Any) -> dict[str, int] | None:
 
 def max_state_bytes(meta: Any) -> int:
     """The most bytes a state of ``meta``'s pools can take in JSON: every page id a few times
-    (tables, free and cached lists, digests) plus a sequence's fields per slot."""
+    (tables, free and cached lists, digests), a sequence's fields per slot, and its token ids
+    (at most 12 bytes each: ten digits, a comma, a space)."""
     groups = meta.groups
     return (1 << 20) + 256 * (sum(g.num_pages for g in groups)
-                              + meta.batch_size * (meta.num_pages_per_sequence * len(groups) + 64))
+                              + meta.batch_size * (meta.num_pages_per_sequence * len(groups) + 64)) \
+        + 12 * meta.batch_size * meta.max_sequences
 
 
 __all__ = ["Broken", "COUNTERS", "GROUPED_STATE_FORMAT", "STATE_FORMAT", "check_consistency", "config",

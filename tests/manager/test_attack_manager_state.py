@@ -240,6 +240,7 @@ def _cases():
     def bound_without_pages(s):
         _seq(s, 1)["replica"] = 0
         _seq(s, 1)["pages"], _seq(s, 1)["length"], _seq(s, 1)["partial"] = [], 0, []
+        _seq(s, 1).pop("tokens", None)
 
     def length_past_pages(s):
         _seq(s, 0)["length"] = 16
@@ -285,7 +286,7 @@ def _cases():
         "a page shared across salts": (shared_with_other_salt, r"salt"),
         "more sequences than slots": (more_sequences_than_slots, r"sequences"),
         "a cached page in use": (lru_page_in_use, r"pool"),
-        "digests with prefix caching off": (caching_off_with_digests, r"config|pool"),
+        "digests with prefix caching off": (caching_off_with_digests, r"config|pool|tokens"),
         "scrubs with scrubbing off": (scrubs_without_scrubbing, r"config|pool"),
         "another pool": (wrong_pool, r"config"),
     }

@@ -8,6 +8,8 @@ had the tail."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from easykv.errors import CacheFullError
@@ -141,8 +143,55 @@ def test_a_truncation_copy_between_rows_holding_one_history_in_different_pages()
     assert pm.pages(b)[:3] == [0, 2, 3] and pm.pages(c)[:3] == [0, 1, 3]
     pm.truncate(b, 9)  # inside page 3, which c shares: b gets a private copy of it
     pm.check_invariants()
+    # The state restores (it was refused: the ids before b's unfinished page were not in it), and
+    # the restored manager goes on exactly as this one.
+    restored = PageManager.from_state_dict(pm.metadata, json.loads(json.dumps(pm.state_dict())))
+    restored.check_invariants()
+    dev.run(pm, b, [9, 10, 11])
+    restored.build_step_metadata([b], [3])
+    restored.take_copies()
+    restored.step([b], [[9, 10, 11]])
+    for m in (pm, restored):
+        m.truncate(c, 6)
+    assert restored.state_dict() == pm.state_dict()
     dev.apply(pm)
-    assert dev.tokens(pm, b) == list(range(9)) and dev.tokens(pm, c) == list(range(13))
+    assert dev.tokens(pm, b) == list(range(12)) and dev.tokens(pm, c) == list(range(6))
+
+
+def test_a_restored_manager_truncates_and_caches_as_one_never_restored():
+    """The state keeps every committed id of a hashing sequence, so a truncation after a restore
+    names the pages filled again as the never-restored manager does (the restored one stopped
+    prefix caching: it knew only the ids of the unfinished page)."""
+    pm = make(batch=4, pages=12, max_len=24)
+    [a] = pm.claim(1)
+    prefill(pm, a, list(range(9)))
+    state = json.loads(json.dumps(pm.state_dict()))
+    assert state["sequences"][0]["tokens"] == list(range(9))
+    restored = PageManager.from_state_dict(pm.metadata, state)
+    for m in (pm, restored):
+        m.truncate(a, 5)
+        m.build_step_metadata([a], [4])
+        m.step([a], [[50, 51, 52, 53]])
+    assert restored.state_dict() == pm.state_dict()
+    assert restored.state_dict()["sequences"][0]["hashable"]
+    [b] = restored.claim(1)
+    assert restored.match_prefix(b, [0, 1, 2, 3, 4, 50, 51, 52, 53]) == 8  # the regrown page is cached
+
+
+def test_a_state_without_token_ids_still_loads_knowing_the_unfinished_page():
+    """States written before the token log: a hashing sequence knows the ids of its unfinished
+    page only, and truncating before them stops its prefix caching (documented)."""
+    pm = make(batch=4, pages=12, max_len=24)
+    [a] = pm.claim(1)
+    prefill(pm, a, list(range(9)))
+    state = json.loads(json.dumps(pm.state_dict()))
+    del state["sequences"][0]["tokens"]
+    old = PageManager.from_state_dict(pm.metadata, state)
+    assert old.state_dict() == state  # canonical: it writes no ids it does not know
+    old.truncate(a, 8)  # the ids it keeps: still hashing
+    assert old.state_dict()["sequences"][0]["hashable"]
+    old.truncate(a, 5)
+    assert not old.state_dict()["sequences"][0]["hashable"]
 
 
 def test_a_crafted_truncation_copy_is_refused_by_field():
@@ -172,7 +221,10 @@ def test_a_crafted_truncation_copy_is_refused_by_field():
 
     for edit, words in (
         (lambda s: s["sequences"][2].update(salt=s["sequences"][2]["salt"][::-1]), "different salts"),
-        (lambda s: s["sequences"][2].update(partial=[7]), "different tokens"),
+        (lambda s: s["sequences"][2].update(partial=[7], tokens=s["sequences"][2]["tokens"][:8] + [7]),
+         "different tokens"),
+        (lambda s: s["sequences"][2].update(tokens=[9] + s["sequences"][2]["tokens"][1:]), "different tokens"),
+        (lambda s: s["sequences"][2].update(partial=[7]), "ending in its partial"),
         (lambda s: s.update(copies=[[4, 5]]), "different histories"),
     ):
         with pytest.raises(ManagerStateError, match=words):

@@ -58,7 +58,7 @@ class _Rollback:
         for gt, copy in zip(self._groups, shared):
             if copy and not gt.pool.num_available(replica):
                 self._raise_full(gt, replica, 1)
-        chain = self._chain_at(row, col) if self._hashes.hashable[row] else None
+        chain = self._chain_at(row, col) if self._hashes.hashable[row] and self.enable_prefix_caching else None
         # Checked: nothing below fails.
         keep, stale = -(-new // ps), self._is_stale(row)
         held = int(self._npages[row])
@@ -80,7 +80,7 @@ class _Rollback:
         self._lens[row] = new
         if not keep:  # a sequence is bound to a replica while it holds pages
             self._replica[row] = -1
-        if self._hashes.hashable[row]:
+        if self._hashes.hashable[row] and self.enable_prefix_caching:  # without caching no row knows its ids
             self._hashes.rewind(row, new, chain)
 
     def _chain_at(self, row: int, full: int) -> bytes | None:

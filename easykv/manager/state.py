@@ -282,7 +282,7 @@ def read_state(m: PageManager, state: Any) -> None:
               for gt, (raw, field) in zip(groups, _per_group(state["copies"], "copies", len(groups)))]
     counters_in = _mapping(state["counters"], "counters", COUNTERS)
     counters = {k: _int(counters_in[k], f"counters.{k}", 0, INT64_MAX) for k in COUNTERS}
-    current, known = _read_versions(state.get("versions"))
+    current, known = _read_versions(state.get("versions"), counters)
     for i, seq in enumerate(sequences):
         if seq.version not in known:
             raise _fail(f"sequences[{i}].version", "names a weight version the state's versions.known does not list")
@@ -314,12 +314,14 @@ def read_state(m: PageManager, state: Any) -> None:
         gt.shared_partial = m._fork_shared_pages(gt)
 
 
-def _read_versions(raw: Any) -> tuple[bytes | None, dict[bytes | None, tuple[Any, dict[str, int]]]]:
+def _read_versions(raw: Any, counters: dict[str, int]
+                   ) -> tuple[bytes | None, dict[bytes | None, tuple[Any, dict[str, int]]]]:
     """(the current version's digest, digest -> (version, lookup counters) of every known one);
-    a state without ``versions`` knows only the unversioned None. Each version must hash to its
-    digest: a crafted pair would make lookups of one version find another's pages."""
+    a state without ``versions`` knows only the unversioned None, under which every lookup of
+    the manager's ``counters`` ran. Each version must hash to its digest: a crafted pair would
+    make lookups of one version find another's pages."""
     if raw is None:
-        return None, {None: (None, dict.fromkeys(VERSION_COUNTERS, 0))}
+        return None, {None: (None, {k: counters[k] for k in VERSION_COUNTERS})}
     raw = _mapping(raw, "versions", ("current", "known"))
     known: dict[bytes | None, tuple[Any, dict[str, int]]] = {}
     for i, entry in enumerate(_list(raw["known"], "versions.known", 1 << 20)):

@@ -7,7 +7,11 @@ exactly the model's tokens (prefix hits included), and check_invariants() must p
 
 Every call goes to two managers: one never restored, one restored from its JSON state at random
 points. Both must answer every call identically and hold the same state byte for byte: the
-state is canonical, so hosts in lock-step agree whether or not one of them restored.
+state is canonical, so hosts in lock-step agree whether or not one of them restored. Every state
+the machine reaches must also restore on its own (what a checkpoint saved mid-way needs), and
+truncation, prefix-cache resets and weight-version changes run between restores. The tiered
+machines add a host tier: swapped sequences, offloads and onloads applied on a simulated host,
+and after every apply a released host page holds nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
 from easykv.spec.groups import LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.manager.prefix_hash import iter_page_digests, salt_digest
+from easykv.manager.prefix_hash import iter_page_digests, salt_digest, version_digest, version_root
 
 PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
 BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')
@@ -74,6 +78,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # Layer groups, one layer each (None: one full-attention group of PAGES pages). A sliding or
     # chunked group releases the pages that left its window; groups have their own pools.
     layer_groups = None
+    host_pages = None  # pages of the host tier per group (None: no host tier)
 
     @property
     def groups(self):
@@ -90,20 +95,22 @@ class ManagerMachine(RuleBasedStateMachine):
             batch_size=BATCH, num_hidden_layers=1 if groups is None else len(groups),
             num_pages_per_layer=PAGES if groups is None else max(g.num_pages for g in groups),
             num_pages_per_sequence=MAX_LEN // PS, max_sequences=MAX_LEN, page_size=PS, num_kv_heads=1,
-            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards, layer_groups=groups)
+            kv_head_dim_size=8, hbm_utilization=0.9, page_shards=self.shards, layer_groups=groups,
+            host_pages_per_layer=self.host_pages)
         self.pm = Twins(*(PageManager(self.meta, enable_prefix_caching=self.caching, scrub_released=self.scrub)
                           for _ in range(2)))
         self.device = [np.full((g.num_pages, PS), -1, np.int64) for g in self.groups]  # one token id per slot
+        self.host = [np.full((self.meta.group_host_pages(g), PS), -1, np.int64) for g in self.groups] \
+            if self.host_pages else []
         self.model: dict[int, dict] = {}
+        self.swapped: dict[int, dict] = {}
         self.history: list[list[int]] = []  # token ids of released sequences
+        self.version = None
 
     # ---- device simulation ---------------------------------------------------------------------
     def _apply_page_ops(self):
-        srcs, dsts = map(self._per_group, self.pm.take_copies())
-        for device, src, dst in zip(self.device, srcs, dsts):
-            device[dst] = device[src]  # every source read before any destination written
-        for device, pages in zip(self.device, self._per_group(self.pm.take_scrubs())):
-            device[pages] = -1
+        transfers = self.pm.take_transfers() if self.host_pages else None
+        _run_pending(self.device, self.host, transfers, self.pm.take_copies(), self.pm.take_scrubs(), self._per_group)
 
     def _write(self, meta, tokens):
         for device, rt in zip(self.device, self._per_group(meta)):
@@ -115,11 +122,11 @@ class ManagerMachine(RuleBasedStateMachine):
     def _grow(self, seqs, tokens, ids=True):
         """One mixed step: append ``tokens[i]`` to ``seqs[i]`` (committed with their ids, or
         without: `advance`). False when the pool is full."""
-        before = self.pm.state_dict()
+        before = self._state()
         try:
             meta = self.pm.build_step_metadata(seqs, [len(t) for t in tokens], pad_tokens_to=sum(map(len, tokens)) + 2)
         except CacheFullError:
-            assert self.pm.state_dict() == before
+            assert self._state() == before
             return False
         self._apply_page_ops()
         self._write(meta, [x for t in tokens for x in t])
@@ -140,7 +147,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def admit(self, data, keep, tail, salt):
         base = data.draw(st.sampled_from(BASES + self.history))
         prompt = (base[:keep] + tail)[:MAX_LEN] or [0]
-        if len(self.model) == BATCH:
+        if len(self.model) + len(self.swapped) == BATCH:
             try:
                 self.pm.claim(1)
             except CacheFullError as err:
@@ -152,7 +159,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert done % PS == 0 and (done <= len(prompt) - 1 or done == 0)
         if not self.caching:
             assert done == 0
-        self.model[seq] = {"tokens": prompt[:done], "salt": salt}
+        self.model[seq] = {"tokens": prompt[:done], "salt": salt, "version": self.version}
         self._check_contents()  # the reused pages really hold the prompt's tokens
         if not self._grow([seq], [prompt[done:]]):
             self.pm.release(seq)
@@ -163,12 +170,12 @@ class ManagerMachine(RuleBasedStateMachine):
     def resume(self, data, first):
         """A sequence that starts mid-way (moved in with its window's tokens only): positions
         before its first page hold nothing (-1 in the model)."""
-        if len(self.model) == BATCH:
+        if len(self.model) + len(self.swapped) == BATCH:
             return
         [seq] = self.pm.claim(1)
         self.pm.resume(seq, first)
         start = first // PS * PS
-        self.model[seq] = {"tokens": [-1] * start, "salt": None, "floor": start}
+        self.model[seq] = {"tokens": [-1] * start, "salt": None, "floor": start, "version": self.version}
         n = data.draw(st.integers(0, MAX_LEN - start))
         if not self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))]):
             self.pm.release(seq)
@@ -189,11 +196,11 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
         tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs), max_size=k * len(seqs)))).reshape(len(seqs), k)
-        before = self.pm.state_dict()
+        before = self._state()
         try:
             steps = self.pm.build_decode_metadata(seqs, num_steps=k)
         except CacheFullError:
-            assert self.pm.state_dict() == before
+            assert self._state() == before
             return
         self._apply_page_ops()
         for j, meta in enumerate(steps):
@@ -207,17 +214,17 @@ class ManagerMachine(RuleBasedStateMachine):
     def reserve_ahead(self, data):
         """Pages (and copy-on-write copies) reserved now, written by a later step."""
         seq = data.draw(st.sampled_from(sorted(self.model)))
-        before = self.pm.state_dict()
+        before = self._state()
         try:
             self.pm.reserve(seq, data.draw(st.integers(0, self._room(seq))))
         except CacheFullError:
-            assert self.pm.state_dict() == before
+            assert self._state() == before
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fork(self, data):
         seq = data.draw(st.sampled_from(sorted(self.model)))
-        if len(self.model) == BATCH:
+        if len(self.model) + len(self.swapped) == BATCH:
             return
         child = self.pm.fork(seq)
         assert child not in self.model
@@ -231,19 +238,85 @@ class ManagerMachine(RuleBasedStateMachine):
         tokens = self.model.pop(seq)["tokens"]
         if -1 not in tokens:  # a resumed sequence's history is not a prompt
             self.history.append(tokens)
-        before = self.pm.state_dict()
+        before = self._state()
         try:
             self.pm.release(seq)
         except UnknownSequenceError:
-            assert self.pm.state_dict() == before
+            assert self._state() == before
         else:
             raise AssertionError("double release succeeded")
 
+    @precondition(lambda self: not self.swapped and not (self.host_pages and self.pm.has_pending_transfers()))
     @rule()
     def restore(self):
         state = json.loads(json.dumps(self.pm.restored.state_dict()))
-        self.pm = Twins(self.pm.live, PageManager.from_state_dict(self.meta, state))
-        assert self.pm.restored.state_dict() == state
+        restored = PageManager.from_state_dict(self.meta, state)
+        assert restored.state_dict() == state
+        if self.host_pages:  # a state leaves the host tier out: the live twin forgets its own (scrubbed now)
+            self.pm.live.forget_host_tier()
+            for host, moves in zip(self.host, self.pm.live.take_transfers()):
+                host[moves[4]] = -1
+        self.pm = Twins(self.pm.live, restored)
+
+    def _state(self):
+        """The manager's state, also while sequences are swapped out (`state_dict` refuses then)."""
+        return {k: v for k, v in self.pm.live.lockstep_state().items() if k != "host"}
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def truncate(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        tokens = self.model[seq]["tokens"]
+        n = data.draw(st.integers(0, len(tokens)))
+        before = self._state()
+        try:
+            self.pm.truncate(seq, n)
+        except (CacheFullError, ValueError) as err:  # a full pool, or tokens a window (or a resume) let go
+            assert isinstance(err, CacheFullError) or "released" in str(err) or "resumed" in str(err), err
+            assert self._state() == before
+            return
+        del tokens[n:]
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.pm.reset_prefix_cache()
+
+    @rule(version=st.sampled_from([None, 1, "1"]))
+    def set_version(self, version):
+        self.pm.set_weight_version(version)
+        if version_digest(version) == version_digest(self.version):
+            return  # the current one again: nothing changes
+        self.version = version
+        for seq, info in self.model.items():
+            if not info["tokens"] and not self.pm.capacity(seq):  # nothing written or reserved: takes the new one
+                info["version"] = version
+
+    @precondition(lambda self: self.host_pages and self.model)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.model)))
+        self._apply_page_ops()  # an engine preempts between steps
+        try:
+            self.pm.swap_out(seq)
+        except CacheFullError:
+            return
+        self.swapped[seq] = self.model.pop(seq)
+        self._apply_page_ops()
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data(), back=st.booleans())
+    def swap_in_or_release(self, data, back):
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        if not back:
+            self.pm.release(seq)
+            del self.swapped[seq]
+            self._apply_page_ops()  # its host pages are scrubbed now
+            return
+        try:
+            self.pm.swap_in(seq)
+        except CacheFullError:
+            return
+        self.model[seq] = self.swapped.pop(seq)
 
     # ---- invariants ------------------------------------------------------------------------------
     @invariant()
@@ -251,9 +324,13 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "pm"):
             return
         self.pm.check_invariants()
-        live, restored = (json.dumps(m.state_dict(), sort_keys=True) for m in (self.pm.live, self.pm.restored))
+        live, restored = (json.dumps({k: v for k, v in m.lockstep_state().items() if k != "host"}, sort_keys=True)
+                          for m in (self.pm.live, self.pm.restored))
         assert live == restored  # canonical: the same calls give the same state, restored or not
-        assert self.pm.active_ids == sorted(self.model)
+        if not self.swapped and not (self.host_pages and self.pm.has_pending_transfers()):
+            state = json.loads(live)  # every state reached restores, and writes back the same
+            assert PageManager.from_state_dict(self.meta, state).state_dict() == state
+        assert self.pm.active_ids == sorted({**self.model, **self.swapped})
         self._check_contents()
         m = self.pm.metrics
         assert m.free_pages + m.cached_pages + m.used_pages == sum(g.num_pages for g in self.groups)
@@ -264,12 +341,20 @@ class ManagerMachine(RuleBasedStateMachine):
                 for heap in self.pm.live._groups[g].pool._free:
                     for page in heap:
                         assert page in pending or (self.device[g][page] == -1).all(), (g, page)
+                if self.host_pages:  # a released host page holds nothing once the pending work ran
+                    host = self.pm.live._groups[g].host
+                    waiting = set(self.pm.live.pending_transfers()[g][4].tolist())
+                    waiting |= set(self.pm.live.pending_transfers()[g][1].tolist())
+                    for heap in host._free:
+                        for page in heap:
+                            assert page in waiting or (self.host[g][page] == -1).all(), ("host", g, page)
 
     def _check_contents(self):
+        devices = [d.copy() for d in self.device]  # as the next step will see them: pending work applied
+        _run_pending(devices, [h.copy() for h in self.host], self.pm.pending_transfers() if self.host_pages else None,
+                     self.pm.pending_copies(), self.pm.pending_scrubs(), self._per_group)
         for g, group in enumerate(self.groups):
-            device = self.device[g].copy()  # as the next step will see it: pending copies applied
-            src, dst = (self._per_group(x)[g] for x in self.pm.pending_copies())
-            device[dst] = device[src]
+            device = devices[g]
             for seq, info in self.model.items():
                 tokens = info["tokens"]
                 assert self.pm.length(seq) == len(tokens)
@@ -282,7 +367,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert got.tolist() == tokens[gone * PS:], (g, seq, got.tolist(), tokens)
                 # a page in the prefix cache is named by exactly the history it holds
                 full = len(tokens) // PS
-                want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"])))
+                root = version_root(version_digest(info.get("version")))
+                want = list(iter_page_digests(np.array(tokens, np.int32), PS, full, salt_digest(info["salt"]), root))
                 for col, page in enumerate(pages[:full]):
                     if col < gone:
                         continue
@@ -298,6 +384,24 @@ class ManagerMachine(RuleBasedStateMachine):
         w = group.window
         first = max(0, length - w + 1) if group.attention == "sliding" else length - length % w
         return min(first // PS, held)
+
+
+def _run_pending(devices, hosts, transfers, copies, scrubs, per_group):
+    """A manager's pending work on simulated pages, in `apply_pending`'s order: offloads read the
+    device, copies, onloads, scrubs, host scrubs, then the offloads land in the host."""
+    srcs, dsts = map(per_group, copies)
+    for g, (device, src, dst, pages) in enumerate(zip(devices, srcs, dsts, per_group(scrubs))):
+        if transfers is None:
+            device[dst] = device[src]  # every source read before any destination written
+            device[pages] = -1
+            continue
+        off_src, off_dst, on_src, on_dst, host_scrubs = transfers[g]
+        out, back = device[off_src].copy(), hosts[g][on_src].copy()
+        device[dst] = device[src]
+        device[on_dst] = back
+        device[pages] = -1
+        hosts[g][host_scrubs] = -1
+        hosts[g][off_dst] = out
 
 
 class DataParallelMachine(ManagerMachine):
@@ -336,6 +440,16 @@ class WindowsOnlyMachine(ManagerMachine):
     layer_groups = (LayerGroup((0,), "sliding", 3, num_pages=6), LayerGroup((1,), "chunked", 8, num_pages=PAGES))
 
 
+class TieredMachine(ManagerMachine):
+    """A host tier of 6 pages: evicted prefixes offloaded and found again, sequences swapped."""
+    host_pages = 6
+
+
+class TieredHybridDataParallelMachine(HybridDataParallelMachine):
+    """Three pools over two replicas, each with its host tier."""
+    host_pages = 8
+
+
 # Host logic only: the result does not depend on the jax version, so CI runs it in one environment.
 NUMPY_ONLY = pytest.mark.numpy_only
 TestManagerMachine = NUMPY_ONLY(ManagerMachine.TestCase)
@@ -346,3 +460,5 @@ TestChunkedDataParallelMachine = NUMPY_ONLY(ChunkedDataParallelMachine.TestCase)
 TestHybridMachine = NUMPY_ONLY(HybridMachine.TestCase)
 TestHybridDataParallelMachine = NUMPY_ONLY(HybridDataParallelMachine.TestCase)
 TestWindowsOnlyMachine = NUMPY_ONLY(WindowsOnlyMachine.TestCase)
+TestTieredMachine = NUMPY_ONLY(TieredMachine.TestCase)
+TestTieredHybridDataParallelMachine = NUMPY_ONLY(TieredHybridDataParallelMachine.TestCase)

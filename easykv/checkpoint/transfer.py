@@ -383,6 +383,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     if manager.has_host_tier and host is None:
         raise ValueError("this manager has a host-memory tier: pass its HostTier (import_sequence(..., host=tier)); "
                          "the import's pages may bring prefixes back from it or push others to it")
+    manager.check_host(cache, host)  # before the admission below changes prefix counters and LRU order
     exported = _checked_export(exported)
     needed = _check_import(meta, exported)
     grouped = isinstance(exported, GroupedSequenceExport)

@@ -196,9 +196,10 @@ def _check_pending(m: PageManager, gt: GroupTable, held: np.ndarray, copies_fiel
         # A copy is pending from the moment a sequence that shared a partly filled page (a fork)
         # reserves room in it, or a truncated sequence ends inside a page it shares, until it is
         # applied: the destination's holders and the source's writers shared the source then.
-        # (A source freed and taken again as another copy's destination is read before that copy
-        # writes it: its new holders' tokens are not in it yet.)
-        writers = [] if src in gt.copies else [(r, c) for r, c in where.get(src, []) if c * ps < int(m._lens[r])]
+        # (A source freed and taken again as another copy's or an onload's destination is read
+        # before that one writes it: its new holders' tokens are not in it yet.)
+        refilled = src in gt.copies or src in gt.onloads
+        writers = [] if refilled else [(r, c) for r, c in where.get(src, []) if c * ps < int(m._lens[r])]
         _check_joined(m, holders + writers, checked, field,
                       f"copy {src} -> {dst} joins pages of sequences with different histories")
     for page in sorted(scrub):

@@ -1,7 +1,7 @@
 """The device work the page manager hands to the cache: host-tier transfers (offloads of
 evicted prefix pages and swapped-out sequences, onloads of host hits and swapped-in ones),
-copy-on-write copies (after a fork or a truncation) and scrubs of released pages, in the order
-they must run, before a step's writes.
+copy-on-write copies (after a fork or a truncation) and scrubs of released pages (device and
+host pages alike), in the order they must run, before a step's writes.
 
 ``_DeviceWork`` is a mixin of `PageManager` (manager.py): it reads the manager's group tables
 and duck-types the cache (the manager never imports the storage layer).
@@ -31,8 +31,15 @@ class _DeviceWork:
             dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
         return self._per_group(srcs), self._per_group(dsts)
 
+    def has_pending_work(self) -> bool:
+        """Whether `apply_pending` has anything to run: copy-on-write copies, scrubs of released
+        device pages, or host-tier work (transfers, scrubs of released host pages)."""
+        return self._has_host_work() or any(gt.copies or gt.pool.has_pending_scrubs() for gt in self._groups)
+
     def _refuse_transfers(self, what: str) -> None:
-        if self.has_host_tier and self.has_pending_transfers():
+        # Only offloads and onloads must run before copies and device scrubs; the host scrubs a
+        # take_transfers leaves stay pending for the next one and touch no device page.
+        if self.has_pending_transfers():
             raise ValueError(f"{what}: host-tier transfers are pending and must run first (an offload reads a page a "
                              "copy or scrub overwrites); call apply_pending(cache, host=...) instead")
 
@@ -66,39 +73,19 @@ class _DeviceWork:
     def apply_pending(self, cache: Any, *, host: Any = None) -> tuple[Any, int]:
         """Apply the pending device work to ``cache`` in the required order: host-tier
         transfers (through ``host``, the `easykv.tiers.HostTier` of this cache; needed while
-        any are pending), copy-on-write copies, then scrubs. Call after building a step's
-        metadata, before its writes. Returns the updated cache (the one passed in is donated)
-        and the number of pages copied on the device.
+        any host-tier work is pending), copy-on-write copies, then scrubs of released pages,
+        device and host. Call after building a step's metadata, before its writes. Returns the
+        updated cache (the one passed in is donated) and the number of pages copied on the device.
 
         The work is forgotten only once the device has taken it: when ``cache`` is not a live
         cache of this pool (deleted by an earlier donation, another pool), or ``host`` is
-        missing or not this cache's tier, nothing is applied and everything stays pending, so a
-        retry with the right arguments still copies and scrubs (a lost copy would leave a fork
-        reading whatever its page held before)."""
+        missing, of another cache or bound to another manager (`check_host`), nothing is
+        applied and everything stays pending, so a retry with the right arguments still copies
+        and scrubs (a lost copy would leave a fork reading whatever its page held before)."""
         self.check_cache(cache, what="apply_pending's cache")  # else nothing is applied: the work stays pending
-        if self.has_host_tier and (host is not None or self.has_pending_transfers()):
-            if host is None:
-                raise ValueError("host-tier transfers are pending; pass the cache's tier: apply_pending(cache, "
-                                 "host=tier) with tier = easykv.tiers.HostTier(cache)")
-            self._check_tier(host)
-            if not (self.has_pending_transfers() or any(gt.copies or gt.pool.has_pending_scrubs()
-                                                        for gt in self._groups)):
-                host.check(cache, self.metadata)
-                return cache, 0  # nothing to run: no program dispatched this step
-            # One program for all of it, in the order the work depends on (see `easykv.tiers.host`).
-            copies = tuple(zip(*map(self._as_groups, self.pending_copies())))
-            cache = host.apply(cache, self.pending_transfers(), copies=copies,
-                               scrubs=self._as_groups(self.pending_scrubs()), manager_metadata=self.metadata)
-            self._tier = host
-            self._transfers_done()  # the tier has taken them (offloads land in its host pages later)
-            copied = sum(len(gt.copies) for gt in self._groups)
-            for gt in self._groups:
-                gt.copies.clear()
-                gt.pool.take_scrubs()
-            return cache, copied
+        self.check_host(cache, host)
         if host is not None:
-            raise ValueError("host= was given but this manager has no host-memory tier; leave it out, or create the "
-                             "metadata with a host tier (PagedAttentionCacheMetaData.create(..., host_memory_bytes=N))")
+            return self._apply_through(cache, host)
         src, dst = self.pending_copies()
         copies = sum(a.size for a in self._as_groups(src))
         if copies:
@@ -111,6 +98,27 @@ class _DeviceWork:
         for gt in self._groups:
             gt.pool.take_scrubs()
         return cache, copies
+
+    def _apply_through(self, cache: Any, host: Any) -> tuple[Any, int]:
+        """`apply_pending` with a `HostTier` that passed `check_host`: every piece of work in one
+        call of it (see `easykv.tiers.host` for the order)."""
+        if not self.has_pending_work():
+            self._bind_tier(host)
+            return cache, 0  # nothing to run: no program dispatched this step
+        copies = tuple(zip(*map(self._as_groups, self.pending_copies())))
+        cache = host.apply(cache, self.pending_transfers(), copies=copies,
+                           scrubs=self._as_groups(self.pending_scrubs()), manager_metadata=self.metadata)
+        self._bind_tier(host)
+        self._transfers_done()  # the tier has taken them (offloads land in its host pages later)
+        # The host pages those transfers left unreferenced: the tier has read them (onload
+        # sources) or drops their landing (offload destinations), so they are zeroed now and
+        # nothing of the host tier stays pending.
+        host.scrub(tuple(gt.host.take_scrubs() for gt in self._groups))
+        copied = sum(len(gt.copies) for gt in self._groups)
+        for gt in self._groups:
+            gt.copies.clear()
+            gt.pool.take_scrubs()
+        return cache, copied
 
     def _as_groups(self, value: Any) -> tuple[Any, ...]:
         return value if len(self._groups) > 1 else (value,)

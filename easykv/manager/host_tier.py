@@ -16,10 +16,21 @@ runs them (`easykv.tiers.HostTier` holds the host pages) before the step's write
 before any write: offloads read the device pages before onloads and copies overwrite them, and
 onloads read host pages before the offloads of the same call land. A transfer holds one
 reference to its host page until applied, so the host pool never hands that page out meanwhile.
+With ``scrub_released``, host pages left unreferenced are zeroed like device pages: their scrubs
+are pending work (`has_pending_work`: `apply_pending` needs the tier for them), and
+`apply_pending` zeroes the pages its own transfers leave unreferenced in the same call, so
+nothing of the host tier is pending after it.
+A host page to scrub is never an offload's destination: allocating it for one drops its scrub
+(the offload overwrites all of it).
+
+A `HostTier` serves one manager for its life: the first `apply_pending` that takes it binds it
+to this manager's token (`check_host`), and a tier bound to another manager is refused, so two
+caches of one shape cannot write into each other's host pages through a wrong ``host=``.
 
 What the tier does not do: a manager state (and so a checkpoint) does not include it; `state_dict`
 refuses while sequences are swapped out or transfers are pending, and leaves the host prefix
-cache out (a restored manager starts with an empty host tier).
+cache out (a restored manager starts with an empty host tier, and takes a new `HostTier`: the old
+one stays bound to the manager that used it).
 
 ``_HostTier`` is a mixin of `PageManager` (manager.py).
 """
@@ -78,25 +89,70 @@ class _HostTier:
         self._swapped: dict[int, SwappedSequence] = {}
         self._host_counters = dict.fromkeys(HOST_COUNTERS, 0)
         self._tier: Any = None  # the HostTier holding this manager's host pages (set by apply_pending)
+        # What a HostTier is bound to: this object, not the manager, so a clone (deep copy) or a
+        # manager rebuilt from a state gets its own and cannot write into this one's tier.
+        self._tier_key = _TierKey()
 
     def forget_host_tier(self) -> int:
         """Empty the host tier's prefix cache and detach its `HostTier` (the cache moved to another
-        placement, whose new tier holds nothing yet); returns the cached pages forgotten.
-        ValueError while sequences are swapped out or transfers are pending."""
+        placement, whose new tier holds nothing yet); returns the cached pages forgotten. With
+        ``scrub_released`` the pages it leaves (forgotten ones, released ones not zeroed yet) are
+        zeroed in the detached tier now; that tier stays bound to this manager (no other manager
+        takes it). ValueError while sequences are swapped out or transfers are pending."""
         self._require_host_tier("forget_host_tier")
         if self._swapped or self.has_pending_transfers():
             raise ValueError("sequences are swapped out or host transfers are pending; swap_in and apply_pending first")
+        held = sum(gt.host.forget_prefixes() for gt in self._groups)
+        if self._tier is not None:  # no later apply reaches the detached tier: zero what it keeps now
+            self._tier.scrub(tuple(gt.host.take_scrubs() for gt in self._groups))
         self._tier = None
-        return sum(gt.host.forget_prefixes() for gt in self._groups)
+        return held
 
-    def _check_tier(self, host: Any) -> None:
-        """``host`` must be the tier holding this manager's host pages; a new one is adopted only
-        while the host pool holds nothing (else onloads would read another tier's pages)."""
-        if host is self._tier:
+    def check_host(self, cache: Any, host: Any) -> None:
+        """ValueError unless ``host`` may carry this manager's host-tier work on ``cache``: None
+        while none is pending, else the `easykv.HostTier` of ``cache`` that holds this manager's
+        host pages. A tier is bound to the first manager whose `apply_pending` takes it, for
+        life: a tier bound to another manager (the original of a `clone` included) is refused,
+        and a tier other than the current one is taken only while no host page holds data
+        elsewhere (`forget_host_tier` detaches the current one). `apply_pending` and
+        `import_sequence` check this before anything changes."""
+        if not self.has_host_tier:
+            if host is not None:
+                raise ValueError("host= was given but this manager has no host-memory tier; leave it out, or create "
+                                 "the metadata with a host tier (PagedAttentionCacheMetaData.create(..., "
+                                 "host_memory_bytes=N))")
             return
-        if self._tier is not None and any(gt.host.num_free() < gt.host.num_pages for gt in self._groups):
-            raise ValueError("host= is not the HostTier this manager's host pages live in (apply_pending was called "
-                             "with another one before); pass that one, or forget_host_tier() to start an empty tier")
+        if host is None:
+            if self._has_host_work():
+                raise ValueError("host-tier work (transfers, or scrubs of released host pages) is pending; pass the "
+                                 "cache's tier: apply_pending(cache, host=tier) with tier = easykv.HostTier(cache)")
+            return
+        if not all(callable(getattr(host, name, None)) for name in ("apply", "check", "bind", "scrub")):
+            raise ValueError(f"host= must be the easykv.HostTier of this cache (tier = easykv.HostTier(cache), made "
+                             f"once and passed to every apply_pending), got {type(host).__name__}")
+        host.check(cache, self.metadata)
+        owner = getattr(host, "owner", None)
+        if owner is not None and owner is not self._tier_key:
+            raise ValueError("host= is a HostTier bound to another PageManager (the first one whose apply_pending "
+                             "took it; a clone() cannot write into its original's tier): its host pages hold that "
+                             "manager's sequences. Pass this manager's own tier, or make one for this cache with "
+                             "easykv.HostTier(cache)")
+        if host is not self._tier and self._host_data_elsewhere():
+            raise ValueError("host= is not the HostTier this manager's host pages live in (apply_pending took "
+                             "another one, or take_transfers moved them); pass that one, or forget_host_tier() "
+                             "to start an empty tier")
+
+    def _host_data_elsewhere(self) -> bool:
+        """Whether some host page holds data a newly taken tier would lack: any held page but a
+        pending offload's destination (its data comes with the call), or a released page the
+        current tier has not zeroed yet."""
+        return any(gt.host.num_pages - gt.host.num_free() > len(gt.offloads)
+                   or (self._tier is not None and gt.host.has_pending_scrubs()) for gt in self._groups)
+
+    def _bind_tier(self, host: Any) -> None:
+        """``host`` passed `check_host`: it holds this manager's host pages from now on."""
+        host.bind(self._tier_key)
+        self._tier = host
 
     @property
     def has_host_tier(self) -> bool:
@@ -259,8 +315,16 @@ class _HostTier:
 
     # ---- pending transfers ------------------------------------------------------------------------
     def has_pending_transfers(self) -> bool:
-        """Whether offloads or onloads wait for `apply_pending(cache, host=...)`."""
-        return any(gt.offloads or gt.onloads for gt in self._groups)
+        """Whether offloads or onloads wait for `apply_pending(cache, host=...)` (or
+        `take_transfers`): the host-tier work that reads or writes device pages, and holds pages
+        a manager state cannot (scrubs of released host pages touch neither: see
+        `has_pending_work`)."""
+        return self.has_host_tier and any(gt.offloads or gt.onloads for gt in self._groups)
+
+    def _has_host_work(self) -> bool:
+        """Transfers, or scrubs of released host pages: the work only the tier can do."""
+        return self.has_host_tier and any(gt.offloads or gt.onloads or gt.host.has_pending_scrubs()
+                                          for gt in self._groups)
 
     def pending_transfers(self) -> tuple[tuple[np.ndarray, ...], ...]:
         """Per layer group, ``(offload_src, offload_dst, onload_src, onload_dst, host_scrubs)``
@@ -277,7 +341,9 @@ class _HostTier:
         """`pending_transfers`, then count them as done (offloaded prefix pages enter the host
         prefix map): for an engine that moves the pages itself, first thing before the copies
         and scrubs (`apply_pending` does all of it with a `HostTier`). All reads before any write:
-        offload sources and onload sources are read before any destination is written."""
+        offload sources and onload sources are read before any destination is written, and host
+        scrubs land before the offloads. Host pages these transfers leave unreferenced are the
+        next call's host scrubs (`has_pending_work` says so meanwhile)."""
         self._require_host_tier("take_transfers")
         out = self.pending_transfers()
         self._transfers_done()
@@ -308,6 +374,16 @@ class _HostTier:
             cached_pages=sum(h.num_cached() for h in hosts), used_pages=sum(h.num_used() for h in hosts),
             swapped_sequences=len(self._swapped), dropped_pages=sum(gt.offloads_dropped for gt in self._groups),
             evictions=sum(h.evictions for h in hosts), **self._host_counters)
+
+
+class _TierKey:
+    """A manager's token for binding its `HostTier` (see `_HostTier.check_host`); copying makes
+    a new one."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<PageManager tier key {id(self):#x}>"
 
 
 __all__ = ["HOST_COUNTERS", "HostTierMetrics", "SwappedSequence"]

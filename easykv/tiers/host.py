@@ -19,7 +19,14 @@ device work: it gathers the pages to offload, makes the copy-on-write copies, sc
 onloaded pages and zeroes the scrubbed ones, in that order (see `HostTier.apply`). Offloaded pages are copied to the
 host asynchronously (``copy_to_host_async``) and land in the host arrays at the start of the
 next `apply` (or `flush`), so the step never waits for them; host pages are read for onloads
-only after every earlier offload has landed.
+only after every earlier offload has landed. A call with only host pages to zero runs no device
+program and returns the cache it was given.
+
+Released host pages are zeroed when the manager scrubs released pages (``scrub_released``):
+those released since the last call at its start (after earlier offloads landed), those its own
+transfers leave unreferenced right after it (`scrub`: their reads are done, and an offload still
+in flight into one is dropped). A tier serves one manager for its life (`bind`): the manager
+refuses a tier bound to another, so one cache's offload cannot overwrite another's host pages.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
 class HostTier:
     """The host pages of ``cache``'s host-memory tier (see the module doc). Made for one
     cache's metadata and placement: the cache `apply` takes must have both (a cache returned
-    by a write or an earlier `apply` of it does)."""
+    by a write or an earlier `apply` of it does). It serves one `PageManager` for its life:
+    the first whose `apply_pending` takes it (`bind`); another manager's is refused."""
 
     def __init__(self, cache: PagedAttentionCache):
         if not isinstance(cache, PagedAttentionCache):
@@ -55,6 +63,7 @@ class HostTier:
             leaves, treedef = jax.tree.flatten((cache.key_pages[g], cache.value_pages[g]))
             self._groups.append(_GroupStore(leaves, treedef, meta.group_host_pages(group), meta.page_shards))
         self._inflight: list[tuple[int, list[jax.Array], np.ndarray, np.ndarray]] = []
+        self._owner: Any = None  # the token of the manager whose host pages these are (bind)
         # Bytes of the pages moved (every layer, K, V and scales, each kv head once).
         self.bytes_offloaded = 0  # device -> host
         self.bytes_onloaded = 0  # host -> device
@@ -63,6 +72,41 @@ class HostTier:
     def host_bytes(self) -> int:
         """Bytes of host memory this process holds for the tier's pages."""
         return sum(a.nbytes for store in self._groups for shards in store.shards for a in shards.values())
+
+    @property
+    def owner(self) -> Any:
+        """The token of the `PageManager` this tier serves (None until one binds it)."""
+        return self._owner
+
+    def bind(self, owner: Any) -> None:
+        """Serve the manager holding the token ``owner`` from now on (`PageManager.apply_pending`
+        calls it); binding again with the same token is a no-op. ValueError when the tier serves
+        another manager: its pages hold that manager's sequences."""
+        if owner is None:
+            raise ValueError("bind takes the token of the PageManager this tier serves, got None")
+        if self._owner is not None and self._owner is not owner:
+            raise ValueError("this HostTier serves another PageManager already: its host pages hold that manager's "
+                             "sequences; make one for this cache with easykv.HostTier(cache)")
+        self._owner = owner
+
+    def scrub(self, pages: Any) -> None:
+        """Zero host pages now, per layer group (``pages[g]``: global host page ids), and drop any
+        offload still in flight into them: the pages hold nothing anyone reads again (released
+        after `apply` read them, or forgotten), so no later landing may refill them."""
+        if len(pages) != len(self._groups):
+            raise ValueError(f"scrub takes one array of host pages per layer group ({len(self._groups)}), got "
+                             f"{len(pages)}")
+        pages = [np.asarray(ids, np.int64).reshape(-1) for ids in pages]
+        for store, ids in zip(self._groups, pages):
+            n = store.host_local * store.replicas
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                raise ValueError(f"a host page id is outside 0..{n - 1}: {ids.tolist()}")
+        for g, (store, ids) in enumerate(zip(self._groups, pages)):
+            if ids.size:
+                for group, _, dst, _ in self._inflight:
+                    if group == g:
+                        store.cancel(dst, ids)
+                store.zero(ids)
 
     def flush(self) -> None:
         """Wait for every offload in flight and write it into the host pages."""
@@ -90,8 +134,9 @@ class HostTier:
         """Run a manager's pending work on ``cache`` (donated) and these host pages, in one
         program per call: per layer group, ``transfers`` (`PageManager.pending_transfers`),
         ``copies`` (``(src, dst)`` copy-on-write pairs) and ``scrubs`` (pages to zero). Returns the
-        new cache. Called by `PageManager.apply_pending`; everything is checked before anything
-        moves.
+        new cache (the one given when only host pages are zeroed). Called by
+        `PageManager.apply_pending` (which checks the tier is the manager's: `bind`); everything
+        here is checked before anything moves.
 
         The order is what the manager's bookkeeping relies on: offloads read the device pages
         first (an evicted page may be any later step's destination), then copies (a copy's
@@ -118,6 +163,9 @@ class HostTier:
         self.flush()  # every earlier offload lands before a host page is read or zeroed
         for store, t in zip(self._groups, transfers):
             store.zero(np.asarray(t[4], np.int64))
+        if not any(p.off_counts.any() or p.on_counts.any() for p in plans) and not any(
+                (a >= 0).any() for ids in device_ids for a in ids):
+            return cache  # host scrubs only: no device program (nor its compile) for nothing
         staged_on = [store.gather(plan) for store, plan in zip(self._groups, plans)]
         pools = tuple(jax.tree.leaves((cache.key_pages[g], cache.value_pages[g])) for g in range(len(meta.groups)))
         off_ids = tuple(jnp.asarray(p.off_src) for p in plans)
@@ -224,7 +272,8 @@ class _GroupStore:
         return out
 
     def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
-        """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``."""
+        """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``;
+        a destination one past the slice (padding, or one `cancel` dropped) gets nothing."""
         for stores, devices, a in zip(self.shards, self.devices, staged):
             done = set()
             by_device = {shard.device: shard for shard in a.addressable_shards}
@@ -233,8 +282,16 @@ class _GroupStore:
                     continue
                 done.add(key)
                 n = int(counts[r])
-                if n:
-                    stores[key][dst[r, :n]] = np.asarray(by_device[device].data)[:n]
+                keep = dst[r, :n] < self.host_local
+                if keep.any():
+                    stores[key][dst[r, :n][keep]] = np.asarray(by_device[device].data)[:n][keep]
+
+    def cancel(self, dst: np.ndarray, pages: np.ndarray) -> None:
+        """Drop the landings into the global host ``pages`` from an in-flight ``dst`` (`_split`'s
+        per-replica local ids), in place."""
+        for r in range(self.replicas):
+            mine = pages[pages // self.host_local == r] - r * self.host_local
+            dst[r][np.isin(dst[r], mine)] = self.host_local
 
     def zero(self, pages: np.ndarray) -> None:
         if not pages.size:

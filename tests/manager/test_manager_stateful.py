@@ -287,7 +287,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if version_digest(version) == version_digest(self.version):
             return  # the current one again: nothing changes
         self.version = version
-        for seq, info in self.model.items():
+        for seq, info in {**self.model, **self.swapped}.items():
             if not info["tokens"] and not self.pm.capacity(seq):  # nothing written or reserved: takes the new one
                 info["version"] = version
 

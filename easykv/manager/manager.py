@@ -509,7 +509,8 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
 
     def clone(self) -> PageManager:
         """An independent copy of this manager (to try calls on without changing it); the
-        `HostTier` it last applied work through is shared, not copied."""
+        `HostTier` it last applied work through is shared, not copied, and stays bound to this
+        manager: the clone cannot apply work through it (`check_host`)."""
         import copy
 
         return copy.deepcopy(self, {id(self._tier): self._tier} if self._tier is not None else {})

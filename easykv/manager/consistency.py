@@ -229,8 +229,10 @@ def _check_joined(m: PageManager, members: list[tuple[int, int]], checked: dict[
                   else "weight versions" if m._row_version[row] != m._row_version[first] else None)
         if differ:
             own = {"columns": "pages", "salts": "salt", "weight versions": "version"}[differ]
-            raise Broken(field or f"sequences[id={row}].{own}", f"{what}: sequences {first} and {row} hold it with different {differ} (columns {col} "
-                                f"and {c})")
+            raise Broken(field or f"sequences[id={row}].{own}",
+                         f"{what}: sequences {first} and {row} hold it with different {differ} (columns {col} and {c})")
+    if not m.enable_prefix_caching:  # no row keeps its ids then
+        return
     ends = {row: min(int(m._lens[row]), (col + 1) * ps) for row, _ in members}
     known = [row for row, _ in members if hashes.hashable[row] and int(hashes.known[row]) < ends[row]]
     if len(known) < 2:
@@ -244,8 +246,9 @@ def _check_joined(m: PageManager, members: list[tuple[int, int]], checked: dict[
         if not np.array_equal(a, b):
             at = lo + int(np.argmax(a != b))
             own = "tokens" if hashes.known[row] == 0 else "partial"
-            raise Broken(field or f"sequences[id={row}].{own}", f"{what}: they hold different tokens (sequence {row} token {int(b[at - lo])} at "
-                                f"position {at}, sequence {ref} token {int(a[at - lo])})")
+            raise Broken(field or f"sequences[id={row}].{own}",
+                         f"{what}: they hold different tokens (sequence {row} token {int(b[at - lo])} at position "
+                         f"{at}, sequence {ref} token {int(a[at - lo])})")
         checked[ref, row] = hi
 
 

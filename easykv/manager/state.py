@@ -458,9 +458,9 @@ def _read_tokens(entry: Mapping[str, Any], where: str, length: int, partial: np.
         raise _fail(f"{where}.tokens", "is given for a sequence that does not hash (its ids are not known, or prefix "
                                        "caching is off); a state keeps the ids of hashing sequences only")
     if tokens.size != length or not np.array_equal(tokens[length - partial.size:], partial):
-        raise _fail(f"{where}.tokens", f"holds {tokens.size} ids ending in {tokens[-partial.size:].tolist()}; a "
-                                       f"sequence of length {length} has {length} ending in its partial "
-                                       f"{partial.tolist()}")
+        tail = tokens[max(0, tokens.size - partial.size):].tolist()
+        raise _fail(f"{where}.tokens", f"holds {tokens.size} ids ending in {tail}; a sequence of length {length} "
+                                       f"has {length} ending in its partial {partial.tolist()}")
     return tokens
 
 

@@ -384,3 +384,20 @@ def test_a_reset_drops_the_onloads_into_the_pages_it_frees():
     pm.check_invariants()
     dev.apply(pm)
     assert pm.metrics.host.used_pages == 0 and pm.metrics.host.cached_pages == 0  # landed as a plain page
+
+
+def test_a_manager_rebuilt_from_its_state_scrubs_its_host_pages_too():
+    """The state's scrub flag reaches every pool: a restored manager's released host pages are
+    reported for zeroing like its device pages (its host pools never scrubbed)."""
+    import json
+
+    live = tiered(scrub_released=True)
+    restored = PageManager.from_state_dict(live.metadata, json.loads(json.dumps(live.state_dict())))
+    for pm in (live, restored):
+        [s] = pm.claim(1)
+        pm.build_step_metadata([s], [6])
+        pm.step([s], [list(range(6))])
+        pm.swap_out(s)
+        pm.take_transfers()
+        pm.release(s)
+        assert pm.pending_transfers()[0][4].tolist() == [1]  # its unfinished page (the full one stays cached)

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import easykv  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 8, 32, 128, 16
 

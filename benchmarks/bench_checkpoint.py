@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData  # noqa: E402
 from easykv.checkpoint.checkpointer import CacheCheckpointer, restore_cache, save_cache  # noqa: E402
 from easykv.checkpoint.integrity import fingerprints  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 

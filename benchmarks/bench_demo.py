@@ -32,7 +32,7 @@ import easykv  # noqa: E402
 from easykv.demo.engine import DenseEngine, Engine  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
 from easykv.demo.workload import make_requests  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 MAX_LEN, PAGE, BUDGET, SEQS = 256, 8, 64, 16
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import easykv  # noqa: E402
 from easykv.demo.engine import Engine, Request  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 PAGE = 8
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import easykv  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 HEADS, QHEADS, DIM, PAGE = 8, 32, 128, 16
 QUANTS = ("none", "int8", "fp8", "int4", "int4-g32")

@@ -41,7 +41,7 @@ def _setup():
     import numpy as np
 
     import easykv
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))

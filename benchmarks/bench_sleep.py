@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import easykv  # noqa: E402
 from easykv.checkpoint.checkpointer import restore_cache, save_cache  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 4, 8, 128, 16
 

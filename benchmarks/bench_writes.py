@@ -73,7 +73,7 @@ def _cache(num_pages: int, native: bool, devices: int = 8):
 
     import easykv
     from easykv.storage.pages import allocate_pages
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": devices}, devices=jax.devices()[:devices])
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))
@@ -162,7 +162,7 @@ def memory_child(num_pages: int) -> None:
     import jax.numpy as jnp
 
     import easykv
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))

@@ -27,7 +27,7 @@ from easykv.errors import (
 from easykv.manager.host_tier import HostTierMetrics
 from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics
 from easykv.spec.memory import MemoryBudget, device_memory_budget
-from easykv.spec.groups import ATTENTION_KINDS, LayerGroup, group_pattern
+from easykv.spec.groups import ATTENTION_KINDS, AttentionKind, LayerGroup, group_pattern
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
 from easykv.spec.presets import PRESETS, ModelPreset
 from easykv.spec.sizing import tokens_per_gib
@@ -39,7 +39,7 @@ from easykv.quantization import (
     get_quantizer,
     register_quantizer,
 )
-from easykv.runtime import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
+from easykv.step.metadata import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
 
 __version__ = "0.1.0"
 
@@ -65,6 +65,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ATTENTION_KINDS",
+    "AttentionKind",
     "LayerGroup",
     "ModelPreset",
     "PRESETS",

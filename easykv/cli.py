@@ -219,7 +219,7 @@ def _mesh(args: argparse.Namespace) -> Any:
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
-    from sharding import create_mesh
+    from easykv.sharding import create_mesh
 
     if args.cpu_devices is not None:
         if not 1 <= args.cpu_devices <= _MAX_CPU_DEVICES:
@@ -239,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from easykv.spec.metadata import PagedAttentionCacheMetaData, plan_layout
     from easykv.spec.sizing import tokens_per_gib
-    from sharding import PartitionAxis, PartitionManager
+    from easykv.sharding import PartitionAxis, PartitionManager
 
     layers, heads, dim, model, groups = _model_dims(args)
     memory = parse_bytes(args.memory) if args.memory is not None else None

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import easykv  # noqa: E402
 from easykv.demo.engine import Engine, Request, reference_generate  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 DOCS, DOC_TOKENS, MAX_LEN, NEW = 6, 128, 160, 4
 rng = np.random.default_rng(0)

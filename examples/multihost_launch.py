@@ -22,7 +22,7 @@ def worker() -> None:
     from jax.experimental import multihost_utils
 
     import easykv
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": jax.device_count()})
     pm = PartitionManager(PartitionAxis())

@@ -22,7 +22,7 @@ from flax import nnx  # noqa: E402
 import easykv  # noqa: E402
 from easykv.demo.engine import Engine, Request, reference_generate  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 SYSTEM = list(range(1, 25))
 PROMPTS = [SYSTEM + [100 + i] * 5 for i in range(3)]

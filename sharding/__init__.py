@@ -1,32 +1,17 @@
-"""Meshes and logical-axis -> mesh-axis sharding rules. Knows nothing of caches."""
+"""Deprecated: this package moved to ``easykv.sharding``; ``import sharding`` keeps working, with a
+DeprecationWarning, until easykv 0.3 (one release). A top-level name this generic may belong to
+another project, so easykv no longer owns it after that."""
 
-from sharding.axes import (
-    BATCH,
-    HEAD,
-    HEAD_DIM,
-    HIDDEN,
-    KV_HEAD,
-    PAGE,
-    PAGE_SIZE,
-    SEQUENCE,
-    PartitionAxis,
-)
-from sharding.manager import PartitionManager, ShardingAdjustedWarning, shard_count
-from sharding.mesh import create_mesh, mesh_axis_size
+import sys
+import warnings
 
-__all__ = [
-    "BATCH",
-    "HEAD",
-    "HEAD_DIM",
-    "HIDDEN",
-    "KV_HEAD",
-    "PAGE",
-    "PAGE_SIZE",
-    "SEQUENCE",
-    "PartitionAxis",
-    "PartitionManager",
-    "ShardingAdjustedWarning",
-    "create_mesh",
-    "mesh_axis_size",
-    "shard_count",
-]
+from easykv.sharding import *  # noqa: F403 (the same public names as before the move)
+from easykv.sharding import __all__  # noqa: F401
+from easykv.sharding import axes as _axes, manager as _manager, mesh as _mesh
+
+warnings.warn("the top-level package 'sharding' moved to 'easykv.sharding' and will be removed in easykv 0.3; "
+              "import from easykv.sharding instead", DeprecationWarning, stacklevel=2)
+# `from sharding.mesh import create_mesh` as before: the submodules are the moved ones, not copies.
+for _name, _module in (("axes", _axes), ("manager", _manager), ("mesh", _mesh)):
+    sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module

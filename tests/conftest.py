@@ -20,7 +20,7 @@ from _pytest.mark.expression import Expression  # noqa: E402  pytest's own -m se
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis.errors import InvalidArgument  # noqa: E402
 
-from sharding import create_mesh  # noqa: E402
+from easykv.sharding import create_mesh  # noqa: E402
 
 PROFILE_VARIABLE = "EASYKV_HYPOTHESIS_PROFILE"
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)

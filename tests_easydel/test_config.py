@@ -21,7 +21,7 @@ from easykv.integrations.easydel import (  # noqa: E402
     easydel_config_json,
     metadata_from_easydel_config,
 )
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 AXES = ("dp", "fsdp", "ep", "tp", "sp")
 

@@ -38,7 +38,7 @@ from easykv.integrations.easydel import (  # noqa: E402
     runtime_from_easydel,
     use_easykv,
 )
-from sharding import PartitionAxis, PartitionManager  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager  # noqa: E402
 
 
 # ---- partition managers -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Paged attention: queries attend to keys and values read through page tables.
 
-One entry point serves the three forms of :class:`~easykv.runtime.PagedAttentionMetadata`:
+One entry point serves the three forms of :class:`~easykv.step.metadata.PagedAttentionMetadata`:
 
 * **decode** (EasyDeL's decode form): ``q`` is ``(batch, num_q_heads, head_dim)``, one query per
   sequence; sequence ``b`` sees keys ``0 .. decodes_position[b]`` (its new token already written).
@@ -40,7 +40,7 @@ from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
 from easykv.attention.xla import attend_local
 from easykv.storage.pages import PageLayout
-from easykv.runtime import PagedAttentionMetadata, group_runtime
+from easykv.step.metadata import PagedAttentionMetadata, group_runtime
 
 
 # ---- public API ---------------------------------------------------------------------------------

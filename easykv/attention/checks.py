@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
 from easykv.quantization import Fp8Quantizer, Int8Quantizer, QuantizedPages, Rotation, rotation_of, scales_per_page
-from easykv.runtime import PagedAttentionMetadata, as_mixed, step_form
-from easykv.runtime_checks import check_step, dtype_of, shape_of
+from easykv.step.metadata import PagedAttentionMetadata, as_mixed, step_form
+from easykv.step.checks import check_step, dtype_of, shape_of
 from easykv.validation import integer
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from easykv.attention.checks import Config
-from easykv.runtime import PagedAttentionMetadata
+from easykv.step.metadata import PagedAttentionMetadata
 from easykv.storage.pages import read_pages
 
 

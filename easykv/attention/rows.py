@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from easykv.runtime import PagedAttentionMetadata
+from easykv.step.metadata import PagedAttentionMetadata
 
 
 class Rows(NamedTuple):

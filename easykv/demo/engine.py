@@ -30,7 +30,7 @@ from easykv.errors import CacheFullError, InvariantError
 from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
 from easykv.manager.manager import PageManager
-from easykv.runtime import PAD_POSITION
+from easykv.step.metadata import PAD_POSITION
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from flax import nnx
 
 from easykv.attention.api import view_attention
 from easykv.storage.cache import PagedAttentionCache
-from easykv.runtime import PagedAttentionMetadata
+from easykv.step.metadata import PagedAttentionMetadata
 
 VOCAB = 256  # bytes
 

@@ -31,7 +31,7 @@ from easykv.demo.workload import decode, make_requests
 from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import get_quantizer, is_compressing, scales_per_page
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
 _BARS = "▁▂▃▄▅▆▇█"
 

@@ -19,7 +19,7 @@ from easykv.spec.groups import LayerGroup, group_pattern
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.validation import parse_json, positive_int, show
-from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
+from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 VERSIONS = ("v2", "v3")
 

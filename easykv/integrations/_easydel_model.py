@@ -31,7 +31,7 @@ from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, rag
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout
 from easykv.storage.writes import scatter_kv
-from sharding import PartitionManager
+from easykv.sharding import PartitionManager
 
 RAGGED_MECHANISMS = ("ragged_page_attention_v3", "ragged_page_attention_v2")
 
@@ -219,7 +219,7 @@ def _as_config_dict(config: Any) -> dict[str, Any]:
 
 def _allocate(mesh: Any, meta: PagedAttentionCacheMetaData, pm: PartitionManager | None) -> Any:
     if pm is None:  # the layout recorded in the metadata, as rules
-        from sharding import PartitionAxis
+        from easykv.sharding import PartitionAxis
 
         pm = PartitionManager(PartitionAxis(kv_head_axis=meta.kv_head_mesh_axes or None,
                                             page_axis=meta.page_mesh_axes or None))

@@ -13,7 +13,7 @@ import numpy as np
 from easykv.errors import InvariantError
 from easykv.manager.group_table import GroupTable
 from easykv.manager.prefix_hash import iter_page_digests, version_root
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 
 if TYPE_CHECKING:
     from easykv.manager.manager import PageManager

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from easykv.manager.page_pool import PagePool
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 
 
 @dataclasses.dataclass(eq=False)

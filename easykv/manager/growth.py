@@ -16,8 +16,8 @@ import numpy as np
 
 from easykv.errors import CacheFullError
 from easykv.manager.group_table import GroupTable
-from easykv.runtime import PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
-from easykv.runtime_checks import HostChecked, check_padding, mark_checked
+from easykv.step.metadata import PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+from easykv.step.checks import HostChecked, check_padding, mark_checked
 from easykv.validation import positive_int
 
 

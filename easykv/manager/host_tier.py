@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from easykv.errors import CacheFullError
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 
 HOST_COUNTERS = ("host_hits", "host_hit_tokens", "offloaded_pages", "onloaded_pages", "swap_outs", "swap_ins")
 

@@ -47,7 +47,7 @@ from easykv.manager.windows import _Windows
 from easykv.manager.reshard import reshard_state
 from easykv.manager.prefix_hash import SequenceHashes, as_token_ids, iter_page_digests, salt_digest
 from easykv.spec import sizing
-from easykv.runtime import PAD_PAGE, increment_cache_lengths, stack_metadata  # the last two: re-exported
+from easykv.step.metadata import PAD_PAGE, increment_cache_lengths, stack_metadata  # the last two: re-exported
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, non_negative_int, show
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 
 
 def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from easykv.manager.prefix_hash import iter_page_digests, version_root
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 from easykv.validation import integer
 
 

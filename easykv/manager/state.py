@@ -38,7 +38,7 @@ from easykv.errors import ManagerStateError
 from easykv.manager.consistency import Broken, check_consistency
 from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST, version_digest
 from easykv.manager.versions import VERSION_COUNTERS
-from easykv.runtime import PAD_PAGE
+from easykv.step.metadata import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ group that did not choose its own. E.g. int8 pages for the sliding layers of a b
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any, ClassVar
 
@@ -33,7 +34,41 @@ from easykv.spec.dtypes import canonical_dtype
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
 
-ATTENTION_KINDS: tuple[str, ...] = ("full", "sliding", "chunked")
+class AttentionKind(enum.StrEnum):
+    """What a layer group's queries read, and so which pages its sequences keep (module doc).
+    A ``str``: it equals its name (``AttentionKind.SLIDING == "sliding"``) and is written as it in
+    JSON, so metadata written before the type existed reads back unchanged."""
+
+    FULL = "full"
+    SLIDING = "sliding"
+    CHUNKED = "chunked"
+
+    @property
+    def windowed(self) -> bool:
+        """Whether sequences release the pages that left the window (sliding or chunked)."""
+        return self is not AttentionKind.FULL
+
+    def first_needed_position(self, next_position: Any, window: int | None) -> Any:
+        """The first position a query at ``next_position`` or later reads (an int, or
+        elementwise for a numpy array of positions)."""
+        if self is AttentionKind.SLIDING:
+            return np.maximum(next_position - window + 1, 0)
+        if self is AttentionKind.CHUNKED:
+            return (next_position // window) * window
+        return 0
+
+    def pages_kept(self, full_pages: int, window: int | None, page_size: int) -> int:
+        """Pages a sequence of ``full_pages`` pages keeps at once: a window of W consecutive
+        tokens touches at most ``ceil((W - 1) / page_size) + 1`` pages, a page-aligned chunk of C
+        tokens exactly ``C / page_size``."""
+        if self is AttentionKind.SLIDING:
+            return min(full_pages, math.ceil((window - 1) / page_size) + 1)
+        if self is AttentionKind.CHUNKED:
+            return min(full_pages, window // page_size)
+        return full_pages
+
+
+ATTENTION_KINDS: tuple[str, ...] = tuple(kind.value for kind in AttentionKind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +83,7 @@ class LayerGroup(Serializable):
     SCHEMA_VERSION: ClassVar[int] = 2  # 2: dtype and quantization
 
     layers: tuple[int, ...] = dataclasses.field(metadata={"codec": "tuple"})
-    attention: str = "full"
+    attention: AttentionKind = AttentionKind.FULL  # a name ("sliding") is taken and converted
     window: int | None = None
     num_kv_heads: int | None = None
     key_head_dim: int | None = None
@@ -71,16 +106,18 @@ class LayerGroup(Serializable):
             twice = sorted({i for i in layers if layers.count(i) > 1})
             raise ValueError(f"layers {twice} appear twice in one group's layers {show(raw)}")
         object.__setattr__(self, "layers", tuple(sorted(layers)))
-        if self.attention not in ATTENTION_KINDS:
+        if not isinstance(self.attention, str) or self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {show(self.attention)}")
-        if self.attention == "full":
+        kind = AttentionKind(self.attention)
+        object.__setattr__(self, "attention", kind)
+        if not kind.windowed:
             if self.window is not None:
                 raise ValueError(f"a full-attention group takes no window, got window={show(self.window)}; "
                                  "use attention='sliding' or 'chunked'")
         else:
-            name = "window" if self.attention == "sliding" else "window (the chunk size)"
+            name = "window" if kind is AttentionKind.SLIDING else "window (the chunk size)"
             object.__setattr__(self, "window", positive_int(name, self.window,
-                                                            hint=f"a {self.attention} group needs its size in tokens"))
+                                                            hint=f"a {kind.value} group needs its size in tokens"))
         for name in ("num_kv_heads", "key_head_dim", "value_head_dim", "num_pages", "kv_head_shards"):
             value = getattr(self, name)
             if value is not None:
@@ -149,25 +186,19 @@ class LayerGroup(Serializable):
 
     def pages_per_sequence(self, max_tokens: int, page_size: int) -> int:
         """Pages one sequence of up to ``max_tokens`` keeps at once in one layer of this group
-        once the pages that left its window are released (the sizing unit of the group).
-
-        A window of W consecutive tokens touches at most ``ceil((W - 1) / page_size) + 1``
-        pages; a page-aligned chunk of C tokens exactly ``C / page_size``."""
-        full = math.ceil(max_tokens / page_size)
-        if self.attention == "sliding":
-            return min(full, math.ceil((self.window - 1) / page_size) + 1)
-        if self.attention == "chunked":
-            return min(full, self.window // page_size)
-        return full
+        once the pages that left its window are released (the sizing unit of the group;
+        `AttentionKind.pages_kept`)."""
+        return self.attention.pages_kept(math.ceil(max_tokens / page_size), self.window, page_size)
 
     def first_needed_position(self, next_position: Any) -> Any:
         """The first token position a query at ``next_position`` or later can still read (an
         int, or elementwise for a numpy array of positions)."""
-        if self.attention == "sliding":
-            return np.maximum(next_position - self.window + 1, 0)
-        if self.attention == "chunked":
-            return (next_position // self.window) * self.window
-        return 0
+        return self.attention.first_needed_position(next_position, self.window)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the group's sequences release pages that left its window (sliding, chunked)."""
+        return self.attention.windowed
 
 
 def check_groups(groups: tuple[LayerGroup, ...], *, num_layers: int, page_size: int) -> None:
@@ -184,7 +215,7 @@ def check_groups(groups: tuple[LayerGroup, ...], *, num_layers: int, page_size: 
                 raise ValueError(f"layer {layer} is in layer_groups[{owner[layer]}] and layer_groups[{g}]; "
                                  "a layer belongs to exactly one group")
             owner[layer] = g
-        if group.attention == "chunked" and group.window % page_size:
+        if group.attention is AttentionKind.CHUNKED and group.window % page_size:
             raise ValueError(
                 f"layer_groups[{g}] has chunk size {group.window}, not a multiple of page_size={page_size}: a page "
                 "would straddle two chunks and could be neither kept nor freed whole; use a page size that divides it")
@@ -213,4 +244,4 @@ def group_pattern(num_layers: int, pattern: Any, **kinds: dict[str, Any]) -> tup
                             **kinds[letter]) for letter in order)
 
 
-__all__ = ["ATTENTION_KINDS", "LayerGroup", "check_groups", "group_pattern"]
+__all__ = ["ATTENTION_KINDS", "AttentionKind", "LayerGroup", "check_groups", "group_pattern"]

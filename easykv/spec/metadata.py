@@ -24,7 +24,7 @@ from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
 from easykv.errors import SerializationError
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT64_MAX, positive_int, real, show
-from sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
+from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 _INT32_MAX = 2**31 - 1
 
@@ -635,7 +635,7 @@ def plan_layout(
     page_dim = math.prod(mesh.shape.get(a, 1) for a in page_axes)
     spec, report = pm.resolve_with_report((KV_HEAD, PAGE), (num_kv_heads, page_dim), mesh=mesh)
     if emit_warnings:
-        from sharding import ShardingAdjustedWarning
+        from easykv.sharding import ShardingAdjustedWarning
 
         for message in report:
             warnings.warn(message, ShardingAdjustedWarning, stacklevel=3)

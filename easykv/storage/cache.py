@@ -39,7 +39,7 @@ from easykv.storage.pages import (
     zero_pages_local,
 )
 from easykv.quantization import Quantizer, get_quantizer
-from easykv.runtime import PagedAttentionMetadata, group_runtime
+from easykv.step.metadata import PagedAttentionMetadata, group_runtime
 from easykv.storage.writes import (
     check_new_tokens,
     check_slots_on_host,
@@ -50,7 +50,7 @@ from easykv.storage.writes import (
     token_slots,
 )
 from easykv.validation import integer, page_ids
-from sharding import PartitionManager, ShardingAdjustedWarning
+from easykv.sharding import PartitionManager, ShardingAdjustedWarning
 
 
 class _EasyDeLForms:

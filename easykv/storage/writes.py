@@ -21,8 +21,8 @@ import numpy as np
 from easykv.quantization import QuantizedPages, scales_per_page
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout, encode_tokens, run_local
-from easykv.runtime import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
-from easykv.runtime_checks import check_slots, host_checked
+from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
+from easykv.step.checks import check_slots, host_checked
 
 
 def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData, group: int = 0) -> Any:
@@ -47,7 +47,7 @@ def count_dropped(slots: Any, capacity: int) -> Any:
 
 def check_slots_on_host(slots: Any, capacity: int) -> Any:
     """Host slots (a list or numpy array) checked before anything is written (see
-    `runtime_checks.check_slots`) and returned as int32; device arrays pass through."""
+    `step.checks.check_slots`) and returned as int32; device arrays pass through."""
     return slots if isinstance(slots, jax.Array) else check_slots(slots, capacity)
 
 

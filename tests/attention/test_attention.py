@@ -34,8 +34,8 @@ from easykv.attention.api import (
 )
 from easykv.attention.checks import prepare
 from easykv.attention.options import AttentionOptions
-from easykv.runtime import build_mixed
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.step.metadata import build_mixed
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.attention import (BLOCK, COLLECTIVES, GROUP, LAYOUTS, MAKERS, PAGES, PS, WIDTH, D, decode_md,
                                      make_pages, mixed_md, page_layout, prefill_md, real_rows, release_before_window)
 from tests.support.tiers import tiered

@@ -10,7 +10,7 @@ import easykv
 from easykv.attention import checks
 from easykv.attention.checks import gpu_blocks
 from easykv.quantization import get_quantizer
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.tiers import tiered
 
 HEADS, DIM, PS, PAGES, WIDTH = 2, 32, 8, 40, 8

@@ -169,7 +169,7 @@ def test_sequence_straddling_replicas_is_refused(tmp_path):
 def test_pool_that_cannot_be_split_is_refused(tmp_path):
     cache, manager, _ = engine_run("heads")
     save_cache(tmp_path, cache, manager)
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"dp": 8, "tp": 1})
     # 24 pages over 8 replicas: 3 per replica, fewer than one sequence (4 pages) needs.

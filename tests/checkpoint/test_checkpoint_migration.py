@@ -21,7 +21,7 @@ from easykv import PagedAttentionCacheMetaData, gather_kv
 from easykv.checkpoint.inspect import inspect_checkpoint
 from easykv.cli import main
 from easykv.errors import CheckpointIntegrityError
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v2_layers"
 LAYERS = 3

@@ -15,7 +15,7 @@ import pytest
 
 import easykv
 from easykv import CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaData
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.groups import GROUPS, LAYERS, PS, filled, mesh_and_rule
 
 def tokens_of(cache, m):

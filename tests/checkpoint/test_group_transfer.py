@@ -15,7 +15,7 @@ import pytest
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
 from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
-from sharding import ShardingAdjustedWarning
+from easykv.sharding import ShardingAdjustedWarning
 from tests.support.groups import GROUPS, LAYERS, PS, filled, mesh_and_rule, read, same, with_header
 
 PROMPT = list(range(11))  # what filled() committed for sequence 0 before its three decode tokens

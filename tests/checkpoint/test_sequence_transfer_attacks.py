@@ -26,7 +26,7 @@ from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 
 BF16 = np.dtype(jnp.bfloat16)
 HEADS = 8  # the "heads" and "dp" layouts

@@ -99,7 +99,7 @@ def test_inspect_reports_and_verifies_a_checkpoint(capsys, tmp_path):
     import jax.numpy as jnp
 
     import easykv
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())
@@ -122,7 +122,7 @@ def test_inspect_reports_damage_as_text_and_exits_1(capsys, tmp_path):
 
     import easykv
     from easykv.checkpoint.record import record_digest
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())

@@ -86,7 +86,7 @@ def test_engine_under_slot_pressure_keeps_the_fork_and_matches_reference():
     from easykv.demo.engine import Engine, reference_generate
     from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
     from easykv.demo.workload import make_requests
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     cfg = DemoConfig(layers=2)
     model = CompiledModel(DemoModel(cfg))
@@ -141,7 +141,7 @@ def test_scanned_and_unrolled_steps_give_the_same_logits_and_pages():
 
     import easykv
     from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     cfg = DemoConfig(layers=4, pattern="SF", window=12, scan=True)
     mesh, pm = create_mesh({"tp": 8}), PartitionManager(PartitionAxis())

@@ -25,7 +25,7 @@ import pytest
 #       PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionCacheView, PagedAttentionMetadata)
 #   from eformer.escale import PartitionAxis, PartitionManager
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionCacheView, PagedAttentionMetadata
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
 LAYERS, HEADS, DIM, PAGE, PAGES = 2, 8, 16, 4, 32
 

@@ -16,7 +16,7 @@ import pytest
 import easykv
 from easykv import CacheFullError, LayerGroup, ManagerStateError, PagedAttentionCache, PagedAttentionCacheMetaData, \
     PageManager
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.attention import numpy_attention
 from tests.support.tiers import tiered
 

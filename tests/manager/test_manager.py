@@ -15,7 +15,7 @@ import pytest
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
 from easykv.manager.manager import PageManager, increment_cache_lengths
-from easykv.runtime import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
+from easykv.step.metadata import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 from tests.support.managers import PS, make, make_meta, prefill
 
 # ---- sequence slots -------------------------------------------------------------------------------

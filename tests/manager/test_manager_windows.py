@@ -109,7 +109,7 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
 
     from tests.support.pools import mesh_for
     from easykv import PagedAttentionCache, paged_attention
-    from sharding import PartitionAxis, PartitionManager
+    from easykv.sharding import PartitionAxis, PartitionManager
 
     mesh, pm = mesh_for("heads"), PartitionManager(PartitionAxis())
     meta = PagedAttentionCacheMetaData.create(
@@ -153,7 +153,7 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
 def _window_pair(layout, kind, window, pages=12):
     from tests.support.pools import LAYOUTS, mesh_for
     from easykv import PagedAttentionCache
-    from sharding import PartitionManager
+    from easykv.sharding import PartitionManager
 
     mesh, pm = mesh_for(layout), PartitionManager(LAYOUTS[layout][1])
     meta = PagedAttentionCacheMetaData.create(

@@ -246,7 +246,7 @@ def test_checkpoint_written_by_two_processes_restores_in_one_and_back(tmp_path):
     import numpy as np
 
     import easykv
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     two = str(tmp_path / "by-two")
     outputs = launch_local([sys.executable, WORKER, "checkpoint", two, "save"], num_processes=2,

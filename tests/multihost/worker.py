@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import easykv  # noqa: E402
 from easykv.errors import LockstepError  # noqa: E402
 from easykv.distributed import assert_lockstep  # noqa: E402
-from sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 

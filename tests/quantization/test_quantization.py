@@ -17,7 +17,7 @@ from easykv.quantization import (
     get_quantizer,
     register_quantizer,
 )
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.tiers import tiered
 
 QUANTIZERS = ["int8", "fp8", "int4", "int4-g8", "int8-rot", "int4-rot", "int4-asym", "int4-g8-asym-rot", "int4-ol",

@@ -16,7 +16,7 @@ from easykv.quantization import Int4ChannelQuantizer, QuantizedPages, get_quanti
 from easykv.quantization._logstep import unpack as _unpack
 from easykv.storage import writes
 from easykv.storage.writes import scatter_page_scaled_local
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.tiers import SLOW, tiered
 
 Q = Int4ChannelQuantizer()
@@ -101,7 +101,7 @@ def assert_matches(cache, models) -> None:
 
 
 def slots_of(rt, meta) -> np.ndarray:
-    from easykv.runtime import as_mixed
+    from easykv.step.metadata import as_mixed
 
     return np.asarray(as_mixed(rt, page_size=PS, num_pages=POOL, pages_per_sequence=meta.num_pages_per_sequence)
                       .rt.slot_mapping)  # fmt: skip

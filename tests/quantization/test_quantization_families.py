@@ -183,7 +183,7 @@ def test_bytes_and_capacity(name, dim, bytes_per_token_head):
 def test_outlier_tokens_through_a_cache_with_rotation():
     """int4-rot pages written through the cache and read by attention agree with attention over
     the exact tokens within the documented bound, where plain int4 pages do not."""
-    from sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
     mesh = create_mesh({"tp": 8})
     pm = PartitionManager(PartitionAxis())

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-import sharding
-from sharding import (
+import easykv.sharding as sharding
+from easykv.sharding import (
     BATCH,
     HEAD,
     HEAD_DIM,
@@ -21,8 +21,8 @@ from sharding import (
     ShardingAdjustedWarning,
     create_mesh,
 )
-from sharding.manager import shard_count
-from sharding.mesh import mesh_axis_size
+from easykv.sharding.manager import shard_count
+from easykv.sharding.mesh import mesh_axis_size
 
 CACHE_AXES = (KV_HEAD, PAGE, PAGE_SIZE, HEAD_DIM)
 
@@ -277,3 +277,25 @@ def test_package_exports():
     assert {"PartitionAxis", "PartitionManager", "ShardingAdjustedWarning", "create_mesh"} <= set(
         sharding.__all__
     )
+
+
+def test_the_old_top_level_name_still_imports_with_a_deprecation_warning():
+    """`import sharding` (before easykv 0.2) gives the same objects, submodules included, and
+    warns once with the new name; the package installs beside easykv for one release."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    import sharding\n"
+            "    from sharding.mesh import create_mesh\n"
+            "import easykv.sharding, easykv.sharding.mesh\n"
+            "assert sharding.PartitionManager is easykv.sharding.PartitionManager\n"
+            "assert create_mesh is easykv.sharding.mesh.create_mesh\n"
+            "assert sorted(sharding.__all__) == sorted(easykv.sharding.__all__)\n"
+            "print([(w.category.__name__, str(w.message)) for w in seen])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([("DeprecationWarning", "the top-level package 'sharding' moved to "
+                                        "'easykv.sharding' and will be removed in easykv 0.3; import from "
+                                        "easykv.sharding instead")])

@@ -10,7 +10,7 @@ import pytest
 import easykv
 from easykv import LayerGroup, PagedAttentionCacheMetaData, SerializationError, group_pattern, tokens_per_gib
 from easykv.cli import main
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 
 HEADS_TP = PartitionManager(PartitionAxis(kv_head_axis="tp"))
 PAGES_DP = PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis="dp"))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from easykv import PagedAttentionCacheMetaData, SerializationError
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 
 MiB = 2**20
 EASYDEL_FIELDS = (

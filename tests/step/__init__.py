@@ -1,1 +1,1 @@
-"""Tests of the per-step metadata (``easykv.runtime``, ``easykv.runtime_checks``)."""
+"""Tests of the per-step metadata (``easykv.step.metadata``, ``easykv.step.checks``)."""

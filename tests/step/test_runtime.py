@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from easykv import PAD_SLOT, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from easykv.runtime import INVALID_SLOT
-from easykv.runtime import as_mixed
+from easykv.step.metadata import INVALID_SLOT
+from easykv.step.metadata import as_mixed
 
 META = PagedAttentionCacheMetaData(
     batch_size=4, num_hidden_layers=1, num_pages_per_layer=12, num_pages_per_sequence=4,

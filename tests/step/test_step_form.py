@@ -22,9 +22,9 @@ import pytest
 from easykv import PagedAttentionCacheMetaData, PagedAttentionMetadata, PageManager
 from easykv.attention import checks as attention_checks
 from easykv.attention.api import paged_attention, paged_attention_reference
-from easykv.runtime import INVALID_SLOT, PAD_SLOT, as_mixed, step_form
-from easykv import runtime_checks
-from easykv.runtime_checks import host_checked
+from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, as_mixed, step_form
+from easykv.step import checks as runtime_checks
+from easykv.step.checks import host_checked
 from easykv.storage import writes
 from easykv.storage.writes import token_slots
 

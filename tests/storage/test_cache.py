@@ -16,7 +16,7 @@ from tests.support.pools import (
 )  # fmt: skip
 from easykv import PagedAttentionCache, PagedAttentionCacheView, PagedAttentionMetadata, gather_kv
 from easykv.storage.pages import storage_dtype
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 
 # layout -> (spec of the pages, shape of each device's shard, number of shards)
 EXPECTED = {

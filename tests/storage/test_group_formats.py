@@ -21,7 +21,7 @@ from easykv import (CheckpointMismatchError, LayerGroup, PagedAttentionCacheMeta
                     QuantizedPages)
 from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
-from sharding import ShardingAdjustedWarning
+from easykv.sharding import ShardingAdjustedWarning
 from tests.support.attention import numpy_attention
 from tests.support.groups import (FORMAT_GROUPS, FORMATS, LAYERS, PS, create_formats, filled_formats,
                                   mesh_and_rule, read, rows_for, same, with_header)

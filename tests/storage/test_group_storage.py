@@ -16,7 +16,7 @@ import pytest
 
 import easykv
 from easykv import LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.attention import numpy_attention
 
 PS, MAX_LEN, WINDOW = 4, 32, 6
@@ -248,7 +248,7 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
         cache.views[0].write_mixed_to_cache(k0[:1], v0[:1], far)
     # built for the group, the metadata proves its ids against that group's pool (the write then
     # skips the host check) and refuses the page itself
-    from easykv.runtime_checks import host_checked
+    from easykv.step.checks import host_checked
 
     assert [host_checked(rt).num_pages for rt in step_metadata(meta, tables(meta), [0, 0], [1, 1])] == [16, 24, 24]
     with pytest.raises(ValueError, match=r"page_table.* 20.*16"):

@@ -15,7 +15,7 @@ import easykv
 from tests.support.pools import (HEAD_DIM, PAGE_SIZE, PAGES, assert_unchanged, new_cache, random_tokens, setup,
                                  snapshot)
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.tiers import SLOW
 
 

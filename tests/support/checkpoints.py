@@ -16,7 +16,7 @@ import numpy as np
 from tests.support.pools import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.manager.manager import PageManager
-from sharding import PartitionManager, ShardingAdjustedWarning
+from easykv.sharding import PartitionManager, ShardingAdjustedWarning
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,7 +148,7 @@ def flip_fixture():
     page_size 4, head_dim 8, bf16), every byte of every page random and non-zero-ish; a manager
     with live sequences, prefix pages in use and cached, a pending copy-on-write copy (a fork
     whose step was scheduled, not yet written) and a pending scrub (scrub_released)."""
-    from sharding import PartitionAxis, create_mesh
+    from easykv.sharding import PartitionAxis, create_mesh
 
     mesh = create_mesh({"tp": 2}, devices=jax.devices()[:2])
     pm = PartitionManager(PartitionAxis())

@@ -17,7 +17,7 @@ import numpy as np
 
 import easykv
 from easykv import LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 
 PS = 4
 GROUPS = (LayerGroup((0, 2), "sliding", 6, num_kv_heads=4, key_head_dim=8, value_head_dim=8, num_pages=16),

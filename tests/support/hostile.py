@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from easykv import CacheFullError, PagedAttentionMetadata
-from sharding import ShardingAdjustedWarning
+from easykv.sharding import ShardingAdjustedWarning
 from tests.support.pools import assert_unchanged, new_cache, setup, snapshot
 
 ALLOWED = (ValueError, CacheFullError)

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, gather_kv
-from sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 
 LAYERS, PAGES, PAGE_SIZE, HEAD_DIM, MAX_LEN = 2, 24, 4, 8, 16
 PAGES_PER_SEQ = MAX_LEN // PAGE_SIZE

@@ -203,7 +203,7 @@ def test_apply_pending_needs_the_tier_while_transfers_wait():
 
 
 def test_create_sizes_the_host_tier_from_host_memory():
-    from sharding import create_mesh
+    from easykv.sharding import create_mesh
 
     mesh = create_mesh({"dp": 1, "tp": 8})
     base = dict(mesh=mesh, batch_size=4, num_hidden_layers=2, max_sequences=64, page_size=16, num_kv_heads=8,

@@ -13,7 +13,7 @@ import pytest
 
 import easykv
 from easykv.storage.cache import gather_kv
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.tiers import SLOW
 
 PS = 4

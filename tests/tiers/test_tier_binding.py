@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import easykv
 from easykv.errors import CacheFullError
-from sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 
 PS, LAYERS, HEADS, DIM, MAX_LEN = 4, 2, 2, 8, 16
 PAD = MAX_LEN  # every write padded to one shape: one compile for all of them

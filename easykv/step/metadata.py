@@ -14,7 +14,7 @@ Conventions (all int32):
   * a page table entry of ``PAD_PAGE`` (-1) is an unassigned page;
   * a position is the token's index inside its sequence; -1 marks padding.
 
-Host checks (the ``for_*`` constructors, rules in `easykv.runtime_checks`): every id and length
+Host checks (the ``for_*`` constructors, rules in `easykv.step.checks`): every id and length
 is bounded exactly before any arithmetic, a table row never names one physical page twice, and no
 two real tokens of a step share a slot (a write would keep one of them, silently). What they
 proved is marked on the result, so the write and attention do not check it again. Device side,
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import jax
 import numpy as np
 
-from easykv import runtime_checks as checks
-from easykv.runtime_checks import HostChecked, check_distinct_slots, check_padding, mark_checked
+from easykv.step import checks
+from easykv.step.checks import HostChecked, check_distinct_slots, check_padding, mark_checked
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 

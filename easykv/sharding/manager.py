@@ -18,8 +18,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.axes import PartitionAxis
-from sharding.mesh import mesh_axis_size
+from easykv.sharding.axes import PartitionAxis
+from easykv.sharding.mesh import mesh_axis_size
 
 
 class ShardingAdjustedWarning(UserWarning):

@@ -1,6 +1,6 @@
 """easykv's typed errors: the page manager's, one per tier of trouble, the multi-process
-ones (`LockstepError`, raised by ``easykv.distributed.assert_lockstep``; `MultiProcessError`,
-raised by ``easykv.distributed.launch_local``), the checkpoints', and the metadata and memory
+ones (`LockstepError`, raised by ``easykv.multihost.assert_lockstep``; `MultiProcessError`,
+raised by ``easykv.multihost.launch_local``), the checkpoints', and the metadata and memory
 sizing ones (`SerializationError`, `MemoryUnavailableError`). Every public exception class of
 easykv is defined here (the modules that raise them import them from here).
 

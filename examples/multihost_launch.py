@@ -5,7 +5,7 @@ read it together.
     python examples/multihost_launch.py            # launches 2 workers and waits for them
 
 On a TPU pod slice or several GPU hosts, run the worker part on every host instead, after
-`easykv.distributed.initialize()` (arguments from the cluster environment).
+`easykv.multihost.initialize()` (arguments from the cluster environment).
 """
 
 import sys
@@ -13,7 +13,7 @@ import tempfile
 
 
 def worker() -> None:
-    from easykv.distributed import assert_lockstep, initialize_from_env
+    from easykv.multihost import assert_lockstep, initialize_from_env
 
     pid = initialize_from_env(initialization_timeout=60, heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10)
     import jax
@@ -45,7 +45,7 @@ def worker() -> None:
 
 
 def main() -> None:
-    from easykv.distributed import launch_local
+    from easykv.multihost import launch_local
 
     logs = tempfile.mkdtemp(prefix="easykv-multihost-")
     outputs = launch_local([sys.executable, __file__, "--worker"], num_processes=2, cpu_devices_per_process=4,

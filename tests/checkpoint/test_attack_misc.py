@@ -23,7 +23,7 @@ from easykv import (
     restore_cache,
     save_cache,
 )
-from easykv.distributed import assert_lockstep
+from easykv.multihost import assert_lockstep
 from easykv.validation import integer_array
 
 

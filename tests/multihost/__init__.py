@@ -1,1 +1,1 @@
-"""Tests of multi-process runs and the local launcher (``easykv.distributed``)."""
+"""Tests of multi-process runs and the local launcher (``easykv.multihost``)."""

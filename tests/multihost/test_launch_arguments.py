@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from easykv.distributed import launch_local
+from easykv.multihost import launch_local
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -1,4 +1,4 @@
-"""One worker of a 2-process run started by easykv.distributed.launch_local (see test_multihost.py).
+"""One worker of a 2-process run started by easykv.multihost.launch_local (see test_multihost.py).
 
     python tests/multihost/worker.py MODE [ARGS...]
 
@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 
-from easykv.distributed import initialize_from_env
+from easykv.multihost import initialize_from_env
 
 MODE = sys.argv[1]
 if "EASYKV_TEST_PID_DIR" in os.environ:
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import easykv  # noqa: E402
 from easykv.errors import LockstepError  # noqa: E402
-from easykv.distributed import assert_lockstep  # noqa: E402
+from easykv.multihost import assert_lockstep  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4

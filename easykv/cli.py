@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from easykv.spec.groups import ATTENTION_KINDS, AttentionKind
 from easykv.spec.presets import PRESETS
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
@@ -195,18 +196,19 @@ def _model_dims(args: argparse.Namespace) -> tuple[int, int, int, str, Any]:
 
 def _group_quantizers(args: argparse.Namespace, groups: Any) -> Any:
     """``groups`` with the quantizers ``--group-quant KIND=NAME`` gives the groups of each kind."""
-    chosen: dict[str, str] = {}
+    chosen: dict[AttentionKind, str] = {}
     for item in args.group_quant:
         kind, sep, name = item.partition("=")
-        if not sep or kind not in ("full", "sliding", "chunked") or not name:
+        if not sep or kind not in ATTENTION_KINDS or not name:
             raise UsageError(f"--group-quant {item!r}: write KIND=NAME with KIND full, sliding or chunked, e.g. full=int8")
         if kind in chosen:
             raise UsageError(f"--group-quant names {kind} twice ({chosen[kind]!r} and {name!r})")
-        chosen[kind] = name
+        chosen[AttentionKind(kind)] = name
     if not chosen:
         return groups
-    kinds = sorted({g.attention for g in groups or ()})
-    missing = sorted(set(chosen) - set(kinds))
+    # The kinds' names, not the enums: the messages list ['sliding', ...] as they always did.
+    kinds = sorted({g.attention.value for g in groups or ()})
+    missing = sorted(kind.value for kind in set(chosen) if kind not in kinds)
     if missing:
         plan = f"--preset {args.preset}{' --uniform' * args.uniform}"
         raise UsageError(f"--group-quant names {missing}, but the plan of {plan} has layer groups of kinds "
@@ -237,7 +239,8 @@ def _mesh(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
-    from easykv.spec.metadata import PagedAttentionCacheMetaData, plan_layout
+    from easykv.spec.layout import plan_layout
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
     from easykv.spec.sizing import tokens_per_gib
     from easykv.sharding import PartitionAxis, PartitionManager
 
@@ -299,7 +302,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _group_line(meta: Any, g: Any) -> str:
-    kind = {"full": "full", "sliding": f"sliding window {g.window}", "chunked": f"chunks of {g.window}"}[g.attention]
+    kind = {AttentionKind.FULL: "full", AttentionKind.SLIDING: f"sliding window {g.window}",
+            AttentionKind.CHUNKED: f"chunks of {g.window}"}[g.attention]
     dims = (f"latent of {g.key_head_dim} (value: first {g.value_head_dim})" if g.latent
             else f"K {g.key_head_dim} / V {g.value_head_dim}")
     per = g.num_pages // meta.page_shards

@@ -85,6 +85,7 @@ from easykv.errors import (
     CheckpointError,
     NotACheckpointError,
 )
+from easykv.manager.manager import PageManager
 from easykv.manager.state import summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.validation import boolean, optional_int, parse_json
@@ -119,16 +120,15 @@ def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
 
 
 def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str, Any]:
-    from easykv.manager.manager import PageManager
-
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the PageManager that schedules this cache, got {type(manager).__name__}")
     mmeta = manager.metadata
     fields = ("batch_size", "num_pages_per_layer", "page_size", "max_sequences", "page_shards")
     diff = [f"{f}: cache {getattr(meta, f)}, manager {getattr(mmeta, f, None)}" for f in fields
             if getattr(mmeta, f, None) != getattr(meta, f)]
-    pools = [(g.attention, g.window, g.num_pages) for g in meta.groups]
-    theirs = [(g.attention, g.window, g.num_pages) for g in mmeta.groups]
+    # The kind's value, not the enum: the message shows ('sliding', 6, 16) as it always did.
+    pools = [(g.attention.value, g.window, g.num_pages) for g in meta.groups]
+    theirs = [(g.attention.value, g.window, g.num_pages) for g in mmeta.groups]
     if pools != theirs:
         diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
     if diff:

@@ -6,8 +6,10 @@ latent group), dense in the cache's dtype or raw (quantized values plus compact 
 positions the group still holds: ``first_position .. length - 1`` (a sliding or chunked group
 keeps only its window). A group with its own format (`LayerGroup.dtype` / ``quantization``)
 exports in it: its ``dtype`` / ``quantization`` (None: the export's); with ``raw`` a group whose
-quantizer compresses keeps its codes and scales, any other group is dense. The file is the ``.npz`` of `SequenceExport` in format version 3;
-`SequenceExport.load` reads either kind. `easykv.checkpoint.transfer` makes and consumes exports.
+quantizer compresses keeps its codes and scales, any other group is dense. The file is the
+``.npz`` of `ExportFile` in format version 3; `SequenceExport.load` reads either kind,
+`GroupedSequenceExport.load` this one only. `easykv.checkpoint.transfer` makes and consumes
+exports.
 
 An export is input like any other: every field is checked when it is built (also from a file
 that may have been crafted), naming the field in a ValueError.
@@ -16,32 +18,17 @@ that may have been crafted), naming the field in a ValueError.
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
-from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from easykv.checkpoint.sequence_export import (
-    GROUPED_FORMAT,
-    SequenceExport,
-    _cache_dtype,
-    _checked_array,
-    _member_specs,
-    _quantizer,
-    _stored_dtype,
-    check_header_keys,
-    check_raw_exportable,
-    checked_token_ids,
-    read_array,
-    read_token_ids,
-    same_contents,
+from easykv.checkpoint.export_file import (
+    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, cache_dtype, check_header_keys, check_raw_exportable,
+    checked_part, checked_token_ids, dequantized, header_dtype, member_specs, quantizer_for, read_arrays,
+    read_token_ids, unknown_format,
 )
-from easykv.quantization import QuantizedPages, get_quantizer, is_compressing
+from easykv.quantization import get_quantizer, is_compressing
 from easykv.validation import boolean, integer, optional_int, positive_int, show
 
 _HEADER_FIELDS = ("format", "length", "dtype", "quantization", "raw", "source_page_size", "groups", "dtypes")
@@ -74,7 +61,7 @@ class ExportedGroup:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class GroupedSequenceExport:
+class GroupedSequenceExport(ExportFile):
     """One sequence's tokens and K/V from a cache of several layer groups, on the host.
 
     ``groups``: one `ExportedGroup` per layer group, together every model layer once. Every
@@ -92,7 +79,7 @@ class GroupedSequenceExport:
     def __post_init__(self) -> None:
         put = partial(object.__setattr__, self)
         length = positive_int("GroupedSequenceExport.length", self.length, hint="committed tokens of the sequence")
-        dtype = _cache_dtype("GroupedSequenceExport.dtype", self.dtype)
+        dtype = cache_dtype("GroupedSequenceExport.dtype", self.dtype)
         if not isinstance(self.quantization, str):
             raise ValueError(f"GroupedSequenceExport.quantization must be a quantizer name, got "
                              f"{show(self.quantization)}")
@@ -136,92 +123,61 @@ class GroupedSequenceExport:
         """The first position every group holds (0 when each holds the whole sequence)."""
         return max(g.first_position for g in self.groups)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, GroupedSequenceExport):
-            return NotImplemented
-        scalars = ("length", "dtype", "quantization", "raw", "source_page_size")
-        if any(getattr(self, f) != getattr(other, f) for f in scalars) or len(self.groups) != len(other.groups):
-            return False
-        if any(a.geometry() + (a.first_position, a.dtype, a.quantization)
-               != b.geometry() + (b.first_position, b.dtype, b.quantization) for a, b in zip(self.groups, other.groups)):
-            return False
-        return same_contents(self.token_ids, other.token_ids, [(g.keys, g.values) for g in self.groups],
-                             [(g.keys, g.values) for g in other.groups])
-
-    __hash__ = None  # type: ignore[assignment]  # holds arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in jax.tree.leaves([(g.keys, g.values) for g in self.groups]))
-
     def dense(self) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Per group, (keys, values) dense in the group's dtype (values None for a latent group)."""
-        out = []
+        out: list[tuple[np.ndarray, np.ndarray | None]] = []
         for i, g in enumerate(self.groups):
             dtype, q = self.group_format(i)
-
-            def decode(part: Any) -> np.ndarray | None:
-                if part is None or not self.group_raw(i):
-                    return part
-                return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
-                                                 q).dequantize(dtype))
-
-            out.append((decode(g.keys), decode(g.values)))
+            if self.group_raw(i):
+                values = None if g.values is None else dequantized(g.values, q, dtype)
+                out.append((dequantized(g.keys, q, dtype), values))
+            else:
+                out.append((g.keys, g.values))
         return out
 
-    # ---- files ---------------------------------------------------------------------------------
-    def save(self, file: Any) -> None:
-        """Write to a path or binary file (numpy .npz, format version 3; bf16/fp8 as raw bits)."""
-        arrays: dict[str, np.ndarray] = {}
-        dtypes: dict[str, str] = {}
-        for name, arr in _members(self):
-            arr = np.asarray(arr)
-            dtypes[name] = arr.dtype.name
-            arrays[name] = arr.view(_stored_dtype(arr.dtype))
-        if self.token_ids is not None:
-            arrays["token_ids"] = np.asarray(self.token_ids, np.int32)
-        header = {"format": GROUPED_FORMAT, "length": self.length, "dtype": self.dtype.name,
-                  "quantization": self.quantization, "raw": self.raw, "source_page_size": self.source_page_size,
-                  "groups": [{"layers": list(g.layers), "num_kv_heads": g.num_kv_heads,
-                              "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
-                              "latent": g.latent, "first_position": g.first_position,
-                              **({} if g.dtype is None else {"dtype": g.dtype.name}),
-                              **({} if g.quantization is None else {"quantization": g.quantization})}
-                             for g in self.groups],
-                  "dtypes": dtypes}
-        arrays["header"] = np.frombuffer(json.dumps(header).encode(), np.uint8)
-        np.savez(file, **arrays)
+    # ---- what ExportFile asks of its classes ------------------------------------------------------
+    def _scalars(self) -> tuple[Any, ...]:
+        return (self.length, self.dtype, self.quantization, self.raw, self.source_page_size,
+                tuple(g.geometry() + (g.first_position, g.dtype, g.quantization) for g in self.groups))
+
+    def _arrays(self) -> Any:
+        return [(g.keys, g.values) for g in self.groups]
+
+    def _members(self) -> list[tuple[str, Any]]:
+        out = []
+        for i, g in enumerate(self.groups):
+            for kind in ("keys", "values"):
+                data = getattr(g, kind)
+                if data is None:
+                    continue
+                for sub, arr in (data.items() if self.group_raw(i) else [("dense", data)]):
+                    out.append((f"group_{i:03d}.{kind}.{sub}", arr))
+        return out
+
+    def _header(self, dtypes: dict[str, str]) -> dict[str, Any]:
+        return {"format": GROUPED_FORMAT, "length": self.length, "dtype": self.dtype.name,
+                "quantization": self.quantization, "raw": self.raw, "source_page_size": self.source_page_size,
+                "groups": [{"layers": list(g.layers), "num_kv_heads": g.num_kv_heads,
+                            "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
+                            "latent": g.latent, "first_position": g.first_position,
+                            **({} if g.dtype is None else {"dtype": g.dtype.name}),
+                            **({} if g.quantization is None else {"quantization": g.quantization})}
+                           for g in self.groups],
+                "dtypes": dtypes}
 
     @classmethod
-    def load(cls, file: Any) -> GroupedSequenceExport:
-        """`SequenceExport.load`, for a file that must hold a grouped export."""
-        out = SequenceExport.load(file)
-        if not isinstance(out, cls):
+    def _from_header(cls, header: dict[str, Any], members: Any, read: Any, source: str) -> GroupedSequenceExport:
+        """The export a version-3 file holds."""
+        fmt = header.get("format")
+        if fmt in (EXPORT_FORMAT, WINDOW_FORMAT):
             raise ValueError("the file holds the export of a cache of one layer geometry (a SequenceExport), not a "
                              "grouped one; load it with SequenceExport.load")
-        return out
-
-    def to_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        self.save(buf)
-        return buf.getvalue()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes) -> GroupedSequenceExport:
-        if not isinstance(blob, (bytes, bytearray, memoryview)):
-            raise ValueError(f"GroupedSequenceExport.from_bytes takes bytes (from to_bytes), got {type(blob).__name__}")
-        return cls.load(io.BytesIO(bytes(blob)))
-
-    @classmethod
-    def _from_header(cls, header: dict[str, Any], members: Mapping[str, Any], read: Any,
-                     source: str) -> GroupedSequenceExport:
-        """The export a version-3 file holds (`SequenceExport.load` reads the zip and header)."""
+        if fmt != GROUPED_FORMAT:
+            raise unknown_format(fmt, source)
         check_header_keys(header, _HEADER_FIELDS, GROUPED_FORMAT, source)
         field = f"the header of {source}: field"
         length = positive_int(f"{field} 'length'", header["length"])
-        if not isinstance(header["dtype"], str):
-            raise ValueError(f"{field} 'dtype' must be a dtype name, got {header['dtype']!r:.60}")
-        dtype = _cache_dtype(f"{field} 'dtype'", header["dtype"])
+        dtype = header_dtype(header, field)
         raw = boolean(f"{field} 'raw'", header["raw"])
         source_page_size = optional_int(f"{field} 'source_page_size'", header["source_page_size"], lo=1)
         raw_groups = header["groups"]
@@ -229,38 +185,12 @@ class GroupedSequenceExport:
             raise ValueError(f"{field} 'groups' must be a list of 1..1024 group descriptions, got "
                              f"{show(raw_groups)}")
         specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        shapes = []
+        fields = []
         for i, g in enumerate(raw_groups):
-            where = f"{field} 'groups'[{i}]"
-            if not isinstance(g, dict):
-                raise ValueError(f"{where} must be an object, got {show(g)}")
-            check_header_keys(g, _GROUP_FIELDS, "exported group", f"{source} ('groups'[{i}])",
-                              optional=_GROUP_FORMAT_FIELDS)
-            if not isinstance(g["layers"], list) or not g["layers"] or len(g["layers"]) > 1 << 16:
-                raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {show(g['layers'])}")
-            layers = tuple(integer(f"{where}.layers", x, lo=0, hi=1 << 16) for x in g["layers"])
-            heads = positive_int(f"{where}.num_kv_heads", g["num_kv_heads"], hi=1 << 16)
-            dk = positive_int(f"{where}.key_head_dim", g["key_head_dim"], hi=1 << 16)
-            dv = positive_int(f"{where}.value_head_dim", g["value_head_dim"], hi=1 << 16)
-            latent = boolean(f"{where}.latent", g["latent"])
-            first = integer(f"{where}.first_position", g["first_position"], lo=0, hi=length - 1)
-            own_dtype = None if "dtype" not in g else _cache_dtype(f"{where}.dtype", g["dtype"])
-            group_dtype = dtype if own_dtype is None else own_dtype
-            named = f"{where}.quantization" if "quantization" in g else f"{field} 'quantization'"
-            quantizer = _quantizer(named, g.get("quantization", header["quantization"]), dk, group_dtype)
-            if not latent:
-                _quantizer(named, quantizer.name, dv, group_dtype)
-            specs.update(_group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, group_dtype,
-                                      quantizer, raw and is_compressing(quantizer)))
-            shapes.append((layers, heads, dk, dv, latent, first, own_dtype, g.get("quantization")))
-        names = {name: dt.name for name, (_, dt) in specs.items()}
-        if header["dtypes"] != names:
-            raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.300}, but the other fields imply {names}")
-        expected = set(specs) | {"header"} | ({"token_ids"} & set(members))
-        if set(members) != expected:
-            raise ValueError(f"{source} holds the arrays {sorted(set(members) - {'header'})}, but its header implies "
-                             f"{sorted(expected - {'header'})}")
-        arrays = {name: read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
+            group, group_specs = _group_from_header(i, g, header, field, source, length, dtype, raw)
+            specs.update(group_specs)
+            fields.append(group)
+        arrays = read_arrays(header, members, read, specs, source, field, shown=300)
 
         def part(i: int, kind: str) -> Any:
             if f"group_{i:03d}.{kind}.values" in specs:
@@ -268,15 +198,38 @@ class GroupedSequenceExport:
                 return None if got["values"] is None else got
             return arrays.get(f"group_{i:03d}.{kind}.dense")
 
-        groups = tuple(ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv,
-                                     latent=latent, first_position=first, keys=part(i, "keys"),
-                                     values=part(i, "values"), dtype=own_dtype, quantization=own_q)
-                       for i, (layers, heads, dk, dv, latent, first, own_dtype, own_q) in enumerate(shapes))
-        try:
-            return cls(length=length, groups=groups, dtype=dtype, quantization=header["quantization"], raw=raw,
-                       token_ids=read_token_ids(read, members, length), source_page_size=source_page_size)
-        except ValueError as err:
-            raise ValueError(f"{source}: {err}") from None
+        groups = tuple(ExportedGroup(**f, keys=part(i, "keys"), values=part(i, "values")) for i, f in enumerate(fields))
+        return cls._from_file(source, length=length, groups=groups, dtype=dtype, quantization=header["quantization"],
+                              raw=raw, token_ids=read_token_ids(read, members, length),
+                              source_page_size=source_page_size)
+
+
+def _group_from_header(i: int, g: Any, header: dict[str, Any], field: str, source: str, length: int,
+                       dtype: np.dtype, raw: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Group ``i`` of a version-3 header, checked: its `ExportedGroup` fields but the arrays,
+    and the (shape, dtype) of the arrays it implies."""
+    where = f"{field} 'groups'[{i}]"
+    if not isinstance(g, dict):
+        raise ValueError(f"{where} must be an object, got {show(g)}")
+    check_header_keys(g, _GROUP_FIELDS, "exported group", f"{source} ('groups'[{i}])", optional=_GROUP_FORMAT_FIELDS)
+    if not isinstance(g["layers"], list) or not g["layers"] or len(g["layers"]) > 1 << 16:
+        raise ValueError(f"{where}.layers must be a non-empty list of layer indices, got {show(g['layers'])}")
+    layers = tuple(integer(f"{where}.layers", x, lo=0, hi=1 << 16) for x in g["layers"])
+    heads = positive_int(f"{where}.num_kv_heads", g["num_kv_heads"], hi=1 << 16)
+    dk = positive_int(f"{where}.key_head_dim", g["key_head_dim"], hi=1 << 16)
+    dv = positive_int(f"{where}.value_head_dim", g["value_head_dim"], hi=1 << 16)
+    latent = boolean(f"{where}.latent", g["latent"])
+    first = integer(f"{where}.first_position", g["first_position"], lo=0, hi=length - 1)
+    own_dtype = None if "dtype" not in g else cache_dtype(f"{where}.dtype", g["dtype"])
+    group_dtype = dtype if own_dtype is None else own_dtype
+    named = f"{where}.quantization" if "quantization" in g else f"{field} 'quantization'"
+    quantizer = quantizer_for(named, g.get("quantization", header["quantization"]), dk, group_dtype)
+    if not latent:
+        quantizer_for(named, quantizer.name, dv, group_dtype)
+    specs = _group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, group_dtype, quantizer,
+                         raw and is_compressing(quantizer))
+    return dict(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv, latent=latent,
+                first_position=first, dtype=own_dtype, quantization=g.get("quantization")), specs
 
 
 def _group_specs(g: int, tokens: int, layers: int, heads: int, key_dim: int, value_dim: int | None, dtype: np.dtype,
@@ -287,22 +240,10 @@ def _group_specs(g: int, tokens: int, layers: int, heads: int, key_dim: int, val
     for kind, dim in (("keys", key_dim), ("values", value_dim)):
         if dim is None:
             continue
-        for name, spec in _member_specs(tokens, layers, heads, dim, dtype, quantizer, raw).items():
+        for name, spec in member_specs(tokens, layers, heads, dim, dtype, quantizer, raw).items():
             part, sub = name.split(".")
             if part == kind:
                 out[f"group_{g:03d}.{kind}.{sub}"] = spec
-    return out
-
-
-def _members(export: GroupedSequenceExport) -> list[tuple[str, Any]]:
-    out = []
-    for i, g in enumerate(export.groups):
-        for kind in ("keys", "values"):
-            data = getattr(g, kind)
-            if data is None:
-                continue
-            for sub, arr in (data.items() if export.group_raw(i) else [("dense", data)]):
-                out.append((f"group_{i:03d}.{kind}.{sub}", arr))
     return out
 
 
@@ -318,7 +259,7 @@ def _checked_group(g: Any, i: int, length: int, export_dtype: np.dtype, export_q
     where = f"GroupedSequenceExport.groups[{i}]"
     if not isinstance(g, ExportedGroup):
         raise ValueError(f"{where} must be an ExportedGroup, got {type(g).__name__}")
-    dtype = export_dtype if g.dtype is None else _cache_dtype(f"{where}.dtype", g.dtype)
+    dtype = export_dtype if g.dtype is None else cache_dtype(f"{where}.dtype", g.dtype)
     if g.quantization is not None and not isinstance(g.quantization, str):
         raise ValueError(f"{where}.quantization must be a quantizer name or None, got {show(g.quantization)}")
     try:
@@ -346,7 +287,7 @@ def _checked_group(g: Any, i: int, length: int, export_dtype: np.dtype, export_q
     specs = _group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, dtype, quantizer, raw)
     what = (f"{length - first} tokens x {len(layers)} layers x {heads} kv heads (K {dk}, "
             f"{'latent' if latent else f'V {dv}'}) " + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
-    parts = {}
+    parts: dict[str, Any] = {}
     for kind in ("keys", "values"):
         data = getattr(g, kind)
         name = f"{where}.{kind}"
@@ -355,16 +296,7 @@ def _checked_group(g: Any, i: int, length: int, export_dtype: np.dtype, export_q
                 raise ValueError(f"{name} must be None: a latent group stores no values")
             parts[kind] = None
             continue
-        prefix = f"group_{i:03d}.{kind}"
-        if raw:
-            if not isinstance(data, Mapping) or set(data) != {"values", "scales"}:
-                got = sorted(map(repr, data)) if isinstance(data, Mapping) else type(data).__name__
-                raise ValueError(f"{name} of a raw export must be a dict with exactly the entries 'values' and "
-                                 f"'scales', got {got}")
-            parts[kind] = {sub: _checked_array(f"{name}[{sub!r}]", data[sub], *specs[f"{prefix}.{sub}"], what)
-                           for sub in ("values", "scales")}
-        else:
-            parts[kind] = _checked_array(name, data, *specs[f"{prefix}.dense"], what)
+        parts[kind] = checked_part(name, data, specs, f"group_{i:03d}.{kind}", raw, what)
     return ExportedGroup(layers=layers, num_kv_heads=heads, key_head_dim=dk, value_head_dim=dv, latent=latent,
                          first_position=first, keys=parts["keys"], values=parts["values"],
                          dtype=None if dtype == export_dtype else dtype,

@@ -42,9 +42,9 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
-from easykv.checkpoint.reshard import group_templates, stored_template
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.pages import group_templates, page_template
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
@@ -119,6 +119,13 @@ def page_pairs(templates: Sequence[tuple[Any, Any]], leaves: Sequence[Any]) -> l
     """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per item,
     with the structure of ``templates`` (`expected_templates`; V None for a latent group)."""
     return jax.tree_util.tree_structure(list(templates)).unflatten(leaves)
+
+
+def stored_template(meta: PagedAttentionCacheMetaData, platform: str) -> Any:
+    """Shapes and storage dtypes of one layer's page array (K or V) of ``meta`` on ``platform``,
+    as checkpoint formats 1-2 hold them (uniform caches only)."""
+    shape = (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
+    return page_template(shape, meta.dtype, meta.quantizer, platform)
 
 
 def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[tuple[Any, Any]]:

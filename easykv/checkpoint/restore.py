@@ -20,7 +20,6 @@ import numpy as np
 from etils import epath
 from jax.sharding import Mesh
 
-from easykv.storage.cache import PagedAttentionCache, group_layouts
 from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
     checkpoint_path,
@@ -35,16 +34,14 @@ from easykv.checkpoint.format import (
 )
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
-from easykv.checkpoint.reshard import (
-    check_format,
-    check_same_cache,
-    convert_pages,
-    group_templates,
-    target_metadata,
-    to_storage_dtypes,
-)
+from easykv.checkpoint.reshard import check_format, check_same_cache
+from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.pages import PageLayout
+from easykv.spec.relayout import target_metadata
+from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.convert import convert_pages, to_storage_dtypes
+from easykv.storage.pages import PageLayout, group_templates
+from easykv.storage.placement import group_layouts
 from easykv.validation import boolean, show
 
 
@@ -141,8 +138,6 @@ def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCach
     state = read_manager_state(directory, step)
     if state is None:
         return None
-    from easykv.manager.manager import PageManager
-
     try:
         manager = PageManager.from_state_dict(saved, state)
     except ValueError as err:

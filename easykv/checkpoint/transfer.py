@@ -21,9 +21,10 @@ Token ids: the PageManager keeps digests, not token ids, so pass ``token_ids=`` 
 import commits the tokens with ``manager.advance`` (no prefix caching for that sequence).
 
 An export is input like any other: a `SequenceExport` checks every field when it is built
-(also by `load`, from a file that may have been crafted; the class and its file format live in
-`easykv.checkpoint.sequence_export`), and `import_sequence` checks the export, the cache, the
-manager and its own arguments before it changes anything. A failed call leaves the manager
+(also by `load`, from a file that may have been crafted; the classes live in
+`easykv.checkpoint.sequence_export` and `grouped_export`, their file format in `export_file`),
+and `import_sequence` checks the export, the cache, the manager and its own arguments before it
+changes anything. A failed call leaves the manager
 (``state_dict()`` equal), the cache (not donated) and the export as they were.
 """
 
@@ -37,16 +38,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.checkpoint.export_file import TOKEN_HINT, check_raw_exportable
 from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
-from easykv.checkpoint.sequence_export import TOKEN_HINT, SequenceExport, check_raw_exportable
-from easykv.storage.cache import PagedAttentionCache, group_layouts
+from easykv.checkpoint.sequence_export import SequenceExport
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
-from easykv.storage.pages import encode_tokens, from_storage, read_pages, to_storage
 from easykv.manager.prefix_hash import salt_digest
 from easykv.quantization import QuantizedPages, is_compressing
-from easykv.validation import INT32_MAX, boolean, integer, integer_array, show
+from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.pages import encode_tokens, from_storage, read_pages, to_storage
+from easykv.storage.placement import group_layouts
 from easykv.storage.writes import scatter_encoded  # the encoded-token scatter every write uses
+from easykv.validation import INT32_MAX, boolean, integer, integer_array, show
 
 
 def _pow2(n: int) -> int:
@@ -271,7 +274,7 @@ def _check_import(meta: Any, exported: SequenceExport | GroupedSequenceExport) -
     for g, (group, (_, first)) in enumerate(zip(meta.groups, theirs)):
         need = int(group.first_needed_position(exported.length))
         if first > need:
-            reach = ("reads every position" if group.attention == "full"
+            reach = ("reads every position" if not group.windowed
                      else f"({group.attention}, window {group.window}) reads from position {need}")
             where = "the target cache" if len(meta.groups) == 1 else f"layer group {g} of the target cache"
             raise ValueError(f"the export holds positions {first}..{exported.length - 1} only (it comes "
@@ -379,6 +382,46 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     manager that is not the cache's) or CacheFullError (no sequence slot, or too few pages in
     the pool or in the data-parallel replica the sequence would live in), the manager is as
     before (``state_dict()`` equal) and the cache is neither donated nor written."""
+    meta, exported, needed, reuse_prefix, seq_id = _checked_import(cache, manager, exported, seq_id, salt,
+                                                                   reuse_prefix, host)
+    # A sliding or chunked target keeps the pages from its window's first page on: the sequence
+    # resumes there. It, or an export holding only a window, lacks the early tokens that prefix
+    # keys are made of: such a sequence is neither matched nor entered in the prefix cache.
+    windowed = all(g.windowed for g in meta.groups)
+    start = min(needed) // meta.page_size * meta.page_size if windowed else 0
+    whole = start == 0 and exported.first_position == 0
+    tokens = exported.token_ids if whole else None
+    match = tokens if (tokens is not None and reuse_prefix) else None
+    # Without the prefix match, written pages would be keyed under no salt: commit their ids
+    # only when that is the namespace asked for.
+    commit_ids = tokens is not None and (reuse_prefix or salt is None)
+    exact, parts, firsts = _rows_to_write(meta, exported)
+    if not _room(manager, meta, exported.length, match, salt, start // meta.page_size):
+        # Only the manager knows whether the pages its prefix match shares leave room in that
+        # replica; ask it on a copy so that a refusal leaves the real one untouched (a release
+        # after match_prefix would not restore its counters and LRU order).
+        _admit(manager.clone(), seq_id, match, salt, exported.length, start)
+    # Checked: from here on nothing fails for a reason the caller could have avoided.
+    seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
+    spans = _spans(parts, firsts, done, n)
+    try:
+        cache, _ = manager.apply_pending(cache, host=host)
+        cache = _write_rows(cache, meta, spans, exact, step_meta, seq, n)
+    except BaseException:
+        manager.release(seq)
+        raise
+    if commit_ids:
+        manager.step([seq], [tokens[done:]])
+    else:
+        manager.advance(seq, n)
+    return cache, seq
+
+
+def _checked_import(cache: Any, manager: Any, exported: Any, seq_id: Any, salt: Any, reuse_prefix: Any,
+                    host: Any) -> tuple[Any, SequenceExport | GroupedSequenceExport, list[int], bool, int | None]:
+    """`import_sequence`'s arguments checked, nothing changed: (the cache's metadata, the export
+    checked again, each group's first needed position (`_check_import`), ``reuse_prefix``,
+    ``seq_id``)."""
     meta = _check_pair(cache, manager)
     if manager.has_host_tier and host is None:
         raise ValueError("this manager has a host-memory tier: pass its HostTier (import_sequence(..., host=tier)); "
@@ -386,7 +429,6 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     manager.check_host(cache, host)  # before the admission below changes prefix counters and LRU order
     exported = _checked_export(exported)
     needed = _check_import(meta, exported)
-    grouped = isinstance(exported, GroupedSequenceExport)
     reuse_prefix = boolean("reuse_prefix", reuse_prefix)
     salt_digest(salt)  # ValueError for a salt the prefix cache cannot key
     if seq_id is not None:
@@ -399,24 +441,19 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         raise CacheFullError(f"importing a sequence needs a free sequence slot but all batch_size={meta.batch_size} "
                              "are claimed; release finished sequences first", resource="sequence slots", needed=1,
                              available=0)
-    # A sliding or chunked target keeps the pages from its window's first page on: the sequence
-    # resumes there. It, or an export holding only a window, lacks the early tokens that prefix
-    # keys are made of: such a sequence is neither matched nor entered in the prefix cache.
-    windowed = all(g.attention != "full" for g in meta.groups)
-    start = min(needed) // meta.page_size * meta.page_size if windowed else 0
-    whole = start == 0 and exported.first_position == 0
-    tokens = exported.token_ids if whole else None
-    match = tokens if (tokens is not None and reuse_prefix) else None
-    # Without the prefix match, written pages would be keyed under no salt: commit their ids
-    # only when that is the namespace asked for.
-    commit_ids = tokens is not None and (reuse_prefix or salt is None)
-    # Per layer group: (keys, values or None, first position held): a group's raw codes where
-    # the target group has the same quantizer (bit-exact), else dense in the target group's dtype.
+    return meta, exported, needed, reuse_prefix, seq_id
+
+
+def _rows_to_write(meta: Any, exported: SequenceExport | GroupedSequenceExport
+                   ) -> tuple[list[bool], list[tuple[Any, Any]], list[int]]:
+    """Per layer group: whether its raw codes go in as they are, its (keys, values or None)
+    rows, the first position they hold. A group's raw codes where the target group has the same
+    quantizer (bit-exact), else dense rows in the target group's dtype."""
     formats = meta.group_formats
-    if grouped:
+    if isinstance(exported, GroupedSequenceExport):
         exact = [exported.group_raw(i) and exported.group_format(i)[1].name == formats[i][1]
                  for i in range(len(exported.groups))]
-        dense = exported.dense() if not all(exact) else None
+        dense = exported.dense() if not all(exact) else []
         parts = [(g.keys, g.values) if ok else dense[i] for i, (g, ok) in enumerate(zip(exported.groups, exact))]
         firsts = [g.first_position for g in exported.groups]
     else:
@@ -425,16 +462,13 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
         firsts = [exported.first_position]
     parts = [(k, v) if ok else (np.asarray(k).astype(dt), None if v is None else np.asarray(v).astype(dt))
              for (k, v), ok, (dt, _) in zip(parts, exact, formats)]
+    return exact, parts, firsts
 
-    if not _room(manager, meta, exported.length, match, salt, start // meta.page_size):
-        # Only the manager knows whether the pages its prefix match shares leave room in that
-        # replica; ask it on a copy so that a refusal leaves the real one untouched (a release
-        # after match_prefix would not restore its counters and LRU order).
-        _admit(manager.clone(), seq_id, match, salt, exported.length, start)
-    # Checked: from here on nothing fails for a reason the caller could have avoided.
-    seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
-    # Positions done .. length - 1 are written; a group's export holds first .. length - 1.
-    # Those before its first lie before the target group's window (checked): zeros fill them.
+
+def _spans(parts: list[tuple[Any, Any]], firsts: list[int], done: int, n: int) -> list[tuple[Any, Any]]:
+    """Each group's rows of positions ``done .. done + n - 1`` (what the import writes), padded
+    to the write's token count. A group's rows start at its first position: those before it lie
+    before the target group's window (checked), and zeros fill them."""
     pad = _pow2(n) - n
 
     def spanner(first: int) -> Any:
@@ -446,28 +480,25 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
 
         return span
 
-    spans = [(jax.tree.map(spanner(f), k), None if v is None else jax.tree.map(spanner(f), v))
-             for (k, v), f in zip(parts, firsts)]
-    rts = step_meta if len(meta.groups) > 1 else (step_meta,)
-    try:
-        cache, _ = manager.apply_pending(cache, host=host)
-        if any(exact):
-            slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
-            cache = _write_raw(cache, tuple(spans), slots)
-        else:
-            keys, values = _per_layer(meta, spans)
-            cache, dropped = cache.write(keys, values, step_meta)
-            if int(dropped):
-                raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}",
-                                     where="import_sequence")
-    except BaseException:
-        manager.release(seq)
-        raise
-    if commit_ids:
-        manager.step([seq], [tokens[done:]])
-    else:
-        manager.advance(seq, n)
-    return cache, seq
+    return [(jax.tree.map(spanner(f), k), None if v is None else jax.tree.map(spanner(f), v))
+            for (k, v), f in zip(parts, firsts)]
+
+
+def _write_rows(cache: PagedAttentionCache, meta: Any, spans: list[tuple[Any, Any]], exact: list[bool],
+                step_meta: Any, seq: int, n: int) -> PagedAttentionCache:
+    """The spans written into the pages the step metadata gives the sequence (the cache is
+    donated): raw codes as they are when any group keeps them, else through ``cache.write``."""
+    if any(exact):
+        rts = step_meta if len(meta.groups) > 1 else (step_meta,)
+        slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
+        written: PagedAttentionCache = _write_raw(cache, tuple(spans), slots)
+        return written
+    keys, values = _per_layer(meta, spans)
+    cache, dropped = cache.write(keys, values, step_meta)
+    if int(dropped):
+        raise InvariantError(f"import_sequence dropped {int(dropped)} of {n} tokens of sequence {seq}",
+                             where="import_sequence")
+    return cache
 
 
 __all__ = ["SequenceExport", "export_sequence", "import_sequence"]

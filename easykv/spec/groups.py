@@ -43,6 +43,10 @@ class AttentionKind(enum.StrEnum):
     SLIDING = "sliding"
     CHUNKED = "chunked"
 
+    def __repr__(self) -> str:
+        # As the name it equals: messages, `show` and a LayerGroup's repr read as they did before.
+        return repr(self.value)
+
     @property
     def windowed(self) -> bool:
         """Whether sequences release the pages that left the window (sliding or chunked)."""

@@ -1,9 +1,11 @@
-"""The static description of a paged cache, and the sizing of its pool from device memory.
+"""The static description of a paged cache: `PagedAttentionCacheMetaData`, its checks and the
+figures that follow from it.
 
 `PagedAttentionCacheMetaData` keeps EasyDeL's field names so that EasyDeL users can switch by
 changing imports, and adds what a sharded pool needs: the cache dtype, the quantizer, and how
 kv heads and pages are split over the mesh. The per-device figures follow from those fields, so
-they are properties, never stored twice.
+they are properties, never stored twice. Sizing the pool from device memory (`create`) lives in
+``create.py``, the mesh plan (`plan_layout`, re-exported here) in ``layout.py``.
 """
 
 from __future__ import annotations
@@ -11,22 +13,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from easykv.errors import SerializationError
+from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
+from easykv.sharding import PartitionManager
+from easykv.spec.create import create_metadata
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.spec.groups import LayerGroup, check_groups
-from easykv.spec.memory import MemoryBudget, device_memory_budget, devices_per_host
-from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
-from easykv.errors import SerializationError
+from easykv.spec.layout import LayoutPlan, plan_layout  # re-exported: the metadata's public companions
+from easykv.spec.memory import MemoryBudget  # re-exported
 from easykv.spec.serialization import Serializable
-from easykv.validation import INT64_MAX, positive_int, real, show
-from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
-
-_INT32_MAX = 2**31 - 1
+from easykv.validation import INT32_MAX, INT64_MAX, positive_int, real, show
 
 _EASYDEL_FIELDS = (
     "batch_size", "num_hidden_layers", "num_pages_per_layer", "num_pages_per_sequence",
@@ -128,7 +129,7 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"{self.num_pages_per_sequence} (max_sequences={self.max_sequences}, page_size="
                 f"{self.page_size}); give the cache more memory or lower max_sequences"
             )
-        if self.num_pages_per_layer * self.page_size > _INT32_MAX:
+        if self.num_pages_per_layer * self.page_size > INT32_MAX:
             raise ValueError(
                 f"num_pages_per_layer * page_size = {self.num_pages_per_layer * self.page_size} "
                 "slots exceeds int32 slot ids; use fewer pages per layer"
@@ -187,7 +188,7 @@ class PagedAttentionCacheMetaData(Serializable):
 
     def _check_host_tier(self) -> None:
         """A host tier gives every group at least one host page per data-parallel replica."""
-        n = positive_int("host_pages_per_layer", self.host_pages_per_layer, hi=_INT32_MAX // self.page_size,
+        n = positive_int("host_pages_per_layer", self.host_pages_per_layer, hi=INT32_MAX // self.page_size,
                          hint="pages of the host-memory tier (None: no tier)")
         object.__setattr__(self, "host_pages_per_layer", n)
         if n % self.page_shards:
@@ -232,7 +233,7 @@ class PagedAttentionCacheMetaData(Serializable):
         # Bytes per device of one host page per layer of the largest pool, every group scaled alike.
         unit = sum(self.group_page_bytes(g) * g.num_layers * g.num_pages for g in self.groups) / self.num_pages_per_layer
         per_replica = int(budget // local / unit) // self.page_shards  # pages of the largest pool, per replica slice
-        per_replica = min(per_replica, _INT32_MAX // self.page_size // self.page_shards)
+        per_replica = min(per_replica, INT32_MAX // self.page_size // self.page_shards)
         smallest = min(g.num_pages for g in self.groups)
         need = -(-self.num_pages_per_layer // smallest)  # one page per replica in the smallest group
         if per_replica < need:
@@ -458,56 +459,13 @@ class PagedAttentionCacheMetaData(Serializable):
         prefix pages and swapped-out sequences; see `PageManager`), shared by the mesh devices
         of that host; None (the default): no tier. Too little for one page is an error.
         """
-        if host_memory_bytes is not None:
-            meta = cls.create(mesh, batch_size, num_hidden_layers, max_sequences, page_size, num_kv_heads,
-                              kv_head_dim_size, hbm_utilization, dtype, partition_manager=partition_manager,
-                              quantizer=quantizer, memory_bytes_per_device=memory_bytes_per_device,
-                              num_pages_per_layer=num_pages_per_layer, layer_groups=layer_groups)
-            return meta.with_host_memory(host_memory_bytes, devices_per_host(mesh))
-        if layer_groups is not None:
-            return _create_grouped(cls, mesh, layer_groups, dict(
-                batch_size=batch_size, num_hidden_layers=num_hidden_layers, max_sequences=max_sequences,
-                page_size=page_size, num_kv_heads=num_kv_heads, kv_head_dim_size=kv_head_dim_size,
-                hbm_utilization=hbm_utilization, dtype=dtype, partition_manager=partition_manager,
-                quantizer=quantizer, memory_bytes_per_device=memory_bytes_per_device,
-                num_pages_per_layer=num_pages_per_layer))
-        plan = plan_layout(
-            mesh, num_kv_heads=num_kv_heads, partition_manager=partition_manager, emit_warnings=True
-        )
-        model = (batch_size, num_hidden_layers, max_sequences, page_size, num_kv_heads, kv_head_dim_size)
-        base = dict(zip(("batch_size", "num_hidden_layers", "max_sequences", "page_size", "num_kv_heads",
-                         "kv_head_dim_size"), model))
-        base.update(hbm_utilization=hbm_utilization, dtype=dtype, quantization=get_quantizer(quantizer).name,
-                    **{f: getattr(plan, f) for f in ("kv_head_mesh_axes", "kv_head_shards", "page_mesh_axes",
-                                                      "page_shards")})
-        for name in ("max_sequences", "page_size"):
-            positive_int(name, base[name])
-        pages_per_sequence = math.ceil(max_sequences / page_size)
-        if num_pages_per_layer is not None:
-            return cls(**base, num_pages_per_sequence=pages_per_sequence,
-                       num_pages_per_layer=positive_int("num_pages_per_layer", num_pages_per_layer))
-        # Validate every field with a one-page pool before asking the devices for memory.
-        probe = cls(**base, num_pages_per_sequence=pages_per_sequence,
-                    num_pages_per_layer=plan.page_shards * pages_per_sequence)
-        # An explicit budget needs no devices, so an AbstractMesh can plan a pod from a laptop.
-        devices = () if memory_bytes_per_device is not None else tuple(mesh.devices.flat)
-        budget = device_memory_budget(
-            devices, probe.hbm_utilization, memory_bytes_per_device=memory_bytes_per_device
-        )
-        per_page_all_layers = probe.page_bytes_per_device * probe.num_hidden_layers
-        pages_per_shard = budget.per_device_bytes // per_page_all_layers
-        # Slot ids are int32: a budget larger than that can address is capped, not an error.
-        pages_per_shard = min(pages_per_shard, _INT32_MAX // page_size // plan.page_shards)
-        if pages_per_shard < pages_per_sequence:
-            raise ValueError(
-                f"the memory budget holds {pages_per_shard} pages per device but one sequence of "
-                f"max_sequences={max_sequences} tokens needs {pages_per_sequence} "
-                f"({per_page_all_layers} bytes per page across {num_hidden_layers} layers; budget "
-                f"{budget.detail}); raise hbm_utilization or memory_bytes_per_device, or lower max_sequences"
-            )
-        return cls(**base, num_pages_per_sequence=pages_per_sequence,
-                   num_pages_per_layer=pages_per_shard * plan.page_shards,
-                   memory_bytes_per_device=budget.per_device_bytes)
+        meta: PagedAttentionCacheMetaData = create_metadata(
+            cls, mesh, batch_size=batch_size, num_hidden_layers=num_hidden_layers, max_sequences=max_sequences,
+            page_size=page_size, num_kv_heads=num_kv_heads, kv_head_dim_size=kv_head_dim_size,
+            hbm_utilization=hbm_utilization, dtype=dtype, partition_manager=partition_manager, quantizer=quantizer,
+            memory_bytes_per_device=memory_bytes_per_device, num_pages_per_layer=num_pages_per_layer,
+            layer_groups=layer_groups, host_memory_bytes=host_memory_bytes, stacklevel=3)
+        return meta
 
     @classmethod
     def _upgrade(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -524,135 +482,6 @@ class PagedAttentionCacheMetaData(Serializable):
         if missing:
             raise SerializationError(f"EasyDeL cache metadata JSON is missing fields {missing}")
         return {**data, "__schema__": cls.SCHEMA, "__version__": cls.SCHEMA_VERSION}
-
-
-def _create_grouped(cls: Any, mesh: Any, layer_groups: Any, args: dict[str, Any]) -> PagedAttentionCacheMetaData:
-    """`create` with layer groups: each group's head split on ``mesh``, then its pool sized."""
-    if isinstance(layer_groups, LayerGroup) or not isinstance(layer_groups, (tuple, list)) or not layer_groups:
-        raise ValueError(f"layer_groups must be a non-empty sequence of LayerGroup, got {show(layer_groups)}")
-    for i, g in enumerate(layer_groups):
-        if not isinstance(g, LayerGroup):
-            raise ValueError(f"layer_groups[{i}] must be a LayerGroup, got {type(g).__name__}")
-    heads, dim = positive_int("num_kv_heads", args["num_kv_heads"]), positive_int("kv_head_dim_size",
-                                                                                   args["kv_head_dim_size"])
-    groups = [g.filled(num_kv_heads=heads, head_dim=dim) for g in layer_groups]
-    uniform = (len(groups) == 1 and groups[0].attention == "full" and not groups[0].latent
-               and (groups[0].num_kv_heads, groups[0].key_head_dim, groups[0].value_head_dim) == (heads, dim, dim))
-    if uniform:  # today's cache: EasyDeL's fields say it all (its own format is the cache's)
-        if groups[0].dtype is not None:
-            args["dtype"] = groups[0].dtype
-        if groups[0].quantization is not None:
-            args["quantizer"] = groups[0].quantization
-        check_groups(tuple(groups), num_layers=positive_int("num_hidden_layers", args["num_hidden_layers"]),
-                     page_size=positive_int("page_size", args["page_size"]))
-        if args["num_pages_per_layer"] is None and groups[0].num_pages is not None:
-            args["num_pages_per_layer"] = groups[0].num_pages
-        return cls.create(mesh, **{k: args.pop(k) for k in (
-            "batch_size", "num_hidden_layers", "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size",
-            "hbm_utilization", "dtype")}, **args)
-    pm, explicit = args["partition_manager"], [g.num_pages is not None for g in groups]
-    if args["num_pages_per_layer"] is not None:
-        raise ValueError("with layer_groups give each LayerGroup its num_pages (or none, to size them from "
-                         f"memory), not num_pages_per_layer={show(args['num_pages_per_layer'])}")
-    if any(explicit) and not all(explicit):
-        raise ValueError(f"layer_groups {[i for i, e in enumerate(explicit) if not e]} have no num_pages but the "
-                         "others do; give every group num_pages or none (then memory sizes them)")
-    plans = [plan_layout(mesh, num_kv_heads=g.num_kv_heads, partition_manager=pm, emit_warnings=True) for g in groups]
-    top = plan_layout(mesh, num_kv_heads=max(g.num_kv_heads for g in groups), partition_manager=pm,
-                      emit_warnings=False)
-    groups = [dataclasses.replace(g, kv_head_mesh_axes=p.kv_head_mesh_axes, kv_head_shards=p.kv_head_shards)
-              for g, p in zip(groups, plans)]
-    page_size, length = positive_int("page_size", args["page_size"]), positive_int("max_sequences",
-                                                                                    args["max_sequences"])
-    shards = top.page_shards
-    need = [g.pages_per_sequence(length, page_size) for g in groups]
-    base = dict(batch_size=args["batch_size"], num_hidden_layers=args["num_hidden_layers"], max_sequences=length,
-                page_size=page_size, num_kv_heads=max(g.num_kv_heads for g in groups),
-                kv_head_dim_size=max(g.key_head_dim for g in groups), hbm_utilization=args["hbm_utilization"],
-                dtype=args["dtype"], quantization=get_quantizer(args["quantizer"]).name,
-                kv_head_mesh_axes=top.kv_head_mesh_axes, kv_head_shards=top.kv_head_shards,
-                page_mesh_axes=top.page_mesh_axes, page_shards=shards,
-                num_pages_per_sequence=math.ceil(length / page_size))
-
-    def build(pages: list[int], **extra: Any) -> PagedAttentionCacheMetaData:
-        sized = tuple(dataclasses.replace(g, num_pages=p) for g, p in zip(groups, pages))
-        return cls(**base, num_pages_per_layer=max(pages), layer_groups=sized, **extra)
-
-    if all(explicit):
-        return build([g.num_pages for g in groups])
-    probe = build([shards * n for n in need])  # every field checked before memory is asked
-    devices = () if args["memory_bytes_per_device"] is not None else tuple(mesh.devices.flat)
-    budget = device_memory_budget(devices, probe.hbm_utilization,
-                                  memory_bytes_per_device=args["memory_bytes_per_device"])
-    # One "unit" is what one max-length sequence costs a device in every group: each group gets
-    # pages for the same number of units, so no group runs out before the others.
-    unit = probe.bytes_per_sequence(length)
-    cap = _INT32_MAX // page_size // shards
-    per_shard = [min(budget.per_device_bytes * n // unit, cap) for n in need]
-    short = [i for i, (p, n) in enumerate(zip(per_shard, need)) if p < n]
-    if short:
-        raise ValueError(
-            f"the memory budget ({budget.detail}) holds less than one sequence of max_sequences={length} tokens: "
-            f"one needs {unit} bytes per device ({probe._cost_detail()} per sequence); raise hbm_utilization or "
-            "memory_bytes_per_device, or lower max_sequences")
-    return build([p * shards for p in per_shard], memory_bytes_per_device=budget.per_device_bytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutPlan:
-    """How the kv-head and page axes of the pages map onto a mesh."""
-
-    kv_head_mesh_axes: tuple[str, ...]
-    kv_head_shards: int
-    page_mesh_axes: tuple[str, ...]
-    page_shards: int
-    adjustments: tuple[str, ...]
-
-
-def plan_layout(
-    mesh: Any,
-    *,
-    num_kv_heads: int,
-    partition_manager: PartitionManager | None,
-    emit_warnings: bool,
-) -> LayoutPlan:
-    """Resolve the kv-head and page axes against ``mesh``, reporting every adjustment."""
-    positive_int("num_kv_heads", num_kv_heads)
-    if not isinstance(getattr(mesh, "shape", None), Mapping):  # Mesh and AbstractMesh map axis -> size
-        raise ValueError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {show(mesh)}; for one device "
-                         "use sharding.create_mesh({'tp': 1}, devices=jax.devices()[:1])")
-    if partition_manager is not None and not isinstance(partition_manager, PartitionManager):
-        hint = ""
-        if type(partition_manager).__module__.startswith(("eformer", "easydel")):
-            hint = (" (an eformer/EasyDeL one converts with easykv.integrations.easydel."
-                    "partition_manager_from_easydel(pm, mesh=mesh))")
-        raise ValueError(f"partition_manager must be a sharding.PartitionManager or None, got "
-                         f"{type(partition_manager).__name__}{hint}")
-    pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
-    page_axes = pm.paxis.mesh_axes(PAGE)
-    # The page axis length is chosen by sizing, always as a multiple of its shard count, so
-    # only axes missing from the mesh can be dropped there.
-    page_dim = math.prod(mesh.shape.get(a, 1) for a in page_axes)
-    spec, report = pm.resolve_with_report((KV_HEAD, PAGE), (num_kv_heads, page_dim), mesh=mesh)
-    if emit_warnings:
-        from easykv.sharding import ShardingAdjustedWarning
-
-        for message in report:
-            warnings.warn(message, ShardingAdjustedWarning, stacklevel=3)
-    head_axes, page_axes_kept = (_entry_axes(e) for e in spec)
-    return LayoutPlan(
-        kv_head_mesh_axes=head_axes,
-        kv_head_shards=math.prod(mesh.shape[a] for a in head_axes),
-        page_mesh_axes=page_axes_kept,
-        page_shards=math.prod(mesh.shape[a] for a in page_axes_kept),
-        adjustments=tuple(report),
-    )
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 __all__ = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from easykv.spec.groups import LayerGroup, group_pattern
+from easykv.spec.groups import AttentionKind, LayerGroup, group_pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +31,10 @@ class ModelPreset:
         return self.pattern == "F"
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
-        kinds = {"F": dict(attention="full"), "S": dict(attention="sliding", window=self.window),
-                 "C": dict(attention="chunked", window=self.window),
-                 "L": dict(attention="full", latent=True, value_head_dim=self.value_head_dim)}
+        kinds = {"F": dict(attention=AttentionKind.FULL),
+                 "S": dict(attention=AttentionKind.SLIDING, window=self.window),
+                 "C": dict(attention=AttentionKind.CHUNKED, window=self.window),
+                 "L": dict(attention=AttentionKind.FULL, latent=True, value_head_dim=self.value_head_dim)}
         return group_pattern(self.layers, self.pattern, **{k: v for k, v in kinds.items() if k in self.pattern})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.validation import INT64_MAX, non_negative_int, positive_int
 
 
@@ -34,8 +35,6 @@ def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> flo
     """Tokens of ``context``-token sequences one GiB of a device holds, once the pages that
     left a window are released; ``uniform``: the same model with every layer full attention
     (its groups' geometry kept), the baseline a grouped cache is measured against."""
-    from easykv.spec.metadata import PagedAttentionCacheMetaData
-
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     context = positive_int("context", context, hi=None)
@@ -49,8 +48,6 @@ def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> flo
 
 def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
     """(bytes per page on one device across layers, pages per sequence, data-parallel replicas)."""
-    from easykv.spec.metadata import PagedAttentionCacheMetaData
-
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     length = positive_int("max_seq_len", metadata.max_sequences if max_seq_len is None else max_seq_len)

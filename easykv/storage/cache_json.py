@@ -1,5 +1,7 @@
 """The JSON form of a cache view and of a whole cache (EasyDeL's ``to_dict`` / ``from_dict`` /
-``to_json`` / ``from_json``): every page array written exactly (dtype, shape, bytes).
+``to_json`` / ``from_json``, and ``replace``: `EasyDeLForms`): every page array written exactly
+(dtype, shape, bytes). The view and the cache import this module; it knows them only by what
+they hold, so the forms are one-way.
 
 Meant for small caches, tests and debugging: a JSON of a real pool is the pool's size again,
 base64-encoded, built on one host. Checkpoints (`easykv.save_cache`) are for real pools: they
@@ -13,25 +15,52 @@ device when no mesh is given.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+import json
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.pages import group_page_templates
-from easykv.quantization import QuantizedPages
 from easykv.errors import SerializationError
+from easykv.quantization import QuantizedPages
+from easykv.sharding import PartitionManager
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.spec.serialization import decode_array, encode_array
+from easykv.storage.pages import group_page_templates
+from easykv.storage.placement import checked_layout, group_layouts
 from easykv.validation import integer, parse_json, show
-
-if TYPE_CHECKING:
-    from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView
 
 VIEW_SCHEMA = "easykv.PagedAttentionCacheView"
 CACHE_SCHEMA = "easykv.PagedAttentionCache"
 _VERSION = 1
+
+
+class EasyDeLForms:
+    """EasyDeL's ``replace`` and JSON forms of the view and the cache (dataclasses); each class
+    gives its dict form (``to_dict`` / ``from_dict``, built from the functions below) and JSON is
+    that dict."""
+
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]  # a dataclass: see above
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None
+                  ) -> Any:
+        raise NotImplementedError
+
+    def to_json(self, **json_kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **json_kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
+                  partition_manager: PartitionManager | None = None) -> Any:
+        return cls.from_dict(parse_json(text, what=f"the JSON of a {cls.__name__}", error=SerializationError),
+                             mesh=mesh, partition_manager=partition_manager)
 
 
 def _encode_pages(pages: Any, field: str) -> Any:
@@ -43,13 +72,15 @@ def _encode_pages(pages: Any, field: str) -> Any:
     return encode_array(pages, field)
 
 
-def view_to_dict(view: PagedAttentionCacheView) -> dict[str, Any]:
+def view_to_dict(view: Any) -> dict[str, Any]:
+    """The dict form of a `PagedAttentionCacheView`: its metadata and its layer's pages."""
     return {"__schema__": VIEW_SCHEMA, "__version__": _VERSION, "metadata": view.metadata.to_dict(),
             "layer_index": view.layer_index, "key_pages": _encode_pages(view.key_pages, "key_pages"),
             "value_pages": _encode_pages(view.value_pages, "value_pages")}
 
 
-def cache_to_dict(cache: PagedAttentionCache) -> dict[str, Any]:
+def cache_to_dict(cache: Any) -> dict[str, Any]:
+    """The dict form of a `PagedAttentionCache`: the dict of each of its views."""
     return {"__schema__": CACHE_SCHEMA, "__version__": _VERSION, "views": [view_to_dict(v) for v in cache.views]}
 
 
@@ -88,10 +119,9 @@ def _decode_pages(data: Any, template: Any, field: str) -> Any:
     return arr.view(want)
 
 
-def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | None,
-                   partition_manager: Any) -> PagedAttentionCacheView:
-    from easykv.storage.cache import _checked_layout, group_layouts  # the rule init_cache follows, one place
-
+def view_from_dict(cls: type, data: Any, mesh: Mesh | None, partition_manager: Any) -> Any:
+    """A view of class ``cls`` (`PagedAttentionCacheView`) read from its dict form, its pages
+    placed on ``mesh`` by the rule `init_cache` follows, or on one device without a mesh."""
     data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
     meta = PagedAttentionCacheMetaData.from_dict(data["metadata"])
     if meta.dtype is None:
@@ -106,7 +136,7 @@ def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | N
     else:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a jax.sharding.Mesh or None, got {type(mesh).__name__}")
-        meta, cache_layout, templates = _checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
+        meta, cache_layout, templates = checked_layout(mesh, meta.dtype, meta, partition_manager, meta.quantization)
         layout = group_layouts(meta, cache_layout)[g]
         stacked = templates(g, 1)
         sharding = layout.sharding_for
@@ -118,19 +148,13 @@ def view_from_dict(cls: type[PagedAttentionCacheView], data: Any, mesh: Mesh | N
                group=g)
 
 
-def cache_from_dict(cls: type[PagedAttentionCache], data: Any, mesh: Mesh | None,
-                    partition_manager: Any) -> PagedAttentionCache:
-    from easykv.storage.cache import PagedAttentionCacheView
-
+def cache_view_dicts(data: Any) -> list[Any]:
+    """The view dicts of a cache's dict form (each read by `view_from_dict`)."""
     data = _header(data, CACHE_SCHEMA, ("views",))
     views = data["views"]
     if not isinstance(views, list) or not views:
         raise SerializationError(f"'views' must be a non-empty list of view dicts, got {show(views)}")
-    return cls.from_views([view_from_dict(PagedAttentionCacheView, v, mesh, partition_manager) for v in views])
+    return views
 
 
-def loads(text: Any, what: str) -> Any:
-    return parse_json(text, what=what, error=SerializationError)
-
-
-__all__ = ["cache_from_dict", "cache_to_dict", "loads", "view_from_dict", "view_to_dict"]
+__all__ = ["EasyDeLForms", "cache_to_dict", "cache_view_dicts", "view_from_dict", "view_to_dict"]

@@ -164,6 +164,11 @@ def group_page_templates(meta: Any, group: Any, platform: str) -> tuple[Any, Any
                  for shape in (meta.group_pages_shape(group), meta.group_pages_shape(group, values=True)))
 
 
+def group_templates(meta: Any, platform: str) -> list[tuple[Any, Any]]:
+    """`group_page_templates` of every layer group of ``meta``, in group order."""
+    return [group_page_templates(meta, g, platform) for g in meta.groups]
+
+
 def allocate_pages(templates: Any, layout: PageLayout) -> Any:
     """Zero-filled page arrays for a pytree of ShapeDtypeStructs, created by the devices
     themselves: each device (and each host) materializes only its own shard; nothing of pool
@@ -215,14 +220,20 @@ def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0, *, rotate
     ids outside the array read as zeros. ``rotated``: a rotating quantizer's values stay in its
     rotated basis (`QuantizedPages.dequantize`)."""
     if isinstance(pages, QuantizedPages):
+        picked = QuantizedPages(take_pages(pages.values, ids, layer), take_pages(pages.scales, ids, layer),
+                                pages.quantizer)
+        return decode_pages(picked, dtype, rotated=rotated)
+    return decode_pages(take_pages(pages, ids, layer), dtype)
+
+
+def decode_pages(pages: Any, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    """Stored pages (an array or QuantizedPages, as ``pages`` holds them) as values in ``dtype``:
+    quantized ones dequantized into it, raw bits reinterpreted as it (`read_pages`)."""
+    if isinstance(pages, QuantizedPages):
         value_dtype = pages.quantizer.value_shape(2)[1]
-        picked = QuantizedPages(
-            from_storage(take_pages(pages.values, ids, layer), value_dtype),
-            take_pages(pages.scales, ids, layer),
-            pages.quantizer,
-        )
-        return picked.dequantize(dtype, rotated=rotated)
-    return from_storage(take_pages(pages, ids, layer), np.dtype(dtype))
+        stored = QuantizedPages(from_storage(pages.values, value_dtype), pages.scales, pages.quantizer)
+        return stored.dequantize(dtype, rotated=rotated)
+    return from_storage(pages, np.dtype(dtype))
 
 
 def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: int) -> jax.Array:

@@ -83,6 +83,40 @@ def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_token
         )
 
 
+def check_layer_rows(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int, *, values: bool) -> Any:
+    """Check the new keys (or values) of every layer (`PagedAttentionCache.write`) without
+    slicing them on the host: a stacked array stays one array (sliced inside the jit, checked
+    once per group), a sequence stays a tuple (checked per layer). Latent groups take no values:
+    None in their layers' places, or None for all when every group is latent."""
+    latent_only = values and not any(g.has_values for g in meta.groups)
+    if x is None and latent_only:
+        return None
+    if isinstance(x, (list, tuple)):
+        count, items = len(x), tuple(x)
+    elif np.ndim(x) == 4:
+        count, items = int(np.shape(x)[0]), None
+    else:
+        raise ValueError(
+            f"{name} must be (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of "
+            f"per-layer arrays{' (None for latent layers)' if values else ''}, got shape {np.shape(x)}")
+    if count != meta.num_hidden_layers:
+        raise ValueError(
+            f"{name} holds {count} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
+        )
+    if items is None:  # one array for every layer: every group must take its shape
+        if values and any(not g.has_values for g in meta.groups):
+            raise ValueError(f"{name} is one array for every layer, but layers "
+                             f"{[g.span for g in meta.groups if not g.has_values]} are latent and take no values; "
+                             "give a sequence of per-layer arrays with None for latent layers")
+        one = jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype)
+        checks = [(g, one, name) for g in range(len(meta.groups))]
+    else:
+        checks = [(meta.group_of(i)[0], item, f"{name}[{i}]") for i, item in enumerate(items)]
+    for g, item, label in checks:
+        check_token_rows(item, metadata=meta, num_tokens=num_tokens, group=g, values=values, name=label)
+    return items if items is not None else x
+
+
 def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = None, *,
                           layout: PageLayout | None) -> Any:
     """One shard: put token rows ``new`` at ``slots`` (local slots only) into stacked ``pages``

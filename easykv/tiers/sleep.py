@@ -21,11 +21,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from easykv.checkpoint.reshard import target_metadata
 from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.cache import PagedAttentionCache, check_fits, group_layouts
+from easykv.spec.relayout import target_metadata
+from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pages import PageLayout, allocate_pages, group_page_templates
+from easykv.storage.placement import check_fits, group_layouts
 from easykv.validation import integer
 
 HOST_KIND = "pinned_host"

@@ -104,7 +104,7 @@ def test_bad_sleeps_and_wakes_are_refused_with_nothing_changed(monkeypatch):
         easykv.wake(sleeping, mesh="tp8")
     # a mesh whose devices cannot hold the pages
     mesh, rule = mesh_and_rule("tp8")
-    monkeypatch.setattr("easykv.storage.cache.device_memory_budget",
+    monkeypatch.setattr("easykv.storage.placement.device_memory_budget",
                         lambda devices, utilization: MemoryBudget(1024, "override", "1 KiB free (test)"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)

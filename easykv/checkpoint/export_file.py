@@ -1,0 +1,393 @@
+"""What every sequence export shares: the checks of its fields and its ``.npz`` file.
+
+`ExportFile` is the base of `SequenceExport` (``sequence_export``: a cache of one layer
+geometry) and `GroupedSequenceExport` (``grouped_export``: several layer groups): equality
+(every field, arrays bit for bit), ``nbytes``, `save` / `to_bytes`, and the one loader
+(`load` / `from_bytes`), which opens the file, checks its zip directory and header and hands the
+header to the class's ``_from_header``. An export file is input like any other: nothing is
+allocated for a shape the file cannot hold, and every problem is a ValueError naming it.
+
+File format versions: 1 (every position), 2 (a window's positions: ``first_position`` > 0; an
+older easykv refuses it by its format instead of reading its arrays from position 0), 3 (a cache
+of several layer groups, each with its own geometry and window).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import zipfile
+from collections.abc import Mapping
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from easykv.quantization import QuantizedPages, get_quantizer, scale_dtype, scales_per_page
+from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
+from easykv.validation import INT32_MAX, integer_array, parse_json
+
+EXPORT_FORMAT = "easykv.SequenceExport/1"
+WINDOW_FORMAT = "easykv.SequenceExport/2"
+GROUPED_FORMAT = "easykv.SequenceExport/3"
+_MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
+TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
+
+
+class ExportFile:
+    """The base of the two export classes (see the module doc). A subclass is a frozen
+    dataclass with ``token_ids`` and gives: ``_scalars`` (every field but the arrays, for
+    equality), ``_arrays`` (a pytree of its arrays), ``_members`` (each array under its file
+    name), ``_header`` (the file's header) and ``_from_header`` (the export a file holds)."""
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+    token_ids: np.ndarray | None
+
+    def _scalars(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _arrays(self) -> Any:
+        raise NotImplementedError
+
+    def _members(self) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def _header(self, dtypes: dict[str, str]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_header(cls, header: dict[str, Any], members: Any, read: Any, source: str) -> Any:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, type(self)):
+            return NotImplemented
+        if self._scalars() != other._scalars():
+            return False
+        ids, other_ids = self.token_ids, other.token_ids
+        if (ids is None) != (other_ids is None) or (ids is not None and not np.array_equal(ids, other_ids)):
+            return False
+        mine, theirs = jax.tree.leaves(self._arrays()), jax.tree.leaves(other._arrays())
+        return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self._arrays()))
+
+    def save(self, file: Any) -> None:
+        """Write to a path or binary file (numpy .npz of the export's format version; bf16/fp8
+        stored as their raw bits)."""
+        arrays: dict[str, np.ndarray] = {}
+        dtypes: dict[str, str] = {}
+        for name, arr in self._members():
+            arr = np.asarray(arr)
+            dtypes[name] = arr.dtype.name
+            arrays[name] = arr.view(stored_dtype(arr.dtype))
+        if self.token_ids is not None:
+            arrays["token_ids"] = np.asarray(self.token_ids, np.int32)
+        arrays["header"] = np.frombuffer(json.dumps(self._header(dtypes)).encode(), np.uint8)
+        np.savez(file, **arrays)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        self.save(buf)
+        return buf.getvalue()
+
+    @classmethod
+    def load(cls, file: Any) -> Any:
+        """Read what `save` wrote (a path or a binary file): `SequenceExport.load` reads an
+        export of either kind, `GroupedSequenceExport.load` only a grouped one. Everything in
+        the file is checked before it is used: ValueError names what is wrong when the file is
+        not a sequence export, is truncated or damaged, or holds fields or arrays that do not
+        fit together."""
+        if isinstance(file, (str, bytes, os.PathLike)):
+            source = f"sequence export file {os.fsdecode(file)!r:.200}"
+        elif callable(getattr(file, "read", None)) and callable(getattr(file, "seek", None)):
+            source = "the sequence export file object"
+        else:
+            raise ValueError(f"SequenceExport.load takes a path or a binary file opened for reading, got "
+                             f"{type(file).__name__}")
+        return cls._load(file, source)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Any:
+        """`load` from what `to_bytes` returned."""
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            raise ValueError(f"{cls.__name__}.from_bytes takes bytes (from to_bytes), got {type(blob).__name__}")
+        return cls._load(io.BytesIO(bytes(blob)), f"the {len(blob)} bytes given")
+
+    @classmethod
+    def _load(cls, file: Any, source: str) -> Any:
+        try:
+            npz = np.load(file, allow_pickle=False)
+        except Exception as err:  # missing file, not a zip, truncated, ...
+            why = (f"{type(err).__name__}: {err}" if "allow_pickle" not in str(err)  # numpy's last guess
+                   else "it is neither a zip (.npz) nor a .npy file")
+            raise ValueError(f"{source} is not a readable easykv sequence export ({why})") from None
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ValueError(f"{source} holds a single numpy array, not an easykv sequence export (the .npz "
+                             "written by SequenceExport.save)")
+        with npz:
+            members, read, header = _npz_parts(npz, source)
+            return cls._from_header(header, members, read, source)
+
+    @classmethod
+    def _from_file(cls, source: str, **fields: Any) -> Self:
+        """The export of ``fields`` read from ``source``; its checks' errors name the file."""
+        try:
+            return cls(**fields)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+
+def unknown_format(fmt: Any, source: str) -> ValueError:
+    return ValueError(f"{source} is not an easykv sequence export: header format {fmt!r:.80}, expected "
+                      f"{EXPORT_FORMAT!r}, {WINDOW_FORMAT!r} or {GROUPED_FORMAT!r}")
+
+
+# ---- fields ----------------------------------------------------------------------------------------
+def member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np.dtype, quantizer: Any,
+                 raw: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``"keys.dense"`` / ``"values.scales"`` ... -> (shape, dtype) that the other fields imply:
+    the one description of an export's arrays, used by the constructors and by the loader."""
+    base = (layers, tokens, heads)
+    if raw:
+        value_tail, value_dtype = quantizer.value_shape(head_dim)
+        parts = {"values": (base + tuple(value_tail), np.dtype(value_dtype)),
+                 "scales": (base + tuple(quantizer.scale_shape(head_dim)), scale_dtype(quantizer))}
+    else:
+        parts = {"dense": (base + (head_dim,), dtype)}
+    return {f"{part}.{sub}": spec for part in ("keys", "values") for sub, spec in parts.items()}
+
+
+def check_raw_exportable(quantizer: Any, what: str) -> None:
+    """A raw export holds codes and scales token by token; a quantizer whose scales are per page
+    (``int4-ch``) has no such form: ValueError naming ``what`` asked for one."""
+    if scales_per_page(quantizer):
+        raise ValueError(f"{what}: {quantizer.name} pages keep one scale per page and channel, which a token-major "
+                         "raw export cannot carry; export with dequantize=True (the import quantizes the tokens again)")
+
+
+def stored_dtype(dtype: np.dtype) -> np.dtype:
+    """How `save` stores an array of ``dtype``: ints as they are, floats as their raw bits."""
+    return dtype if dtype.kind in "iu" else np.dtype(f"u{dtype.itemsize}")
+
+
+def cache_dtype(name: str, value: Any) -> np.dtype:
+    choices = ", ".join(SUPPORTED_DTYPES)
+    if not isinstance(value, (str, np.dtype, type)):
+        raise ValueError(f"{name} must be a cache dtype ({choices}), got {value!r:.60} of type {type(value).__name__}")
+    try:
+        dtype = canonical_dtype(value)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    except Exception as err:  # numpy's dtype parser on odd strings or types
+        raise ValueError(f"{name} must be a cache dtype ({choices}), got {value!r:.60} ({err})") from None
+    if not dtype.isnative:
+        raise ValueError(f"{name} is {dtype.str}, a byte order other than this machine's; use {dtype.name}")
+    return dtype
+
+
+def quantizer_for(name: str, value: Any, head_dim: int, dtype: np.dtype) -> Any:
+    """The quantizer named ``value`` (field ``name``), checked for ``head_dim`` and ``dtype``."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a quantizer name (e.g. 'none', 'int8', 'fp8', 'int4'), got {value!r:.60} "
+                         f"of type {type(value).__name__}")
+    try:
+        quantizer = get_quantizer(value)
+        quantizer.validate(head_dim, dtype)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    return quantizer
+
+
+def _host_array(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, jax.Array):
+        try:
+            value = np.asarray(value)
+        except Exception as err:  # a tracer, a deleted buffer
+            raise ValueError(f"{name} must be a concrete host array, got {type(value).__name__} ({err})") from None
+    if not isinstance(value, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, got {value!r:.60} of type {type(value).__name__}")
+    return np.asarray(value)
+
+
+def _checked_array(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    arr = _host_array(name, value)
+    if arr.dtype != dtype:
+        raise ValueError(f"{name} has dtype {arr.dtype}, but {what} implies {dtype.name}; export and load "
+                         "sequences with export_sequence and SequenceExport.load")
+    if arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, but {what} implies {shape} "
+                         "(layers, length, kv_heads, ...)")
+    return arr
+
+
+def checked_part(name: str, data: Any, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], prefix: str,
+                 raw: bool, what: str) -> Any:
+    """Keys or values (field ``name``) as ``specs`` says member ``prefix`` must be: one dense
+    array, or (``raw``) a dict of the codes and scales."""
+    if not raw:
+        return _checked_array(name, data, *specs[f"{prefix}.dense"], what)
+    if not isinstance(data, Mapping) or set(data) != {"values", "scales"}:
+        got = sorted(map(repr, data)) if isinstance(data, Mapping) else type(data).__name__
+        raise ValueError(f"{name} of a raw export must be a dict with exactly the entries 'values' and 'scales', "
+                         f"got {got}")
+    return {sub: _checked_array(f"{name}[{sub!r}]", data[sub], *specs[f"{prefix}.{sub}"], what)
+            for sub in ("values", "scales")}
+
+
+def checked_token_ids(owner: str, token_ids: Any, length: int) -> np.ndarray | None:
+    """An export's ``token_ids``: None, or one int32 id per token of its ``length``."""
+    if token_ids is None:
+        return None
+    token_ids = integer_array(f"{owner}.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX, hint=TOKEN_HINT)
+    if token_ids.shape != (length,):
+        raise ValueError(f"{owner}.token_ids holds {token_ids.size} ids but the sequence has length={length} "
+                         "tokens; pass exactly one id per token (or None)")
+    return token_ids
+
+
+def dequantized(part: Any, quantizer: Any, dtype: np.dtype) -> np.ndarray:
+    """Raw codes and scales (a dict) as dense values in ``dtype``."""
+    return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
+                                     quantizer).dequantize(dtype))
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.size == 0 or np.array_equal(a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}"))
+
+
+# ---- the file --------------------------------------------------------------------------------------
+def header_dtype(header: Mapping[str, Any], field: str) -> np.dtype:
+    """The header's 'dtype': a cache dtype, written as its name."""
+    if not isinstance(header["dtype"], str):
+        raise ValueError(f"{field} 'dtype' must be a dtype name, got {header['dtype']!r:.60}")
+    return cache_dtype(f"{field} 'dtype'", header["dtype"])
+
+
+def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: Any,
+                specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], source: str, field: str, *,
+                shown: int) -> dict[str, np.ndarray]:
+    """The arrays ``specs`` names, once the header's 'dtypes' (quoted up to ``shown``
+    characters in an error) and the file's members are what the header's other fields imply."""
+    names = {name: dt.name for name, (_, dt) in specs.items()}
+    if header["dtypes"] != names:
+        raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.{shown}}, but the other fields imply {names}")
+    expected = set(specs) | {"header"} | ({"token_ids"} & set(members))
+    if set(members) != expected:
+        raise ValueError(f"{source} holds the arrays {sorted(set(members) - {'header'})}, but its header implies "
+                         f"{sorted(expected - {'header'})}")
+    return {name: _read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
+
+
+def _read_array(read: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Member ``name`` as saved (floats as raw bits), checked against ``shape`` and viewed as ``dtype``."""
+    stored = stored_dtype(dtype)
+
+    def check(got_shape: tuple[int, ...], got: np.dtype) -> str | None:
+        if got_shape != shape or got != stored:
+            return f"has shape {got_shape} dtype {got}, but the header implies shape {shape} stored as {stored.name}"
+        return None
+
+    return read(name, check).view(dtype)
+
+
+def read_token_ids(read: Any, members: Mapping[str, Any], length: int) -> np.ndarray | None:
+    """The ``token_ids`` member when the file has one: ``length`` integer ids."""
+    if "token_ids" not in members:
+        return None
+
+    def check(got_shape: tuple[int, ...], got: np.dtype) -> str | None:
+        if got_shape != (length,) or got.kind not in "iu":
+            return f"must be {length} integer ids (one per token), got shape {got_shape} dtype {got}"
+        return None
+
+    return read("token_ids", check)
+
+
+def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: str, source: str, *,
+                      optional: tuple[str, ...] = ()) -> None:
+    """``header`` holds every one of ``fields``, any of ``optional`` and nothing else."""
+    missing = [k for k in fields if k not in header]
+    unknown = sorted(k for k in header if k not in fields + optional)
+    if missing or unknown:
+        what = " and ".join(([f"lacks {missing}"] if missing else []) +
+                            ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
+        extra = f" (and may hold {list(optional)})" if optional else ""
+        raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}{extra}")
+
+
+def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Any, dict[str, Any]]:
+    """The members of an export file, a checked reader of one member (``read(name, check)``)
+    and its parsed header (a dict; its fields are for the export class to check)."""
+    try:
+        infos = npz.zip.infolist()
+    except Exception as err:
+        raise ValueError(f"{source} has an unreadable zip directory ({type(err).__name__}: {err})") from None
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in infos:
+        name = info.filename
+        if not name.endswith(".npy") or name[:-4] in members:
+            raise ValueError(f"{source} holds the member {name!r:.80}, which "
+                             f"{'is not a .npy array' if not name.endswith('.npy') else 'appears twice'}; "
+                             "it is not a sequence export written by SequenceExport.save")
+        members[name[:-4]] = info
+    if "header" not in members:
+        raise ValueError(f"{source} has no 'header' member; it is not an easykv sequence export")
+
+    def read(name: str, check: Any) -> np.ndarray:
+        return _read_member(npz, members[name], name, source, check)
+
+    def header_check(shape: tuple[int, ...], dtype: np.dtype) -> str | None:
+        if dtype != np.uint8 or len(shape) != 1 or shape[0] > _MAX_HEADER_BYTES:
+            return f"must be at most {_MAX_HEADER_BYTES} bytes (uint8), got shape {shape} dtype {dtype}"
+        return None
+
+    header = parse_json(read("header", header_check).tobytes(), what=f"the header of {source}")
+    if not isinstance(header, dict):
+        raise ValueError(f"the header of {source} must be a JSON object, got {type(header).__name__}")
+    return members, read, header
+
+
+def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: Any) -> np.ndarray:
+    """One .npy member, after its npy header passed ``check(shape, dtype) -> problem | None``
+    and its size matches that header (nothing is allocated for a shape the file cannot hold)."""
+    where = f"{source}: array {name!r}"
+    try:
+        with npz.zip.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"npy format version {version} is not one SequenceExport.save writes")
+            offset = f.tell()
+    except Exception as err:
+        raise ValueError(f"{where} is unreadable ({type(err).__name__}: {err}); the file is damaged or not an "
+                         "easykv sequence export") from None
+    if dtype.hasobject:
+        raise ValueError(f"{where} holds Python objects; a sequence export holds only numbers")
+    problem = check(tuple(shape), dtype)
+    if problem:
+        raise ValueError(f"{where} {problem}")
+    size = offset + math.prod(shape) * dtype.itemsize
+    if info.file_size != size or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != size):
+        raise ValueError(f"{where} declares {size} bytes but the zip entry holds {info.file_size} "
+                         f"({info.compress_size} stored); the file is truncated or damaged")
+    try:
+        arr = npz[name]
+    except Exception as err:  # CRC mismatch, short data, bad compression, ...
+        raise ValueError(f"{where} is unreadable ({type(err).__name__}: {err}); the file is damaged") from None
+    if not isinstance(arr, np.ndarray) or arr.shape != tuple(shape) or arr.dtype != dtype:
+        raise ValueError(f"{where} changed while it was read; the file is damaged")
+    return arr
+
+
+__all__ = ["ExportFile"]

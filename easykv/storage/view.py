@@ -1,0 +1,249 @@
+"""One layer's pages, as EasyDeL's models see them: `PagedAttentionCacheView`, and
+``cache.views`` (`CacheViews`), the list of them over a cache's stacked arrays.
+
+A view is a pytree whose only leaves are its group's page arrays (metadata, layer index and
+placement are static), so jit can take and return it and donation reuses its buffers. Pages are
+``(num_kv_heads, num_pages_per_layer, page_size, head_dim)`` per layer; on CPU the bf16/f16
+pages are stored as raw bits (see ``pages.py``): ``view.dtype`` is the logical dtype.
+
+A view written through ``cache[i]`` writes through to the cache it was taken from; it knows that
+cache only by the two calls it makes on it (``_check_current``, ``_put_group``), so this module
+never imports the cache's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from easykv.quantization import Quantizer
+from easykv.sharding import PartitionManager
+from easykv.spec.groups import LayerGroup
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.step.metadata import PagedAttentionMetadata, group_runtime
+from easykv.storage.cache_json import EasyDeLForms, view_from_dict, view_to_dict
+from easykv.storage.pages import PageLayout, allocate_pages
+from easykv.storage.placement import check_fits, checked_layout, group_layouts
+from easykv.storage.writes import check_new_tokens, check_slots_on_host, scatter_kv, token_slots
+from easykv.validation import integer
+
+
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["group_key_pages", "group_value_pages", "layer"],
+    meta_fields=["metadata", "layer_index", "layout", "group"],
+)
+@dataclasses.dataclass(eq=False)
+class PagedAttentionCacheView(EasyDeLForms):
+    """One layer of a layer group's stacked pages.
+
+    group_key_pages, group_value_pages: the group's pages, ``(layers_in_group, num_kv_heads,
+    num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype of the platform;
+    ``layer`` is this layer's index in the group (an int, or a traced index when a model scans
+    over the group's layers: see :meth:`at_layer`); ``layer_index`` the layer's index in the
+    model (None for a view whose ``layer`` is traced); ``group`` the layer group's index in the
+    metadata (its geometry: ``metadata.groups[group]``). ``key_pages`` / ``value_pages`` are the
+    layer's slice ``(num_kv_heads, num_pages, page_size, head_dim)``, as in EasyDeL (a latent
+    group's ``value_pages`` are None); writes and attention index the stack instead, so they
+    never copy a layer's pool. ``layout`` says how the pages are split over the mesh (None: one
+    device, no shard_map).
+
+    As in EasyDeL, the ``write_*`` methods update this view and return it, and the cache the
+    view was taken from (``cache.views[i]`` / ``cache[i]``) sees the write: the group's new
+    arrays go through to it, and ``cache.views[i] = view`` (EasyDeL's models do it) accepts the
+    written view. ``cache.views[i] = view`` with a view of other arrays (another cache of the
+    same metadata and layout) copies that view's layer into layer ``i``, as a list would. A view
+    taken before another layer of its group was written is stale: writing it is refused (it
+    would undo that write); putting it back copies only its own layer. Inside jit the view holds
+    traced pages; outside jit the group's page buffers are donated to the write, so a write
+    costs what it writes, not the size of the pool. Engines that keep old pages use the
+    functional ``PagedAttentionCache.write``.
+    """
+
+    metadata: PagedAttentionCacheMetaData
+    layer_index: int | None
+    group_key_pages: Any
+    group_value_pages: Any
+    layer: Any = 0
+    layout: PageLayout | None = None
+    group: int = 0
+
+    def __post_init__(self) -> None:
+        # The stacks this view was taken from: writing it, or putting it back, into a cache whose
+        # arrays have moved on since (another layer written) would lose that write: refused.
+        self._base = (self.group_key_pages, self.group_value_pages)
+        # The cache (and group) this view was taken from with cache[i]: its writes go through to it.
+        self._owner: tuple[Any, int] | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Logical dtype of the cached keys and values (this layer's group's)."""
+        return self.metadata.group_dtype(self.layer_group)
+
+    @property
+    def key_pages(self) -> Any:
+        """This layer's key pages ``(num_kv_heads, num_pages, page_size, head_dim)`` (storage
+        dtype): a slice of the stack (outside jit, a copy; attention reads the stack itself)."""
+        return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+
+    @property
+    def layer_group(self) -> LayerGroup:
+        """The layer group this view's layer belongs to: its attention kind and geometry."""
+        return self.metadata.groups[self.group]
+
+    @property
+    def value_pages(self) -> Any:
+        return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+
+    def at_layer(self, layer: Any) -> PagedAttentionCacheView:
+        """The view of layer ``layer`` (index in the group) of the same group arrays: an int, or
+        a traced index for a model that runs the group's layers under ``lax.scan`` (carry
+        ``cache.group_view(g)``, call ``view.at_layer(i)`` each iteration, write and attend,
+        then ``cache.update(view)``; see the README)."""
+        if isinstance(layer, jax.core.Tracer):
+            if np.shape(layer) != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+                raise ValueError(f"layer must be an integer scalar, got {layer.dtype} of shape {np.shape(layer)}")
+            return dataclasses.replace(self, layer=layer, layer_index=None)
+        n = int(np.shape(jax.tree.leaves(self.group_key_pages)[0])[0])
+        i = integer("layer", layer, lo=0, hi=n - 1, hint=f"the view's group holds {n} layers")
+        group = self.layer_group
+        # A view of its group's whole stack knows every layer's index; a stack of one (a view made
+        # by PagedAttentionCacheView.init) keeps its own.
+        index = group.layers[i] if n == group.num_layers else self.layer_index
+        return dataclasses.replace(self, layer=i, layer_index=index)
+
+    @classmethod
+    def init(cls, mesh: Mesh, dtype: Any, metadata: PagedAttentionCacheMetaData, layer_index: int,
+             partition_manager: PartitionManager | None = None,
+             quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
+        """Allocate one layer's pages (a stack of one layer, in its group's geometry) directly on
+        the devices of ``mesh``."""
+        if not isinstance(metadata, PagedAttentionCacheMetaData):
+            raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
+        layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
+        metadata, layout, templates = checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
+        layouts = group_layouts(metadata, layout)
+        g, _ = metadata.group_of(layer_index)
+        check_fits(mesh, metadata, metadata.group_page_bytes(metadata.groups[g]) * metadata.groups[g].num_pages
+                    // metadata.page_shards, f"1 layer of layers {metadata.groups[g].span}")
+        k, v = allocate_pages(templates(g, layers=1), layouts[g])
+        return cls(metadata=metadata, layer_index=layer_index, group_key_pages=k, group_value_pages=v,
+                   layer=0, layout=layouts[g], group=g)
+
+    def to_dict(self) -> dict[str, Any]:
+        return view_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, mesh: Mesh | None = None,
+                  partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        view: PagedAttentionCacheView = view_from_dict(cls, data, mesh, partition_manager)
+        return view
+
+    def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "a paged cache has no contiguous buffer to concatenate into; use "
+            "write_prefill_to_cache / write_decodes_to_cache / write_tokens"
+        )
+
+    # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
+    def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+        """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
+        return self._write(key, value, check_slots_on_host(slots, self.layer_group.num_pages * self.metadata.page_size))
+
+    def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position.
+        ``metadata`` may also be one runtime metadata per layer group (a tuple): this view's is used."""
+        return self._write_mode(key, value, metadata, "prefill", "for_prefill")
+
+    def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
+        return self._write_mode(key, value, metadata, "decode", "for_decode")
+
+    def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+        """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
+        return self._write_mode(key, value, metadata, "mixed", "for_mixed")
+
+    def _write_mode(self, key: Any, value: Any, metadata: Any, mode: str, maker: str) -> PagedAttentionCacheView:
+        rt = group_runtime(metadata, len(self.metadata.groups), self.group)
+        if not getattr(rt, f"is_{mode}_mode")():
+            name = "decodes" if mode == "decode" else mode
+            raise ValueError(f"write_{name}_to_cache needs {mode} metadata (PagedAttentionMetadata.{maker})")
+        return self._write(key, value, token_slots(rt, self.metadata, self.group))
+
+    def _write(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+        """``write_tokens`` on slots already checked (host) or bounded in the scatter (device)."""
+        if np.ndim(slots) != 1:
+            raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
+        check_new_tokens(key, value, metadata=self.metadata, num_tokens=int(np.shape(slots)[0]), group=self.group)
+        if self._owner is not None:
+            self._owner[0]._check_current(self._owner[1], self, f"the view of layer {self.layer_index}")
+        pages = (self.group_key_pages, self.group_value_pages)
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((pages, self.layer)))
+        scatter = _scatter if traced else _scatter_in_place  # under a trace, donation means nothing
+        self.group_key_pages, self.group_value_pages = scatter(*pages, key, value, slots, self.layer,
+                                                               layout=self.layout)
+        if self._owner is not None:
+            self._owner[0]._put_group(self._owner[1], self)
+        self._base = (self.group_key_pages, self.group_value_pages)
+        return self
+
+
+class CacheViews(list):
+    """``cache.views``: EasyDeL's list of per-layer views, over the cache's stacked arrays (a
+    list, as EasyDeL's, whose items are made on access: it stores none of them).
+    ``views[i]`` is layer ``i``'s view of the arrays the cache holds now; ``views[i] = view``
+    checks that ``view`` is layer ``i`` of a cache with this metadata and layout, then takes
+    its arrays when it was written from the arrays the cache holds now, and otherwise copies
+    its layer's pages into layer ``i`` (the group's other layers keep theirs). Its length is
+    the number of layers: appending, inserting or deleting views is refused."""
+
+    def __init__(self, cache: Any) -> None:
+        super().__init__()
+        self._cache = cache
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, CacheViews) and other._cache is self._cache
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        return self._cache.metadata.num_hidden_layers
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        return self._cache[index]
+
+    def __setitem__(self, index: Any, view: Any) -> None:
+        if isinstance(index, slice):
+            raise ValueError("assign views one at a time: cache.views[i] = view")
+        self._cache[index] = view
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"CacheViews({len(self)} layers)"
+
+    def _fixed(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("a cache holds exactly one view per layer; replace one with cache.views[i] = view")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = __delitem__ = __iadd__ = __imul__ = _fixed
+    copy = index = count = __contains__ = __add__ = __mul__ = __rmul__ = __reversed__ = _fixed
+
+# One compiled scatter per layout and shape: run eagerly, shard_map costs seconds per call.
+_scatter = jax.jit(scatter_kv, static_argnames=("layout",))
+_scatter_in_place = jax.jit(scatter_kv, static_argnames=("layout",), donate_argnums=(0, 1))
+
+
+__all__ = ["CacheViews", "PagedAttentionCacheView"]

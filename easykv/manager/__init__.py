@@ -1,13 +1,25 @@
-"""The page manager: the host-side bookkeeping of which pages each sequence owns. ``manager``
-(``PageManager``: sequence slots, prefix caching, committing tokens, pending device work,
-inspection and persistence), ``growth`` (its mixin that reserves pages, copies shared pages on
-write, forks, and builds each step's runtime metadata), ``windows`` (its mixin that releases
-what left a sliding or chunked window), ``host_tier`` (its mixin that keeps evicted prefixes and
-swapped-out sequences in a host-memory pool), ``group_table`` (one layer group's pool, block table and
-pending copies), ``state`` (its persisted form and the one consistency checker), ``reshard`` (its
-state re-split over data-parallel replicas), ``page_pool`` (free lists, reference counts and the LRU of cached pages per
-data-parallel replica) and ``prefix_hash`` (the chained page digests prefix caching looks pages
-up by). They are one unit because they are pure numpy and Python, deterministic on every host,
-and never touch page arrays: this package imports neither ``storage`` nor ``attention``; nothing
-is imported here.
+"""The page manager: the host-side bookkeeping of which pages each sequence owns.
+
+``manager`` holds `PageManager`, a facade over parts that own their state (each class lists what
+it owns):
+
+- ``sequences`` (`SequenceTable`: lengths, columns, floors, replicas, hashes, each row's version);
+- ``group_table`` (`GroupTable`: one layer group's pool, block table and pending work) and
+  ``allocators`` (one subclass per attention kind, chosen by `ALLOCATORS`; what leaves a window),
+  held together by ``coordinator`` (`GroupCoordinator`, the one per-group answer form `per_group`);
+- ``versions`` (`VersionLog`: weight versions and prefix lookups), ``host_tier``
+  (`HostTierPolicy`: swapped-out sequences, the bound `HostTier`), ``device_work`` (`PendingWork`);
+- ``page_pool`` (free lists, reference counts and the LRU of cached pages per data-parallel
+  replica) and ``prefix_hash`` (the chained page digests prefix caching looks pages up by).
+
+Coordinator code handed the parts it changes: ``growth`` (reserve, copy-on-write, fork, step
+metadata), ``commit``, ``rollback`` (truncate), ``admit`` (prefix hits, resume). ``state`` (the
+persisted form) and ``consistency`` (the one checker, raising ``broken.Broken``) read the parts
+through ``parts.ManagerParts``; ``reshard`` re-splits a state over data-parallel replicas;
+``metrics`` holds the snapshots.
+
+They are one unit because they are pure numpy and Python, deterministic on every host, and never
+touch page arrays: this package imports neither ``storage`` nor ``attention`` (nor
+``checkpoint`` or ``tiers``); only ``manager`` imports ``state`` and ``consistency``, which
+import neither each other nor it. Nothing is imported here.
 """

@@ -32,20 +32,32 @@ refuses while sequences are swapped out or transfers are pending, and leaves the
 cache out (a restored manager starts with an empty host tier, and takes a new `HostTier`: the old
 one stays bound to the manager that used it).
 
-``_HostTier`` is a mixin of `PageManager` (manager.py).
+This module holds the `HostTierPolicy` (who is swapped out, which `HostTier` holds the host pages,
+the tier's counters) and its metrics; the host pools and pending transfers are each group's
+(`group_table`). The `HostTier` is duck-typed: it never imports ``storage``, ``attention``,
+``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
-from easykv.errors import CacheFullError
+from easykv.errors import CacheFullError, InvariantError
+from easykv.manager.broken import Broken
 from easykv.step.metadata import PAD_PAGE
 
+if TYPE_CHECKING:
+    from easykv.manager.coordinator import GroupCoordinator
+    from easykv.manager.group_table import GroupTable
+    from easykv.manager.sequences import SequenceTable
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+
 HOST_COUNTERS = ("host_hits", "host_hit_tokens", "offloaded_pages", "onloaded_pages", "swap_outs", "swap_ins")
+Transfers: TypeAlias = tuple[tuple[np.ndarray, ...], ...]  # per group: offload src, dst; onload src, dst; host scrubs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,115 +94,107 @@ class HostTierMetrics:
     swap_ins: int
 
 
-class _HostTier:
-    """`PageManager`'s host-memory tier and swapping (see the module doc)."""
+class HostTierPolicy:
+    """What the manager decides about its host-memory tier (see the module doc).
 
-    def _init_host_tier(self) -> None:
-        self._swapped: dict[int, SwappedSequence] = {}
-        self._host_counters = dict.fromkeys(HOST_COUNTERS, 0)
-        self._tier: Any = None  # the HostTier holding this manager's host pages (set by apply_pending)
-        # What a HostTier is bound to: this object, not the manager, so a clone (deep copy) or a
+    Owns ``swapped`` (row -> `SwappedSequence` of every swapped-out sequence), ``tier`` (the
+    `HostTier` holding this manager's host pages, set by `apply_pending`), ``tier_key`` (what a
+    `HostTier` is bound to) and ``counters`` (`HOST_COUNTERS`). ``enabled``: whether the manager
+    has a host tier at all. Every method that touches pages is handed the groups.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.swapped: dict[int, SwappedSequence] = {}
+        self.counters = dict.fromkeys(HOST_COUNTERS, 0)
+        self.tier: Any = None
+        # This object, not the manager, is what a HostTier is bound to, so a clone (deep copy) or a
         # manager rebuilt from a state gets its own and cannot write into this one's tier.
-        self._tier_key = _TierKey()
+        self.tier_key = _TierKey()
 
-    def forget_host_tier(self) -> int:
-        """Empty the host tier's prefix cache and detach its `HostTier` (the cache moved to another
-        placement, whose new tier holds nothing yet); returns the cached pages forgotten. With
-        ``scrub_released`` the pages it leaves (forgotten ones, released ones not zeroed yet) are
-        zeroed in the detached tier now; that tier stays bound to this manager (no other manager
-        takes it). ValueError while sequences are swapped out or transfers are pending."""
-        self._require_host_tier("forget_host_tier")
-        if self._swapped or self.has_pending_transfers():
+    def require(self, what: str) -> None:
+        if not self.enabled:
+            raise ValueError(f"{what} needs a host-memory tier, and this manager has none; create the metadata with "
+                             "PagedAttentionCacheMetaData.create(..., host_memory_bytes=N) (or host_pages_per_layer=)")
+
+    def refuse_swapped(self, rows: Any, what: str) -> None:
+        """ValueError when one of ``rows`` is swapped out (``what``: what it may not do then)."""
+        if not self.swapped:
+            return
+        for row in np.atleast_1d(rows).tolist():
+            if row in self.swapped:
+                raise ValueError(f"sequence {row} is swapped out; swap_in({row}) before {what}")
+
+    def swapped_mask(self, batch_size: int) -> np.ndarray:
+        mask = np.zeros(batch_size, bool)
+        mask[list(self.swapped)] = True
+        return mask
+
+    # ---- the HostTier ------------------------------------------------------------------------------
+    def forget(self, groups: GroupCoordinator) -> int:
+        """`PageManager.forget_host_tier`."""
+        self.require("forget_host_tier")
+        if self.swapped or self.has_pending_transfers(groups):
             raise ValueError("sequences are swapped out or host transfers are pending; swap_in and apply_pending first")
-        held = sum(gt.host.forget_prefixes() for gt in self._groups)
-        if self._tier is not None:  # no later apply reaches the detached tier: zero what it keeps now
-            self._tier.scrub(tuple(gt.host.take_scrubs() for gt in self._groups))
-        self._tier = None
+        held = sum(gt.host.forget_prefixes() for gt in groups)
+        if self.tier is not None:  # no later apply reaches the detached tier: zero what it keeps now
+            self.tier.scrub(tuple(gt.host.take_scrubs() for gt in groups))
+        self.tier = None
         return held
 
-    def check_host(self, cache: Any, host: Any) -> None:
-        """ValueError unless ``host`` may carry this manager's host-tier work on ``cache``: None
-        while none is pending, else the `easykv.HostTier` of ``cache`` that holds this manager's
-        host pages. A tier is bound to the first manager whose `apply_pending` takes it, for
-        life: a tier bound to another manager (the original of a `clone` included) is refused,
-        and a tier other than the current one is taken only while no host page holds data
-        elsewhere (`forget_host_tier` detaches the current one). `apply_pending` and
-        `import_sequence` check this before anything changes."""
-        if not self.has_host_tier:
+    def check_host(self, cache: Any, host: Any, metadata: PagedAttentionCacheMetaData,
+                   groups: GroupCoordinator) -> None:
+        """`PageManager.check_host`."""
+        if not self.enabled:
             if host is not None:
                 raise ValueError("host= was given but this manager has no host-memory tier; leave it out, or create "
                                  "the metadata with a host tier (PagedAttentionCacheMetaData.create(..., "
                                  "host_memory_bytes=N))")
             return
         if host is None:
-            if self._has_host_work():
+            if self.has_work(groups):
                 raise ValueError("host-tier work (transfers, or scrubs of released host pages) is pending; pass the "
                                  "cache's tier: apply_pending(cache, host=tier) with tier = easykv.HostTier(cache)")
             return
         if not all(callable(getattr(host, name, None)) for name in ("apply", "check", "bind", "scrub")):
             raise ValueError(f"host= must be the easykv.HostTier of this cache (tier = easykv.HostTier(cache), made "
                              f"once and passed to every apply_pending), got {type(host).__name__}")
-        host.check(cache, self.metadata)
+        host.check(cache, metadata)
         owner = getattr(host, "owner", None)
-        if owner is not None and owner is not self._tier_key:
+        if owner is not None and owner is not self.tier_key:
             raise ValueError("host= is a HostTier bound to another PageManager (the first one whose apply_pending "
                              "took it; a clone() cannot write into its original's tier): its host pages hold that "
                              "manager's sequences. Pass this manager's own tier, or make one for this cache with "
                              "easykv.HostTier(cache)")
-        if host is not self._tier and self._host_data_elsewhere():
+        if host is not self.tier and self._data_elsewhere(groups):
             raise ValueError("host= is not the HostTier this manager's host pages live in (apply_pending took "
                              "another one, or take_transfers moved them); pass that one, or forget_host_tier() "
                              "to start an empty tier")
 
-    def _host_data_elsewhere(self) -> bool:
+    def _data_elsewhere(self, groups: GroupCoordinator) -> bool:
         """Whether some host page holds data a newly taken tier would lack: any held page but a
         pending offload's destination (its data comes with the call), or a released page the
         current tier has not zeroed yet."""
         return any(gt.host.num_pages - gt.host.num_free() > len(gt.offloads)
-                   or (self._tier is not None and gt.host.has_pending_scrubs()) for gt in self._groups)
+                   or (self.tier is not None and gt.host.has_pending_scrubs()) for gt in groups)
 
-    def _bind_tier(self, host: Any) -> None:
+    def bind(self, host: Any) -> None:
         """``host`` passed `check_host`: it holds this manager's host pages from now on."""
-        host.bind(self._tier_key)
-        self._tier = host
-
-    @property
-    def has_host_tier(self) -> bool:
-        """Whether this manager keeps evicted prefixes and swapped sequences in host memory."""
-        return self._groups[0].host is not None
-
-    def _require_host_tier(self, what: str) -> None:
-        if not self.has_host_tier:
-            raise ValueError(f"{what} needs a host-memory tier, and this manager has none; create the metadata with "
-                             "PagedAttentionCacheMetaData.create(..., host_memory_bytes=N) (or host_pages_per_layer=)")
+        host.bind(self.tier_key)
+        self.tier = host
 
     # ---- swapping -------------------------------------------------------------------------------
-    def is_swapped(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` is swapped out (`swap_out`)."""
-        return self._row(seq_id) in self._swapped
-
-    @property
-    def swapped_ids(self) -> list[int]:
-        return sorted(self._swapped)
-
-    def swap_out(self, seq_id: int) -> None:
-        """Preempt ``seq_id``: its written pages go to host pages it owns there (pending
-        offloads; `apply_pending(cache, host=...)` before the device pages are written again), its
-        device pages and pages reserved ahead are released, its id stays claimed. Until `swap_in`,
-        nothing may reserve, write, fork or truncate it. CacheFullError when the host tier lacks
-        pages for it; ValueError when device work into its pages is still pending; nothing
-        changes then."""
-        self._require_host_tier("swap_out")
-        row = self._row(seq_id)
-        self._refuse_swapped(row, "swap_out")
-        cols = -(-int(self._lens[row]) // self.page_size)
-        replica = int(self._replica[row])
+    def swap_out(self, row: int, seqs: SequenceTable, groups: GroupCoordinator, *, stale: bool) -> None:
+        """`PageManager.swap_out` of the claimed, not swapped-out ``row`` (``stale``: it runs
+        under an older weight version)."""
+        cols = seqs.written_columns(row)
+        replica = int(seqs.replica[row])
         plans = []
-        for gt in self._groups:
+        for gt in groups:
             held = gt.table[row, gt.start[row]:cols].tolist()
             for page in held:
                 if page in gt.copies or page in gt.onloads:
-                    raise ValueError(f"sequence {row}'s page {page}{self._in_group(gt)} still waits for a pending copy; "
+                    raise ValueError(f"sequence {row}'s page {page}{gt.label} still waits for a pending copy; "
                                      "call apply_pending(cache, host=...) before swapping it out")
             shared = [gt.host.lookup(replica, d) if (d := gt.pool.digest_of(p)) is not None else -1 for p in held]
             plans.append((held, shared))
@@ -198,14 +202,14 @@ class _HostTier:
             pinned = sum(1 for h in shared if h >= 0 and gt.host.refcount[h] == 0)
             if need and need > gt.host.num_available(replica) - pinned:
                 raise CacheFullError(
-                    f"swap_out({row}) needs {need} host pages{self._in_group(gt)} but the host tier has "
+                    f"swap_out({row}) needs {need} host pages{gt.label} but the host tier has "
                     f"{gt.host.num_available(replica) - pinned} free or evictable; release or swap in sequences, or "
                     "give the host tier more memory", resource="host pages", needed=need,
-                    available=gt.host.num_available(replica) - pinned, replica=replica if self._num_replicas > 1 else None)
+                    available=gt.host.num_available(replica) - pinned,
+                    replica=replica if groups.num_replicas > 1 else None)
         # Checked: nothing below fails.
         starts, pages = [], []
-        stale = self._is_stale(row)
-        for gt, (held, shared) in zip(self._groups, plans):
+        for gt, (held, shared) in zip(groups, plans):
             host = gt.host
             host.share([h for h in shared if h >= 0])  # first: no allocation below may evict them
             fresh = iter(host.allocate(replica, shared.count(-1), overwritten=True))
@@ -219,26 +223,20 @@ class _HostTier:
                 out.append(h)
             starts.append(int(gt.start[row]))
             pages.append(tuple(out))
-            gt.release_pages(gt.held(row, int(self._npages[row]))[::-1], stale=stale)
-            gt.reset_row(row)
-        self._swapped[row] = SwappedSequence(npages=cols, replica=replica, starts=tuple(starts), pages=tuple(pages))
-        self._npages[row] = 0
-        self._replica[row] = -1
-        self._host_counters["swap_outs"] += 1
+        groups.release_row(row, int(seqs.npages[row]), stale=stale)
+        self.swapped[row] = SwappedSequence(npages=cols, replica=replica, starts=tuple(starts), pages=tuple(pages))
+        seqs.npages[row] = 0
+        seqs.replica[row] = -1
+        self.counters["swap_outs"] += 1
 
-    def swap_in(self, seq_id: int) -> None:
-        """Give the swapped-out ``seq_id`` device pages again in its replica: a page whose
-        digest the device's prefix cache holds is shared, every other one gets a fresh page and
-        a pending onload (`apply_pending(cache, host=...)` before the next step's writes).
-        CacheFullError when the device pool lacks pages (nothing changes; it stays swapped
-        out); ValueError when it is not swapped out or its swap-out was not applied yet."""
-        row = self._row(seq_id)
-        record = self._swapped.get(row)
+    def swap_in(self, row: int, seqs: SequenceTable, groups: GroupCoordinator) -> None:
+        """`PageManager.swap_in` of the claimed ``row``."""
+        record = self.swapped.get(row)
         if record is None:
             raise ValueError(f"sequence {row} is not swapped out; swap_in takes a sequence swap_out preempted")
         r = record.replica
         plans = []
-        for gt, host_pages in zip(self._groups, record.pages):
+        for gt, host_pages in zip(groups, record.pages):
             if any(h in gt.offloads for h in host_pages):
                 raise ValueError(f"sequence {row}'s swap-out is still pending; call apply_pending(cache, host=...) "
                                  "between swap_out and swap_in")
@@ -246,10 +244,10 @@ class _HostTier:
             need = found.count(-1)
             cached = sum(1 for p in found if p >= 0 and gt.pool.refcount[p] == 0)
             if need > gt.pool.num_available(r) - cached:
-                self._raise_full(gt, r, need + cached)
+                gt.raise_full(r, need + cached)
             plans.append(found)
         # Checked: nothing below fails.
-        for gt, host_pages, found, start in zip(self._groups, record.pages, plans, record.starts):
+        for gt, host_pages, found, start in zip(groups, record.pages, plans, record.starts):
             gt.pool.share([p for p in found if p >= 0])
             fresh = iter(gt.allocate(r, found.count(-1), overwritten=True))
             row_pages = []
@@ -265,32 +263,25 @@ class _HostTier:
                 row_pages.append(page)
             gt.table[row, start:record.npages] = row_pages
             gt.start[row] = start
-        self._npages[row] = record.npages
-        self._replica[row] = r if record.npages else -1
-        del self._swapped[row]
-        self._host_counters["swap_ins"] += 1
+        seqs.npages[row] = record.npages
+        seqs.replica[row] = r if record.npages else -1
+        del self.swapped[row]
+        self.counters["swap_ins"] += 1
 
-    def _release_swapped(self, row: int) -> None:
+    def release_swapped(self, row: int, groups: GroupCoordinator) -> None:
         """`release` of a swapped-out sequence: its host pages lose its reference."""
-        record = self._swapped.pop(row)
-        for gt, pages in zip(self._groups, record.pages):
+        record = self.swapped.pop(row)
+        for gt, pages in zip(groups, record.pages):
             gt.host.release(list(pages)[::-1])
 
-    def _refuse_swapped(self, rows: Any, what: str) -> None:
-        if not self._swapped:
-            return
-        for row in np.atleast_1d(rows).tolist():
-            if row in self._swapped:
-                raise ValueError(f"sequence {row} is swapped out; swap_in({row}) before {what}")
-
     # ---- prefix hits in the host tier ------------------------------------------------------------
-    def _attach_host_hits(self, row: int, replica: int, pages: list[list[int]]) -> int:
+    def attach_hits(self, replica: int, pages: list[list[int]], groups: GroupCoordinator) -> int:
         """Turn the host pages of a lookup's hit (``-2 - h``) into device pages with pending
         onloads, in place; returns how many block-table columns came from the host tier (in
         any group). The caller has shared the device pages of the hit and checked there is room
-        (`_host_hit_room`)."""
+        (`hit_room`)."""
         moved: set[int] = set()
-        for gt, group_pages in zip(self._groups, pages):
+        for gt, group_pages in zip(groups, pages):
             cols = [i for i, p in enumerate(group_pages) if p < PAD_PAGE]
             if not cols:
                 continue
@@ -303,59 +294,47 @@ class _HostTier:
             moved.update(cols)
         return len(moved)
 
-    def _host_hit_room(self, replica: int, pages: list[list[int]]) -> bool:
+    def hit_room(self, replica: int, pages: list[list[int]], groups: GroupCoordinator) -> bool:
         """Whether every group has device pages for the host part of a hit, once its device part
         (cached pages among them) is shared."""
-        for gt, group_pages in zip(self._groups, pages):
+        for gt, group_pages in zip(groups, pages):
             onloads = sum(p < PAD_PAGE for p in group_pages)
             cached = sum(1 for p in group_pages if p >= 0 and gt.pool.refcount[p] == 0)
             if onloads and onloads > gt.pool.num_available(replica) - cached:
                 return False
         return True
 
+    def count_hit(self, columns: int, page_size: int) -> None:
+        """A prefix hit brought ``columns`` block-table columns back from the host tier."""
+        if columns:
+            self.counters["host_hits"] += 1
+            self.counters["host_hit_tokens"] += columns * page_size
+
     # ---- pending transfers ------------------------------------------------------------------------
-    def has_pending_transfers(self) -> bool:
-        """Whether offloads or onloads wait for `apply_pending(cache, host=...)` (or
-        `take_transfers`): the host-tier work that reads or writes device pages, and holds pages
-        a manager state cannot (scrubs of released host pages touch neither: see
-        `has_pending_work`)."""
-        return self.has_host_tier and any(gt.offloads or gt.onloads for gt in self._groups)
+    def has_pending_transfers(self, groups: Sequence[GroupTable]) -> bool:
+        """Offloads or onloads wait (they read or write device pages; see `PageManager.has_pending_transfers`)."""
+        return self.enabled and any(gt.offloads or gt.onloads for gt in groups)
 
-    def _has_host_work(self) -> bool:
+    def has_work(self, groups: Sequence[GroupTable]) -> bool:
         """Transfers, or scrubs of released host pages: the work only the tier can do."""
-        return self.has_host_tier and any(gt.offloads or gt.onloads or gt.host.has_pending_scrubs()
-                                          for gt in self._groups)
+        return self.enabled and any(gt.offloads or gt.onloads or gt.host.has_pending_scrubs() for gt in groups)
 
-    def pending_transfers(self) -> tuple[tuple[np.ndarray, ...], ...]:
-        """Per layer group, ``(offload_src, offload_dst, onload_src, onload_dst, host_scrubs)``
-        int32 page ids: device pages to copy to host pages, host pages to copy to device pages,
-        and released host pages to zero (``scrub_released``)."""
+    def pending_transfers(self, groups: Sequence[GroupTable]) -> Transfers:
+        """`PageManager.pending_transfers`."""
         out = []
-        for gt in self._groups:
+        for gt in groups:
             off = np.array([[src, dst] for dst, (src, _, _) in gt.offloads.items()], np.int32).reshape(-1, 2)
             on = np.array([[src, dst] for dst, src in gt.onloads.items()], np.int32).reshape(-1, 2)
             out.append((off[:, 0], off[:, 1], on[:, 0], on[:, 1], gt.host.pending_scrubs()))
         return tuple(out)
 
-    def take_transfers(self) -> tuple[tuple[np.ndarray, ...], ...]:
-        """`pending_transfers`, then count them as done (offloaded prefix pages enter the host
-        prefix map): for an engine that moves the pages itself, first thing before the copies
-        and scrubs (`apply_pending` does all of it with a `HostTier`). All reads before any write:
-        offload sources and onload sources are read before any destination is written, and host
-        scrubs land before the offloads. Host pages these transfers leave unreferenced are the
-        next call's host scrubs (`has_pending_work` says so meanwhile)."""
-        self._require_host_tier("take_transfers")
-        out = self.pending_transfers()
-        self._transfers_done()
-        return out
-
-    def _transfers_done(self) -> None:
+    def transfers_done(self, groups: Sequence[GroupTable]) -> None:
         """The pending transfers were applied: offloaded prefix pages enter the host prefix map,
         every transfer's host reference is dropped."""
-        for gt in self._groups:
+        for gt in groups:
             host = gt.host
-            self._host_counters["offloaded_pages"] += len(gt.offloads)
-            self._host_counters["onloaded_pages"] += len(gt.onloads)
+            self.counters["offloaded_pages"] += len(gt.offloads)
+            self.counters["onloaded_pages"] += len(gt.onloads)
             host.take_scrubs()
             for h, (_, digest, tag) in gt.offloads.items():
                 if digest is not None:
@@ -365,20 +344,65 @@ class _HostTier:
             gt.offloads.clear()
             gt.onloads.clear()
 
-    def _host_metrics(self) -> HostTierMetrics | None:
-        if not self.has_host_tier:
+    def metrics(self, groups: Sequence[GroupTable]) -> HostTierMetrics | None:
+        if not self.enabled:
             return None
-        hosts = [gt.host for gt in self._groups]
+        hosts = [gt.host for gt in groups]
         return HostTierMetrics(
             total_pages=sum(h.num_pages for h in hosts), free_pages=sum(h.num_free() for h in hosts),
             cached_pages=sum(h.num_cached() for h in hosts), used_pages=sum(h.num_used() for h in hosts),
-            swapped_sequences=len(self._swapped), dropped_pages=sum(gt.offloads_dropped for gt in self._groups),
-            evictions=sum(h.evictions for h in hosts), **self._host_counters)
+            swapped_sequences=len(self.swapped), dropped_pages=sum(gt.offloads_dropped for gt in groups),
+            evictions=sum(h.evictions for h in hosts), **self.counters)
+
+    # ---- state and invariants ---------------------------------------------------------------------
+    def lockstep_state(self, groups: Sequence[GroupTable]) -> dict[str, Any]:
+        """The tier's bookkeeping as JSON (a fingerprint for `assert_lockstep`; nothing reads it back)."""
+        return {
+            "pools": [gt.host.state_dict() for gt in groups],
+            "swapped": [[row, r.npages, r.replica, list(r.starts), [list(p) for p in r.pages]]
+                        for row, r in sorted(self.swapped.items())],
+            "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in gt.offloads.items()]
+                         for gt in groups],
+            "onloads": [[[dst, h] for dst, h in gt.onloads.items()] for gt in groups],
+            "counters": dict(self.counters)}
+
+    def check_group(self, gt: GroupTable, lens: np.ndarray) -> None:
+        """Raise `Broken` unless ``gt``'s host pool agrees with its holders (swapped-out sequences
+        and pending transfers), swapped sequences hold what their length (``lens``) needs, and
+        transfers stay in a replica and touch pages they may."""
+        g, of = gt.index, f" in layer group {gt.index}" if gt.grouped else ""
+        host, pool, ps = gt.host, gt.pool, gt.page_size
+        holders: list[int] = []
+        for row, record in self.swapped.items():
+            pages = record.pages[g]
+            want = record.npages - record.starts[g]
+            if len(pages) != want or record.npages != -(-int(lens[row]) // ps):
+                raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} of length {int(lens[row])} "
+                                                             f"holds {len(pages)} host pages{of} for {record.npages} "
+                                                             "columns")
+            if any(host.replica_of(h) != record.replica for h in pages):
+                raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} holds a host page{of} "
+                                                             f"outside replica {record.replica}")
+            holders += pages
+        for h, (src, digest, _) in gt.offloads.items():
+            if host.replica_of(h) != pool.replica_of(src) or host.digest_of(h) is not None:
+                raise Broken("host", f"offload {src} -> host page {h}{of} crosses replicas or targets a cached host page")
+        for dst, h in gt.onloads.items():
+            if host.replica_of(h) != pool.replica_of(dst) or (pool.refcount[dst] == 0 and pool.digest_of(dst) is None):
+                raise Broken("host", f"onload host page {h} -> {dst}{of} crosses replicas or fills a free page")
+            if dst in gt.copies or host.digest_of(h) != pool.digest_of(dst) and pool.digest_of(dst) is not None:
+                raise Broken("host", f"onload host page {h} -> {dst}{of} disagrees with the device page's copy or "
+                                     "digest")
+        holders += list(gt.offloads) + list(gt.onloads.values())
+        try:
+            host.check(np.bincount(np.asarray(holders, np.int64), minlength=host.num_pages).astype(np.int32))
+        except InvariantError as err:
+            raise Broken("host", f"host tier{of}: {err.detail}") from None
 
 
 class _TierKey:
-    """A manager's token for binding its `HostTier` (see `_HostTier.check_host`); copying makes
-    a new one."""
+    """A manager's token for binding its `HostTier` (see `HostTierPolicy.check_host`); copying
+    makes a new one."""
 
     __slots__ = ()
 
@@ -386,4 +410,4 @@ class _TierKey:
         return f"<PageManager tier key {id(self):#x}>"
 
 
-__all__ = ["HOST_COUNTERS", "HostTierMetrics", "SwappedSequence"]
+__all__ = ["HOST_COUNTERS", "HostTierMetrics", "HostTierPolicy", "SwappedSequence", "Transfers"]

@@ -7,8 +7,17 @@ or a common history (fork, copy-on-write), and emits each step's `PagedAttention
 Pure numpy/Python and deterministic: the same calls give the same page ids on every host
 (lowest free page first, LRU in release order, no dict-iteration or hash-randomization
 dependence), which multi-host lock-step relies on. The block table is one preallocated int32
-array, so a step's metadata is built by slicing it, not by looping over pages. Reserving pages,
-copy-on-write, fork and the step metadata are in growth.py, a mixin of `PageManager`.
+array, so a step's metadata is built by slicing it, not by looping over pages.
+
+`PageManager` is a facade, the way vLLM's kv-cache manager sits on a coordinator over one manager
+per attention kind: it checks the caller's input and hands each call to the parts that own the state
+(``_seqs``: `SequenceTable`; ``_groups``: `GroupCoordinator` over one allocator per layer group, its
+class chosen by the group's attention kind; ``_versions``: `VersionLog`; ``_host``:
+`HostTierPolicy`; ``_work``: `PendingWork`; the package doc lists what each owns), or to coordinator
+code handed the parts it changes (growth, commit, rollback, admit). state.py and consistency.py read
+and check the parts (`ManagerParts`). This module imports them all and none of them imports it; like
+every module of the manager it never imports ``storage``, ``attention``, ``checkpoint`` or
+``tiers``.
 
 Life of a sequence (Modular MAX names in brackets)::
 
@@ -28,79 +37,39 @@ when the manager's own bookkeeping is broken (a bug).
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
-import jax
 import numpy as np
 
-from easykv.manager import state as manager_state
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.manager.device_work import _DeviceWork
-from easykv.manager.group_table import GroupTable
-from easykv.manager.growth import _Growth
-from easykv.manager.host_tier import HostTierMetrics, _HostTier
-from easykv.manager.rollback import _Rollback
-from easykv.manager.versions import VersionMetrics, _Versions
-from easykv.manager.windows import _Windows
+from easykv.manager import admit, growth, rollback
+from easykv.manager.allocators import allocator_for
+from easykv.manager.broken import Broken
+from easykv.manager.commit import commit_tokens, parse_tokens
+from easykv.manager.consistency import check_consistency
+from easykv.manager.coordinator import GroupCoordinator, PerGroup, as_groups, per_group
+from easykv.manager.device_work import PendingWork
+from easykv.manager.host_tier import HostTierPolicy, Transfers
+from easykv.manager.metrics import GroupPoolMetrics, PageManagerMetrics, snapshot
+from easykv.manager.parts import ManagerParts
+from easykv.manager.prefix_hash import as_token_ids
 from easykv.manager.reshard import reshard_state
-from easykv.manager.prefix_hash import SequenceHashes, as_token_ids, iter_page_digests, salt_digest
+from easykv.manager.sequences import SequenceTable
+from easykv.manager.state import read_state, write_state
+from easykv.manager.versions import VersionLog, VersionMetrics, WeightVersion
 from easykv.spec import sizing
-from easykv.step.metadata import PAD_PAGE, increment_cache_lengths, stack_metadata  # the last two: re-exported
-from easykv.validation import INT32_MAX, boolean, integer, integer_array, non_negative_int, show
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupPoolMetrics:
-    """A snapshot of one layer group's pool (its own page ids)."""
-
-    total_pages: int
-    free_pages: int
-    cached_pages: int
-    used_pages: int
-    evictions: int
-
-
-@dataclasses.dataclass(frozen=True)
-class PageManagerMetrics:
-    """A snapshot of the pools and the prefix cache (counters are totals since creation).
-    Page counts add up every layer group's pool; ``groups`` has each pool on its own."""
-
-    total_pages: int
-    free_pages: int
-    cached_pages: int  # unreferenced, kept for prefix reuse, evicted when memory is needed
-    used_pages: int
-    active_sequences: int
-    prefix_queries: int
-    prefix_hits: int  # queries that reused at least one page
-    prefix_query_tokens: int
-    prefix_hit_tokens: int  # prompt tokens that needed no prefill
-    evictions: int
-    copies: int  # copy-on-write page copies reported
-    scrubs: int  # released pages reported for zeroing
-    groups: tuple[GroupPoolMetrics, ...] = ()
-    versions: tuple[VersionMetrics, ...] = ()  # per weight version (`set_weight_version`)
-    host: HostTierMetrics | None = None  # the host-memory tier (None without one)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool referenced by running sequences (cached pages count as free)."""
-        return self.used_pages / self.total_pages
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.step.checks import check_padding
+from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths, stack_metadata  # the last two: re-exported
+from easykv.validation import boolean, integer_array, non_negative_int, positive_int
 
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
+StepMetadata: TypeAlias = PerGroup[PagedAttentionMetadata]
 
 
-class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWork):
+class PageManager:
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
@@ -112,10 +81,8 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
     host-memory tier (`host_tier.py`); None (the default) uses it when the metadata has one.
     """
 
-    def __init__(self, metadata: Any, *, enable_prefix_caching: bool = True, scrub_released: bool = False,
-                 host_tier: bool | None = None):
-        from easykv.spec.metadata import PagedAttentionCacheMetaData
-
+    def __init__(self, metadata: PagedAttentionCacheMetaData, *, enable_prefix_caching: bool = True,
+                 scrub_released: bool = False, host_tier: bool | None = None):
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         enable_prefix_caching = boolean("enable_prefix_caching", enable_prefix_caching)
@@ -135,59 +102,45 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         self.page_size = ps = int(metadata.page_size)
         self.batch_size = b = int(metadata.batch_size)
         self.max_length = int(metadata.max_sequences)
-        self.pages_per_sequence = p = int(metadata.num_pages_per_sequence)
+        self.pages_per_sequence = int(metadata.num_pages_per_sequence)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.scrub_released = bool(scrub_released)
-        # One pool and block table per layer group (groups have their own page ids); what a
-        # sequence is (length, columns reserved, replica, hashes) is shared by all groups.
-        self._groups = tuple(GroupTable.fresh(g, batch_size=b, pages_per_sequence=p,
-                                              page_shards=int(metadata.page_shards), scrub_released=scrub_released,
-                                              host_pages=metadata.group_host_pages(g) if host_tier else 0)
-                             for g in groups)
-        self._num_replicas = int(metadata.page_shards)
-        self._lens = np.zeros(b, np.int32)  # tokens written (K/V valid) per sequence
-        self._npages = np.zeros(b, np.int32)  # block-table columns held, including pages reserved ahead
-        self._floor = np.zeros(b, np.int32)  # a resumed sequence's first position with K/V, until its windows pass it
-        self._replica = np.full(b, -1, np.int32)  # -1 until the sequence's first page
-        self._active = np.zeros(b, bool)
-        self._hashes = SequenceHashes(b, ps)
-        self._init_versions()
-        self._init_host_tier()
-        self._counters = dict.fromkeys(("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies"), 0)
+        self._seqs = SequenceTable(b, ps, self.max_length)
+        self._groups = GroupCoordinator(
+            allocator_for(g, index=i, grouped=len(groups) > 1, page_size=ps, batch_size=b,
+                          pages_per_sequence=self.pages_per_sequence, page_shards=int(metadata.page_shards),
+                          scrub_released=scrub_released, host_pages=metadata.group_host_pages(g) if host_tier else 0)
+            for i, g in enumerate(groups))
+        self._versions = VersionLog()
+        self._host = HostTierPolicy(enabled=self._groups.has_host)
+        self._work = PendingWork()
+
+    def _parts(self) -> ManagerParts:
+        return ManagerParts(metadata=self.metadata, seqs=self._seqs, groups=self._groups, versions=self._versions,
+                            host=self._host, work=self._work, caching=self.enable_prefix_caching,
+                            scrub=self.scrub_released)
+
+    def _is_stale(self, row: int) -> bool:
+        return self._seqs.version[row] != self._versions.current
 
     @property
     def num_groups(self) -> int:
         """Layer groups of the metadata: one pool, one block table and one step metadata each."""
         return len(self._groups)
 
-    def _per_group(self, items: Sequence[Any]) -> Any:
-        """The one item of a one-group manager, else a tuple of one per group (the form the
-        storage takes: `PagedAttentionCache.write`, `copy_pages`, `zero_pages`)."""
-        return items[0] if len(items) == 1 else tuple(items)
-
-    def _group_index(self, group: Any) -> int:
-        n = len(self._groups)
-        if group is None:
-            if n > 1:
-                raise ValueError(f"this manager has {n} layer groups, each with its own pages; pass group=0..{n - 1}")
-            return 0
-        return integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")
-
     # ---- sequence slots [MAX: claim, external_claim, contains, release, slots_remaining] -------
     def claim(self, n: int = 1) -> list[int]:
         """Claim ``n`` free sequence ids (lowest first) for new requests."""
         n = non_negative_int("n", n)
-        free = np.flatnonzero(~self._active)
+        free = self._seqs.free_rows()
         if n > free.size:
             raise CacheFullError(
                 f"claim({n}) needs {n} sequence slots but only {free.size} of batch_size={self.batch_size} "
                 "are free; release finished sequences first or create the metadata with a larger batch_size",
                 resource="sequence slots", needed=n, available=int(free.size))
-        ids = free[:n]
-        self._active[ids] = True
-        for row in ids.tolist():
-            self._start_row(row)
-        return ids.tolist()
+        ids = free[:n].tolist()
+        self._seqs.claim(ids, self._versions.current, self._versions.root())
+        return ids
 
     def external_claim(self, seq_ids: Sequence[int]) -> None:
         """Claim ids chosen by the caller (e.g. a scheduler that owns the numbering)."""
@@ -196,47 +149,34 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         ids = integer_array("seq_ids", seq_ids, ndim=1, lo=0, hi=self.batch_size - 1,
                             hint=f"sequence ids of batch_size={self.batch_size}").tolist()
         for s in ids:
-            if self._active[s]:
+            if self._seqs.active[s]:
                 raise ValueError(f"sequence id {s} is already claimed; release it first or claim another id")
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids {ids} repeat an id; claim each id once")
-        self._active[ids] = True
-        for row in ids:
-            self._start_row(row)
+        self._seqs.claim(ids, self._versions.current, self._versions.root())
 
     def contains(self, seq_id: int) -> bool:
-        sid = self._check_id(seq_id, strict=False)  # the checked value, never the object again
-        return sid >= 0 and bool(self._active[sid])
+        sid = self._seqs.check_id(seq_id, strict=False)  # the checked value, never the object again
+        return sid >= 0 and bool(self._seqs.active[sid])
 
     __contains__ = contains
 
     @property
     def slots_remaining(self) -> set[int]:
-        return set(np.flatnonzero(~self._active).tolist())
+        return set(self._seqs.free_rows().tolist())
 
     @property
     def active_ids(self) -> list[int]:
-        return np.flatnonzero(self._active).tolist()
+        return self._seqs.active_ids
 
     def release(self, seq_id: int) -> None:
         """End a sequence: its id becomes free, its pages lose a reference. Full pages stay in
         the prefix cache (tail pages are evicted before head pages); others are freed."""
-        row = self._row(seq_id)
-        if row in self._swapped:
-            self._release_swapped(row)
-        n, stale = int(self._npages[row]), self._is_stale(row)
-        for gt in self._groups:
-            gt.release_pages(gt.held(row, n)[::-1], stale=stale)
-        self._reset_row(row)
-
-    def _reset_row(self, row: int) -> None:
-        for gt in self._groups:
-            gt.reset_row(row)
-        self._lens[row] = self._npages[row] = self._floor[row] = 0
-        self._replica[row] = -1
-        self._active[row] = False
-        self._hashes.reset(row)
-        self._row_version[row] = None
+        row = self._seqs.row(seq_id)
+        if row in self._host.swapped:
+            self._host.release_swapped(row, self._groups)
+        self._groups.release_row(row, int(self._seqs.npages[row]), stale=self._is_stale(row))
+        self._seqs.reset(row)
 
     # ---- prefix caching ------------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
@@ -245,47 +185,9 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         (a multiple of page_size, at most ``len(token_ids) - 1``: the last prompt token is always
         computed so the model has logits to sample from). The sequence then continues from there:
         commit ``token_ids[returned:]`` after writing them."""
-        row = self._row(seq_id)
-        tokens = as_token_ids(token_ids)
-        self._refuse_swapped(row, "match_prefix")
-        if self._lens[row] or self._npages[row]:
-            raise ValueError(
-                f"sequence {row} already holds {int(self._lens[row])} tokens in {int(self._npages[row])} "
-                "pages; call match_prefix right after claim, before reserving or committing tokens")
-        self._check_extent(row, tokens.size, "the prompt")
-        salt_d = salt_digest(salt)
-        self._start_row(row)  # the version current now, whenever it was claimed
-        self._hashes.salt[row] = salt_d
-        if not self.enable_prefix_caching:
-            return 0
-        replica, pages, chain = self._lookup(tokens, salt_d, int(self._replica[row]))
-        if self.has_host_tier and not self._host_hit_room(replica, pages):  # no device room to bring them back
-            replica, pages, chain = self._lookup(tokens, salt_d, int(self._replica[row]), host=False)
-        c = self._counters
-        c["prefix_queries"] += 1
-        c["prefix_query_tokens"] += int(tokens.size)
-        k = len(pages[0])
-        self._count_lookup(int(tokens.size), k * self.page_size)
-        if k:
-            starts = [group_pages.count(PAD_PAGE) for group_pages in pages]  # a window needs only its pages
-            for gt, group_pages in zip(self._groups, pages):
-                gt.pool.share([p for p in group_pages if p >= 0])
-            onloaded = self._attach_host_hits(row, replica, pages) if self.has_host_tier else 0
-            for gt, group_pages, start in zip(self._groups, pages, starts):
-                gt.table[row, :k] = group_pages
-                gt.start[row] = start
-            self._npages[row] = k
-            self._lens[row] = k * self.page_size
-            self._replica[row] = replica
-            self._hashes.chain[row] = chain
-            self._hashes.record(row, tokens[: k * self.page_size])  # the log holds every committed id
-            c["prefix_hits"] += 1
-            c["prefix_hit_tokens"] += k * self.page_size
-            if onloaded:
-                self._host_counters["host_hits"] += 1
-                self._host_counters["host_hit_tokens"] += onloaded * self.page_size
-            self._release_out_of_window(np.array([row]))
-        return k * self.page_size
+        row = self._seqs.row(seq_id)
+        return admit.match_prefix(self._seqs, self._groups, self._versions, self._host, row, as_token_ids(token_ids),
+                                  salt, caching=self.enable_prefix_caching)
 
     def cached_prefix_length(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> int:
         """How many tokens of ``token_ids`` `match_prefix` would find cached now (no state change),
@@ -294,65 +196,97 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
         tokens = as_token_ids(token_ids)
         if not self.enable_prefix_caching:
             return 0
-        return len(self._lookup(tokens, salt_digest(salt), -1)[1][0]) * self.page_size
+        return admit.cached_prefix_length(self._groups, self._versions, tokens, salt)
 
-    def _lookup(self, tokens: np.ndarray, salt: bytes, bound: int, *,
-                host: bool = True) -> tuple[int, list[list[int]], bytes]:
-        """The best replica, its cached pages for the prompt in every group (``PAD_PAGE``
-        where a window does not need one; ``-2 - h`` for page ``h`` of the host tier, unless
-        ``host`` is False), and the digest of the last one. A hit of ``k`` pages needs every
-        group's pages for it. Best: most pages, then most available pages (in the tightest
-        group), then lowest index."""
-        replicas = [bound] if bound >= 0 else list(range(self._num_replicas))
-        host = host and self.has_host_tier
-        if any(gt.windowed for gt in self._groups):
-            return self._lookup_window(tokens, salt, replicas, host=host)
-        found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
-        # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
-        searches = [(found[r], [gt.tier_map(r) if host else gt.pool.digest_map(r) for gt in self._groups])
-                    for r in replicas]
-        chain = root = self._root()
-        for k, digest in enumerate(iter_page_digests(tokens, self.page_size, (tokens.size - 1) // self.page_size, salt,
-                                                     root)):
-            alive = False
-            for hits, maps in searches:
-                if len(hits) == k:  # one group (the common case) without a comprehension per page
-                    pages = (maps[0].get(digest, -1),) if len(maps) == 1 else [m.get(digest, -1) for m in maps]
-                    if -1 not in pages:
-                        hits.append(pages)
-                        alive = True
-            if not alive:
-                break
-            chain = digest
-        avail = self._available_per_replica()
-        best = max(replicas, key=lambda r: (len(found[r]), avail[r], -r))
-        return best, [list(column) for column in zip(*found[best])] or [[] for _ in self._groups], chain
+    def resume(self, seq_id: int, first_position: int) -> None:
+        """Start the freshly claimed ``seq_id`` at ``first_position``: a sequence whose earlier
+        tokens this cache will never hold (one moved here with only its window's tokens, see
+        `import_sequence`). It holds no pages for them: its length becomes ``first_position``
+        rounded down to a page, and the tokens from there on are reserved, written and
+        committed as usual (`build_step_metadata`, then `advance`; they are not entered in the
+        prefix cache, whose keys need every token from the first). Write up to a length whose
+        window starts at or after ``first_position`` before attention reads the sequence.
 
-    def _available_per_replica(self) -> np.ndarray:
-        """Per replica, the pages an allocation can take in its tightest group."""
-        return np.min([gt.pool.available_per_replica() for gt in self._groups], axis=0)
+        ValueError when a layer group attends fully (its queries read every position), for a
+        sequence that already holds tokens or pages, or a position outside
+        ``0 .. max_sequences - 1``."""
+        admit.resume(self._seqs, self._groups, self._host, self._seqs.row(seq_id), first_position)
+
+    # ---- growth [MAX: fetch, increment_cache_lengths] ------------------------------------------------
+    def reserve(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
+        """Make room for ``num_tokens`` more tokens of each sequence: new pages at page
+        boundaries, and a private copy of a shared, partly filled last page (copy-on-write; see
+        `take_copies`). All or nothing: on CacheFullError no sequence got anything."""
+        seqs = self._seqs
+        rows = seqs.rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        growth.reserve(seqs, self._groups, self._host, self._work, rows, seqs.counts(num_tokens, rows.size))
+
+    def fork(self, seq_id: int, n: int | None = None) -> int | list[int]:
+        """A new sequence with the same history (parallel sampling, beam search); with ``n``,
+        ``n`` of them in one call (GRPO-style samples of one prompt), returned as a list, all or
+        none. Written pages are shared; whichever sequence next writes into a shared partly
+        filled page gets a private copy. Pages reserved ahead but not written stay with
+        ``seq_id``."""
+        row = self._seqs.row(seq_id)
+        self._host.refuse_swapped(row, "fork")
+        count = 1 if n is None else positive_int("n", n, hi=self.batch_size,
+                                                  hint=f"children of one sequence, at most batch_size={self.batch_size}")
+        children = growth.fork(self._seqs, self._groups, row, count,
+                               what=f"fork({row}{'' if n is None else f', n={count}'})")
+        return children[0] if n is None else children
+
+    def build_step_metadata(self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int], *,
+                            pad_tokens_to: int | None = None, pad_seqs_to: int | None = None) -> StepMetadata:
+        """Reserve pages and build the mixed-form metadata of one step in which sequence
+        ``seq_ids[b]`` appends ``num_new_tokens[b]`` tokens (a prefill chunk, a decode, or 0).
+        Lengths advance only when the tokens are committed (`step`), after the device wrote them.
+        ``pad_tokens_to`` / ``pad_seqs_to`` fix the shapes so jit sees few of them.
+
+        With several layer groups, a tuple of one `PagedAttentionMetadata` per group (each its
+        own page table and slots; the cache's writes and attention take the tuple)."""
+        seqs, groups = self._seqs, self._groups
+        rows = seqs.rows(seq_ids)
+        new = seqs.counts(num_new_tokens, rows.size)
+        pad_tokens_to, pad_seqs_to = check_padding(self.metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
+        growth.reserve(seqs, groups, self._host, self._work, rows, new)
+        return growth.step_metadata(seqs, groups, rows, new, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
+
+    def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
+                              stacked: bool = False) -> StepMetadata | list[StepMetadata]:
+        """Metadata for ``num_steps`` decode steps ahead, with pages reserved for all of them,
+        so a multi-step loop needs no host round trip. Step ``j`` writes position ``length + j``.
+        Returns a list, or with ``stacked=True`` one metadata whose mixed fields carry a leading
+        step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
+        from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids).
+        With several layer groups each step (or the stacked metadata) is a tuple of one per group."""
+        seqs, groups = self._seqs, self._groups
+        rows = seqs.rows(seq_ids)
+        k = positive_int("num_steps", num_steps)
+        _, pad_seqs_to = check_padding(self.metadata, rows.size, rows.size, None, pad_seqs_to)
+        growth.reserve(seqs, groups, self._host, self._work, rows, np.full(rows.size, k, np.int64))
+        return growth.decode_metadata(seqs, groups, rows, k, pad_seqs_to=pad_seqs_to, stacked=stacked)
+
+    def increment_cache_lengths(self, metadata: StepMetadata) -> StepMetadata:
+        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly;
+        with several layer groups, a tuple of one per group); the manager's lengths do not
+        change (see `build_decode_metadata`)."""
+        groups = self._groups
+        n = len(groups)
+        if n > 1 and (not isinstance(metadata, tuple) or len(metadata) != n):
+            raise ValueError(f"this manager has {n} layer groups: pass a tuple of {n} step metadata, one per group "
+                             f"(what build_decode_metadata returns), got {type(metadata).__name__}")
+        return per_group([increment_cache_lengths(m, page_size=self.page_size, num_pages=gt.pool.num_pages)
+                          for gt, m in zip(groups, as_groups(metadata, n))])
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:
         """Commit tokens the device has written: lengths advance and pages that became full
         enter the prefix cache. ``token_ids``: one id per sequence (decode), an ``(n, k)``
         array (``k`` each, multi-step decode), or one sequence of ids per sequence (prefill)."""
-        rows = self._rows(seq_ids)
-        if isinstance(token_ids, jax.Array):
-            token_ids = np.asarray(token_ids)
-        if not isinstance(token_ids, (list, tuple, np.ndarray)):
-            raise ValueError(f"token_ids={show(token_ids)} is not a list or array; pass one id per sequence or one "
-                             "list per sequence")
-        if isinstance(token_ids, np.ndarray) or all(isinstance(t, (int, np.integer)) for t in token_ids):
-            arr = integer_array("token_ids", token_ids, lo=0, hi=INT32_MAX, hint="token ids")
-            if arr.ndim not in (1, 2) or arr.shape[0] != rows.size:
-                raise ValueError(f"token_ids has shape {arr.shape}; pass ({rows.size},) or ({rows.size}, k) ids for {rows.size} sequences")
-            self._commit(rows, np.full(rows.size, 1 if arr.ndim == 1 else arr.shape[1], np.int64), arr)
-        else:
-            if len(token_ids) != rows.size:
-                raise ValueError(f"token_ids holds {len(token_ids)} entries for {rows.size} sequences; pass one per sequence")
-            lists = [as_token_ids(t, f"token_ids[{i}]") for i, t in enumerate(token_ids)]
-            self._commit(rows, np.array([t.size for t in lists], np.int64), lists)
+        rows = self._seqs.rows(seq_ids)
+        counts, tokens = parse_tokens(token_ids, rows.size)
+        commit_tokens(self._seqs, self._groups, self._host, rows, counts, tokens, caching=self.enable_prefix_caching,
+                      current=self._versions.current)
 
     def append_tokens(self, seq_id: int, token_ids: Sequence[int] | np.ndarray) -> None:
         """`step` for one sequence: commit ``token_ids`` written at its next positions."""
@@ -361,112 +295,87 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
     def advance(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
         """Commit written tokens without their ids. Pages filled from here on are not entered
         in the prefix cache (their content is unknown); use `step` to keep caching them."""
-        rows = self._rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
-        self._commit(rows, self._counts(num_tokens, rows.size), None)
+        seqs = self._seqs
+        rows = seqs.rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        commit_tokens(seqs, self._groups, self._host, rows, seqs.counts(num_tokens, rows.size), None,
+                      caching=self.enable_prefix_caching, current=self._versions.current)
 
-    def _commit(self, rows: np.ndarray, counts: np.ndarray, tokens: Any) -> None:
-        ps = self.page_size
-        self._refuse_swapped(rows, "committing its tokens")
-        lens = self._lens[rows]
-        over = lens + counts > self._npages[rows] * ps
-        if over.any():
-            i = int(np.argmax(over))
-            raise ValueError(
-                f"sequence {int(rows[i])} has room for {int(self._npages[rows[i]]) * ps - int(lens[i])} more tokens "
-                f"but {int(counts[i])} were committed; reserve them first (build_step_metadata / reserve)")
-        for gt in self._groups:
-            if gt.shared_partial:
-                writing = np.flatnonzero(counts > 0)
-                first = gt.table[rows[writing], lens[writing] // ps]
-                shared = (first != PAD_PAGE) & (gt.pool.refcount[first] > 1)
-                if shared.any():
-                    j = int(np.argmax(shared))
-                    raise ValueError(
-                        f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}"
-                        f"{self._in_group(gt)}, which it shares since a fork; reserve (build_step_metadata) after "
-                        "forking so it gets a private copy, then write")
-            if gt.copies or gt.pool.has_pending_scrubs() or gt.offloads or gt.onloads:
-                self._check_no_pending_work(gt, rows, lens, counts)
-        # Validated: commit.
-        hashes = self._hashes
-        if tokens is None:
-            hashes.hashable[rows[counts > 0]] = False
-        elif self.enable_prefix_caching and isinstance(tokens, np.ndarray) and tokens.ndim == 1:
-            f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
-            tags = [self._row_version[r] for r in f_rows.tolist()]
-            for gt in self._groups:
-                for page, digest, tag in zip(gt.table[f_rows, cols].tolist(), digests, tags):
-                    gt.pool.commit(page, digest, tag)
-        elif self.enable_prefix_caching:
-            for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
-                row = int(rows[i])
-                for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
-                    for gt in self._groups:
-                        gt.pool.commit(int(gt.table[row, col]), digest, self._row_version[row])
-        self._lens[rows] = lens + counts
-        self._release_out_of_window(rows)
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep the first ``length`` committed tokens of ``seq_id`` and drop the rest, with the
+        pages reserved ahead (see `rollback`). ValueError, with nothing changed, for a
+        length past the committed one, or one whose tokens the sequence no longer holds (before
+        its sliding or chunked window's first kept page, or before a resumed sequence's first)."""
+        row = self._seqs.row(seq_id)
+        self._host.refuse_swapped(row, "truncate")
+        rollback.truncate(self._seqs, self._groups, self._work, row, length, caching=self.enable_prefix_caching,
+                          current=self._versions.current)
 
-    def _check_no_pending_work(self, gt: GroupTable, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
-        """Tokens committed into a page a pending copy or scrub touches were written before that
-        device work: it would overwrite them, or carry them into another sequence's page."""
-        ps = self.page_size
-        copied = set(gt.copies) | set(gt.copies.values())
-        moved = set(gt.onloads) | {src for src, _, _ in gt.offloads.values()}
-        pending = copied | moved | set(gt.pool.pending_scrubs().tolist())
-        for i in np.flatnonzero(counts > 0).tolist():
-            row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
-            for page in gt.table[row, first : last + 1].tolist():
-                if page in pending:
-                    work = "copy-on-write copy" if page in copied else "host-tier transfer" if page in moved else "scrub"
-                    raise ValueError(
-                        f"sequence {row} commits tokens in page {page}{self._in_group(gt)}, whose {work} is still "
-                        "pending: the device would overwrite them. Call apply_pending(cache, host=...) after "
-                        "build_step_metadata and before the step's writes")
+    # ---- weight versions (see `versions`) ------------------------------------------------------------
+    @property
+    def weight_version(self) -> WeightVersion:
+        """The current weight version as it was set (None: never set)."""
+        return self._versions.weight_version
 
-    def _in_group(self, gt: GroupTable) -> str:
-        """`` of layer group g`` in messages of a manager of several groups."""
-        return f" of layer group {self._groups.index(gt)}" if len(self._groups) > 1 else ""
+    def set_weight_version(self, version: WeightVersion) -> None:
+        """Make ``version`` (an int of up to 64 bits, a str or bytes: hashed alike on every
+        host) the weights new sequences run with. From now on prefix lookups find only pages
+        written under ``version``; running sequences finish under theirs, and cached pages of
+        other versions are evicted first. Sequences claimed but not yet started take
+        ``version``. Setting the current version again changes nothing."""
+        versions = self._versions
+        if versions.set(version):
+            self._seqs.restart_unstarted(versions.current, versions.root())
+            self._groups.demote(versions.current)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix now, also with sequences running (they keep their pages;
+        pages they fill from now on are cached again as usual). Cached pages become free
+        (scrubbed first when the manager scrubs). Returns how many pages the prefix cache
+        held, over every layer group (the host tier's included)."""
+        return self._groups.forget_prefixes()
 
     # ---- inspection -------------------------------------------------------------------------------
     def length(self, seq_id: int) -> int:
         """Committed tokens of a sequence [MAX: cache_length]."""
-        return int(self._lens[self._row(seq_id)])
+        return int(self._seqs.lens[self._seqs.row(seq_id)])
 
     cache_length = length
 
     def capacity(self, seq_id: int) -> int:
         """Tokens the sequence's pages can hold (committed plus reserved ahead)."""
-        return int(self._npages[self._row(seq_id)]) * self.page_size
+        return int(self._seqs.npages[self._seqs.row(seq_id)]) * self.page_size
 
     def pages(self, seq_id: int, *, group: int | None = None) -> list[int]:
         """The block-table row up to the last page held; in a sliding or chunked group the
         pages released from the window are ``PAD_PAGE`` (-1). ``group``: which layer group's
         pages (needed when there are several)."""
-        g = self._group_index(group)
-        row = self._row(seq_id)
-        return self._groups[g].table[row, : self._npages[row]].tolist()
+        g = self._groups.group_index(group)
+        row = self._seqs.row(seq_id)
+        return self._groups[g].row_pages(row, int(self._seqs.npages[row]))
+
+    def first_kept_position(self, seq_id: int, *, group: int | None = None) -> int:
+        """The first position whose K/V the sequence holds in layer group ``group`` (needed
+        when there are several) and its next query may read: 0 in a full-attention group; in a
+        sliding or chunked one, where its window starts (or a resumed sequence's first
+        position, while a window still reaches before it)."""
+        gt = self._groups[self._groups.group_index(group)]
+        row = self._seqs.row(seq_id)
+        return gt.first_kept_position(int(self._seqs.lens[row]), int(self._seqs.floor[row]))
 
     def replica(self, seq_id: int) -> int | None:
         """The data-parallel replica whose slice of the pool holds the sequence (None: unbound)."""
-        r = int(self._replica[self._row(seq_id)])
+        r = int(self._seqs.replica[self._seqs.row(seq_id)])
         return r if r >= 0 else None
 
     def page_table(self, seq_ids: Sequence[int], *, group: int | None = None) -> np.ndarray:
         """Rows of layer group ``group``'s block table (``PAD_PAGE`` past each sequence's
         pages), a copy."""
-        g = self._group_index(group)
-        return self._groups[g].table[self._rows(seq_ids)]
+        g = self._groups.group_index(group)
+        return self._groups[g].table[self._seqs.rows(seq_ids)]
 
     @property
     def metrics(self) -> PageManagerMetrics:
-        pools = [gt.pool for gt in self._groups]
-        groups = tuple(GroupPoolMetrics(total_pages=p.num_pages, free_pages=p.num_free(), cached_pages=p.num_cached(),
-                                        used_pages=p.num_used(), evictions=p.evictions) for p in pools)
-        total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",
-                                                                  "used_pages", "evictions")}
-        return PageManagerMetrics(**total, active_sequences=int(self._active.sum()),
-                                  scrubs=sum(p.scrubs for p in pools), groups=groups,
-                                  versions=self._version_metrics(), host=self._host_metrics(), **self._counters)
+        return snapshot(self._parts())
 
     @property
     def usage(self) -> float:
@@ -483,122 +392,199 @@ class PageManager(_Growth, _Windows, _Versions, _Rollback, _HostTier, _DeviceWor
     estimated_memory_size = staticmethod(sizing.estimated_memory_size)
     infer_optimal_batch_size = staticmethod(sizing.infer_optimal_batch_size)
 
+    # ---- the host-memory tier (see `host_tier`) -------------------------------------------------------
+    @property
+    def has_host_tier(self) -> bool:
+        """Whether this manager keeps evicted prefixes and swapped sequences in host memory."""
+        return self._host.enabled
+
+    def forget_host_tier(self) -> int:
+        """Empty the host tier's prefix cache and detach its `HostTier` (the cache moved to another
+        placement, whose new tier holds nothing yet); returns the cached pages forgotten. With
+        ``scrub_released`` the pages it leaves (forgotten ones, released ones not zeroed yet) are
+        zeroed in the detached tier now; that tier stays bound to this manager (no other manager
+        takes it). ValueError while sequences are swapped out or transfers are pending."""
+        return self._host.forget(self._groups)
+
+    def check_host(self, cache: Any, host: Any) -> None:
+        """ValueError unless ``host`` may carry this manager's host-tier work on ``cache``: None
+        while none is pending, else the `easykv.HostTier` of ``cache`` that holds this manager's
+        host pages. A tier is bound to the first manager whose `apply_pending` takes it, for
+        life: a tier bound to another manager (the original of a `clone` included) is refused,
+        and a tier other than the current one is taken only while no host page holds data
+        elsewhere (`forget_host_tier` detaches the current one). `apply_pending` and
+        `import_sequence` check this before anything changes."""
+        self._host.check_host(cache, host, self.metadata, self._groups)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is swapped out (`swap_out`)."""
+        return self._seqs.row(seq_id) in self._host.swapped
+
+    @property
+    def swapped_ids(self) -> list[int]:
+        return sorted(self._host.swapped)
+
+    def swap_out(self, seq_id: int) -> None:
+        """Preempt ``seq_id``: its written pages go to host pages it owns there (pending
+        offloads; `apply_pending(cache, host=...)` before the device pages are written again), its
+        device pages and pages reserved ahead are released, its id stays claimed. Until `swap_in`,
+        nothing may reserve, write, fork or truncate it. CacheFullError when the host tier lacks
+        pages for it; ValueError when device work into its pages is still pending; nothing
+        changes then."""
+        self._host.require("swap_out")
+        row = self._seqs.row(seq_id)
+        self._host.refuse_swapped(row, "swap_out")
+        self._host.swap_out(row, self._seqs, self._groups, stale=self._is_stale(row))
+
+    def swap_in(self, seq_id: int) -> None:
+        """Give the swapped-out ``seq_id`` device pages again in its replica: a page whose
+        digest the device's prefix cache holds is shared, every other one gets a fresh page and
+        a pending onload (`apply_pending(cache, host=...)` before the next step's writes).
+        CacheFullError when the device pool lacks pages (nothing changes; it stays swapped
+        out); ValueError when it is not swapped out or its swap-out was not applied yet."""
+        self._host.swap_in(self._seqs.row(seq_id), self._seqs, self._groups)
+
+    def has_pending_transfers(self) -> bool:
+        """Whether offloads or onloads wait for `apply_pending(cache, host=...)` (or
+        `take_transfers`): the host-tier work that reads or writes device pages, and holds pages
+        a manager state cannot (scrubs of released host pages touch neither: see
+        `has_pending_work`)."""
+        return self._host.has_pending_transfers(self._groups)
+
+    def pending_transfers(self) -> Transfers:
+        """Per layer group, ``(offload_src, offload_dst, onload_src, onload_dst, host_scrubs)``
+        int32 page ids: device pages to copy to host pages, host pages to copy to device pages,
+        and released host pages to zero (``scrub_released``)."""
+        return self._host.pending_transfers(self._groups)
+
+    def take_transfers(self) -> Transfers:
+        """`pending_transfers`, then count them as done (offloaded prefix pages enter the host
+        prefix map): for an engine that moves the pages itself, first thing before the copies
+        and scrubs (`apply_pending` does all of it with a `HostTier`). All reads before any write:
+        offload sources and onload sources are read before any destination is written, and host
+        scrubs land before the offloads. Host pages these transfers leave unreferenced are the
+        next call's host scrubs (`has_pending_work` says so meanwhile)."""
+        self._host.require("take_transfers")
+        out = self._host.pending_transfers(self._groups)
+        self._host.transfers_done(self._groups)
+        return out
+
+    # ---- pending device work (see `device_work`) ---------------------------------------------------
+    def pending_copies(self, pad_to: int | None = None) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
+        """(src, dst) int32 page ids the cache must copy, in every layer, before the next write
+        (with several layer groups, a tuple of one array per group each); ``pad_to`` pads them
+        with -1 (a fixed shape for the jitted copy)."""
+        return self._work.pending_copies(self._groups, pad_to)
+
+    def has_pending_work(self) -> bool:
+        """Whether `apply_pending` has anything to run: copy-on-write copies, scrubs of released
+        device pages, or host-tier work (transfers, scrubs of released host pages)."""
+        return self._work.has_pending(self._groups, self._host)
+
+    def take_copies(self, pad_to: int | None = None) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
+        """`pending_copies`, then forget them: apply with ``cache.copy_pages(src, dst)`` before the
+        step's writes (sources are read before destinations are written)."""
+        self._work.refuse_transfers("take_copies", self._groups, self._host)
+        out = self._work.pending_copies(self._groups, pad_to)
+        self._work.forget_copies(self._groups)
+        return out
+
+    def pending_scrubs(self, pad_to: int | None = None) -> PerGroup[np.ndarray]:
+        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``
+        (with several layer groups, a tuple of one array per group)."""
+        return self._work.pending_scrubs(self._groups, pad_to)
+
+    def take_scrubs(self, pad_to: int | None = None) -> PerGroup[np.ndarray]:
+        """`pending_scrubs`, then forget them: apply with ``cache.zero_pages(pages)`` after the
+        copies and before the step's writes."""
+        self._work.refuse_transfers("take_scrubs", self._groups, self._host)
+        out = self._work.pending_scrubs(self._groups, pad_to)
+        self._work.forget_scrubs(self._groups)
+        return out
+
+    def apply_pending(self, cache: Any, *, host: Any = None) -> tuple[Any, int]:
+        """Apply the pending device work to ``cache`` in the required order: host-tier
+        transfers (through ``host``, the `easykv.tiers.HostTier` of this cache; needed while
+        any host-tier work is pending), copy-on-write copies, then scrubs of released pages,
+        device and host. Call after building a step's metadata, before its writes. Returns the
+        updated cache (the one passed in is donated) and the number of pages copied on the device.
+
+        The work is forgotten only once the device has taken it: when ``cache`` is not a live
+        cache of this pool (deleted by an earlier donation, another pool), or ``host`` is
+        missing, of another cache or bound to another manager (`check_host`), nothing is
+        applied and everything stays pending, so a retry with the right arguments still copies
+        and scrubs (a lost copy would leave a fork reading whatever its page held before)."""
+        self.check_cache(cache, what="apply_pending's cache")  # else nothing is applied: the work stays pending
+        self.check_host(cache, host)
+        if host is not None:
+            return self._work.apply_through(cache, host, self._groups, self._host, self.metadata)
+        return self._work.apply(cache, self._groups)
+
+    def check_cache(self, cache: Any, *, what: str = "the cache") -> PagedAttentionCacheMetaData:
+        """The metadata of ``cache``, once it is a live cache of this manager's pool (the same
+        pages, page split, sequences and layer groups, every buffer alive); ValueError naming
+        the difference otherwise. ``what`` names the call in the message. (Duck-typed: the
+        manager does not import the storage layer.)"""
+        return PendingWork.check_cache(cache, self.metadata, what)
+
     # ---- invariants and persistence --------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise InvariantError (a bug in easykv) unless the bookkeeping is consistent: free +
         cached + used = total, ref counts = owners, no page owned twice except by sharing, the
         prefix map matches the pages and the sequences' chain digests, every sequence's row
-        matches its lengths, and pending copies and scrubs touch only pages nobody else reads.
-        A loaded state is held to the same rules (`from_state_dict`)."""
+        matches its lengths, no page a sequence's next query reads was released, and pending
+        copies and scrubs touch only pages nobody else reads. A loaded state is held to the same
+        rules (`from_state_dict`)."""
         try:
-            manager_state.check_consistency(self)
-        except manager_state.Broken as err:
+            check_consistency(self._parts())
+        except Broken as err:
             raise InvariantError(f"{err.message} (state field {err.field})") from None
         except InvariantError as err:  # the pool's own check
             raise InvariantError(f"{err.detail} (state field pool)") from None
 
-    def _fork_shared_pages(self, gt: GroupTable) -> set[int]:
-        """Partly filled pages of ``gt``'s pool with more than one owner (only a fork makes these)."""
-        rows = np.flatnonzero(self._active & (self._lens % self.page_size != 0))
-        return gt.fork_shared_pages(rows, self._lens[rows] // self.page_size)
-
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild this manager exactly, as JSON-safe lists and numbers.
         Canonical: the same calls give the same state, restored on the way or not."""
-        return manager_state.write_state(self)
+        return write_state(self._parts())
 
     def clone(self) -> PageManager:
         """An independent copy of this manager (to try calls on without changing it); the
         `HostTier` it last applied work through is shared, not copied, and stays bound to this
         manager: the clone cannot apply work through it (`check_host`)."""
-        import copy
-
-        return copy.deepcopy(self, {id(self._tier): self._tier} if self._tier is not None else {})
+        tier = self._host.tier
+        return copy.deepcopy(self, {id(tier): tier} if tier is not None else {})
 
     def lockstep_state(self) -> dict[str, Any]:
         """`state_dict` with the host tier's bookkeeping (swapped-out sequences, pending transfers,
         the host pools): what `easykv.distributed.assert_lockstep` compares between processes."""
-        return manager_state.write_state(self, host=True)
+        return write_state(self._parts(), host=True)
 
     @classmethod
-    def from_state_dict(cls, metadata: Any, state: dict[str, Any]) -> PageManager:
+    def from_state_dict(cls, metadata: PagedAttentionCacheMetaData, state: dict[str, Any]) -> PageManager:
         """A manager equal to the one that wrote ``state``, checked against ``metadata``.
 
         The state is input: every field's type and range, and every cross-reference (pages
         owned, reference counts, the prefix map, pending copies and scrubs) is checked before
         the manager is returned; `ManagerStateError` (a ValueError) names the field."""
         m = cls(metadata)
-        manager_state.read_state(m, state)
+        m.enable_prefix_caching, m.scrub_released = read_state(m._parts(), state)
         try:
-            manager_state.check_consistency(m)
-        except manager_state.Broken as err:
+            check_consistency(m._parts())
+        except Broken as err:
             raise ManagerStateError(err.message, field=err.field) from None
         except InvariantError as err:  # the pool's own check
             raise ManagerStateError(err.detail, field="pool") from None
         return m
 
-    def reshard(self, metadata: Any) -> PageManager:
+    def reshard(self, metadata: PagedAttentionCacheMetaData) -> PageManager:
         """A copy of this manager for ``metadata``: the same pool split into
         ``metadata.page_shards`` data-parallel slices (restoring a checkpoint onto another
         mesh). ValueError when a sequence's pages would straddle two slices (or lie in different
         slices in two layer groups)."""
-        from easykv.spec.metadata import PagedAttentionCacheMetaData
-
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         state = reshard_state(self.state_dict(), int(metadata.page_shards))
         return PageManager.from_state_dict(metadata, state)
-
-    # ---- input checks ---------------------------------------------------------------------------
-    def _check_id(self, seq_id: Any, strict: bool = True) -> int:
-        """The id as an int; outside ``0..batch_size - 1``: ValueError, or -1 when not ``strict``."""
-        sid = integer("sequence id", seq_id, lo=None, hi=None)
-        if not 0 <= sid < self.batch_size:
-            if not strict:
-                return -1
-            raise ValueError(f"sequence id {sid} is outside 0..{self.batch_size - 1} (batch_size={self.batch_size})")
-        return sid
-
-    def _row(self, seq_id: Any) -> int:
-        sid = self._check_id(seq_id, strict=False)
-        if sid < 0 or not self._active[sid]:
-            raise UnknownSequenceError(
-                f"sequence id {show(seq_id)} is not claimed (never claimed, or already released); "
-                f"claimed ids: {self.active_ids[:16]}{'...' if self._active.sum() > 16 else ''}")
-        return sid
-
-    def _rows(self, seq_ids: Any) -> np.ndarray:
-        rows = integer_array("seq_ids", seq_ids, ndim=1, lo=None, hi=None, dtype=np.int64)
-        if not rows.size:
-            return rows
-        if rows.min() < 0 or rows.max() >= self.batch_size or not self._active[rows].all():
-            for s in rows.tolist():
-                self._row(s)
-        if rows.size > 1:
-            seen = np.bincount(rows)
-            if seen.max() > 1:
-                raise ValueError(f"seq_ids repeats id {int(np.argmax(seen))}; list each sequence once per step")
-        return rows
-
-    def _counts(self, num_tokens: Any, n: int) -> np.ndarray:
-        """Token counts, one per sequence, each bounded by max_sequences before any arithmetic."""
-        hint = f"a sequence holds at most max_sequences={self.max_length} tokens"
-        try:
-            scalar = np.ndim(num_tokens) == 0
-        except (ValueError, TypeError):  # ragged: integer_array names the problem
-            scalar = False
-        if scalar:
-            return np.full(n, integer("num_tokens", num_tokens, lo=0, hi=self.max_length, hint=hint), np.int64)
-        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=self.max_length, dtype=np.int64, hint=hint)
-        if counts.shape != (n,):
-            raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
-        return counts
-
-    def _check_extent(self, row: int, end: int, what: str) -> None:
-        if end > self.max_length:
-            raise ValueError(
-                f"sequence {row} would hold {end} tokens ({what}), past max_sequences={self.max_length}; "
-                "finish or truncate it, or create the metadata with a larger max_sequences")
 
 
 __all__ = [

@@ -16,6 +16,9 @@ version was set): cached pages of a version other than the current one are evict
 With data-parallel replicas the pool is split into equal slices, ``[r * n, (r + 1) * n)`` for
 replica ``r``; each slice has its own free heap, LRU and prefix map, so a page never crosses
 replicas and prefixes are only shared within one.
+
+A leaf of the manager: it imports none of its other modules, and never ``storage``, ``attention``,
+``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations

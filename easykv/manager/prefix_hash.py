@@ -6,6 +6,10 @@ page's token ids, so equal digests mean the whole prefix up to and including tha
 and the same extra key. Everything is hashed as fixed-width little-endian bytes, never with
 Python's ``hash()``, so every host and every process computes the same digests (multi-host
 lock-step and restoring a saved manager both rely on that).
+
+This module also holds `SequenceHashes` (what each sequence knows of its own content). A leaf of the
+manager: it imports ``validation`` only, so never ``storage``, ``attention``, ``checkpoint`` or
+``tiers``.
 """
 
 from __future__ import annotations

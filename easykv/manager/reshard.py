@@ -7,6 +7,9 @@ pair must lie in one slice of the target, else ValueError. Free and cached pages
 slice that now holds them; where two old slices cached the same prefix, the new slice keeps one
 page per digest (the lowest used page, else the least recently released cached one) and the
 others lose their digest (scrubbed before reuse when the manager scrubs).
+
+It works on the JSON state alone: it imports no other module of the manager, and never ``storage``,
+``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations

@@ -16,10 +16,14 @@ come from the token log (`SequenceHashes`), so pages filled again are cached und
 content. A sequence whose ids there are not known (committed with `advance`, or ids before a
 loaded state's unfinished page) stops entering the prefix cache.
 
-``_Rollback`` is a mixin of `PageManager` (manager.py).
+Coordinator code over the parts it is handed (the sequence table, the group allocators, the pending
+work). Imports ``prefix_hash`` of the manager; never ``storage``, ``attention``, ``checkpoint`` or
+``tiers``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,80 +31,81 @@ from easykv.manager.prefix_hash import iter_page_digests, version_root
 from easykv.step.metadata import PAD_PAGE
 from easykv.validation import integer
 
-
-class _Rollback:
-    """`PageManager.truncate` (see the module doc)."""
-
-    def truncate(self, seq_id: int, length: int) -> None:
-        """Keep the first ``length`` committed tokens of ``seq_id`` and drop the rest, with the
-        pages reserved ahead (see the module doc). ValueError, with nothing changed, for a
-        length past the committed one, or one whose tokens the sequence no longer holds (before
-        its sliding or chunked window's first kept page, or before a resumed sequence's first)."""
-        row = self._row(seq_id)
-        self._refuse_swapped(row, "truncate")
-        ps, cur = self.page_size, int(self._lens[row])
-        new = integer("length", length, lo=0, hi=cur,
-                      hint=f"sequence {row} holds {cur} committed tokens; truncate keeps a prefix of them")
-        if new < self._floor[row]:
-            raise ValueError(f"sequence {row} holds no tokens before position {int(self._floor[row])} (it was resumed "
-                             f"there); truncate it to at least that, or release it")
-        for g, gt in enumerate(self._groups):
-            need = max(int(gt.released_columns(np.array([new]), ps)[0]), int(self._floor[row]) // ps)
-            if need < gt.start[row]:
-                where = "" if len(self._groups) == 1 else f" of layer group {g}"
-                raise ValueError(
-                    f"truncating sequence {row} to {new} tokens needs its pages{where} from position {need * ps} on, "
-                    f"but its {gt.group.attention} window released those before position {int(gt.start[row]) * ps}; "
-                    "truncate to a length whose window starts after them, or release the sequence")
-        col, replica = new // ps, int(self._replica[row])
-        inside = bool(new % ps) and new < cur  # ends inside a page it wrote past: that page is written again
-        shared = [inside and gt.pool.refcount[gt.table[row, col]] > 1 for gt in self._groups]
-        for gt, copy in zip(self._groups, shared):
-            if copy and not gt.pool.num_available(replica):
-                self._raise_full(gt, replica, 1)
-        chain = self._chain_at(row, col) if self._hashes.hashable[row] and self.enable_prefix_caching else None
-        # Checked: nothing below fails.
-        keep, stale = -(-new // ps), self._is_stale(row)
-        held = int(self._npages[row])
-        for gt, copy in zip(self._groups, shared):
-            first = max(keep, int(gt.start[row]))
-            gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
-            gt.table[row, keep:held] = PAD_PAGE
-            if not inside:
-                continue
-            page = int(gt.table[row, col])
-            if copy:  # a private page now, filled from the shared one before the next write
-                dst = gt.allocate(replica, 1, overwritten=True)[0]
-                gt.table[row, col] = dst
-                self._counters["copies"] += gt.copy_into(dst, page)
-                gt.release_pages([page], stale=stale)
-            elif gt.pool.digest_of(page) is not None:
-                gt.pool.uncommit(page)
-        self._npages[row] = keep
-        self._lens[row] = new
-        if not keep:  # a sequence is bound to a replica while it holds pages
-            self._replica[row] = -1
-        if self._hashes.hashable[row] and self.enable_prefix_caching:  # without caching no row knows its ids
-            self._hashes.rewind(row, new, chain)
-
-    def _chain_at(self, row: int, full: int) -> bytes | None:
-        """The digest of the row's page ``full - 1`` (its version's root for 0): the current
-        chain when no full page is dropped, the prefix cache's digest of that page, or computed
-        from the logged ids; None when none of these knows it."""
-        if full == int(self._lens[row]) // self.page_size:
-            return self._hashes.chain[row]
-        if full == 0:
-            return version_root(self._row_version[row])
-        for gt in self._groups:  # the digest the row gave it when it filled it (or matched it)
-            page = int(gt.table[row, full - 1])
-            if page != PAD_PAGE and gt.pool.digest_of(page) is not None:
-                return gt.pool.digest_of(page)
-        tokens = self._hashes.ids(row, 0, full * self.page_size)
-        if tokens is None:
-            return None
-        *_, chain = iter_page_digests(tokens, self.page_size, full, self._hashes.salt[row],
-                                      version_root(self._row_version[row]))
-        return chain
+if TYPE_CHECKING:
+    from easykv.manager.coordinator import GroupCoordinator
+    from easykv.manager.device_work import PendingWork
+    from easykv.manager.sequences import SequenceTable
 
 
-__all__: list[str] = []
+def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, row: int, length: int, *,
+             caching: bool, current: bytes | None) -> None:
+    """`PageManager.truncate` of the claimed, not swapped-out ``row`` (see the module doc);
+    ``current``: the current weight version."""
+    ps, cur = seqs.page_size, int(seqs.lens[row])
+    new = integer("length", length, lo=0, hi=cur,
+                  hint=f"sequence {row} holds {cur} committed tokens; truncate keeps a prefix of them")
+    floor = int(seqs.floor[row])
+    if new < floor:
+        raise ValueError(f"sequence {row} holds no tokens before position {floor} (it was resumed "
+                         f"there); truncate it to at least that, or release it")
+    for gt in groups:
+        need = max(int(gt.released_columns(np.array([new]))[0]), floor // ps)
+        if need < gt.start[row]:
+            raise ValueError(
+                f"truncating sequence {row} to {new} tokens needs its pages{gt.label} from position {need * ps} on, "
+                f"but its {gt.group.attention} window released those before position {int(gt.start[row]) * ps}; "
+                "truncate to a length whose window starts after them, or release the sequence")
+    col, replica = new // ps, int(seqs.replica[row])
+    inside = bool(new % ps) and new < cur  # ends inside a page it wrote past: that page is written again
+    shared = [inside and gt.pool.refcount[gt.table[row, col]] > 1 for gt in groups]
+    for gt, copy in zip(groups, shared):
+        if copy and not gt.pool.num_available(replica):
+            gt.raise_full(replica, 1)
+    hashing = bool(seqs.hashes.hashable[row]) and caching  # without caching no row knows its ids
+    chain = _chain_at(seqs, groups, row, col) if hashing else None
+    # Checked: nothing below fails.
+    keep, stale = -(-new // ps), seqs.version[row] != current
+    held = int(seqs.npages[row])
+    for gt, copy in zip(groups, shared):
+        first = max(keep, int(gt.start[row]))
+        gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
+        gt.table[row, keep:held] = PAD_PAGE
+        if not inside:
+            continue
+        page = int(gt.table[row, col])
+        if copy:  # a private page now, filled from the shared one before the next write
+            dst = gt.allocate(replica, 1, overwritten=True)[0]
+            gt.table[row, col] = dst
+            work.copy_on_write(gt, dst, page)
+            gt.release_pages([page], stale=stale)
+        elif gt.pool.digest_of(page) is not None:
+            gt.pool.uncommit(page)
+    seqs.npages[row] = keep
+    seqs.lens[row] = new
+    if not keep:  # a sequence is bound to a replica while it holds pages
+        seqs.replica[row] = -1
+    if hashing:
+        seqs.hashes.rewind(row, new, chain)
+
+
+def _chain_at(seqs: SequenceTable, groups: GroupCoordinator, row: int, full: int) -> bytes | None:
+    """The digest of the row's page ``full - 1`` (its version's root for 0): the current
+    chain when no full page is dropped, the prefix cache's digest of that page, or computed
+    from the logged ids; None when none of these knows it."""
+    ps, hashes = seqs.page_size, seqs.hashes
+    if full == int(seqs.lens[row]) // ps:
+        return hashes.chain[row]
+    if full == 0:
+        return version_root(seqs.version[row])
+    for gt in groups:  # the digest the row gave it when it filled it (or matched it)
+        page = int(gt.table[row, full - 1])
+        if page != PAD_PAGE and gt.pool.digest_of(page) is not None:
+            return gt.pool.digest_of(page)
+    tokens = hashes.ids(row, 0, full * ps)
+    if tokens is None:
+        return None
+    *_, chain = iter_page_digests(tokens, ps, full, hashes.salt[row], version_root(seqs.version[row]))
+    return chain
+
+
+__all__ = ["truncate"]

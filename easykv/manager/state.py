@@ -1,13 +1,13 @@
-"""The PageManager's persisted form, and the one checker of its consistency.
+"""The PageManager's persisted form: writing it, and reading it back strictly.
 
 A manager state is JSON (a checkpoint's ``manager.json``, a lock-step fingerprint, a hand-off
 between hosts), so it is input like any other: a crafted or damaged state must never become a
 manager in which one sequence can touch another's pages. Reading is therefore strict: every
 field is type- and range-checked on its own (`read_state`), then the manager built from it must
 pass the same consistency rules a live manager is held to (`consistency.check_consistency`,
-which `PageManager.check_invariants` runs as well). A broken rule raises `Broken` naming the field; a
-live manager reports it as an easykv bug (`InvariantError`), a loaded state as bad input
-(`ManagerStateError`).
+which `PageManager.check_invariants` runs as well; the manager runs it after `read_state`). A
+broken rule raises `Broken` naming the field; a live manager reports it as an easykv bug
+(`InvariantError`), a loaded state as bad input (`ManagerStateError`).
 
 The state is canonical: the same history of calls gives the same state byte for byte, whether
 or not the manager was restored on the way (what `assert_lockstep` compares across hosts).
@@ -23,6 +23,11 @@ set one writes neither, so its state keeps the form older easykv reads.
 A sequence that hashes keeps every committed token id (``tokens``), so a restored manager names
 the pages of a truncated sequence again exactly as the one never restored does; a state of an
 easykv that did not write them still loads, knowing the ids of each unfinished page only.
+
+This module holds the JSON form; each part gives and takes its own values (`SequenceTable.row_state`
+and ``load_row``, `GroupTable.state` and ``load``, `VersionLog.known` and ``load``). It imports the
+parts' modules only: neither the manager (manager.py) nor ``consistency``, and never ``storage``,
+``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
@@ -35,14 +40,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from easykv.errors import ManagerStateError
-from easykv.manager.consistency import Broken, check_consistency
-from easykv.manager.prefix_hash import DIGEST_BYTES, ROOT_DIGEST, version_digest
-from easykv.manager.versions import VERSION_COUNTERS
+from easykv.manager.prefix_hash import DIGEST_BYTES, version_digest
+from easykv.manager.versions import LOOKUP_COUNTERS, VERSION_COUNTERS, WeightVersion
 from easykv.step.metadata import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
 
 if TYPE_CHECKING:
-    from easykv.manager.manager import PageManager
+    from easykv.manager.parts import ManagerParts
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 STATE_FORMAT = "easykv.PageManager/1"
 GROUPED_STATE_FORMAT = "easykv.PageManager/2"
@@ -50,7 +55,7 @@ _GROUP_KEYS = ("attention", "window", "num_pages")
 _CONFIG_INTS = ("batch_size", "num_pages_per_layer", "num_pages_per_sequence", "max_sequences", "page_size",
                 "page_shards")
 _CONFIG_FLAGS = ("enable_prefix_caching", "scrub_released")
-COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "copies")
+COUNTERS = (*LOOKUP_COUNTERS, "copies")
 _SEQUENCE_KEYS = ("id", "length", "pages", "replica", "hashable", "chain", "salt", "partial")
 _POOL_KEYS = ("free", "lru", "digests", "scrub", "evictions", "scrubs")
 _STATE_KEYS = ("format", "config", "sequences", "pool", "copies", "counters")
@@ -58,7 +63,7 @@ _VERSION_KEYS = ("digest", "version", "counters")
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 
 
-def config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
+def config(metadata: PagedAttentionCacheMetaData, enable_prefix_caching: bool, scrub_released: bool) -> dict[str, Any]:
     """The pool(s) a state belongs to. One group: a sliding or chunked cache adds its window
     (absent for full attention, so the states of uniform caches keep their form); several
     groups: ``groups`` lists each one's attention, window and pool size."""
@@ -68,68 +73,48 @@ def config(metadata: Any, enable_prefix_caching: bool, scrub_released: bool) -> 
     if len(groups) > 1:
         out["groups"] = [{"attention": g.attention, "window": None if g.window is None else int(g.window),
                           "num_pages": int(g.num_pages)} for g in groups]
-    elif groups[0].attention != "full":
+    elif groups[0].windowed:
         out.update(attention=groups[0].attention, window=int(groups[0].window))
     return out
 
 
 # ---- writing -----------------------------------------------------------------------------------
-def write_state(m: PageManager, *, host: bool = False) -> dict[str, Any]:
-    """The canonical JSON-safe state of ``m`` (see the module doc). The host-memory tier is not
-    part of it: ValueError while a sequence is swapped out or a host transfer is pending (its
-    pages would be lost); the host prefix cache is left out. ``host``: add the host tier's
-    bookkeeping as ``host`` (a fingerprint for `assert_lockstep`; no manager reads it back)."""
-    if not host and m.has_host_tier and (m._swapped or m.has_pending_transfers()):
-        what = (f"sequences {sorted(m._swapped)} are swapped out" if m._swapped
+def write_state(parts: ManagerParts, *, host: bool = False) -> dict[str, Any]:
+    """The canonical JSON-safe state of a manager's ``parts`` (see the module doc). The
+    host-memory tier is not part of it: ValueError while a sequence is swapped out or a host
+    transfer is pending (its pages would be lost); the host prefix cache is left out. ``host``:
+    add the host tier's bookkeeping as ``host`` (a fingerprint for `assert_lockstep`; no manager
+    reads it back)."""
+    seqs, groups, policy, versions = parts.seqs, parts.groups, parts.host, parts.versions
+    if not host and policy.enabled and (policy.swapped or policy.has_pending_transfers(groups)):
+        what = (f"sequences {sorted(policy.swapped)} are swapped out" if policy.swapped
                 else "host-tier transfers are pending")
         raise ValueError(f"a manager state does not hold the host-memory tier, and {what}; swap_in (or release) "
                          "them and apply_pending(cache, host=...) first")
-    ps, grouped = m.page_size, len(m._groups) > 1
+    grouped = len(groups) > 1
     sequences = []
-    for r in m.active_ids:
-        length = int(m._lens[r])
-        hashable = bool(m._hashes.hashable[r])
-        # A row that stopped hashing keeps stale chain and partial tokens in memory; they are
-        # never read again, so the state writes neutral values and stays canonical.
-        chain = m._hashes.chain[r] if hashable else ROOT_DIGEST
-        partial = m._hashes.partial[r, : length % ps].tolist() if hashable else [0] * (length % ps)
-        pages = [gt.table[r, : m._npages[r]].tolist() for gt in m._groups]
-        sequences.append({"id": r, "length": length, "pages": pages if grouped else pages[0],
-                          "replica": int(m._replica[r]), "hashable": hashable, "chain": chain.hex(),
-                          "salt": m._hashes.salt[r].hex(), "partial": partial})
-        if m._floor[r]:  # a resumed sequence (only then: other states keep their form)
-            sequences[-1]["floor"] = int(m._floor[r])
-        if m._row_version[r] is not None:
-            sequences[-1]["version"] = m._row_version[r].hex()
-        if hashable and m.enable_prefix_caching and m._hashes.known[r] == 0:  # a truncation names pages again by them
-            sequences[-1]["tokens"] = m._hashes.log[r, :length].tolist()
-    pools = [gt.pool.state_dict() for gt in m._groups]
-    copies = [[[src, dst] for dst, src in gt.copies.items()] for gt in m._groups]
+    for r in seqs.active_ids:
+        pages = [gt.row_pages(r, int(seqs.npages[r])) for gt in groups]
+        sequences.append(seqs.row_state(r, pages if grouped else pages[0], caching=parts.caching))
+    pools, copies = zip(*(gt.state() for gt in groups))
     out = {
         "format": GROUPED_STATE_FORMAT if grouped else STATE_FORMAT,
-        "config": config(m.metadata, m.enable_prefix_caching, m.scrub_released),
+        "config": config(parts.metadata, parts.caching, parts.scrub),
         "sequences": sequences,
-        "pool": pools if grouped else pools[0],
-        "copies": copies if grouped else copies[0],
-        "counters": dict(m._counters),
+        "pool": list(pools) if grouped else pools[0],
+        "copies": list(copies) if grouped else copies[0],
+        "counters": {**versions.lookups, "copies": parts.work.copies},
     }
-    if host and m.has_host_tier:
-        out["host"] = {
-            "pools": [gt.host.state_dict() for gt in m._groups],
-            "swapped": [[row, r.npages, r.replica, list(r.starts), [list(p) for p in r.pages]]
-                        for row, r in sorted(m._swapped.items())],
-            "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in gt.offloads.items()]
-                         for gt in m._groups],
-            "onloads": [[[dst, h] for dst, h in gt.onloads.items()] for gt in m._groups],
-            "counters": dict(m._host_counters)}
-    if len(m._versions) > 1:  # a weight version was set
-        out["versions"] = {"current": None if m._version is None else m._version.hex(),
+    if host and policy.enabled:
+        out["host"] = policy.lockstep_state(groups)
+    if versions.versioned:  # a weight version was set
+        out["versions"] = {"current": None if versions.current is None else versions.current.hex(),
                            "known": [{"digest": None if d is None else d.hex(), "version": _label(label),
-                                      "counters": dict(m._version_counters[d])} for d, label in m._versions.items()]}
+                                      "counters": dict(counters)} for d, label, counters in versions.known()]}
     return out
 
 
-def _label(version: Any) -> Any:
+def _label(version: WeightVersion) -> dict[str, Any] | None:
     """A weight version as JSON: its type kept (``1``, ``"1"`` and ``b"1"`` are three versions)."""
     if version is None:
         return None
@@ -232,9 +217,9 @@ def _per_group(value: Any, field: str, n: int) -> list[tuple[Any, str]]:
     return [(item, f"{field}[{g}]") for g, item in enumerate(items)]
 
 
-def _read_config(m: PageManager, raw: Any) -> dict[str, Any]:
-    """The saved config, type-checked, and compared with the one ``m``'s metadata gives."""
-    grouped = len(m._groups) > 1
+def _read_config(parts: ManagerParts, raw: Any) -> dict[str, Any]:
+    """The saved config, type-checked, and compared with the one the parts' metadata gives."""
+    grouped = len(parts.groups) > 1
     windowed = not grouped and isinstance(raw, Mapping) and "attention" in raw
     extra = ("groups",) if grouped else ("attention", "window") if windowed else ()
     cfg = _mapping(raw, "config", _CONFIG_INTS + _CONFIG_FLAGS + extra)
@@ -244,13 +229,13 @@ def _read_config(m: PageManager, raw: Any) -> dict[str, Any]:
         got["attention"] = cfg["attention"]
     if grouped:
         got["groups"] = []
-        for entry, field in _per_group(cfg["groups"], "config.groups", len(m._groups)):
+        for entry, field in _per_group(cfg["groups"], "config.groups", len(parts.groups)):
             entry = _mapping(entry, field, _GROUP_KEYS)
             window = entry["window"]
             got["groups"].append({"attention": entry["attention"],
                                   "window": None if window is None else _int(window, f"{field}.window", 1, INT64_MAX),
                                   "num_pages": _int(entry["num_pages"], f"{field}.num_pages", 1, INT64_MAX)})
-    want = config(m.metadata, got["enable_prefix_caching"], got["scrub_released"])
+    want = config(parts.metadata, got["enable_prefix_caching"], got["scrub_released"])
     if got != want:
         diff = {k: (got.get(k), want.get(k)) for k in {**got, **want} if got.get(k) != want.get(k)}
         raise _fail("config", f"the state was saved for another pool (saved, given): {diff}; restore with the "
@@ -258,26 +243,28 @@ def _read_config(m: PageManager, raw: Any) -> dict[str, Any]:
     return got
 
 
-def read_state(m: PageManager, state: Any) -> None:
-    """Load ``state`` into the fresh manager ``m`` after checking every field's type and range
-    (ManagerStateError). Cross-references are checked by `check_consistency` afterwards."""
+def read_state(parts: ManagerParts, state: Any) -> tuple[bool, bool]:
+    """Load ``state`` into a fresh manager's ``parts`` after checking every field's type and range
+    (ManagerStateError); returns the state's (enable_prefix_caching, scrub_released).
+    Cross-references are checked by `consistency.check_consistency` afterwards."""
     state = _mapping(state, "(top level)", _STATE_KEYS, optional=("versions",))
-    groups = m._groups
+    seqs, groups = parts.seqs, parts.groups
     want_format = GROUPED_STATE_FORMAT if len(groups) > 1 else STATE_FORMAT
     if state["format"] != want_format:
         raise _fail("format", f"is {show(state['format'])}, expected {want_format!r} for a manager of "
                               f"{len(groups)} layer group(s)")
-    got = _read_config(m, state["config"])
-    m.enable_prefix_caching, m.scrub_released = got["enable_prefix_caching"], got["scrub_released"]
-    b, replicas = m.batch_size, m._num_replicas
-    sequences = [_read_sequence(m, entry, i) for i, entry in enumerate(_list(state["sequences"], "sequences", b))]
+    got = _read_config(parts, state["config"])
+    caching, scrub = got["enable_prefix_caching"], got["scrub_released"]
+    sequences = [_read_sequence(parts, entry, i, caching=caching)
+                 for i, entry in enumerate(_list(state["sequences"], "sequences", seqs.batch_size))]
     seen: set[int] = set()
     for seq in sequences:
         if seq.id in seen:
             raise _fail("sequences", f"lists sequence id {seq.id} twice")
         seen.add(seq.id)
-    pools = [_read_pool(raw, field, gt.pool.num_pages, replicas)
-             for gt, (raw, field) in zip(groups, _per_group(state["pool"], "pool", len(groups)))]
+    pool_fields = _per_group(state["pool"], "pool", len(groups))
+    pools = [_read_pool(raw, field, gt.pool.num_pages, groups.num_replicas)
+             for gt, (raw, field) in zip(groups, pool_fields)]
     copies = [_read_copies(raw, field, gt.pool.num_pages)
               for gt, (raw, field) in zip(groups, _per_group(state["copies"], "copies", len(groups)))]
     counters_in = _mapping(state["counters"], "counters", COUNTERS)
@@ -286,32 +273,21 @@ def read_state(m: PageManager, state: Any) -> None:
     for i, seq in enumerate(sequences):
         if seq.version not in known:
             raise _fail(f"sequences[{i}].version", "names a weight version the state's versions.known does not list")
-    for pool, (_, field) in zip(pools, _per_group(state["pool"], "pool", len(groups))):
+    for pool, (_, field) in zip(pools, pool_fields):
         for page, tag in pool["versions"]:
             if tag not in known:
                 raise _fail(f"{field}.versions", f"gives page {page} a weight version versions.known does not list")
 
-    # Every field is well-formed: fill the manager (ids and pages are in range, so no write can fail).
+    # Every field is well-formed: fill the parts (ids and pages are in range, so no write can fail).
     for seq in sequences:
-        r, k = seq.id, seq.pages[0].size
-        m._active[r] = True
-        for gt, pages in zip(groups, seq.pages):
-            gt.table[r, :k] = pages
-        m._npages[r], m._lens[r], m._replica[r], m._floor[r] = k, seq.length, seq.replica, seq.floor
-        m._hashes.load_row(r, hashable=seq.hashable, chain=seq.chain, salt=seq.salt, length=seq.length,
-                           partial=seq.partial, tokens=seq.tokens)
-        m._row_version[r] = seq.version
-    for gt, pool, pending in zip(groups, pools, copies):
-        gt.set_scrub_released(m.scrub_released)
-        held = gt.table != PAD_PAGE
-        gt.start[:] = np.where(held.any(axis=1), np.argmax(held, axis=1), m._npages)
-        gt.pool.load_state(**pool, refcount=np.bincount(gt.table[held], minlength=gt.pool.num_pages))
-        gt.copies = pending
-    m._counters = counters
-    m._version, m._versions = current, {d: label for d, (label, _) in known.items()}
-    m._version_counters = {d: c for d, (_, c) in known.items()}
-    for gt in groups:
-        gt.shared_partial = m._fork_shared_pages(gt)
+        seqs.load_row(seq.id, length=seq.length, npages=seq.pages[0].size, replica=seq.replica, floor=seq.floor,
+                      version=seq.version, hashable=seq.hashable, chain=seq.chain, salt=seq.salt,
+                      partial=seq.partial, tokens=seq.tokens)
+    for g, (gt, pool, pending) in enumerate(zip(groups, pools, copies)):
+        gt.load([(seq.id, seq.pages[g]) for seq in sequences], seqs, pool=pool, copies=pending, scrub=scrub)
+    parts.versions.load(current, known, counters)
+    parts.work.load(copies=counters["copies"])
+    return caching, scrub
 
 
 def _read_versions(raw: Any, counters: dict[str, int]
@@ -345,7 +321,7 @@ def _read_versions(raw: Any, counters: dict[str, int]
     return current, known
 
 
-def _read_label(raw: Any, field: str) -> Any:
+def _read_label(raw: Any, field: str) -> WeightVersion:
     if raw is None:
         return None
     if not isinstance(raw, Mapping) or len(raw) != 1 or next(iter(raw)) not in ("int", "str", "bytes"):
@@ -409,18 +385,19 @@ def _read_copies(raw: Any, field: str, n: int) -> dict[int, int]:
     return copies
 
 
-def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
-    ps = m.page_size
+def _read_sequence(parts: ManagerParts, entry: Any, i: int, *, caching: bool) -> _Sequence:
+    seqs, groups = parts.seqs, parts.groups
+    ps = seqs.page_size
     resumed = isinstance(entry, Mapping) and "floor" in entry
     entry = _mapping(entry, f"sequences[{i}]", _SEQUENCE_KEYS + (("floor",) if resumed else ()),
                      optional=("version", "tokens"))
     where = f"sequences[{i}]"
-    sid = _int(entry["id"], f"{where}.id", 0, m.batch_size - 1)
-    length = _int(entry["length"], f"{where}.length", 0, m.max_length)
+    sid = _int(entry["id"], f"{where}.id", 0, seqs.batch_size - 1)
+    length = _int(entry["length"], f"{where}.length", 0, seqs.max_length)
     floor = _int(entry["floor"], f"{where}.floor", 1, length) if resumed else 0
     rows = []
-    for gt, (raw, field) in zip(m._groups, _per_group(entry["pages"], f"{where}.pages", len(m._groups))):
-        pages = _ints(raw, field, PAD_PAGE, gt.pool.num_pages - 1, max_len=m.pages_per_sequence)
+    for gt, (raw, field) in zip(groups, _per_group(entry["pages"], f"{where}.pages", len(groups))):
+        pages = _ints(raw, field, PAD_PAGE, gt.pool.num_pages - 1, max_len=gt.table.shape[1])
         holes = int(np.argmax(pages != PAD_PAGE)) if np.any(pages != PAD_PAGE) else pages.size
         if np.any(pages[holes:] == PAD_PAGE):
             raise _fail(field, "has a released page (-1) after a held one; only the pages before a window are "
@@ -433,7 +410,7 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
             raise _fail(field, f"holds {pages.size} block-table columns but group 0 holds {rows[0].size}; every "
                                "group reserves the same columns")
         rows.append(pages)
-    replica = _int(entry["replica"], f"{where}.replica", -1, m._num_replicas - 1)
+    replica = _int(entry["replica"], f"{where}.replica", -1, groups.num_replicas - 1)
     partial = _ints(entry["partial"], f"{where}.partial", 0, INT32_MAX, max_len=ps)
     if partial.size != length % ps:
         raise _fail(f"{where}.partial", f"holds {partial.size} token ids; a sequence of length {length} has "
@@ -443,8 +420,8 @@ def _read_sequence(m: PageManager, entry: Any, i: int) -> _Sequence:
                      chain=_digest(entry["chain"], f"{where}.chain"), salt=_digest(entry["salt"], f"{where}.salt"),
                      partial=partial, floor=floor,
                      version=_digest(entry["version"], f"{where}.version") if "version" in entry else None,
-                     tokens=_read_tokens(entry, where, length, partial, hashable and m.enable_prefix_caching,
-                                         m.max_length))
+                     tokens=_read_tokens(entry, where, length, partial, hashable and caching,
+                                         seqs.max_length))
 
 
 def _read_tokens(entry: Mapping[str, Any], where: str, length: int, partial: np.ndarray, hashable: bool,
@@ -484,7 +461,7 @@ def summarize_state(state: Any) -> dict[str, int] | None:
     return out
 
 
-def max_state_bytes(meta: Any) -> int:
+def max_state_bytes(meta: PagedAttentionCacheMetaData) -> int:
     """The most bytes a state of ``meta``'s pools can take in JSON: every page id a few times
     (tables, free and cached lists, digests), a sequence's fields per slot, and its token ids
     (at most 12 bytes each: ten digits, a comma, a space)."""
@@ -494,5 +471,5 @@ def max_state_bytes(meta: Any) -> int:
         + 12 * meta.batch_size * meta.max_sequences
 
 
-__all__ = ["Broken", "COUNTERS", "GROUPED_STATE_FORMAT", "STATE_FORMAT", "check_consistency", "config",
-           "max_state_bytes", "read_state", "summarize_state", "write_state"]
+__all__ = ["COUNTERS", "GROUPED_STATE_FORMAT", "STATE_FORMAT", "config", "max_state_bytes", "read_state",
+           "summarize_state", "write_state"]

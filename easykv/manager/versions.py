@@ -13,20 +13,28 @@ holds anything. Setting an earlier version again makes its still-cached pages fi
 `reset_prefix_cache()` empties the prefix cache at any time, also with sequences running: their
 pages stay theirs, only the lookup forgets them.
 
-``_Versions`` is a mixin of `PageManager` (manager.py): its methods read and change the
-manager's rows, pools and counters.
+This module holds the `VersionLog` (the versions and the prefix lookups counted under each) and its
+metrics; it imports ``prefix_hash`` only of the manager (each row's version is the sequence table's,
+each page's the pool's), and never ``storage``, ``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 
 from easykv.manager.prefix_hash import version_digest, version_root
 
+if TYPE_CHECKING:
+    from easykv.manager.group_table import GroupTable
+    from easykv.manager.sequences import SequenceTable
+
+WeightVersion: TypeAlias = int | str | bytes | None  # as the caller set it
 VERSION_COUNTERS = ("prefix_queries", "prefix_hits", "prefix_hit_tokens")
+LOOKUP_COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,90 +54,81 @@ class VersionMetrics:
     host_cached_pages: int = 0
 
 
-class _Versions:
-    """`PageManager`'s weight versions and prefix-cache reset (see the module doc)."""
+class VersionLog:
+    """The weight versions of one manager and the prefix lookups run under them.
 
-    def _init_versions(self) -> None:
-        self._version: bytes | None = None  # the current version's digest
-        self._versions: dict[bytes | None, Any] = {None: None}  # digest -> the version as set, in order of first use
-        self._version_counters: dict[bytes | None, dict[str, int]] = {None: dict.fromkeys(VERSION_COUNTERS, 0)}
-        self._row_version: list[bytes | None] = [None] * self.batch_size
+    Owns ``current`` (the current version's digest; None: never set), ``labels`` (digest -> the
+    version as it was set, in order of first use), ``counters`` (digest -> its lookups,
+    `VERSION_COUNTERS`) and ``lookups`` (every lookup's totals, `LOOKUP_COUNTERS`).
+    """
+
+    def __init__(self) -> None:
+        self.current: bytes | None = None
+        self.labels: dict[bytes | None, WeightVersion] = {None: None}
+        self.counters: dict[bytes | None, dict[str, int]] = {None: dict.fromkeys(VERSION_COUNTERS, 0)}
+        self.lookups: dict[str, int] = dict.fromkeys(LOOKUP_COUNTERS, 0)
 
     @property
-    def weight_version(self) -> Any:
-        """The current weight version as it was set (None: never set)."""
-        return self._versions[self._version]
+    def weight_version(self) -> WeightVersion:
+        return self.labels[self.current]
 
-    def set_weight_version(self, version: Any) -> None:
-        """Make ``version`` (an int of up to 64 bits, a str or bytes: hashed alike on every
-        host) the weights new sequences run with. From now on prefix lookups find only pages
-        written under ``version``; running sequences finish under theirs, and cached pages of
-        other versions are evicted first. Sequences claimed but not yet started take
-        ``version``. Setting the current version again changes nothing."""
-        digest = version_digest(version)  # ValueError before anything changes
-        if digest == self._version:
-            return
-        if digest not in self._versions:
-            self._versions[digest] = version
-            self._version_counters[digest] = dict.fromkeys(VERSION_COUNTERS, 0)
-        self._version = digest
-        root = version_root(digest)
-        for row in np.flatnonzero(self._active & (self._lens == 0) & (self._npages == 0)).tolist():
-            self._row_version[row] = digest
-            self._hashes.chain[row] = root
-        for gt in self._groups:
-            gt.pool.demote(digest)
-            if gt.host is not None:
-                gt.host.demote(digest)
+    @property
+    def versioned(self) -> bool:
+        """Whether a version was ever set (only then do states and metrics carry versions)."""
+        return len(self.labels) > 1
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix now, also with sequences running (they keep their pages;
-        pages they fill from now on are cached again as usual). Cached pages become free
-        (scrubbed first when the manager scrubs). Returns how many pages the prefix cache
-        held, over every layer group (the host tier's included)."""
-        held = 0
-        for gt in self._groups:
-            held += gt.pool.forget_prefixes()
-            if gt.host is not None:
-                gt.drop_freed_onloads()
-                held += gt.host.forget_prefixes()
-                # Offloads still pending land as plain pages: their digests are forgotten too.
-                gt.offloads = {h: (page, None, None) for h, (page, _, _) in gt.offloads.items()}
-        return held
+    def set(self, version: WeightVersion) -> bool:
+        """Make ``version`` current; False when it already is (ValueError before anything changes
+        for a version that cannot be hashed alike on every host)."""
+        digest = version_digest(version)
+        if digest == self.current:
+            return False
+        if digest not in self.labels:
+            self.labels[digest] = version
+            self.counters[digest] = dict.fromkeys(VERSION_COUNTERS, 0)
+        self.current = digest
+        return True
 
-    # ---- helpers for the manager -----------------------------------------------------------------
-    def _root(self) -> bytes:
+    def root(self) -> bytes:
         """The parent digest of a new sequence's first page under the current version."""
-        return version_root(self._version)
+        return version_root(self.current)
 
-    def _start_row(self, row: int) -> None:
-        """A freshly claimed row runs under the current version."""
-        self._row_version[row] = self._version
-        self._hashes.reset(row, self._root())
+    def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """A prefix lookup of ``query_tokens`` that found ``hit_tokens`` cached."""
+        totals, mine = self.lookups, self.counters[self.current]
+        for c in (totals, mine):
+            c["prefix_queries"] += 1
+            c["prefix_hits"] += bool(hit_tokens)
+            c["prefix_hit_tokens"] += hit_tokens
+        totals["prefix_query_tokens"] += query_tokens
 
-    def _is_stale(self, row: int) -> bool:
-        return self._row_version[row] != self._version
+    def known(self) -> Iterator[tuple[bytes | None, WeightVersion, dict[str, int]]]:
+        """(digest, version as set, lookups) of every known version, in order of first use."""
+        for digest, label in self.labels.items():
+            yield digest, label, self.counters[digest]
 
-    def _count_lookup(self, tokens: int, hit_tokens: int) -> None:
-        c = self._version_counters[self._version]
-        c["prefix_queries"] += 1
-        c["prefix_hits"] += bool(hit_tokens)
-        c["prefix_hit_tokens"] += hit_tokens
+    def load(self, current: bytes | None, known: dict[bytes | None, tuple[WeightVersion, dict[str, int]]],
+             lookups: dict[str, int]) -> None:
+        """The versions of a loaded state (checked: every version hashes to its digest)."""
+        self.current = current
+        self.labels = {d: label for d, (label, _) in known.items()}
+        self.counters = {d: c for d, (_, c) in known.items()}
+        self.lookups = {k: lookups[k] for k in LOOKUP_COUNTERS}
 
-    def _version_metrics(self) -> tuple[VersionMetrics, ...]:
+    def metrics(self, seqs: SequenceTable, groups: Sequence[GroupTable]) -> tuple[VersionMetrics, ...]:
         """Per known version (in order of first use; the unversioned one only while it holds or
         counts anything or is current); empty while no version was ever set (the counts walk
         every page, so a manager without versions does not pay for them in `metrics`)."""
-        if len(self._versions) == 1:
+        if not self.versioned:
             return ()
-        versions = list(self._versions)
+        versions = list(self.labels)
         index = {v: i for i, v in enumerate(versions)}
         live = np.zeros(len(versions), np.int64)
         cached = np.zeros(len(versions), np.int64)
         host = np.zeros(len(versions), np.int64)
-        rows = np.flatnonzero(self._active)
-        of_row = np.array([index[self._row_version[r]] for r in rows.tolist()], np.int64)
-        for gt in self._groups:
+        rows = np.flatnonzero(seqs.active)
+        of_row = np.array([index[seqs.version[r]] for r in rows.tolist()], np.int64)
+        for gt in groups:
             for i in np.unique(of_row).tolist():
                 pages = gt.table[rows[of_row == i]]
                 live[i] += np.unique(pages[pages >= 0]).size
@@ -139,12 +138,12 @@ class _Versions:
                 host[index[tag]] += 1
         out = []
         for i, v in enumerate(versions):
-            counters = self._version_counters[v]
-            if v is None and v != self._version and not (live[i] or cached[i] or host[i] or any(counters.values())):
+            counters = self.counters[v]
+            if v is None and v != self.current and not (live[i] or cached[i] or host[i] or any(counters.values())):
                 continue
-            out.append(VersionMetrics(version=self._versions[v], current=v == self._version, live_pages=int(live[i]),
+            out.append(VersionMetrics(version=self.labels[v], current=v == self.current, live_pages=int(live[i]),
                                       cached_pages=int(cached[i]), host_cached_pages=int(host[i]), **counters))
         return tuple(out)
 
 
-__all__ = ["VERSION_COUNTERS", "VersionMetrics"]
+__all__ = ["LOOKUP_COUNTERS", "VERSION_COUNTERS", "VersionLog", "VersionMetrics", "WeightVersion"]

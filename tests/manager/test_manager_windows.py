@@ -4,7 +4,7 @@ window: exact page ids on a 10-page pool, forks, release, and the state with its
 import numpy as np
 import pytest
 
-from easykv import LayerGroup, ManagerStateError, PagedAttentionCacheMetaData, PageManager
+from easykv import InvariantError, LayerGroup, ManagerStateError, PagedAttentionCacheMetaData, PageManager
 
 PAD = -1
 
@@ -99,17 +99,56 @@ def test_state_round_trips_with_holes_and_refuses_crafted_ones():
         PageManager.from_state_dict(meta("full", None), state)
 
 
+@pytest.mark.parametrize("kind, window, length", [("sliding", 5, 6), ("chunked", 8, 6)])
+def test_a_page_released_one_step_early_breaks_the_window_invariant(kind, window, length):
+    """The window release run with a length one page ahead frees a page the next query still
+    reads: check_invariants calls it a bug, and a state of that manager is refused."""
+    m = PageManager(meta(kind, window))
+    s = m.claim(1)[0]
+    grow(m, s, range(1, length + 1))  # the next query (position 6) still reads column 0
+    m.check_invariants()
+    gt, seqs = m._groups[0], m._seqs
+    gt.release_out_of_window(np.array([s]), np.array([length + 4]), seqs.version, m._versions.current)
+    assert m.page_table([s])[0][0] == PAD
+    with pytest.raises(InvariantError, match=r"next query reads from position \d+ on, in column 0, whose page is gone"):
+        m.check_invariants()
+    with pytest.raises(ManagerStateError, match="whose page is gone") as err:
+        PageManager.from_state_dict(m.metadata, m.state_dict())
+    assert err.value.field == f"sequences[id={s}].pages"
+
+
+def test_a_hole_inside_the_window_breaks_the_window_invariant():
+    m = PageManager(meta("sliding", 5))
+    s = m.claim(1)[0]
+    grow(m, s, range(1, 7))  # pages [0, 1]; the next query reads positions 2..6
+    m._groups[0].table[s, 1] = PAD  # column 1 loses its page, column 0 keeps one
+    with pytest.raises(InvariantError, match="holds no page at column 1, inside the columns 0..1 its queries read"):
+        m.check_invariants()
+    with pytest.raises(ManagerStateError, match=r"released page \(-1\) after a held one"):
+        PageManager.from_state_dict(m.metadata, m.state_dict())
+
+
+def test_a_resumed_sequence_inside_its_floor_is_not_held_to_the_window_invariant():
+    m = PageManager(meta("sliding", 5))
+    s = m.claim(1)[0]
+    m.resume(s, 8)  # columns 0 and 1 never held: the window of length 8 (4..8) reaches before the floor
+    m.build_step_metadata([s], [1])
+    m.advance([s], 1)
+    assert m.page_table([s])[0][:3].tolist() == [PAD, PAD, 0] and m.first_kept_position(s) == 8
+    m.check_invariants()
+    assert PageManager.from_state_dict(m.metadata, m.state_dict()).state_dict() == m.state_dict()
+
+
 @pytest.mark.parametrize("kind,window", [("sliding", 5), ("sliding", 3), ("chunked", 8)])
 def test_attention_through_a_window_manager_matches_the_dense_reference(kind, window):
     """A real cache on tp=8 whose 12-page pool is far smaller than the tokens written: pages
     that left the window are reused, and attention with the group's window still matches a
     dense numpy reference over each sequence's whole history. Read without the window, the
     manager's table (holes where pages were released) is refused, not read."""
-    from tests.support.attention import numpy_attention
-
-    from tests.support.pools import mesh_for
     from easykv import PagedAttentionCache, paged_attention
     from easykv.sharding import PartitionAxis, PartitionManager
+    from tests.support.attention import numpy_attention
+    from tests.support.pools import mesh_for
 
     mesh, pm = mesh_for("heads"), PartitionManager(PartitionAxis())
     meta = PagedAttentionCacheMetaData.create(
@@ -151,9 +190,9 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
 
 
 def _window_pair(layout, kind, window, pages=12):
-    from tests.support.pools import LAYOUTS, mesh_for
     from easykv import PagedAttentionCache
     from easykv.sharding import PartitionManager
+    from tests.support.pools import LAYOUTS, mesh_for
 
     mesh, pm = mesh_for(layout), PartitionManager(LAYOUTS[layout][1])
     meta = PagedAttentionCacheMetaData.create(

@@ -1,0 +1,179 @@
+"""The layer groups of one manager together: a tuple of their allocators (``groups[g]`` is group
+``g``'s `GroupTable`) with what spans them — the per-group answer's form, capacity per replica,
+releasing a row everywhere, out-of-window releases, the prefix lookup over every group's cache.
+
+Like vLLM's kv-cache coordinator over one manager per attention kind: it owns no state of its own
+beyond its allocators, and decides nothing a single group can. Imports of the manager: the
+allocators (and the sequence table's type); it never imports ``storage``, ``attention``,
+``checkpoint`` or ``tiers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
+
+import numpy as np
+
+from easykv.manager.group_table import GroupTable
+from easykv.manager.prefix_hash import iter_page_digests
+from easykv.step.metadata import PAD_PAGE
+from easykv.validation import integer
+
+if TYPE_CHECKING:
+    from easykv.manager.sequences import SequenceTable
+
+T = TypeVar("T")
+PerGroup: TypeAlias = T | tuple[T, ...]  # one item for a manager of one layer group, else one per group
+
+
+def per_group(items: Sequence[T]) -> PerGroup[T]:
+    """The one item of a one-group manager, else a tuple of one per group (the form the
+    storage takes: `PagedAttentionCache.write`, `copy_pages`, `zero_pages`). The one place that
+    form is decided."""
+    return items[0] if len(items) == 1 else tuple(items)
+
+
+def as_groups(value: PerGroup[T], n: int) -> tuple[T, ...]:
+    """`per_group`'s inverse for a manager of ``n`` groups: one item per group."""
+    return value if n > 1 else (value,)
+
+
+class GroupCoordinator(tuple[GroupTable, ...]):
+    """The allocators of every layer group. Owns nothing but them; ``windowed`` (the sliding and
+    chunked ones), ``all_windowed``, ``num_replicas`` and ``has_host`` are fixed at construction.
+
+    A tuple, so ``manager._groups[g]`` stays group ``g``'s table for the code that reaches in
+    (tests, the host-tier tests), and the hot loops iterate it as fast as a plain tuple."""
+
+    def __new__(cls, tables: Iterable[GroupTable]) -> Self:
+        return super().__new__(cls, tables)
+
+    def __init__(self, tables: Iterable[GroupTable]):
+        super().__init__()
+        self.windowed = tuple(gt for gt in self if gt.windowed)
+        self.all_windowed = len(self.windowed) == len(self)
+        self.num_replicas = self[0].pool.num_replicas
+        self.has_host = self[0].host is not None
+
+    def group_index(self, group: Any) -> int:
+        """The checked ``group=`` argument of a public call (None: the only group)."""
+        n = len(self)
+        if group is None:
+            if n > 1:
+                raise ValueError(f"this manager has {n} layer groups, each with its own pages; pass group=0..{n - 1}")
+            return 0
+        return integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")
+
+    def available_per_replica(self) -> np.ndarray:
+        """Per replica, the pages an allocation can take in its tightest group."""
+        return np.min([gt.pool.available_per_replica() for gt in self], axis=0)
+
+    # ---- rows in every group ---------------------------------------------------------------------
+    def release_row(self, row: int, npages: int, *, stale: bool) -> None:
+        """Drop ``row``'s reference to every page it holds, last column first (tail pages are
+        evicted before head pages), and empty its row."""
+        for gt in self:
+            gt.release_pages(gt.held(row, npages)[::-1], stale=stale)
+            gt.reset_row(row)
+
+    def release_out_of_window(self, seqs: SequenceTable, rows: np.ndarray, current: bytes | None) -> None:
+        """Release the pages no query of these sequences can read again, in every sliding or
+        chunked group; forget a resumed sequence's floor once every window has passed it."""
+        windowed = self.windowed  # a full group releases nothing: skipped, this runs every commit
+        if not windowed or not rows.size:
+            return
+        lens = seqs.lens[rows]
+        floor = seqs.floor[rows]
+        passed = np.ones(rows.size, bool)
+        for gt in windowed:
+            cols = gt.release_out_of_window(rows, lens, seqs.version, current)
+            passed &= floor <= cols * gt.page_size
+        seqs.floor[rows[passed]] = 0
+
+    def fewest_released(self, lens: np.ndarray) -> np.ndarray:
+        """Per length, the fewest columns any group's window has released."""
+        return np.min([gt.released_columns(lens) for gt in self], axis=0)
+
+    # ---- the prefix caches ---------------------------------------------------------------------------
+    def demote(self, version: bytes | None) -> None:
+        """Cached pages of versions other than ``version`` are evicted first, on device and host."""
+        for gt in self:
+            gt.pool.demote(version)
+            if gt.host is not None:
+                gt.host.demote(version)
+
+    def forget_prefixes(self) -> int:
+        """Empty every group's prefix cache (the host tier's too); returns the pages it held."""
+        held = 0
+        for gt in self:
+            held += gt.pool.forget_prefixes()
+            if gt.host is not None:
+                gt.drop_freed_onloads()
+                held += gt.host.forget_prefixes()
+                # Offloads still pending land as plain pages: their digests are forgotten too.
+                gt.offloads = {h: (page, None, None) for h, (page, _, _) in gt.offloads.items()}
+        return held
+
+    def lookup(self, tokens: np.ndarray, salt: bytes, root: bytes, bound: int, *,
+               host: bool = True) -> tuple[int, list[list[int]], bytes]:
+        """The best replica (``bound``, or any while it is -1), its cached pages for the prompt in
+        every group (``PAD_PAGE`` where a window does not need one; ``-2 - h`` for page ``h`` of
+        the host tier, unless ``host`` is False), and the digest of the last one (``root``: that
+        of none). A hit of ``k`` pages needs every group's pages for it. Best: most pages, then
+        most available pages (in the tightest group), then lowest index."""
+        replicas = [bound] if bound >= 0 else list(range(self.num_replicas))
+        host = host and self.has_host
+        if self.windowed:
+            return self._lookup_window(tokens, salt, root, replicas, host=host)
+        ps = self[0].page_size
+        found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
+        # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
+        searches = [(found[r], [gt.tier_map(r) if host else gt.pool.digest_map(r) for gt in self]) for r in replicas]
+        chain = root
+        for k, digest in enumerate(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root)):
+            alive = False
+            for hits, maps in searches:
+                if len(hits) == k:  # one group (the common case) without a comprehension per page
+                    pages = (maps[0].get(digest, -1),) if len(maps) == 1 else [m.get(digest, -1) for m in maps]
+                    if -1 not in pages:
+                        hits.append(pages)
+                        alive = True
+            if not alive:
+                break
+            chain = digest
+        avail = self.available_per_replica()
+        best = max(replicas, key=lambda r: (len(found[r]), avail[r], -r))
+        return best, [list(column) for column in zip(*found[best])] or [[] for _ in self], chain
+
+    def _lookup_window(self, tokens: np.ndarray, salt: bytes, root: bytes, replicas: list[int], *,
+                       host: bool) -> tuple[int, list[list[int]], bytes]:
+        """`lookup` when a group is sliding or chunked: a hit of ``k`` pages needs, in every
+        group, only the pages a sequence of ``k`` pages still reads there (all of them in a
+        full group), so the longest ``k`` whose needed pages are all cached wins, even where a
+        window's older pages were evicted. A hit needs at least one cached page in each group
+        (a chunk boundary alone is no hit)."""
+        ps = self[0].page_size
+        digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root))
+        ks = np.arange(1, len(digests) + 1)
+        firsts = [gt.released_columns(ks * ps).astype(np.int64) for gt in self]  # the first column each hit needs
+        avail = self.available_per_replica()
+        best = (0, 0, 0, replicas[0], [[] for _ in self])
+        for r in replicas:
+            whole = np.ones(ks.size, bool)
+            found = []
+            for gt, first in zip(self, firsts):
+                find = gt.host_lookup if host else gt.pool.lookup
+                pages = np.array([find(r, d) for d in digests], np.int64)
+                cached = np.concatenate([[0], np.cumsum(pages != PAD_PAGE)])
+                whole &= (first < ks) & (cached[ks] - cached[first] == ks - first)
+                found.append(pages)
+            k = int(ks[whole].max()) if whole.any() else 0
+            pages = [[PAD_PAGE] * int(first[k - 1]) + f[first[k - 1]:k].tolist() if k else []
+                     for f, first in zip(found, firsts)]
+            best = max(best, (k, int(avail[r]), -r, r, pages), key=lambda t: t[:3])
+        k, _, _, r, pages = best
+        return r, pages, digests[k - 1] if k else root
+
+
+__all__ = ["GroupCoordinator", "PerGroup", "as_groups", "per_group"]

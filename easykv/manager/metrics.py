@@ -1,0 +1,80 @@
+"""The snapshots `PageManager.metrics` returns: one per layer group's pool, and the whole manager's
+(pools, prefix cache, weight versions, host tier), taken by `snapshot`, which asks every part for
+what it counts. Plain frozen dataclasses; the per-version and host-tier ones live with their parts
+(`versions`, `host_tier`), the only modules of the manager this one imports at run time. It never
+imports ``storage``, ``attention``, ``checkpoint`` or ``tiers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from easykv.manager.host_tier import HostTierMetrics
+from easykv.manager.versions import VersionMetrics
+
+if TYPE_CHECKING:
+    from easykv.manager.parts import ManagerParts
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPoolMetrics:
+    """A snapshot of one layer group's pool (its own page ids)."""
+
+    total_pages: int
+    free_pages: int
+    cached_pages: int
+    used_pages: int
+    evictions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PageManagerMetrics:
+    """A snapshot of the pools and the prefix cache (counters are totals since creation).
+    Page counts add up every layer group's pool; ``groups`` has each pool on its own."""
+
+    total_pages: int
+    free_pages: int
+    cached_pages: int  # unreferenced, kept for prefix reuse, evicted when memory is needed
+    used_pages: int
+    active_sequences: int
+    prefix_queries: int
+    prefix_hits: int  # queries that reused at least one page
+    prefix_query_tokens: int
+    prefix_hit_tokens: int  # prompt tokens that needed no prefill
+    evictions: int
+    copies: int  # copy-on-write page copies reported
+    scrubs: int  # released pages reported for zeroing
+    groups: tuple[GroupPoolMetrics, ...] = ()
+    versions: tuple[VersionMetrics, ...] = ()  # per weight version (`set_weight_version`)
+    host: HostTierMetrics | None = None  # the host-memory tier (None without one)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool referenced by running sequences (cached pages count as free)."""
+        return self.used_pages / self.total_pages
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+def snapshot(parts: ManagerParts) -> PageManagerMetrics:
+    """The metrics of a manager's ``parts`` now: each part counts what it owns."""
+    pools = [gt.pool for gt in parts.groups]
+    groups = tuple(GroupPoolMetrics(total_pages=p.num_pages, free_pages=p.num_free(), cached_pages=p.num_cached(),
+                                    used_pages=p.num_used(), evictions=p.evictions) for p in pools)
+    total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",
+                                                              "used_pages", "evictions")}
+    return PageManagerMetrics(**total, active_sequences=int(parts.seqs.active.sum()),
+                              scrubs=sum(p.scrubs for p in pools), groups=groups,
+                              versions=parts.versions.metrics(parts.seqs, parts.groups),
+                              host=parts.host.metrics(parts.groups), **parts.versions.lookups,
+                              copies=parts.work.copies)
+
+
+__all__ = ["GroupPoolMetrics", "PageManagerMetrics", "snapshot"]

@@ -1,0 +1,260 @@
+"""The sequence table: what each sequence slot (a row of every group's block table) *is*, the same
+in every layer group, and the checks of the ids and counts callers pass.
+
+What a sequence *holds* (its pages) differs per layer group and lives in each group's allocator
+(`group_table`); this module knows no pages, and imports nothing of the manager but
+``prefix_hash`` and ``broken`` (never ``storage``, ``attention``, ``checkpoint`` or ``tiers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from easykv.errors import UnknownSequenceError
+from easykv.manager.broken import Broken
+from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes
+from easykv.validation import integer, integer_array, show
+
+
+class SequenceTable:
+    """Every sequence slot of a manager (rows ``0 .. batch_size - 1``).
+
+    Owns, per row:
+
+    - ``lens``: tokens written (their K/V is valid);
+    - ``npages``: block-table columns held in every group, pages reserved ahead included;
+    - ``floor``: a resumed sequence's first position with K/V, until every window passed it;
+    - ``replica``: the data-parallel slice its pages lie in (-1 while it holds none);
+    - ``active``: whether the id is claimed;
+    - ``hashes``: its salt, chain digest, unfinished page and token log (`SequenceHashes`);
+    - ``version``: the digest of the weight version it runs under (None: unversioned).
+    """
+
+    def __init__(self, batch_size: int, page_size: int, max_length: int):
+        self.batch_size, self.page_size, self.max_length = batch_size, page_size, max_length
+        b = batch_size
+        self.lens = np.zeros(b, np.int32)
+        self.npages = np.zeros(b, np.int32)
+        self.floor = np.zeros(b, np.int32)
+        self.replica = np.full(b, -1, np.int32)
+        self.active = np.zeros(b, bool)
+        self.hashes = SequenceHashes(b, page_size)
+        self.version: list[bytes | None] = [None] * b
+
+    # ---- input checks ---------------------------------------------------------------------------
+    def check_id(self, seq_id: Any, strict: bool = True) -> int:
+        """The id as an int; outside ``0..batch_size - 1``: ValueError, or -1 when not ``strict``."""
+        sid = integer("sequence id", seq_id, lo=None, hi=None)
+        if not 0 <= sid < self.batch_size:
+            if not strict:
+                return -1
+            raise ValueError(f"sequence id {sid} is outside 0..{self.batch_size - 1} (batch_size={self.batch_size})")
+        return sid
+
+    def row(self, seq_id: Any) -> int:
+        """The row of a claimed sequence; UnknownSequenceError otherwise."""
+        sid = self.check_id(seq_id, strict=False)
+        if sid < 0 or not self.active[sid]:
+            raise UnknownSequenceError(
+                f"sequence id {show(seq_id)} is not claimed (never claimed, or already released); "
+                f"claimed ids: {self.active_ids[:16]}{'...' if self.active.sum() > 16 else ''}")
+        return sid
+
+    def rows(self, seq_ids: Any) -> np.ndarray:
+        """The rows of claimed sequences, each listed once."""
+        rows = integer_array("seq_ids", seq_ids, ndim=1, lo=None, hi=None, dtype=np.int64)
+        if not rows.size:
+            return rows
+        if rows.min() < 0 or rows.max() >= self.batch_size or not self.active[rows].all():
+            for s in rows.tolist():
+                self.row(s)
+        if rows.size > 1:
+            seen = np.bincount(rows)
+            if seen.max() > 1:
+                raise ValueError(f"seq_ids repeats id {int(np.argmax(seen))}; list each sequence once per step")
+        return rows
+
+    def counts(self, num_tokens: Any, n: int) -> np.ndarray:
+        """Token counts, one per sequence, each bounded by max_sequences before any arithmetic."""
+        hint = f"a sequence holds at most max_sequences={self.max_length} tokens"
+        try:
+            scalar = np.ndim(num_tokens) == 0
+        except (ValueError, TypeError):  # ragged: integer_array names the problem
+            scalar = False
+        if scalar:
+            return np.full(n, integer("num_tokens", num_tokens, lo=0, hi=self.max_length, hint=hint), np.int64)
+        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=self.max_length, dtype=np.int64, hint=hint)
+        if counts.shape != (n,):
+            raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
+        return counts
+
+    def check_extent(self, row: int, end: int, what: str) -> None:
+        if end > self.max_length:
+            raise ValueError(
+                f"sequence {row} would hold {end} tokens ({what}), past max_sequences={self.max_length}; "
+                "finish or truncate it, or create the metadata with a larger max_sequences")
+
+    def check_fresh(self, row: int, what: str) -> None:
+        """ValueError unless ``row`` holds no tokens and no pages yet (``what``: the fix)."""
+        if self.lens[row] or self.npages[row]:
+            raise ValueError(f"sequence {row} already holds {int(self.lens[row])} tokens in {int(self.npages[row])} "
+                             f"pages; {what}")
+
+    # ---- claiming, starting, forking, releasing --------------------------------------------------
+    @property
+    def active_ids(self) -> list[int]:
+        return np.flatnonzero(self.active).tolist()
+
+    def free_rows(self) -> np.ndarray:
+        return np.flatnonzero(~self.active)
+
+    def claim(self, rows: Sequence[int], version: bytes | None, root: bytes) -> None:
+        """Claim ``rows`` (checked free), each starting under ``version`` (whose root is ``root``)."""
+        self.active[rows] = True
+        for row in rows:
+            self.start(row, version, root)
+
+    def start(self, row: int, version: bytes | None, root: bytes) -> None:
+        """``row`` runs under ``version`` from its first page (its chain starts at ``root``)."""
+        self.version[row] = version
+        self.hashes.reset(row, root)
+
+    def restart_unstarted(self, version: bytes | None, root: bytes) -> None:
+        """Every claimed row that holds nothing yet takes ``version`` (a version set before it started)."""
+        for row in np.flatnonzero(self.active & (self.lens == 0) & (self.npages == 0)).tolist():
+            self.version[row] = version
+            self.hashes.chain[row] = root
+
+    def fork_row(self, src: int, dst: int, columns: int) -> None:
+        """``dst`` continues ``src``'s history, holding its first ``columns`` columns."""
+        self.npages[dst], self.floor[dst] = columns, self.floor[src]
+        self.active[dst] = True
+        # A parent that holds only pages reserved ahead shares none: the child is unbound.
+        self.lens[dst], self.replica[dst] = self.lens[src], (self.replica[src] if columns else -1)
+        self.hashes.copy_row(src, dst)
+        self.version[dst] = self.version[src]
+
+    def reset(self, row: int) -> None:
+        """``row`` is free again and holds nothing."""
+        self.lens[row] = self.npages[row] = self.floor[row] = 0
+        self.replica[row] = -1
+        self.active[row] = False
+        self.hashes.reset(row)
+        self.version[row] = None
+
+    def written_columns(self, row: int) -> int:
+        """Columns holding written tokens (a partly filled last page included)."""
+        return -(-int(self.lens[row]) // self.page_size)
+
+    # ---- state -----------------------------------------------------------------------------------
+    def row_state(self, row: int, pages: Any, *, caching: bool) -> dict[str, Any]:
+        """``row`` as a state's sequence entry, ``pages`` (its block-table rows) included. A row that
+        stopped hashing keeps stale chain and partial ids in memory; they are never read again,
+        so the entry gives neutral ones and stays canonical."""
+        length, hashes = int(self.lens[row]), self.hashes
+        hashable, tail = bool(hashes.hashable[row]), length % self.page_size
+        chain = hashes.chain[row] if hashable else ROOT_DIGEST
+        partial = hashes.partial[row, :tail].tolist() if hashable else [0] * tail
+        out = {"id": row, "length": length, "pages": pages, "replica": int(self.replica[row]), "hashable": hashable,
+               "chain": chain.hex(), "salt": hashes.salt[row].hex(), "partial": partial}
+        if self.floor[row]:  # a resumed sequence (only then: other states keep their form)
+            out["floor"] = int(self.floor[row])
+        if self.version[row] is not None:
+            out["version"] = self.version[row].hex()
+        if hashable and caching and hashes.known[row] == 0:  # a truncation names pages again by them
+            out["tokens"] = hashes.log[row, :length].tolist()
+        return out
+
+    def load_row(self, row: int, *, length: int, npages: int, replica: int, floor: int, version: bytes | None,
+                 hashable: bool, chain: bytes, salt: bytes, partial: np.ndarray, tokens: np.ndarray | None) -> None:
+        """A claimed row of a loaded state (values checked for type and range; whether they agree
+        with the rest is for `check`)."""
+        self.active[row] = True
+        self.npages[row], self.lens[row], self.replica[row], self.floor[row] = npages, length, replica, floor
+        self.hashes.load_row(row, hashable=hashable, chain=chain, salt=salt, length=length, partial=partial,
+                             tokens=tokens)
+        self.version[row] = version
+
+    # ---- invariants --------------------------------------------------------------------------------
+    def check(self, swapped: np.ndarray, *, all_windowed: bool, released: np.ndarray) -> None:
+        """Raise `Broken` unless every row's own fields agree: claimed rows only hold anything, a
+        swapped-out row (``swapped``) holds no device columns, lengths fit their columns, rows
+        are bound to a replica exactly while they hold columns, and floors are valid
+        (``released``: per row, the fewest columns any group's window releases at its length)."""
+        n = self.npages
+        if np.any(swapped & ((n > 0) | ~self.active)):
+            raise Broken("sequences", "a swapped-out sequence holds device pages, or is not claimed")
+        if np.any((n > 0) & ~self.active) or np.any(self.lens[~self.active]):
+            raise Broken("sequences", "a released sequence id still holds pages or tokens")
+        self._check_floors(all_windowed, released)
+        if np.any((self.lens > n * self.page_size) & ~swapped) or np.any(self.lens > self.max_length):
+            raise Broken("sequences", "a sequence holds more tokens than its pages or max_sequences allow")
+        bound = self.replica >= 0
+        if np.any(bound != (n > 0)):
+            row = int(np.argmax(bound != (n > 0)))
+            raise Broken(f"sequences[id={row}].replica", f"sequence {row} holds {int(n[row])} pages but replica "
+                                                         f"{int(self.replica[row])}; a sequence is bound to a replica "
+                                                         "exactly when it holds pages")
+
+    def _check_floors(self, all_windowed: bool, released: np.ndarray) -> None:
+        """A floor is a page boundary at most its length, in a cache whose groups are all sliding
+        or chunked, of a sequence that does not hash, and only while a window still reaches
+        before it (then it is forgotten)."""
+        ps = self.page_size
+        for row in np.flatnonzero(self.floor).tolist():
+            floor, length = int(self.floor[row]), int(self.lens[row])
+            where = f"sequences[id={row}].floor"
+            if not all_windowed:
+                raise Broken(where, f"sequence {row} has floor {floor}, but a full-attention layer group reads every "
+                                    "position")
+            if floor % ps or floor > length or self.hashes.hashable[row]:
+                raise Broken(where, f"floor {floor} of sequence {row} (length {length}) must be a multiple of "
+                                    f"page_size={ps}, at most its length, on a sequence that does not hash")
+            if floor // ps <= released[row]:
+                raise Broken(where, f"sequence {row}'s window (length {length}) has moved past its floor {floor}; the "
+                                    "floor is forgotten then")
+
+    def check_joined(self, members: list[tuple[int, int]], checked: dict[tuple[int, int], int], field: str | None,
+                     what: str, *, caching: bool) -> None:
+        """Sequences joined at one page (``members``: (row, column) of each) continue one history,
+        the one rule for sharing and copying alike, which a live manager and a loaded state both
+        meet: the page at one column, one salt and one weight version, and the same token ids
+        wherever two of them know them (a fork shares its parent's pages; a prefix hit or a swap-in
+        shares a page by a digest that names its whole history). Their earlier pages may differ: a
+        page filled while another already held its digest stays private, a later hit shares that
+        one. ``checked``: (row, row) -> ids compared so far (a shared prefix compares once).
+        ``field``: the state field to blame (None: the sequence's own field that differs)."""
+        ps, hashes = self.page_size, self.hashes
+        (first, col), *_ = members
+        for row, c in members:
+            differ = ("columns" if c != col else "salts" if hashes.salt[row] != hashes.salt[first]
+                      else "weight versions" if self.version[row] != self.version[first] else None)
+            if differ:
+                own = {"columns": "pages", "salts": "salt", "weight versions": "version"}[differ]
+                raise Broken(field or f"sequences[id={row}].{own}",
+                             f"{what}: sequences {first} and {row} hold it with different {differ} (columns {col} and {c})")
+        if not caching:  # no row keeps its ids then
+            return
+        ends = {row: min(int(self.lens[row]), (col + 1) * ps) for row, _ in members}
+        known = [row for row, _ in members if hashes.hashable[row] and int(hashes.known[row]) < ends[row]]
+        if len(known) < 2:
+            return
+        ref = min(known, key=lambda r: (int(hashes.known[r]), -ends[r]))  # knows the most: spans every other's
+        for row in known:
+            lo, hi = max(int(hashes.known[row]), int(hashes.known[ref])), min(ends[row], ends[ref])
+            if row == ref or hi <= lo or checked.get((ref, row), 0) >= hi:
+                continue
+            a, b = hashes.log[ref, lo:hi], hashes.log[row, lo:hi]
+            if not np.array_equal(a, b):
+                at = lo + int(np.argmax(a != b))
+                own = "tokens" if hashes.known[row] == 0 else "partial"
+                raise Broken(field or f"sequences[id={row}].{own}",
+                             f"{what}: they hold different tokens (sequence {row} token {int(b[at - lo])} at position "
+                             f"{at}, sequence {ref} token {int(a[at - lo])})")
+            checked[ref, row] = hi
+
+
+__all__ = ["SequenceTable"]

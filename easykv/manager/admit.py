@@ -92,7 +92,10 @@ def resume(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
         gt.table[row, :col] = PAD_PAGE
         gt.start[row] = col
     seqs.npages[row] = col
-    seqs.lens[row] = seqs.floor[row] = col * seqs.page_size
+    seqs.lens[row] = col * seqs.page_size
+    # A floor matters only while some window still reaches before it; a chunk that starts at the
+    # resumed page is already past it (the state would then be refused: its window passed the floor).
+    seqs.floor[row] = col * seqs.page_size if groups.fewest_released(seqs.lens[[row]])[0] < col else 0
     seqs.hashes.hashable[row] = False
     seqs.replica[row] = int(np.argmax(groups.available_per_replica()))  # a row with columns is bound; the emptiest slice
 

@@ -388,6 +388,25 @@ def test_resume_starts_a_sequence_at_a_window_page_and_refuses_misuse():
     assert m.state_dict() == before
 
 
+@pytest.mark.parametrize("first", [8, 9, 11])
+def test_a_sequence_resumed_at_a_chunk_boundary_keeps_no_floor(first):
+    """Chunks of 8, pages of 4: resumed at 8..11, the sequence holds 8 positions' columns as holes
+    and its next query reads from 8 on, so no floor is left for a window that already passed it
+    (the state it gave was refused on load, and check_invariants failed)."""
+    m = PageManager(meta("chunked", 8))
+    s = m.claim(1)[0]
+    m.resume(s, first)
+    assert (m.length(s), m.pages(s), m.first_kept_position(s)) == (8, [PAD, PAD], 8)
+    assert "floor" not in m.state_dict()["sequences"][0]
+    m.check_invariants()
+    state = m.state_dict()
+    assert PageManager.from_state_dict(meta("chunked", 8), state).state_dict() == state
+    m.build_step_metadata([s], [3])
+    m.advance(s, 3)
+    assert m.pages(s) == [PAD, PAD, 0] and m.first_kept_position(s) == 8
+    m.check_invariants()
+
+
 def test_a_sliding_prefix_hit_needs_only_the_window_pages():
     """Pages released from a window enter the prefix cache tail-first (evicted first). With
     page 2 of a cached 16-token history evicted, a full-attention walk would stop at 8 tokens;

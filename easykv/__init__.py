@@ -25,7 +25,7 @@ from easykv.errors import (
     UnknownSequenceError,
 )
 from easykv.manager.host_tier import HostTierMetrics
-from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics
+from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics, single_group
 from easykv.spec.memory import MemoryBudget, device_memory_budget
 from easykv.spec.groups import ATTENTION_KINDS, AttentionKind, LayerGroup, group_pattern
 from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
@@ -103,6 +103,7 @@ __all__ = [
     "PageManagerMetrics",
     "GroupPoolMetrics",
     "VersionMetrics",
+    "single_group",
     "QuantizedPages",
     "UnknownSequenceError",
     "increment_cache_lengths",

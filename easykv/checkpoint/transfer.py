@@ -45,6 +45,7 @@ from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
 from easykv.manager.prefix_hash import salt_digest
 from easykv.quantization import QuantizedPages, is_compressing
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pages import encode_tokens, from_storage, read_pages, to_storage
 from easykv.storage.placement import group_layouts
@@ -166,9 +167,7 @@ def _held_pages(manager: PageManager, meta: Any, seq: int, length: int, g: int) 
     if (skip + ids.size) * ps < length or np.any((ids < 0) | (ids >= pool)):
         raise InvariantError(f"sequence {seq} holds pages {ids.tolist()} that cannot hold its {length} tokens in a "
                              f"pool of {pool} pages")
-    copies, scrubs = manager.pending_copies()[1], manager.pending_scrubs()
-    if len(meta.groups) > 1:
-        copies, scrubs = copies[g], scrubs[g]
+    copies, scrubs = manager.pending_copies()[1][g], manager.pending_scrubs()[g]
     pending = set(copies.tolist()) | set(scrubs.tolist())
     if manager.has_host_tier:
         pending |= set(manager.pending_transfers()[g][3].tolist())  # onloads into its pages
@@ -232,7 +231,8 @@ def _checked_export(exported: Any) -> SequenceExport | GroupedSequenceExport:
                 if isinstance(g, ExportedGroup) else g for g in fields["groups"])
     except AttributeError as err:
         raise ValueError(f"exported is an incomplete {kind.__name__} ({err})") from None
-    return kind(**fields)
+    rebuilt: SequenceExport | GroupedSequenceExport = kind(**fields)
+    return rebuilt
 
 
 def _export_groups(exported: SequenceExport | GroupedSequenceExport) -> list[tuple[tuple[Any, ...], int]]:
@@ -301,7 +301,7 @@ def _available_per_replica(manager: PageManager, meta: Any) -> np.ndarray:
     return np.stack(out)
 
 
-def _room(manager: PageManager, meta: Any, length: int, tokens: np.ndarray | None, salt: Any, skip: int) -> bool:
+def _room(manager: PageManager, meta: PagedAttentionCacheMetaData, length: int, tokens: np.ndarray | None, salt: Any, skip: int) -> bool:
     """Raise CacheFullError when no replica has, in every layer group, the pages the sequence
     needs beyond its cached prefix. Returns True when every replica surely has them (whatever
     the prefix match shares); False when only the manager itself can tell (then it is asked on
@@ -360,9 +360,9 @@ def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
     return keys, values
 
 
-def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: SequenceExport, *,
-                    seq_id: int | None = None, salt: Any = None, reuse_prefix: bool = True,
-                    host: Any = None) -> tuple[PagedAttentionCache, int]:
+def import_sequence(cache: PagedAttentionCache, manager: PageManager,
+                    exported: SequenceExport | GroupedSequenceExport, *, seq_id: int | None = None, salt: Any = None,
+                    reuse_prefix: bool = True, host: Any = None) -> tuple[PagedAttentionCache, int]:
     """Give ``exported`` a sequence id in ``manager`` (``seq_id``, or the lowest free one), pages in
     ``cache``, and write its K/V. Returns ``(cache, seq_id)``; like ``cache.write`` the cache
     passed in is donated. With token ids and ``reuse_prefix``, pages already cached for the
@@ -410,7 +410,7 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager, exported: 
     except BaseException:
         manager.release(seq)
         raise
-    if commit_ids:
+    if tokens is not None and commit_ids:
         manager.step([seq], [tokens[done:]])
     else:
         manager.advance(seq, n)
@@ -489,8 +489,7 @@ def _write_rows(cache: PagedAttentionCache, meta: Any, spans: list[tuple[Any, An
     """The spans written into the pages the step metadata gives the sequence (the cache is
     donated): raw codes as they are when any group keeps them, else through ``cache.write``."""
     if any(exact):
-        rts = step_meta if len(meta.groups) > 1 else (step_meta,)
-        slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in rts)
+        slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in step_meta)
         written: PagedAttentionCache = _write_raw(cache, tuple(spans), slots)
         return written
     keys, values = _per_layer(meta, spans)

@@ -165,7 +165,7 @@ class Engine:
                 victim.swapped = True
                 self.preemptions += 1
                 batch = [item for item in batch if item[0] is not victim]
-        rt = meta[0] if isinstance(meta, tuple) else meta  # one per layer group: the same positions
+        rt = meta[0]  # one per layer group: the same positions
         tokens = np.zeros(self.token_budget, np.int32)
         flat = [t for _, ids in batch for t in ids]
         tokens[: len(flat)] = flat
@@ -208,7 +208,7 @@ class DenseEngine(Engine):
         padded = np.zeros(self.token_budget, np.int32)
         padded[: rows.size] = rows
         keys, values = self.cache
-        rt = meta[0] if isinstance(meta, tuple) else meta
+        rt = meta[0]
         logits, keys, values = self.model.dense_batch_step(
             keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(rt.positions)
         )

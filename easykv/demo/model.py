@@ -150,7 +150,7 @@ def _scanned_forward(model: DemoModel, block_def: Any, stacked: list[Any], cache
     letters = list(dict.fromkeys(pattern))  # groups in order of first appearance (group_pattern's order)
     count = {c: pattern.count(c) for c in letters}
     occurrence = [pattern[:p].count(c) for p, c in enumerate(pattern)]
-    positions = metadata[0].positions if isinstance(metadata, tuple) else metadata.positions
+    positions = metadata[0].positions  # one metadata per layer group: the same positions
     attend = _paged_attend(metadata)
 
     def body(carry: Any, xs: Any) -> tuple[Any, None]:
@@ -181,7 +181,7 @@ def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array,
         out, _ = paged(i, q, k, v, cache[i])  # the view writes through to the cache
         return out, cache
 
-    positions = metadata[0].positions if isinstance(metadata, tuple) else metadata.positions
+    positions = metadata[0].positions  # one metadata per layer group: the same positions
     return _forward(model, tokens, positions, cache, attend)
 
 
@@ -258,7 +258,7 @@ class CompiledModel:
     def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: Any
                    ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
         """See `_paged_step` (`_scanned_forward` for a scanned model); the cache is donated.
-        ``metadata``: one step metadata, or one per layer group."""
+        ``metadata``: one step metadata per layer group (`PageManager.build_step_metadata`)."""
         if self.cfg.scan:
             return _scanned_jit(self.graphdef, self.params, self.block_def, self.stacked, cache, tokens, metadata)
         return _paged_jit(self.graphdef, self.params, cache, tokens, metadata)

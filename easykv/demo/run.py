@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.spec.groups import AttentionKind
 from easykv.storage.cache import PagedAttentionCache
 from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import NEAR_TIE, Engine, Request, reference_disagreements
@@ -116,7 +117,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     max_len = 256
     groups = cfg.layer_groups()
     if groups is not None:  # a sliding group's sequences hold their window's pages only: a smaller pool
-        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention == "sliding"
+        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention is AttentionKind.SLIDING
                                            else options.pages) for g in groups)
     meta = PagedAttentionCacheMetaData.create(
         mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,

@@ -6,7 +6,7 @@ it owns):
 - ``sequences`` (`SequenceTable`: lengths, columns, floors, replicas, hashes, each row's version);
 - ``group_table`` (`GroupTable`: one layer group's pool, block table and pending work) and
   ``allocators`` (one subclass per attention kind, chosen by `ALLOCATORS`; what leaves a window),
-  held together by ``coordinator`` (`GroupCoordinator`, the one per-group answer form `per_group`);
+  held together by ``coordinator`` (`GroupCoordinator`, every per-group answer a tuple, `single_group`);
 - ``versions`` (`VersionLog`: weight versions and prefix lookups), ``host_tier``
   (`HostTierPolicy`: swapped-out sequences, the bound `HostTier`), ``device_work`` (`PendingWork`);
 - ``page_pool`` (free lists, reference counts and the LRU of cached pages per data-parallel

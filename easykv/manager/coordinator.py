@@ -24,19 +24,22 @@ if TYPE_CHECKING:
     from easykv.manager.sequences import SequenceTable
 
 T = TypeVar("T")
-PerGroup: TypeAlias = T | tuple[T, ...]  # one item for a manager of one layer group, else one per group
+# Every per-group answer of the manager (step metadata, pending copies and scrubs): a tuple of one
+# item per layer group, whatever the number of groups, so code written for one cache runs on all.
+PerGroup: TypeAlias = tuple[T, ...]
 
 
-def per_group(items: Sequence[T]) -> PerGroup[T]:
-    """The one item of a one-group manager, else a tuple of one per group (the form the
-    storage takes: `PagedAttentionCache.write`, `copy_pages`, `zero_pages`). The one place that
-    form is decided."""
-    return items[0] if len(items) == 1 else tuple(items)
-
-
-def as_groups(value: PerGroup[T], n: int) -> tuple[T, ...]:
-    """`per_group`'s inverse for a manager of ``n`` groups: one item per group."""
-    return value if n > 1 else (value,)
+def single_group(answer: tuple[T, ...]) -> T:
+    """The one item of a per-group answer of a cache with one layer group (``meta =
+    single_group(manager.build_step_metadata(...))``); ValueError for an answer of several
+    groups, which are used per group (``answer[g]``) or as a whole (the cache's ``write``)."""
+    if not isinstance(answer, tuple):
+        raise ValueError(f"single_group takes a per-group answer (a tuple of one item per layer group, what "
+                         f"build_step_metadata returns), got {type(answer).__name__}")
+    if len(answer) != 1:
+        raise ValueError(f"single_group: the answer holds one item for each of {len(answer)} layer groups; index it "
+                         "by group (answer[g]) or pass it whole (cache.write takes one metadata per group)")
+    return answer[0]
 
 
 class GroupCoordinator(tuple[GroupTable, ...]):
@@ -176,4 +179,4 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         return r, pages, digests[k - 1] if k else root
 
 
-__all__ = ["GroupCoordinator", "PerGroup", "as_groups", "per_group"]
+__all__ = ["GroupCoordinator", "PerGroup", "single_group"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from easykv.manager.coordinator import PerGroup, as_groups, per_group
+from easykv.manager.coordinator import PerGroup
 from easykv.validation import non_negative_int
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class PendingWork:
             most, n = gt.pool.num_pages, len(gt.copies)
             srcs.append(_padded(gt.copies.values(), n, pad_to, "copies", most))
             dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
-        return per_group(srcs), per_group(dsts)
+        return tuple(srcs), tuple(dsts)
 
     def pending_scrubs(self, groups: GroupCoordinator, pad_to: int | None = None) -> PerGroup[np.ndarray]:
         """`PageManager.pending_scrubs`."""
@@ -63,7 +63,7 @@ class PendingWork:
         for gt in groups:
             pages = gt.pool.pending_scrubs()
             out.append(_padded(pages, pages.size, pad_to, "scrubs", gt.pool.num_pages))
-        return per_group(out)
+        return tuple(out)
 
     def has_pending(self, groups: GroupCoordinator, host: HostTierPolicy) -> bool:
         """`PageManager.has_pending_work`."""
@@ -88,14 +88,13 @@ class PendingWork:
 
     def apply(self, cache: Any, groups: GroupCoordinator) -> tuple[Any, int]:
         """`PageManager.apply_pending` without a `HostTier` (checked: no host-tier work is pending)."""
-        n = len(groups)
         src, dst = self.pending_copies(groups)
-        copies = sum(a.size for a in as_groups(src, n))
+        copies = sum(a.size for a in src)
         if copies:
             cache = cache.copy_pages(src, dst)
         self.forget_copies(groups)
         scrubs = self.pending_scrubs(groups)
-        if sum(a.size for a in as_groups(scrubs, n)):
+        if sum(a.size for a in scrubs):
             cache = cache.zero_pages(scrubs)
         self.forget_scrubs(groups)
         return cache, copies
@@ -107,10 +106,9 @@ class PendingWork:
         if not self.has_pending(groups, policy):
             policy.bind(host)
             return cache, 0  # nothing to run: no program dispatched this step
-        n = len(groups)
-        copies = tuple(zip(*(as_groups(x, n) for x in self.pending_copies(groups))))
+        copies = tuple(zip(*self.pending_copies(groups)))
         cache = host.apply(cache, policy.pending_transfers(groups), copies=copies,
-                           scrubs=as_groups(self.pending_scrubs(groups), n), manager_metadata=metadata)
+                           scrubs=self.pending_scrubs(groups), manager_metadata=metadata)
         policy.bind(host)
         policy.transfers_done(groups)  # the tier has taken them (offloads land in its host pages later)
         # The host pages those transfers left unreferenced: the tier has read them (onload

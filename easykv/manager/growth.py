@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from easykv.errors import CacheFullError
-from easykv.manager.coordinator import per_group
 from easykv.step.checks import HostChecked, mark_checked
 from easykv.step.metadata import PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
 
@@ -154,10 +153,9 @@ def step_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarra
     """The mixed-form metadata of one step of ``rows`` writing ``new`` tokens each, reserved."""
     lens, ps, new32 = seqs.lens[rows], seqs.page_size, new.astype(np.int32)
     reads = not seqs.floor[rows].any()
-    return per_group([
-        _proved(gt, build_mixed(gt.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
-                                pad_seqs_to=pad_seqs_to), reads)
-        for gt in groups])
+    return tuple(_proved(gt, build_mixed(gt.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
+                                         pad_seqs_to=pad_seqs_to), reads)
+                 for gt in groups)
 
 
 def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, num_steps: int, *,
@@ -174,8 +172,8 @@ def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndar
             steps.append(increment_cache_lengths(steps[-1], page_size=ps, num_pages=gt.pool.num_pages))
         by_group.append(stack_metadata(steps) if stacked else [_proved(gt, m, reads) for m in steps])
     if stacked:
-        return per_group(by_group)
-    return [per_group(step) for step in zip(*by_group)]
+        return tuple(by_group)
+    return [tuple(step) for step in zip(*by_group)]
 
 
 def _proved(gt: GroupTable, rt: PagedAttentionMetadata, reads: bool) -> PagedAttentionMetadata:

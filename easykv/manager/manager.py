@@ -49,7 +49,7 @@ from easykv.manager.allocators import allocator_for
 from easykv.manager.broken import Broken
 from easykv.manager.commit import commit_tokens, parse_tokens
 from easykv.manager.consistency import check_consistency
-from easykv.manager.coordinator import GroupCoordinator, PerGroup, as_groups, per_group
+from easykv.manager.coordinator import GroupCoordinator, PerGroup, single_group  # the last: re-exported
 from easykv.manager.device_work import PendingWork
 from easykv.manager.host_tier import HostTierPolicy, Transfers
 from easykv.manager.metrics import GroupPoolMetrics, PageManagerMetrics, snapshot
@@ -242,8 +242,9 @@ class PageManager:
         Lengths advance only when the tokens are committed (`step`), after the device wrote them.
         ``pad_tokens_to`` / ``pad_seqs_to`` fix the shapes so jit sees few of them.
 
-        With several layer groups, a tuple of one `PagedAttentionMetadata` per group (each its
-        own page table and slots; the cache's writes and attention take the tuple)."""
+        A tuple of one `PagedAttentionMetadata` per layer group, one for a cache of one group
+        (each its own page table and slots; the cache's ``write`` takes the tuple, a layer's
+        attention its group's item; `single_group` unpacks the one item of a one-group cache)."""
         seqs, groups = self._seqs, self._groups
         rows = seqs.rows(seq_ids)
         new = seqs.counts(num_new_tokens, rows.size)
@@ -258,7 +259,8 @@ class PageManager:
         Returns a list, or with ``stacked=True`` one metadata whose mixed fields carry a leading
         step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
         from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids).
-        With several layer groups each step (or the stacked metadata) is a tuple of one per group."""
+        Each step (or the stacked metadata) is a tuple of one per layer group, as in
+        `build_step_metadata`."""
         seqs, groups = self._seqs, self._groups
         rows = seqs.rows(seq_ids)
         k = positive_int("num_steps", num_steps)
@@ -267,16 +269,19 @@ class PageManager:
         return growth.decode_metadata(seqs, groups, rows, k, pad_seqs_to=pad_seqs_to, stacked=stacked)
 
     def increment_cache_lengths(self, metadata: StepMetadata) -> StepMetadata:
-        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly;
-        with several layer groups, a tuple of one per group); the manager's lengths do not
-        change (see `build_decode_metadata`)."""
+        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly): a
+        tuple of one per layer group, as `build_decode_metadata` gives it (a cache of one group
+        also takes its one metadata bare); the manager's lengths do not change."""
         groups = self._groups
         n = len(groups)
-        if n > 1 and (not isinstance(metadata, tuple) or len(metadata) != n):
-            raise ValueError(f"this manager has {n} layer groups: pass a tuple of {n} step metadata, one per group "
-                             f"(what build_decode_metadata returns), got {type(metadata).__name__}")
-        return per_group([increment_cache_lengths(m, page_size=self.page_size, num_pages=gt.pool.num_pages)
-                          for gt, m in zip(groups, as_groups(metadata, n))])
+        if n == 1 and isinstance(metadata, PagedAttentionMetadata):
+            metadata = (metadata,)
+        if not isinstance(metadata, tuple) or len(metadata) != n:
+            got = f"a tuple of {len(metadata)}" if isinstance(metadata, tuple) else type(metadata).__name__
+            raise ValueError(f"this manager has {n} layer group(s): pass a tuple of {n} step metadata, one per group "
+                             f"(what build_decode_metadata returns), got {got}")
+        return tuple(increment_cache_lengths(m, page_size=self.page_size, num_pages=gt.pool.num_pages)
+                     for gt, m in zip(groups, metadata))
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:
@@ -472,7 +477,7 @@ class PageManager:
     # ---- pending device work (see `device_work`) ---------------------------------------------------
     def pending_copies(self, pad_to: int | None = None) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
         """(src, dst) int32 page ids the cache must copy, in every layer, before the next write
-        (with several layer groups, a tuple of one array per group each); ``pad_to`` pads them
+        (each a tuple of one array per layer group); ``pad_to`` pads them
         with -1 (a fixed shape for the jitted copy)."""
         return self._work.pending_copies(self._groups, pad_to)
 
@@ -490,8 +495,8 @@ class PageManager:
         return out
 
     def pending_scrubs(self, pad_to: int | None = None) -> PerGroup[np.ndarray]:
-        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``
-        (with several layer groups, a tuple of one array per group)."""
+        """Released pages to zero (``scrub_released=True``), int32, padded with -1 to ``pad_to``:
+        a tuple of one array per layer group."""
         return self._work.pending_scrubs(self._groups, pad_to)
 
     def take_scrubs(self, pad_to: int | None = None) -> PerGroup[np.ndarray]:
@@ -590,5 +595,5 @@ class PageManager:
 __all__ = [
     "CacheFullError", "GroupPoolMetrics", "InvariantError", "PageManager", "PageManagerMetrics", "UnknownSequenceError",
     "VersionMetrics",
-    "increment_cache_lengths", "stack_metadata",
+    "increment_cache_lengths", "single_group", "stack_metadata",
 ]

@@ -50,7 +50,7 @@ def busy(shards=1):
     pm.release(f)  # its two full pages stay cached (LRU), its tail page is freed
     [e] = pm.claim(1)
     pm.match_prefix(e, list(range(10, 20)))  # a prefix hit on a's pages
-    assert pm.pending_copies()[0].size and pm.pending_scrubs().size and pm.metrics.cached_pages
+    assert pm.pending_copies()[0][0].size and pm.pending_scrubs()[0].size and pm.metrics.cached_pages
     pm.check_invariants()
     return pm
 
@@ -326,7 +326,7 @@ def test_the_rules_hold_for_live_managers_too():
 def test_commits_into_pages_with_pending_work_are_refused():
     pm = busy()
     d = 4  # the fork: its unfinished page waits for a copy
-    assert pm.pending_copies()[1].tolist()
+    assert pm.pending_copies()[1][0].tolist()
     before = pm.state_dict()
     with pytest.raises(ValueError, match="copy-on-write copy is still pending.*apply_pending"):
         pm.step([d], [[9]])

@@ -161,6 +161,52 @@ def test_decode_metadata_is_one_per_group_per_step():
     assert [int(rt.slot_mapping[0]) for rt in nxt] == [4, 4]
 
 
+@pytest.mark.parametrize("kinds", [(LayerGroup((0,), "full", num_pages=10),),
+                                   (LayerGroup((0,), "full", num_pages=10), LayerGroup((1,), "sliding", 5, num_pages=6)),
+                                   (LayerGroup((0,), "full", num_pages=10), LayerGroup((1,), "chunked", 4, num_pages=6),
+                                    LayerGroup((2,), "sliding", 5, num_pages=6))],
+                         ids=["one group", "two groups", "three groups"])
+def test_every_per_group_answer_is_a_tuple_of_one_per_group(kinds):
+    """The same shape whatever the number of groups: step and decode metadata (a list of steps,
+    or stacked), the next decode step, pending and taken copies and scrubs."""
+    m = PageManager(hybrid(kinds=kinds), scrub_released=True)
+    n = len(kinds)
+    s = m.claim(1)[0]
+    first = grow(m, s, [1, 2, 3, 4, 5, 6])
+    child = m.fork(s)
+    steps = m.build_decode_metadata([child], num_steps=2)
+    stacked = m.build_decode_metadata([s], num_steps=1, stacked=True)
+    nxt = m.increment_cache_lengths(steps[0])
+    src, dst = m.pending_copies()
+    answers = [first, *steps, stacked, nxt, src, dst, m.pending_scrubs()]
+    assert all(type(a) is tuple and len(a) == n for a in answers), [(type(a), len(a)) for a in answers]
+    assert all(isinstance(rt, easykv.PagedAttentionMetadata) for rt in (*first, *steps[1], *stacked, *nxt))
+    assert [a.tolist() for a in src] == [[1]] * n and [a.tolist() for a in dst] == [[2]] * n  # the child's copy
+    taken = m.take_copies()
+    assert type(taken) is tuple and all(type(x) is tuple and len(x) == n for x in taken)
+    m.release(child)
+    scrubs = m.take_scrubs()
+    assert type(scrubs) is tuple and len(scrubs) == n
+
+
+def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
+    one, two = PageManager(hybrid(kinds=(LayerGroup((0,), "full", num_pages=10),))), PageManager(hybrid())
+    for m in (one, two):
+        m.claim(1)
+    (rt,) = answer = one.build_step_metadata([0], [3])
+    assert easykv.single_group(answer) is rt and rt.slot_mapping.tolist() == [0, 1, 2]
+    one.step([0], [[7, 8, 9]])
+    [(dec,)] = one.build_decode_metadata([0])
+    assert one.increment_cache_lengths(dec)[0].positions.tolist() == [4]  # one group: bare metadata too
+    with pytest.raises(ValueError, match=r"one item for each of 2 layer groups; index it by group \(answer\[g\]\)"):
+        easykv.single_group(two.build_step_metadata([0], [3]))
+    with pytest.raises(ValueError, match=r"takes a per-group answer .* got PagedAttentionMetadata"):
+        easykv.single_group(rt)
+    with pytest.raises(ValueError, match=r"this manager has 1 layer group\(s\): pass a tuple of 1 step metadata.*"
+                                         r"got a tuple of 2"):
+        one.increment_cache_lengths((rt, rt))
+
+
 def test_resume_needs_every_group_windowed():
     m = PageManager(hybrid())
     s = m.claim(1)[0]

@@ -81,7 +81,7 @@ def test_mixed_metadata_matches_hand_computed_slots():
     a, b = pm.claim(2)
     pm.build_step_metadata([a], [6])
     pm.advance(a, 6)  # a: 6 tokens on pages [0, 1]
-    meta = pm.build_step_metadata([a, b], [3, 5], pad_tokens_to=10, pad_seqs_to=3)
+    (meta,) = pm.build_step_metadata([a, b], [3, 5], pad_tokens_to=10, pad_seqs_to=3)
     # a writes positions 6, 7 (page 1) and 8 (new page 2); b prefills 0..4 on pages 3, 4.
     assert pm.pages(a) == [0, 1, 2] and pm.pages(b) == [3, 4]
     np.testing.assert_array_equal(meta.slot_mapping, [6, 7, 8, 12, 13, 14, 15, 16, -1, -1])
@@ -102,12 +102,12 @@ def test_multi_step_decode_reserves_ahead_and_increments_without_the_manager():
     a, b = pm.claim(2)
     pm.build_step_metadata([a, b], [3, 4])
     pm.step([a, b], [[1, 2, 3], [4, 5, 6, 7]])  # a: page 0 (3 tokens), b: page 1 (full)
-    steps = pm.build_decode_metadata([a, b], num_steps=3, pad_seqs_to=3)
+    steps = [step for (step,) in pm.build_decode_metadata([a, b], num_steps=3, pad_seqs_to=3)]
     assert pm.pages(a) == [0, 2] and pm.pages(b) == [1, 3]  # reserved for positions 3..5 / 4..6
     assert [s.slot_mapping.tolist() for s in steps] == [[3, 12, -1], [8, 13, -1], [9, 14, -1]]
     assert [s.positions.tolist() for s in steps] == [[3, 4, -1], [4, 5, -1], [5, 6, -1]]
     assert [s.context_lens.tolist() for s in steps] == [[4, 5, 0], [5, 6, 0], [6, 7, 0]]
-    stacked = pm.build_decode_metadata([a, b], num_steps=2, stacked=True)
+    (stacked,) = pm.build_decode_metadata([a, b], num_steps=2, stacked=True)
     assert stacked.slot_mapping.shape == (2, 2) and stacked.page_table.shape == (2, 2, 4)
     # on device, inside jit: the same next step
     nxt = jax.jit(lambda m: increment_cache_lengths(m, page_size=PS))(jax.tree.map(jnp.asarray, steps[0]))
@@ -121,10 +121,10 @@ def test_multi_step_decode_reserves_ahead_and_increments_without_the_manager():
 def test_increment_never_writes_past_the_reserved_pages():
     pm = make()
     [a] = pm.claim(1)
-    [meta] = pm.build_decode_metadata([a], num_steps=1)  # position 0, one page
+    [(meta,)] = pm.build_decode_metadata([a], num_steps=1)  # position 0, one page
     later = meta
     for _ in range(4):
-        later = pm.increment_cache_lengths(later)
+        (later,) = pm.increment_cache_lengths(later)
     # position 4 needs a second page nobody reserved: the slot is invalid (dropped and counted)
     assert later.positions.tolist() == [4] and later.slot_mapping.tolist() == [INVALID_SLOT]
 
@@ -216,20 +216,20 @@ def test_fork_shares_pages_and_the_first_writer_copies():
     prefill(pm, a, [1, 2, 3, 4, 5, 6])  # page 0 full, page 1 partial
     b = pm.fork(a)
     assert pm.pages(b) == [0, 1] and pm.length(b) == 6
-    meta = pm.build_step_metadata([b, a], [1, 1])
+    (meta,) = pm.build_step_metadata([b, a], [1, 1])
     assert pm.pages(b) == [0, 2] and pm.pages(a) == [0, 1]  # b copied, a (last writer) kept page 1
     np.testing.assert_array_equal(meta.slot_mapping, [2 * PS + 2, 1 * PS + 2])
-    src, dst = pm.take_copies()
+    (src,), (dst,) = pm.take_copies()
     assert src.tolist() == [1] and dst.tolist() == [2] and src.dtype == np.int32
-    assert pm.take_copies()[0].size == 0 and pm.metrics.copies == 1
+    assert pm.take_copies()[0][0].size == 0 and pm.metrics.copies == 1
     pm.reserve(b, 3)  # b: page 2 filled, a new page 3
-    assert pm.take_copies(pad_to=2)[0].tolist() == [-1, -1]
+    assert pm.take_copies(pad_to=2)[0][0].tolist() == [-1, -1]
     c = pm.fork(a)
     pm.reserve(c, 1)
     before = pm.state_dict()
     with pytest.raises(ValueError, match="pad_to=0 is below the 1 pending copies"):
         pm.take_copies(pad_to=0)
-    assert pm.state_dict() == before and pm.take_copies(pad_to=2)[1].tolist() == [4, -1]
+    assert pm.state_dict() == before and pm.take_copies(pad_to=2)[1][0].tolist() == [4, -1]
     pm.step([a, b], [7, 8])
     pm.check_invariants()
 
@@ -244,12 +244,14 @@ class RecordingCache:
     def copy_pages(self, src, dst):
         if self.fail == "copy":
             raise RuntimeError("Array has been deleted")
+        (src,), (dst,) = src, dst  # one array per layer group: this cache has one
         self.calls.append(("copy", src.tolist(), dst.tolist()))
         return self
 
     def zero_pages(self, pages):
         if self.fail == "zero":
             raise RuntimeError("Array has been deleted")
+        (pages,) = pages
         self.calls.append(("zero", pages.tolist()))
         return self
 
@@ -289,7 +291,7 @@ def test_a_failed_scrub_after_applied_copies_keeps_the_scrubs_pending():
     pm.release(other)
     with pytest.raises(RuntimeError):
         pm.apply_pending(RecordingCache(pm.metadata, fail="zero"))
-    assert pm.pending_copies()[0].size == 0 and pm.pending_scrubs().tolist() == [2]
+    assert pm.pending_copies()[0][0].size == 0 and pm.pending_scrubs()[0].tolist() == [2]
 
 
 def test_a_fork_of_a_sequence_with_only_reserved_pages_is_unbound():
@@ -340,10 +342,10 @@ def test_copies_of_pending_copies_read_the_original():
     pm.reserve(b, 1)  # 1 -> 2
     c = pm.fork(b)  # c shares page 2, whose copy is still pending
     pm.reserve(c, 1)  # 2 holds nothing yet: c must copy from page 1
-    assert pm.pending_copies()[0].tolist() == [1, 1] and pm.pending_copies()[1].tolist() == [2, 3]
+    assert pm.pending_copies()[0][0].tolist() == [1, 1] and pm.pending_copies()[1][0].tolist() == [2, 3]
     pm.release(b)
     pm.release(c)  # pages 2 and 3 freed: their copies are moot
-    assert pm.take_copies()[0].size == 0
+    assert pm.take_copies()[0][0].size == 0
 
 
 def test_scrub_released_reports_freed_and_evicted_pages():
@@ -351,14 +353,14 @@ def test_scrub_released_reports_freed_and_evicted_pages():
     a, b = pm.claim(2)
     prefill(pm, a, list(range(6)))  # page 0 full (cached on release), page 1 partial
     pm.release(a)
-    assert pm.take_scrubs().tolist() == [1]
+    assert pm.take_scrubs()[0].tolist() == [1]
     pm.reserve(b, 16)  # 1, 2, 3, then ... 4 (free first)
-    assert pm.take_scrubs().tolist() == []
+    assert pm.take_scrubs()[0].tolist() == []
     c, d = pm.claim(2)
     pm.reserve(c, 16)
     pm.reserve(d, 8)  # pages 9 then the cached page 0 (evicted -> scrubbed)
-    assert pm.pages(d) == [9, 0] and pm.pending_scrubs(pad_to=3).tolist() == [0, -1, -1]
-    assert pm.take_scrubs().tolist() == [0] and pm.metrics.scrubs == 2
+    assert pm.pages(d) == [9, 0] and pm.pending_scrubs(pad_to=3)[0].tolist() == [0, -1, -1]
+    assert pm.take_scrubs()[0].tolist() == [0] and pm.metrics.scrubs == 2
 
 
 # ---- data-parallel replicas --------------------------------------------------------------------------
@@ -432,7 +434,7 @@ def test_state_dict_round_trip_is_exact_and_behaves_the_same():
         m.match_prefix(x, list(range(10)), salt="x")
         m.reserve(x, 6)
     assert restored.state_dict() == pm.state_dict()
-    assert restored.take_copies()[1].tolist() == pm.take_copies()[1].tolist()
+    assert restored.take_copies()[1][0].tolist() == pm.take_copies()[1][0].tolist()
 
 
 def test_from_state_dict_refuses_other_pools_and_damage():

@@ -31,7 +31,7 @@ class Engine:
         self.cache = self.cache.copy_pages(*self.pm.take_copies(pad_to=4))  # fixed shapes: one compile
         self.cache = self.cache.zero_pages(self.pm.take_scrubs(pad_to=8))
         for meta in metas:
-            n, heads = meta.num_tokens, self.meta.num_kv_heads
+            n, heads = meta[0].num_tokens, self.meta.num_kv_heads  # one metadata per layer group
             keys = random_tokens(self.rng, (LAYERS, n, heads, HEAD_DIM))
             values = random_tokens(self.rng, (LAYERS, n, heads, HEAD_DIM))
             self.cache, dropped = self.cache.write(keys, values, meta)
@@ -75,7 +75,7 @@ def test_shared_then_diverging_sequences_read_back_exactly(layout):
     eng.check()
 
     meta = pm.build_step_metadata([c, a, b], [1, 2, 1])  # c copies the shared page first
-    assert pm.pending_copies()[0].size == 1
+    assert pm.pending_copies()[0][0].size == 1
     eng.run([meta], [c, a, b], [1, 2, 1])
     pm.step([c, a, b], [[50], [60, 61], [70]])
     assert pm.pages(a)[2] != pm.pages(c)[2]
@@ -111,7 +111,7 @@ def test_apply_pending_with_a_donated_cache_applies_nothing_and_keeps_the_work()
     before = eng.pm.state_dict()
     with pytest.raises(ValueError, match="donated to an earlier call"):
         eng.pm.apply_pending(stale)
-    assert eng.pm.state_dict() == before and eng.pm.pending_copies()[0].size == 1
+    assert eng.pm.state_dict() == before and eng.pm.pending_copies()[0][0].size == 1
     eng.cache, copied = eng.pm.apply_pending(eng.cache)
     assert copied == 1
     for layer in range(LAYERS):

@@ -84,10 +84,6 @@ class ManagerMachine(RuleBasedStateMachine):
     def groups(self):
         return self.meta.groups
 
-    def _per_group(self, x):
-        """A manager answer as one item per group (a one-group manager answers with the item)."""
-        return x if len(self.groups) > 1 else (x,)
-
     @initialize()
     def setup(self):
         groups = self.layer_groups
@@ -110,10 +106,10 @@ class ManagerMachine(RuleBasedStateMachine):
     # ---- device simulation ---------------------------------------------------------------------
     def _apply_page_ops(self):
         transfers = self.pm.take_transfers() if self.host_pages else None
-        _run_pending(self.device, self.host, transfers, self.pm.take_copies(), self.pm.take_scrubs(), self._per_group)
+        _run_pending(self.device, self.host, transfers, self.pm.take_copies(), self.pm.take_scrubs())
 
     def _write(self, meta, tokens):
-        for device, rt in zip(self.device, self._per_group(meta)):
+        for device, rt in zip(self.device, meta, strict=True):
             slots = np.asarray(rt.slot_mapping)
             real = slots >= 0
             assert real.sum() == len(tokens)
@@ -337,7 +333,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for g, (group, pool) in enumerate(zip(self.groups, m.groups)):
             assert pool.free_pages + pool.cached_pages + pool.used_pages == pool.total_pages == group.num_pages
             if self.scrub:  # a free page holds nothing, or is reported for zeroing
-                pending = set(self._per_group(self.pm.pending_scrubs())[g].tolist())
+                pending = set(self.pm.pending_scrubs()[g].tolist())
                 for heap in self.pm.live._groups[g].pool._free:
                     for page in heap:
                         assert page in pending or (self.device[g][page] == -1).all(), (g, page)
@@ -352,7 +348,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _check_contents(self):
         devices = [d.copy() for d in self.device]  # as the next step will see them: pending work applied
         _run_pending(devices, [h.copy() for h in self.host], self.pm.pending_transfers() if self.host_pages else None,
-                     self.pm.pending_copies(), self.pm.pending_scrubs(), self._per_group)
+                     self.pm.pending_copies(), self.pm.pending_scrubs())
         for g, group in enumerate(self.groups):
             device = devices[g]
             for seq, info in self.model.items():
@@ -386,11 +382,11 @@ class ManagerMachine(RuleBasedStateMachine):
         return min(first // PS, held)
 
 
-def _run_pending(devices, hosts, transfers, copies, scrubs, per_group):
+def _run_pending(devices, hosts, transfers, copies, scrubs):
     """A manager's pending work on simulated pages, in `apply_pending`'s order: offloads read the
     device, copies, onloads, scrubs, host scrubs, then the offloads land in the host."""
-    srcs, dsts = map(per_group, copies)
-    for g, (device, src, dst, pages) in enumerate(zip(devices, srcs, dsts, per_group(scrubs))):
+    srcs, dsts = copies  # one array per layer group each, as the manager answers
+    for g, (device, src, dst, pages) in enumerate(zip(devices, srcs, dsts, scrubs, strict=True)):
         if transfers is None:
             device[dst] = device[src]  # every source read before any destination written
             device[pages] = -1

@@ -71,7 +71,7 @@ def test_fork_shares_the_window_and_keeps_the_holes():
     assert m.page_table([s, child]).tolist() == [[PAD, 1, 2] + [PAD] * 5] * 2
     m.check_invariants()
     m.build_step_metadata([child], [1])  # the child writes into the shared partial page 2: a private copy
-    src, dst = m.take_copies()  # (the device would copy them here)
+    (src,), (dst,) = m.take_copies()  # (the device would copy them here)
     assert src.tolist() == [2] and m.page_table([child])[0][:3].tolist() == [PAD, 1, int(dst[0])]
     m.step([child], [50])
     m.release(s)
@@ -161,7 +161,7 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     refused = 0
     for counts in [[6, 3]] + [[1, 2]] * 14:
-        rt = m.build_step_metadata(seqs, counts)
+        (rt,) = m.build_step_metadata(seqs, counts)
         n = sum(counts)
         k, v = (rng.standard_normal((2, n, 8, 8)).astype(np.float32) for _ in range(2))
         cache, dropped = cache.write(k, v, rt)
@@ -225,7 +225,7 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     rng = np.random.default_rng(1)
     seqs = m.claim(3)
     for counts in ([6, 8, 3], [1, 0, 2], [1, 0, 2], [2, 0, 1]):
-        rt = m.build_step_metadata(seqs, counts)
+        (rt,) = m.build_step_metadata(seqs, counts)
         k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
         cache, _ = cache.write(k, -k, rt)
         m.step(seqs, [list(range(s * 50 + m.length(s), s * 50 + m.length(s) + c)) for s, c in zip(seqs, counts)])
@@ -248,7 +248,7 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     q = rng.standard_normal((3, 8, 8)).astype(jnp.bfloat16)
     outs = []
     for c, mgr in ((cache, m), (r_cache, r_m)):
-        rt = mgr.build_step_metadata(seqs, [1, 1, 1])
+        (rt,) = mgr.build_step_metadata(seqs, [1, 1, 1])
         c, _ = c.write(k, -k, rt)
         outs.append(np.asarray(jax.device_get(paged_attention(q, c.views[0].key_pages, c.views[0].value_pages, rt,
                                                               dtype=jnp.bfloat16, **opts)), np.float32))
@@ -271,7 +271,7 @@ def test_resharding_keeps_a_sequence_whose_pages_all_left_the_window_bound():
 def _write_tokens(cache, m, seqs, counts, rng):
     import jax.numpy as jnp
 
-    rt = m.build_step_metadata(seqs, counts)
+    (rt,) = m.build_step_metadata(seqs, counts)
     k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
     cache, dropped = cache.write(k, (k * 3).astype(jnp.bfloat16), rt)
     assert int(dropped) == 0
@@ -317,7 +317,7 @@ def test_export_of_a_window_sequence_holds_its_window_and_imports_into_the_same_
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     outs = []
     for c, mgr, seq in ((cache, m, s), (target, t, got)):
-        rt = mgr.build_step_metadata([seq], [2])
+        (rt,) = mgr.build_step_metadata([seq], [2])
         k = np.ones((2, 2, 8, 8), jnp.bfloat16)
         c, _ = c.write(k, k, rt)
         outs.append(np.asarray(paged_attention(q, c.views[1].key_pages, c.views[1].value_pages, rt,
@@ -364,7 +364,7 @@ def test_resume_starts_a_sequence_at_a_window_page_and_refuses_misuse():
     assert state["sequences"][0]["floor"] == 8
     m.check_invariants()
     assert PageManager.from_state_dict(meta("sliding", 5), state).state_dict() == state
-    rt = m.build_step_metadata([s], [2])
+    (rt,) = m.build_step_metadata([s], [2])
     assert np.asarray(rt.slot_mapping)[:2].tolist() == [0, 1]  # page 0 is the first free one
     m.advance(s, 2)  # length 10: the window (6..10) still reaches before the floor
     assert m.first_kept_position(s) == 8 and m.state_dict()["sequences"][0]["floor"] == 8

@@ -123,10 +123,10 @@ def test_reset_prefix_cache_is_safe_with_sequences_running():
     [c] = pm.claim(1)
     run(c, [5] * 9)
     pm.release(c)  # pages 4 and 3 cached, 5 freed
-    assert cached_ids(pm) == [4, 3] and pm.take_scrubs().tolist() == [5]
+    assert cached_ids(pm) == [4, 3] and pm.take_scrubs()[0].tolist() == [5]
     assert pm.reset_prefix_cache() == 4  # 0, 1 (b holds them) and 3, 4 (cached)
     assert cached_ids(pm) == [] and pm.cached_prefix_length(PROMPT) == 0
-    assert pm.pending_scrubs().tolist() == [4, 3]  # freed now: zeroed before reuse
+    assert pm.pending_scrubs()[0].tolist() == [4, 3]  # freed now: zeroed before reuse
     assert pm.pages(b) == [0, 1, 2]  # b keeps its pages and goes on
     for t in range(3):
         run(b, [t])
@@ -271,7 +271,7 @@ def test_fork_n_gives_n_children_sharing_pages_with_copy_on_write_of_the_partial
     assert pm._groups[0].pool.refcount[:3].tolist() == [5, 5, 5]
     # each sample writes its own token: every writer but the last gets a private copy of page 2
     pm.build_step_metadata([p] + kids, [1] * 5)
-    src, dst = pm.take_copies()
+    (src,), (dst,) = pm.take_copies()
     assert src.tolist() == [2, 2, 2, 2] and dst.tolist() == [3, 4, 5, 6]
     assert [pm.pages(s)[2] for s in [p] + kids] == [3, 4, 5, 6, 2]
     pm.step([p] + kids, [10, 11, 12, 13, 14])

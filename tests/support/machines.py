@@ -22,18 +22,15 @@ class Device:
         self.grouped = not isinstance(pages, int)
         self.stores = [np.full((n, PS), -1, np.int64) for n in (pages if self.grouped else [pages])]
 
-    def _per_group(self, value):
-        return value if self.grouped else (value,)
-
     def apply(self, pm):
         src, dst = pm.take_copies()
         scrubs = pm.take_scrubs()
-        for store, s, d, z in zip(self.stores, *map(self._per_group, (src, dst, scrubs))):
+        for store, s, d, z in zip(self.stores, src, dst, scrubs, strict=True):
             store[d] = store[s].copy()  # every source read before any destination is written
             store[z] = -1
 
     def write(self, rt, tokens):
-        for store, meta in zip(self.stores, self._per_group(rt)):
+        for store, meta in zip(self.stores, rt, strict=True):
             slots = np.asarray(meta.slot_mapping)[: len(tokens)]
             assert (slots >= 0).all()
             store.reshape(-1)[slots] = tokens
@@ -49,7 +46,7 @@ class Device:
         """The stores as they will be once the pending copies and scrubs are applied."""
         out = []
         src, dst = pm.pending_copies()
-        for store, s, d, z in zip(self.stores, *map(self._per_group, (src, dst, pm.pending_scrubs()))):
+        for store, s, d, z in zip(self.stores, src, dst, pm.pending_scrubs(), strict=True):
             view = store.copy()
             view[d] = store[s]
             view[z] = -1

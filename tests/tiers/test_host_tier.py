@@ -34,9 +34,9 @@ class TierDevice(Device):
         self.hosts = [np.full((n, PS), -1, np.int64) for n in hosts]
 
     def _pending(self, pm, stores, hosts):
-        copies = zip(*map(self._per_group, pm.pending_copies()))
+        copies = zip(*pm.pending_copies())
         for store, host, (off_src, off_dst, on_src, on_dst, host_scrubs), (src, dst), scrubs in zip(
-                stores, hosts, pm.pending_transfers(), copies, self._per_group(pm.pending_scrubs())):
+                stores, hosts, pm.pending_transfers(), copies, pm.pending_scrubs(), strict=True):
             out, back = store[off_src].copy(), host[on_src].copy()
             store[dst] = store[src].copy()
             store[on_dst] = back

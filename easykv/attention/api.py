@@ -26,31 +26,48 @@ Pallas kernel, TPU or GPU (``pallas.py``); :func:`paged_attention_reference` run
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+from numpy.typing import DTypeLike
 
-from easykv.attention.checks import Config, prepare, view_pages
-from easykv.attention.options import IMPLEMENTATIONS, AttentionOptions
+from easykv.attention.checks import Config, Layer, Pages, prepare, view_pages
+from easykv.attention.options import (IMPLEMENTATIONS, AttentionKeywords, AttentionOptions, ReferenceKeywords,
+                                      ViewKeywords)
 from easykv.attention.pallas import pallas_decode_local, pallas_gpu_decode_local
 from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
 from easykv.attention.xla import attend_local
+from easykv.quantization import Rotation
+from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.storage.pages import PageLayout
+from easykv.step.checks import Array
 from easykv.step.metadata import PagedAttentionMetadata, group_runtime
+
+if TYPE_CHECKING:
+    from easykv.storage.view import PagedAttentionCacheView
+
+
+class ImplementationKeywords(AttentionKeywords, total=False):
+    """`paged_attention_implementation`'s ``**options``: paged_attention's keywords, ``sinks`` and
+    ``layer`` included."""
+
+    sinks: Array | None
+    layer: Layer | None
 
 
 # ---- public API ---------------------------------------------------------------------------------
 def paged_attention(
-    q: Any,
-    key_pages: Any,
-    value_pages: Any,
+    q: Array,
+    key_pages: Pages,
+    value_pages: Pages | None,
     metadata: PagedAttentionMetadata,
-    sinks: Any = None,
-    layer: Any = None,
+    sinks: Array | None = None,
+    layer: Layer | None = None,
     *,
     scale: float | None = None,
     sliding_window: int | None = None,
@@ -58,7 +75,7 @@ def paged_attention(
     value_head_dim: int | None = None,
     logit_soft_cap: float | None = None,
     layout: PageLayout | None = None,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     implementation: str = "auto",
     pages_per_block: int | None = None,
     query_block: int | None = None,
@@ -107,13 +124,17 @@ def paged_attention(
     """
     options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
     cfg, rt = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks, layer=layer)
-    return run(q, key_pages, value_pages, rt, sinks, layer, cfg=cfg)
+    out: jax.Array = run(q, key_pages, value_pages, rt, sinks, layer, cfg=cfg)
+    return out
 
 
-def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **options: Any) -> jax.Array:
+def view_attention(q: Array, view: PagedAttentionCacheView,
+                   metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata],
+                   **options: Unpack[ViewKeywords]) -> jax.Array:
     """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
     its group's stacked pages read at its layer, its layout and its logical dtype (``options``
-    are paged_attention's keywords but ``layer``, ``layout`` and ``dtype``)."""
+    are paged_attention's keywords but ``layer``, ``layout`` and ``dtype``). ``metadata``: one
+    step, or one per layer group of the view's cache."""
     for key in ("layer", "layout", "dtype"):
         if key in options:
             raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
@@ -121,50 +142,54 @@ def view_attention(q: Any, view: Any, metadata: PagedAttentionMetadata, **option
     group = getattr(view, "layer_group", None)
     if group is not None:
         metadata = group_runtime(metadata, len(view.metadata.groups), view.group)
-        options = {**options, **_group_options(group, options)}
-    return paged_attention(
-        q, keys, values, metadata, layer=layer, layout=view.layout, dtype=view.dtype, **options
-    )
+        options = cast(ViewKeywords, {**options, **_group_options(group, options)})
+    # A view of no layer group (duck-typed) passes its metadata on as it is: paged_attention
+    # refuses anything but one step by name.
+    return paged_attention(q, keys, values, cast(PagedAttentionMetadata, metadata), layer=layer, layout=view.layout,
+                           dtype=view.dtype, **options)
 
 
-def _group_options(group: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _group_options(group: LayerGroup, options: Mapping[str, object]) -> dict[str, int]:
     """The attention a layer group declares (its window or chunk, a latent's value dims): the
     view's layer attends that way, and an option that says otherwise is refused (a full group
     keeps every page, so any window may be read from it)."""
-    implied = {"sliding_window": group.window if group.attention == "sliding" else None,
-               "chunk_size": group.window if group.attention == "chunked" else None,
-               "value_head_dim": group.value_head_dim if group.latent else None}
+    kind = group.attention
+    implied: dict[str, int | None] = {
+        "sliding_window": group.window if kind is AttentionKind.SLIDING else None,
+        "chunk_size": group.window if kind is AttentionKind.CHUNKED else None,
+        "value_head_dim": group.value_head_dim if group.latent else None}
     implied = {k: v for k, v in implied.items() if v is not None}
-    if group.attention != "full":
-        implied.setdefault("chunk_size" if group.attention == "sliding" else "sliding_window", None)
+    if kind.windowed:  # the other of window and chunk: none
+        implied.setdefault("chunk_size" if kind is AttentionKind.SLIDING else "sliding_window", None)
     for key, value in implied.items():
         given = options.get(key)
         if given is not None and given != value:
-            kind = f"{group.attention}" + (f" (window {group.window})" if group.window else "") + (
+            what = f"{kind}" + (f" (window {group.window})" if group.window else "") + (
                 ", latent" if group.latent else "")
-            raise ValueError(f"view_attention: the view's layer group (layers {group.span}) is {kind}, so {key}="
+            raise ValueError(f"view_attention: the view's layer group (layers {group.span}) is {what}, so {key}="
                              f"{value}; got {key}={given!r}. The group's metadata decides how its layers attend")
     return {k: v for k, v in implied.items() if v is not None}
 
 
 def paged_attention_implementation(
-    q: Any,
-    key_pages: Any,
-    value_pages: Any,
+    q: Array,
+    key_pages: Pages,
+    value_pages: Pages | None,
     metadata: PagedAttentionMetadata,
-    **options: Any,
+    **options: Unpack[ImplementationKeywords],
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     one of the Pallas kernels (``"pallas_tpu"``, ``"pallas_gpu"``, ``"pallas_gpu_interpret"``).
     Raises what ``paged_attention`` would raise for bad input."""
-    sinks, layer = options.pop("sinks", None), options.pop("layer", None)
-    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options), sinks=sinks,
+    given: dict[str, Any] = dict(options)  # the options, checked as AttentionOptions builds them
+    sinks, layer = given.pop("sinks", None), given.pop("layer", None)
+    return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**given), sinks=sinks,
                    layer=layer)[0].implementation
 
 
 def paged_attention_reference(
-    q: Any, key_pages: Any, value_pages: Any, metadata: PagedAttentionMetadata, sinks: Any = None,
-    layer: Any = None, **options: Any
+    q: Array, key_pages: Pages, value_pages: Pages | None, metadata: PagedAttentionMetadata,
+    sinks: Array | None = None, layer: Layer | None = None, **options: Unpack[ReferenceKeywords]
 ) -> jax.Array:
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
     values, then masked softmax attention in float32 for every query row. Memory and time grow
@@ -177,43 +202,51 @@ def paged_attention_reference(
     if unknown:
         raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "
                          f"{', '.join(unknown)}")
-    cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**options, implementation="xla"),
+    given: dict[str, Any] = dict(options)  # the options, checked as AttentionOptions builds them
+    cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**given, implementation="xla"),
                       sinks=sinks, layer=layer, infer_layout=False)
     if layer is None:
         key_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], key_pages)
         value_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], value_pages)
-    return dense_reference(q, key_pages, value_pages, rt, sinks, 0 if layer is None else layer, cfg=cfg)
+    out: jax.Array = dense_reference(q, key_pages, value_pages, rt, sinks, 0 if layer is None else layer, cfg=cfg)
+    return out
 
 
-REFERENCE_OPTIONS = ("scale", "sliding_window", "chunk_size", "value_head_dim", "logit_soft_cap", "dtype")
+REFERENCE_OPTIONS = tuple(ReferenceKeywords.__annotations__)  # in order: what its message lists
 
 
 # ---- the computation ----------------------------------------------------------------------------
-def _local_path(cfg: Config) -> Any:
+def _local_path(cfg: Config) -> Callable[..., jax.Array]:
     """The per-device computation of ``cfg``: ``(q, kp, vp, rows, sinks, layer) -> out``.
 
     Pages of a rotating quantizer are read in its rotated basis: ``q . k = (R q) . (R k)``, so
     the query is rotated once, and the weighted sum of rotated values is rotated back once (a
     latent cache's values are the leading dims of its keys: the whole rotated key is summed and
     only those dims are taken back). No page is ever rotated."""
-    path = {"pallas_tpu": pallas_decode_local, "pallas_gpu": pallas_gpu_decode_local,
-            "pallas_gpu_interpret": partial(pallas_gpu_decode_local, interpret=True)}.get(cfg.implementation, attend_local)
-    if cfg.rotation is None:
+    paths: dict[str, Callable[..., jax.Array]] = {
+        "pallas_tpu": pallas_decode_local, "pallas_gpu": pallas_gpu_decode_local,
+        "pallas_gpu_interpret": partial(pallas_gpu_decode_local, interpret=True)}
+    path = paths.get(cfg.implementation, attend_local)
+    rotation = cfg.rotation
+    if rotation is None:
         return partial(path, cfg=cfg)
-    latent_dim = cfg.latent_value_dim
-    inner = partial(path, cfg=cfg if latent_dim is None else dataclasses.replace(cfg, latent_value_dim=cfg.rotation.dim))
+    latent_dim, value_rotation = cfg.latent_value_dim, cfg.value_rotation
+    inner = partial(path, cfg=cfg if latent_dim is None else dataclasses.replace(cfg, latent_value_dim=rotation.dim))
 
     def rotated(q: jax.Array, kp: Any, vp: Any, rows: Any, sinks: jax.Array, layer: jax.Array) -> jax.Array:
-        out = inner(cfg.rotation.apply(q), kp, vp, rows, sinks, layer)
-        back = cfg.rotation.undo_leading(out, latent_dim) if latent_dim is not None else cfg.value_rotation.undo(out)
+        out = inner(rotation.apply(q), kp, vp, rows, sinks, layer)
+        if latent_dim is not None:
+            back = rotation.undo_leading(out, latent_dim)
+        else:  # plain value pages of the keys' quantizer: it rotated them too
+            back = cast(Rotation, value_rotation).undo(out)
         return back.astype(q.dtype)
 
     return rotated
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Any, key_pages: Any, value_pages: Any, rt: PagedAttentionMetadata, sinks: Any = None,
-        layer: Any = None, *, cfg: Config) -> jax.Array:
+def run(q: Array, key_pages: Pages, value_pages: Pages | None, rt: PagedAttentionMetadata, sinks: Array | None = None,
+        layer: Layer | None = None, *, cfg: Config) -> jax.Array:
     """The checked call: ``rt`` in the mixed form, ``sinks`` None or checked, ``layer`` None
     (one layer's pages) or the layer of stacked pages, ``cfg`` from `checks.prepare`."""
     q = jnp.asarray(q)

@@ -1,6 +1,8 @@
-"""Validation for paged attention: every shape, dtype and host-side metadata value is checked
-here, against the call's options (checked on their own in ``options.py``), before anything runs,
-and the static configuration of a call is built.
+"""Validation for paged attention, in the order a call meets it: every shape and dtype
+(`check_inputs`), the options resolved against the pages (`resolve_layout`, `resolve_options`;
+the options are checked on their own in ``options.py``), the step metadata checked once against
+the pool (``step.metadata.as_mixed`` and `MixedStep.check_reads`), then the implementation
+(`choose_implementation`); `prepare` runs them and returns the static configuration of the call.
 
 Split from the computation (api.py, xla.py, pallas.py, reference.py) so it reads on its own;
 messages quote what they got.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,10 +20,18 @@ from jax.sharding import NamedSharding
 
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.storage.pages import PageLayout
-from easykv.quantization import Fp8Quantizer, Int8Quantizer, QuantizedPages, Rotation, rotation_of, scales_per_page
-from easykv.step.metadata import PagedAttentionMetadata, as_mixed, step_form
-from easykv.step.checks import check_step, dtype_of, shape_of
+from easykv.quantization import (Fp8Quantizer, Int8Quantizer, QuantizedPages, Quantizer, Rotation, rotation_of,
+                                 scales_per_page)
+from easykv.step.checks import Array, dtype_of, shape_of
+from easykv.step.metadata import PagedAttentionMetadata, as_mixed
 from easykv.validation import integer
+
+if TYPE_CHECKING:
+    from easykv.storage.view import PagedAttentionCacheView
+
+Pages = jax.Array | np.ndarray | QuantizedPages  # one layer's pages, or a layer group's stack of them
+Layer = int | np.integer | jax.Array | np.ndarray  # a layer of stacked pages: an int or an integer scalar
+_FLOATS = frozenset(np.dtype(name) for name in FLOAT_DTYPES)
 
 
 # Default block sizes of the XLA path (measured on XLA:CPU, see benchmarks/bench_attention.py):
@@ -59,7 +69,7 @@ class Config:
     value_rotation: Rotation | None = None
 
 
-def view_pages(view: Any) -> tuple[Any, Any, Any]:
+def view_pages(view: PagedAttentionCacheView) -> tuple[Pages, Pages | None, Layer]:
     """A cache view's group pages and layer, ``(group_key_pages, group_value_pages, layer)``;
     anything that is not a view is refused by name."""
     if not all(hasattr(view, a) for a in ("group_key_pages", "group_value_pages", "layer", "layout", "dtype")):
@@ -70,7 +80,7 @@ def view_pages(view: Any) -> tuple[Any, Any, Any]:
     return view.group_key_pages, view.group_value_pages, view.layer
 
 
-def check_layer(layer: Any, num_layers: int) -> None:
+def check_layer(layer: object, num_layers: int) -> None:
     """``layer`` of a stack of ``num_layers``: an int in range, or an integer scalar array
     (traced: a scan over the layers; its value cannot be checked before the call)."""
     if isinstance(layer, (jax.Array, np.ndarray, np.generic)) and not isinstance(layer, np.bool_):
@@ -82,11 +92,15 @@ def check_layer(layer: Any, num_layers: int) -> None:
     integer("layer", layer, lo=0, hi=num_layers - 1, hint=f"the stacked pages hold {num_layers} layers")
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype in _FLOATS or dtype.name in FLOAT_DTYPES  # the set first: a dtype's name is slow to build
+
+
 def _logical_dtype(dtype: np.dtype | None, stored: np.dtype) -> np.dtype:
     """The pages' logical dtype: ``dtype`` (an option, already a float dtype) when given, which
     the stored pages must hold as such or as raw bits of its width; else the stored dtype."""
     if dtype is None:
-        if stored.name in FLOAT_DTYPES:
+        if _is_float(stored):
             return stored
         fits = [d for d in FLOAT_DTYPES if np.dtype(d).itemsize == stored.itemsize]
         raise ValueError(
@@ -129,38 +143,70 @@ def _infer_layout(pages: Any, stacked: bool) -> PageLayout | None:
 
 
 def _platform(layout: PageLayout | None, pages: Any) -> str:
+    platform: str
     if layout is not None:
-        return layout.mesh.devices.flat[0].platform
-    if isinstance(pages, jax.Array) and not isinstance(pages, jax.core.Tracer):
-        return next(iter(pages.devices())).platform
-    return jax.default_backend()
+        platform = layout.mesh.devices.flat[0].platform
+    elif isinstance(pages, jax.Array) and not isinstance(pages, jax.core.Tracer):
+        platform = next(iter(pages.devices())).platform
+    else:
+        platform = jax.default_backend()
+    return platform
+
+
+class Inputs(NamedTuple):
+    """What `check_inputs` found: the call's geometry and its pages' formats."""
+
+    tokens: int
+    num_kv_heads: int
+    num_pages: int
+    page_size: int
+    head_dim: int  # the keys' (and the queries')
+    value_dim: int
+    stored: np.dtype  # the pages' stored dtype (their values' when quantized)
+    dtype: np.dtype  # their logical dtype
+    key_quantizer: Quantizer | None  # None: plain pages
+    value_quantizer: Quantizer | None  # None: plain pages, or a latent cache (its values are its keys)
+    stacked: bool  # the pages are a layer group's stack, read at ``layer``
 
 
 def prepare(
-    q: Any,
-    key_pages: Any,
-    value_pages: Any,
-    metadata: Any,
+    q: Array,
+    key_pages: Pages,
+    value_pages: Pages | None,
+    metadata: PagedAttentionMetadata,
     options: AttentionOptions,
     *,
-    sinks: Any = None,
-    layer: Any = None,
+    sinks: Array | None = None,
+    layer: Layer | None = None,
     infer_layout: bool = True,
 ) -> tuple[Config, PagedAttentionMetadata]:
-    """Check every shape, dtype and (host) metadata value against ``options`` (already checked on
-    their own when built); return the static config, the options resolved against the pages,
-    and the metadata in the mixed form (`runtime.as_mixed`). Host values a validated
-    constructor already checked against this pool are not checked again. ``layer``: the pages
-    are stacked ``(layers, ...)`` and this layer is read (None: one layer's pages).
-    ``infer_layout=False``: no layout is read off the pages' sharding (the dense reference)."""
-    # -- q and pages -----------------------------------------------------------------------------
-    qs = shape_of(q)
-    if len(qs) != 3:
-        raise ValueError(f"q must be (tokens, num_q_heads, head_dim), got shape {qs}")
-    q_dtype = dtype_of(q)
-    if q_dtype.name not in FLOAT_DTYPES:
-        raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
-    key_pages_given = key_pages
+    """Check every shape and dtype (`check_inputs`), resolve ``options`` (already checked on
+    their own when built) against the pages (`resolve_layout`, `resolve_options`), check the
+    metadata once against the pool (`as_mixed`, then `MixedStep.check_reads`: values a validated
+    constructor proved for this pool are not checked again but for the pages read) and choose
+    the implementation (`choose_implementation`). Returns the static config and the metadata in
+    the mixed form. ``layer``: the pages are stacked ``(layers, ...)`` and this layer is read
+    (None: one layer's pages). ``infer_layout=False``: no layout is read off the pages'
+    sharding (the dense reference)."""
+    inputs = check_inputs(q, key_pages, value_pages, options, sinks=sinks, layer=layer)
+    layout = resolve_layout(options, inputs, stored_pages(key_pages) if infer_layout else None)
+    step = as_mixed(metadata, page_size=inputs.page_size, num_pages=inputs.num_pages)
+    step.check_reads(tokens=inputs.tokens, num_pages=inputs.num_pages, page_size=inputs.page_size,
+                     page_shards=1 if layout is None else layout.page_shards, window=options.sliding_window,
+                     chunk=options.chunk_size)
+    cfg = resolve_options(options, inputs, layout, decode_only=step.decode_only, sinks=sinks is not None)
+    fit = _Fit(cfg, stored=inputs.stored, head_dims=(inputs.head_dim, inputs.value_dim), form=step.form,
+               platform=_platform(layout, stored_pages(key_pages)), table_width=shape_of(step.rt.page_table)[1],
+               quantizer=inputs.key_quantizer)
+    chosen = choose_implementation(options.implementation, fit)
+    return (cfg if chosen == cfg.implementation else dataclasses.replace(cfg, implementation=chosen)), step.rt
+
+
+# ---- shapes and dtypes --------------------------------------------------------------------------
+def check_inputs(q: Array, key_pages: Pages, value_pages: Pages | None, options: AttentionOptions, *,
+                 sinks: Array | None = None, layer: Layer | None = None) -> Inputs:
+    """Every shape and dtype of a call, against ``options``' value_head_dim and dtype."""
+    tokens, num_q_heads, q_dim = _check_q(q)
     latent = value_pages is None
     if latent != (options.value_head_dim is not None):
         raise ValueError(
@@ -168,30 +214,80 @@ def prepare(
             f"value_head_dim=, and value_head_dim with value_pages=None only; got value_pages="
             f"{'None' if latent else type(value_pages).__name__} and value_head_dim={options.value_head_dim}"
         )
-    if latent:
+    if value_pages is None:
         value_pages = key_pages  # checked as the keys; the values are their leading dims
-    stacked = layer is not None
-    if stacked:
-        for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
-            shape = shape_of(stored_pages(pages))
-            if len(shape) < 5:
-                raise ValueError(f"with layer= the {name} are a stack (layers, num_kv_heads, num_pages, page_size, "
-                                 f"head_dim), got shape {shape}; pass one layer's pages without layer=")
-        num_layers = shape_of(stored_pages(key_pages))[0]
-        if shape_of(stored_pages(value_pages))[0] != num_layers:
-            raise ValueError(f"key_pages stack {num_layers} layers but value_pages "
-                             f"{shape_of(stored_pages(value_pages))[0]}; they must match")
-        check_layer(layer, num_layers)
-        key_pages, value_pages = _one_layer(key_pages), _one_layer(value_pages)
-    quantized = isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages)
-    v_dim = qs[-1]
-    if quantized:
+    if layer is not None:
+        key_pages, value_pages = _check_stack(key_pages, value_pages, layer)
+    ks, vs = _page_shapes(key_pages, value_pages, q_dim, latent, options)
+    k_dtype, v_dtype = dtype_of(stored_pages(key_pages)), dtype_of(stored_pages(value_pages))
+    if k_dtype != v_dtype:
+        raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
+    num_kv_heads, num_pages, page_size, head_dim = ks
+    if q_dim != head_dim:
+        raise ValueError(f"q has head_dim {q_dim} but the pages have head_dim {head_dim} (q shape "
+                         f"{(tokens, num_q_heads, q_dim)}, pages {ks})")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} kv heads of the pages "
+            "(grouped-query attention needs num_q_heads = group * num_kv_heads)"
+        )
+    value_head_dim = options.value_head_dim  # given exactly when latent (checked above)
+    if value_head_dim is not None:
+        if value_head_dim > head_dim:
+            raise ValueError(f"value_head_dim={value_head_dim} exceeds the keys' head_dim {head_dim}: a "
+                             "latent cache's values are the first value_head_dim dims of each key")
+        vs = vs[:3] + (value_head_dim,)
+    if min(num_pages, page_size, head_dim, vs[3]) <= 0:
+        raise ValueError(f"pages of shapes {ks} and {vs} hold nothing; every dimension must be positive")
+    if sinks is not None:
+        s_shape, s_dtype = shape_of(sinks), dtype_of(sinks)
+        if s_shape != (num_q_heads,) or not _is_float(s_dtype):
+            raise ValueError(f"sinks must be (num_q_heads,) = ({num_q_heads},) floats, one logit per q head; got "
+                             f"shape {s_shape} of {s_dtype.name}")
+    key_q, value_q = (_quantizer(key_pages), None if latent else _quantizer(value_pages))
+    # Quantized pages hold the dtype they were given (checked given in _page_shapes).
+    logical = _logical_dtype(options.dtype, k_dtype if key_q is None or options.dtype is None else options.dtype)
+    return Inputs(tokens, num_kv_heads, num_pages, page_size, head_dim, vs[3], k_dtype, logical, key_q, value_q,
+                  layer is not None)
+
+
+def _check_q(q: Array) -> tuple[int, int, int]:
+    qs = shape_of(q)
+    if len(qs) != 3:
+        raise ValueError(f"q must be (tokens, num_q_heads, head_dim), got shape {qs}")
+    q_dtype = dtype_of(q)
+    if not _is_float(q_dtype):
+        raise ValueError(f"q has dtype {q_dtype.name}; use one of {', '.join(FLOAT_DTYPES)}")
+    return qs[0], qs[1], qs[2]
+
+
+def _check_stack(key_pages: Pages, value_pages: Pages, layer: Layer) -> tuple[Pages, Pages]:
+    """Stacked pages ``(layers, ...)`` read at ``layer``: the shapes and dtypes of one layer."""
+    for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+        shape = shape_of(stored_pages(pages))
+        if len(shape) < 5:
+            raise ValueError(f"with layer= the {name} are a stack (layers, num_kv_heads, num_pages, page_size, "
+                             f"head_dim), got shape {shape}; pass one layer's pages without layer=")
+    num_layers = shape_of(stored_pages(key_pages))[0]
+    if shape_of(stored_pages(value_pages))[0] != num_layers:
+        raise ValueError(f"key_pages stack {num_layers} layers but value_pages "
+                         f"{shape_of(stored_pages(value_pages))[0]}; they must match")
+    check_layer(layer, num_layers)
+    return _one_layer(key_pages), _one_layer(value_pages)
+
+
+def _page_shapes(key_pages: Pages, value_pages: Pages, head_dim: int, latent: bool,
+                 options: AttentionOptions) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The logical shapes of one layer's key and value pages, ``(num_kv_heads, num_pages,
+    page_size, head_dim)`` each (quantized pages checked against their quantizer first)."""
+    v_dim = head_dim
+    if isinstance(key_pages, QuantizedPages) or isinstance(value_pages, QuantizedPages):
         if isinstance(value_pages, QuantizedPages) and not latent:  # values may have their own head_dim
-            v_dim = _quantized_head_dim(value_pages, qs[-1])
-        _check_quantized(key_pages, value_pages, qs[-1], v_dim)
+            v_dim = _quantized_head_dim(value_pages, head_dim)
+        _check_quantized(key_pages, value_pages, head_dim, v_dim)
         if options.dtype is None:
             raise ValueError("quantized pages need dtype= (the logical cache dtype), or use view_attention")
-    ks = _logical_page_shape(key_pages, qs[-1])
+    ks = _logical_page_shape(key_pages, head_dim)
     vs = _logical_page_shape(value_pages, v_dim)
     if len(ks) != 4:
         raise ValueError(
@@ -202,81 +298,66 @@ def prepare(
             f"key_pages has shape {ks} but value_pages has shape {vs}; they must match in (num_kv_heads, "
             "num_pages, page_size) (value pages may have their own head_dim)"
         )
-    k_dtype, v_dtype = dtype_of(stored_pages(key_pages)), dtype_of(stored_pages(value_pages))
-    if k_dtype != v_dtype:
-        raise ValueError(f"key_pages are {k_dtype.name} but value_pages are {v_dtype.name}; they must match")
-    num_kv_heads, num_pages, page_size, head_dim = ks
-    tokens, num_q_heads, q_dim = qs
-    if q_dim != head_dim:
-        raise ValueError(f"q has head_dim {q_dim} but the pages have head_dim {head_dim} (q shape {qs}, pages {ks})")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q has {num_q_heads} heads, not a multiple of the {num_kv_heads} kv heads of the pages "
-            "(grouped-query attention needs num_q_heads = group * num_kv_heads)"
-        )
-    if latent:
-        if options.value_head_dim > head_dim:
-            raise ValueError(f"value_head_dim={options.value_head_dim} exceeds the keys' head_dim {head_dim}: a "
-                             "latent cache's values are the first value_head_dim dims of each key")
-        vs = vs[:3] + (options.value_head_dim,)
-    if min(num_pages, page_size, head_dim, vs[3]) <= 0:
-        raise ValueError(f"pages of shapes {ks} and {vs} hold nothing; every dimension must be positive")
-    if sinks is not None:
-        s_shape, s_dtype = shape_of(sinks), dtype_of(sinks)
-        if s_shape != (num_q_heads,) or s_dtype.name not in FLOAT_DTYPES:
-            raise ValueError(f"sinks must be (num_q_heads,) = ({num_q_heads},) floats, one logit per q head; got "
-                             f"shape {s_shape} of {s_dtype.name}")
-    logical = _logical_dtype(options.dtype, options.dtype if quantized else k_dtype)
+    return ks, vs
 
-    # -- options' defaults, resolved against the pages -------------------------------------------
-    scale = head_dim**-0.5 if options.scale is None else options.scale
-    block_pages = options.pages_per_block or max(1, _DEFAULT_BLOCK_TOKENS // page_size)
-    qblock = options.query_block or _DEFAULT_QUERY_BLOCK
-    window = options.sliding_window
 
-    # -- layout ----------------------------------------------------------------------------------
+def _quantizer(pages: Pages) -> Quantizer | None:
+    return pages.quantizer if isinstance(pages, QuantizedPages) else None
+
+
+# ---- the options, resolved against the pages ----------------------------------------------------
+def resolve_layout(options: AttentionOptions, inputs: Inputs, pages: Array | None) -> PageLayout | None:
+    """The layout of the call: ``options.layout``, else the one read off ``pages``' sharding
+    (None: not read), checked against the heads and pages it splits; None on one device."""
     layout = options.layout
-    if layout is None and infer_layout:
-        layout = _infer_layout(stored_pages(key_pages_given), stacked)
-    if layout is not None:
-        head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
-        if num_kv_heads % head_shards:
-            raise ValueError(
-                f"layout splits kv heads over {layout.head_axes} ({head_shards} shards) but the pages "
-                f"have {num_kv_heads} kv heads, not a multiple"
-            )
-        if num_pages % layout.page_shards:
-            raise ValueError(
-                f"layout splits pages over {layout.page_axes} ({layout.page_shards} shards) but the "
-                f"pool has {num_pages} pages, not a multiple"
-            )
-        if layout.mesh.size == 1:
-            layout = None
+    if layout is None and pages is not None:
+        layout = _infer_layout(pages, inputs.stacked)
+    if layout is None:
+        return None
+    head_shards = math.prod(layout.mesh.shape[a] for a in layout.head_axes)
+    if inputs.num_kv_heads % head_shards:
+        raise ValueError(
+            f"layout splits kv heads over {layout.head_axes} ({head_shards} shards) but the pages "
+            f"have {inputs.num_kv_heads} kv heads, not a multiple"
+        )
+    if inputs.num_pages % layout.page_shards:
+        raise ValueError(
+            f"layout splits pages over {layout.page_axes} ({layout.page_shards} shards) but the "
+            f"pool has {inputs.num_pages} pages, not a multiple"
+        )
+    return None if layout.mesh.size == 1 else layout
 
-    # -- metadata --------------------------------------------------------------------------------
-    step = as_mixed(metadata, page_size=page_size, num_pages=num_pages)
-    check_step(step.rt, step.names, tokens=tokens, num_pages=num_pages, page_size=page_size,
-               page_shards=1 if layout is None else layout.page_shards, window=window, chunk=options.chunk_size)
 
-    cfg = Config(
-        decode_only=step.decode_only, dtype=logical, scale=float(scale), window=window, chunk=options.chunk_size,
-        cap=options.logit_soft_cap, sinks=sinks is not None, latent_value_dim=options.value_head_dim,
-        layout=layout, implementation="xla", block_pages=block_pages, query_block=qblock,
-        num_pages=num_pages, page_size=page_size,
-        rotation=rotation_of(key_pages.quantizer, head_dim) if quantized else None,
-        value_rotation=rotation_of(value_pages.quantizer, vs[3]) if quantized and not latent else None,
+def resolve_options(options: AttentionOptions, inputs: Inputs, layout: PageLayout | None, *, decode_only: bool,
+                    sinks: bool) -> Config:
+    """The static config of a call: ``options`` with their defaults filled in from the pages
+    (scale from ``head_dim``, key/value blocks from ``page_size``), the quantizers' rotations,
+    and the XLA path (`choose_implementation` may pick a kernel)."""
+    key_q, value_q = inputs.key_quantizer, inputs.value_quantizer
+    return Config(
+        decode_only=decode_only, dtype=inputs.dtype,
+        scale=float(inputs.head_dim**-0.5 if options.scale is None else options.scale),
+        window=options.sliding_window, chunk=options.chunk_size, cap=options.logit_soft_cap, sinks=sinks,
+        latent_value_dim=options.value_head_dim, layout=layout, implementation="xla",
+        block_pages=options.pages_per_block or max(1, _DEFAULT_BLOCK_TOKENS // inputs.page_size),
+        query_block=options.query_block or _DEFAULT_QUERY_BLOCK, num_pages=inputs.num_pages,
+        page_size=inputs.page_size, rotation=None if key_q is None else rotation_of(key_q, inputs.head_dim),
+        value_rotation=None if value_q is None else rotation_of(value_q, inputs.value_dim),
     )  # fmt: skip
-    fit = _Fit(cfg, stored=k_dtype, head_dims=(head_dim, vs[3]), form=step_form(metadata),
-               platform=_platform(layout, stored_pages(key_pages_given)), table_width=shape_of(step.rt.page_table)[1],
-               quantizer=key_pages.quantizer if quantized else None)
-    chosen = options.implementation
-    if chosen == "auto":
-        chosen = next((kernel for kernel in KERNELS[:2] if not fit.why_not(kernel)), "xla")
-    elif chosen != "xla":
-        why_not = fit.why_not(chosen)
+
+
+# ---- the implementation -------------------------------------------------------------------------
+def choose_implementation(requested: str, fit: _Fit) -> str:
+    """``requested`` (an ``AttentionOptions.implementation``) for the call ``fit`` describes:
+    "auto" takes the first Pallas kernel that can run it, else "xla"; a named kernel that cannot
+    is refused, saying why."""
+    if requested == "auto":
+        return next((kernel for kernel in KERNELS[:2] if not fit.why_not(kernel)), "xla")
+    if requested != "xla":
+        why_not = fit.why_not(requested)
         if why_not:
-            raise ValueError(f"implementation={chosen!r} cannot run this call: {why_not}; use 'xla' or 'auto'")
-    return dataclasses.replace(cfg, implementation=chosen), step.rt
+            raise ValueError(f"implementation={requested!r} cannot run this call: {why_not}; use 'xla' or 'auto'")
+    return requested
 
 
 # The Pallas kernels, in the order "auto" tries them (the interpreted GPU kernel only when asked).
@@ -359,7 +440,7 @@ def _one_layer(pages: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(shape_of(a)[1:], dtype_of(a)), pages)
 
 
-def stored_pages(pages: Any) -> Any:
+def stored_pages(pages: Pages) -> Array:
     """The array whose shape, dtype and sharding describe the pages (values when quantized)."""
     return pages.values if isinstance(pages, QuantizedPages) else pages
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from easykv.storage.pages import PageLayout
 from easykv.validation import as_dtype, optional_int, real, show
@@ -78,11 +79,43 @@ class AttentionOptions:
         return cls(**given, **fixed)
 
 
-def _page_dtype(dtype: Any) -> np.dtype:
+class _Shared(TypedDict, total=False):
+    scale: float | None
+    sliding_window: int | None
+    chunk_size: int | None
+    value_head_dim: int | None
+    logit_soft_cap: float | None
+
+
+class ReferenceKeywords(_Shared, total=False):
+    """The options the dense reference takes (``paged_attention_reference``'s ``**options``)."""
+
+    dtype: DTypeLike | None
+
+
+class ViewKeywords(_Shared, total=False):
+    """The options ``view_attention`` passes on: all but ``layout`` and ``dtype``, the view's."""
+
+    implementation: str
+    pages_per_block: int | None
+    query_block: int | None
+
+
+class AttentionKeywords(ViewKeywords, total=False):
+    """The options as keywords, typed for a checker (the ``**options`` the entry points pass on);
+    each is checked, as above, when the options are built. Its keys are the fields of
+    `AttentionOptions` (a test holds them together)."""
+
+    layout: PageLayout | None
+    dtype: DTypeLike | None
+
+
+def _page_dtype(dtype: DTypeLike) -> np.dtype:
     dt = as_dtype("dtype", dtype, choices=", ".join(FLOAT_DTYPES))
     if dt.name not in FLOAT_DTYPES:
         raise ValueError(f"dtype={dt.name} is not a page dtype; use one of {', '.join(FLOAT_DTYPES)}")
     return dt
 
 
-__all__ = ["FLOAT_DTYPES", "IMPLEMENTATIONS", "AttentionOptions"]
+__all__ = ["FLOAT_DTYPES", "IMPLEMENTATIONS", "AttentionKeywords", "AttentionOptions", "ReferenceKeywords",
+           "ViewKeywords"]

@@ -6,19 +6,19 @@ attention in float32. For tests, not for serving.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from easykv.attention.checks import Config
+from easykv.attention.checks import Config, Layer, Pages
+from easykv.step.checks import Array
 from easykv.step.metadata import PagedAttentionMetadata
 from easykv.storage.pages import read_pages
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def dense_reference(q: Any, key_pages: Any, value_pages: Any, md: PagedAttentionMetadata, sinks: Any = None,
-                    layer: Any = 0, *, cfg: Config) -> jax.Array:
+def dense_reference(q: Array, key_pages: Pages, value_pages: Pages | None, md: PagedAttentionMetadata,
+                    sinks: Array | None = None, layer: Layer = 0, *, cfg: Config) -> jax.Array:
     """Dense masked softmax attention over ``md`` (the mixed form) on layer ``layer`` of stacked
     pages, written independently of the fast path's row layout; a sink is one more softmax
     column with no value."""

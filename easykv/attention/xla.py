@@ -26,7 +26,8 @@ rotating quantizer's stay in its rotated basis: ``api.run`` rotates the query an
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,29 @@ def _page_offset(cfg: Config, local_pages: int) -> jax.Array | int:
 # What is left of a sequence after its full query blocks goes row by row below this many rows
 # (a decode: one row), in one masked block of query_block rows from there on.
 _SINGLE_ROWS_BELOW = 4
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+class _Shard(NamedTuple):
+    """What every query block of one call on one shard shares (`attend_local`)."""
+
+    cfg: Config
+    kp: Any  # stacked key pages (plain or quantized; traced)
+    vp: Any  # stacked value pages; None for a latent cache
+    layer: jax.Array
+    heads: int  # local kv heads
+    group: int  # q heads per kv head
+    head_dim: int
+    v_dim: int
+    page_size: int
+    local_pages: int
+    pb: int  # pages per key/value block
+    offset: jax.Array | int  # the global id of this shard's first page
+    sink: jax.Array  # (heads, group) float32 sink logits; -inf: none
+
+    @property
+    def split_pages(self) -> bool:
+        return self.cfg.layout is not None and self.cfg.layout.page_shards > 1
 
 
 def attend_local(
@@ -86,122 +110,135 @@ def attend_local(
     positions, starts, counts, table, num_seqs = rows
     heads, local_pages, page_size = stored_pages(kp).shape[1:4]
     tokens, q_heads, head_dim = q.shape
-    latent = cfg.latent_value_dim is not None  # no value pages: a value is its key's first v_dim dims
-    v_dim = cfg.latent_value_dim if latent else _value_dim(vp)
-    rotated = cfg.rotation is not None
+    # No value pages (a latent cache): a value is its key's first v_dim dims.
+    v_dim = cfg.latent_value_dim if cfg.latent_value_dim is not None else _value_dim(vp)
     group = q_heads // heads
     qb = 1 if cfg.decode_only else min(cfg.query_block, max(tokens, 1))
     pb = min(cfg.block_pages, table.shape[1])  # never gather more columns than the table has
-    blk = pb * page_size
     f32 = jnp.float32
-
-    offset = _page_offset(cfg, local_pages)
-    split_pages = cfg.layout is not None and cfg.layout.page_shards > 1
+    shard = _Shard(cfg, kp, vp, layer, heads, group, head_dim, v_dim, page_size, local_pages, pb,
+                   _page_offset(cfg, local_pages), sinks.astype(f32).reshape(heads, group))
     qpad = jnp.pad(q.astype(f32) * cfg.scale, ((0, qb), (0, 0), (0, 0))).reshape(tokens + qb, heads, group, head_dim)
     pospad = jnp.pad(positions, (0, qb), constant_values=-1)
     # Extra -1 columns so a block's dynamic slice never runs off the table (and is never clipped
     # back onto real pages).
     table = jnp.pad(table, ((0, 0), (0, pb)), constant_values=-1)
-    window, chunk = cfg.window, cfg.chunk
-    big = jnp.iinfo(jnp.int32).max
-    sink = sinks.astype(f32).reshape(heads, group)
-
-    def first_seen(pos: jax.Array) -> jax.Array:
-        """The first key a query at ``pos`` sees (its window's or its chunk's start)."""
-        lo = jnp.zeros_like(pos)
-        if window is not None:
-            lo = jnp.maximum(lo, pos - window + 1)
-        if chunk is not None:
-            lo = jnp.maximum(lo, pos - pos % chunk)
-        return lo
-
-    def attend_block(qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
-        """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
-        sequence's pages ``row``: (rows, heads, group, dim) float32, zeros for invalid rows."""
-        rows = qblk.shape[0]
-        valid = pos >= 0
-        hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
-        lo = 0
-        if window is not None or chunk is not None:
-            lo = jnp.min(jnp.where(valid, first_seen(pos), big))
-        first, last = lo // blk, (hi + blk - 1) // blk
-        if split_pages:
-            # The replica holding the page of the last key computes this block; others skip it.
-            tail = row[jnp.maximum(hi - 1, 0) // page_size] - offset
-            last = jnp.where((hi > 0) & (tail >= 0) & (tail < local_pages), last, first)
-        qm = jnp.transpose(qblk, (1, 0, 2, 3)).reshape(heads, rows * group, head_dim)
-        pm = jnp.repeat(pos, group)  # (rows * group,)
-        # The sink is a key every query sees first, with no value: the softmax starts from it.
-        m0 = jnp.tile(sink, (1, rows))  # (heads, rows * group): entry r * group + g is q head (h, g)
-        l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0)
-        a0 = jnp.zeros((heads, rows * group, v_dim), f32)
-
-        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-            m, l, acc = carry
-            ids = jax.lax.dynamic_slice_in_dim(row, i * pb, pb) - offset
-            k, present = _load_pages(kp, ids, cfg.dtype, layer, rotated)
-            v = k[..., :v_dim] if latent else _load_pages(vp, ids, cfg.dtype, layer, rotated)[0]
-            kpos = i * blk + jnp.arange(blk)
-            usable = present & (kpos < hi) & (kpos >= lo)
-            v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in
-            s = jnp.einsum("hmd,hkd->hmk", qm, k, preferred_element_type=f32)
-            if cfg.cap is not None:
-                s = cfg.cap * jnp.tanh(s / cfg.cap)
-            seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
-            if window is not None or chunk is not None:
-                seen &= kpos[None, :] >= first_seen(pm)[:, None]
-            s = jnp.where(seen[None], s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            alpha = jnp.exp(m - m_use)
-            p = jnp.exp(s - m_use[..., None])
-            l = l * alpha + jnp.sum(p, axis=-1)
-            acc = acc * alpha[..., None] + jnp.einsum("hmk,hkd->hmd", p, v, preferred_element_type=f32)
-            return m_new, l, acc
-
-        _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        return jnp.transpose(out.reshape(heads, rows, group, v_dim), (1, 0, 2, 3))
-
-    out0 = jnp.zeros((tokens + qb, heads, group, v_dim), f32)
-
     if cfg.decode_only:
-        # One query row per sequence, row b: no query-block loop.
-        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
-            row = table[b]
-            pos = jax.lax.dynamic_slice_in_dim(pospad, b, 1)
-            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, b, 1), pos, row)
-            return jax.lax.dynamic_update_slice_in_dim(out, res, b, axis=0)
-
+        seq_body = _decode_rows(shard, qpad, pospad, table)
     else:
-        # A sequence's rows go in blocks of qb, the last one masked past the sequence's end; a
-        # remainder shorter than _SINGLE_ROWS_BELOW (a decode inside a mixed batch) goes row by
-        # row instead, so a decode costs one row, not qb. Only two block shapes are traced: each
-        # costs compile time, under every layer.
-        rows_t = jnp.arange(qb)
-
-        def run_block(size: int, r0: jax.Array, end: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
-            mine = rows_t[:size] < end - r0  # rows of this sequence (the others belong to the next)
-            pos = jnp.where(mine, jax.lax.dynamic_slice_in_dim(pospad, r0, size), -1)
-            res = attend_block(jax.lax.dynamic_slice_in_dim(qpad, r0, size), pos, row)
-            res = jnp.where(mine[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, r0, size))
-            return jax.lax.dynamic_update_slice_in_dim(out, res, r0, axis=0)
-
-        def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
-            row, start, count = table[b], starts[b], counts[b]
-            end = start + count
-            rest = count % qb
-            singles = jnp.where(rest < _SINGLE_ROWS_BELOW, rest, 0)
-            blocks = count // qb + (rest > singles)
-            out = jax.lax.fori_loop(0, blocks, lambda j, o: run_block(qb, start + j * qb, end, row, o), out)
-            if qb == 1:
-                return out
-            first = end - singles
-            return jax.lax.fori_loop(0, singles, lambda j, o: run_block(1, first + j, end, row, o), out)
-
-    out = jax.lax.fori_loop(0, num_seqs, seq_body, out0)
+        seq_body = _query_blocks(shard, qpad, pospad, table, starts, counts, qb)
+    out: jax.Array = jax.lax.fori_loop(0, num_seqs, seq_body, jnp.zeros((tokens + qb, heads, group, v_dim), f32))
     out = out[:tokens].reshape(tokens, q_heads, v_dim).astype(q.dtype)
-    if split_pages:
+    if shard.split_pages and cfg.layout is not None:
         # Each sequence was computed by the one replica holding its pages; the others hold zeros.
         out = jax.lax.psum(out, cfg.layout.page_axes)
     return out
+
+
+def _first_seen(pos: jax.Array, window: int | None, chunk: int | None) -> jax.Array:
+    """The first key a query at ``pos`` sees (its window's or its chunk's start)."""
+    lo = jnp.zeros_like(pos)
+    if window is not None:
+        lo = jnp.maximum(lo, pos - window + 1)
+    if chunk is not None:
+        lo = jnp.maximum(lo, pos - pos % chunk)
+    return lo
+
+
+def _attend_block(sh: _Shard, qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
+    """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
+    sequence's pages ``row``: (rows, heads, group, dim) float32, zeros for invalid rows."""
+    cfg, heads, group, page_size = sh.cfg, sh.heads, sh.group, sh.page_size
+    window, chunk, f32 = cfg.window, cfg.chunk, jnp.float32
+    latent, rotated = cfg.latent_value_dim is not None, cfg.rotation is not None
+    blk = sh.pb * page_size
+    rows = qblk.shape[0]
+    valid = pos >= 0
+    hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
+    lo: jax.Array | int = 0
+    if window is not None or chunk is not None:
+        lo = jnp.min(jnp.where(valid, _first_seen(pos, window, chunk), _BIG))
+    first, last = lo // blk, (hi + blk - 1) // blk
+    if sh.split_pages:
+        # The replica holding the page of the last key computes this block; others skip it.
+        tail = row[jnp.maximum(hi - 1, 0) // page_size] - sh.offset
+        last = jnp.where((hi > 0) & (tail >= 0) & (tail < sh.local_pages), last, first)
+    qm = jnp.transpose(qblk, (1, 0, 2, 3)).reshape(heads, rows * group, sh.head_dim)
+    pm = jnp.repeat(pos, group)  # (rows * group,)
+    # The sink is a key every query sees first, with no value: the softmax starts from it.
+    m0 = jnp.tile(sh.sink, (1, rows))  # (heads, rows * group): entry r * group + g is q head (h, g)
+    l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0)
+    a0 = jnp.zeros((heads, rows * group, sh.v_dim), f32)
+
+    def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(row, i * sh.pb, sh.pb) - sh.offset
+        k, present = _load_pages(sh.kp, ids, cfg.dtype, sh.layer, rotated)
+        v = k[..., : sh.v_dim] if latent else _load_pages(sh.vp, ids, cfg.dtype, sh.layer, rotated)[0]
+        kpos = i * blk + jnp.arange(blk)
+        usable = present & (kpos < hi) & (kpos >= lo)
+        v = jnp.where(usable[None, :, None], v, 0.0)  # never let garbage past the end leak in
+        s = jnp.einsum("hmd,hkd->hmk", qm, k, preferred_element_type=f32)
+        if cfg.cap is not None:
+            s = cfg.cap * jnp.tanh(s / cfg.cap)
+        seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
+        if window is not None or chunk is not None:
+            seen &= kpos[None, :] >= _first_seen(pm, window, chunk)[:, None]
+        s = jnp.where(seen[None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[..., None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("hmk,hkd->hmd", p, v, preferred_element_type=f32)
+        return m_new, l, acc
+
+    _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.transpose(out.reshape(heads, rows, group, sh.v_dim), (1, 0, 2, 3))
+
+
+SeqBody = Callable[[jax.Array, jax.Array], jax.Array]  # (sequence b, output) -> output
+
+
+def _decode_rows(sh: _Shard, qpad: jax.Array, pospad: jax.Array, table: jax.Array) -> SeqBody:
+    """One query row per sequence, row b: no query-block loop."""
+
+    def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+        row = table[b]
+        pos = jax.lax.dynamic_slice_in_dim(pospad, b, 1)
+        res = _attend_block(sh, jax.lax.dynamic_slice_in_dim(qpad, b, 1), pos, row)
+        return jax.lax.dynamic_update_slice_in_dim(out, res, b, axis=0)
+
+    return seq_body
+
+
+def _query_blocks(sh: _Shard, qpad: jax.Array, pospad: jax.Array, table: jax.Array, starts: jax.Array,
+                  counts: jax.Array, qb: int) -> SeqBody:
+    """A sequence's rows go in blocks of ``qb``, the last one masked past the sequence's end; a
+    remainder shorter than _SINGLE_ROWS_BELOW (a decode inside a mixed batch) goes row by row
+    instead, so a decode costs one row, not ``qb``. Only two block shapes are traced: each costs
+    compile time, under every layer."""
+    rows_t = jnp.arange(qb)
+
+    def run_block(size: int, r0: jax.Array, end: jax.Array, row: jax.Array, out: jax.Array) -> jax.Array:
+        mine = rows_t[:size] < end - r0  # rows of this sequence (the others belong to the next)
+        pos = jnp.where(mine, jax.lax.dynamic_slice_in_dim(pospad, r0, size), -1)
+        res = _attend_block(sh, jax.lax.dynamic_slice_in_dim(qpad, r0, size), pos, row)
+        res = jnp.where(mine[:, None, None, None], res, jax.lax.dynamic_slice_in_dim(out, r0, size))
+        return jax.lax.dynamic_update_slice_in_dim(out, res, r0, axis=0)
+
+    def seq_body(b: jax.Array, out: jax.Array) -> jax.Array:
+        row, start, count = table[b], starts[b], counts[b]
+        end = start + count
+        rest = count % qb
+        singles = jnp.where(rest < _SINGLE_ROWS_BELOW, rest, 0)
+        blocks = count // qb + (rest > singles)
+        out = jax.lax.fori_loop(0, blocks, lambda j, o: run_block(qb, start + j * qb, end, row, o), out)
+        if qb == 1:
+            return out
+        first = end - singles
+        done: jax.Array = jax.lax.fori_loop(0, singles, lambda j, o: run_block(1, first + j, end, row, o), out)
+        return done
+
+    return seq_body

@@ -8,45 +8,79 @@ known before anything is written or read. Device values are not pulled to the ho
 (inside jit a bad slot is dropped and counted and a page outside the pool reads nothing); the
 opt-in ``PagedAttentionMetadata.check_values`` pulls them and runs the same rules.
 
-A validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``) or the page manager
-marks what it proved with :class:`HostChecked`, and the write and attention then skip the value
-checks already made: a decode step's table is checked once, not once more per layer. The mark
-lives beside the pytree, not in it (a ``replace``, a JSON round trip or a trip through jit drops
-it), and the marked arrays are made read-only so that the mark cannot go stale.
+What a validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``) or the page manager
+proved is a :class:`HostChecked`, declared on the metadata: ``PagedAttentionMetadata(...,
+proof=...)`` (or `mark_checked`) attaches it, ``.checked`` reads it. The write and attention then
+skip the value checks it covers: a decode step's table is checked once, not once more per layer.
+The proof is neither a pytree leaf nor a dataclass field, so a ``replace``, a JSON round trip,
+``jax.tree.map`` or a trip through jit builds the metadata anew without it. The arrays it rests on
+are the metadata's own and read-only (a caller's writable array is copied, never frozen); one made
+writable again voids it (`host_checked`).
+
+What a proof says of the pages a step reads is still checked on host tables, on every call, by a
+scan of the pages read (`check_vouched_reads`): a bug in whatever issued the proof (a window page
+released one step early) raises, rather than attention silently reading a hole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
+import jax
 import numpy as np
+from numpy.typing import ArrayLike
 
+from easykv.spec.groups import AttentionKind
 from easykv.validation import integer_array, optional_int, page_ids
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 PAD_SLOT = -1
 PAD_PAGE = -1
 
+Array = jax.Array | np.ndarray  # a step's fields: numpy on the host, jax on the device (or traced)
+Shaped = ArrayLike | jax.ShapeDtypeStruct  # what has a shape: arrays, tracers, shape structs, lists
+
+
+class StepReads(NamedTuple):
+    """The fields of a mixed-form step that say what it reads (`check_step`)."""
+
+    positions: Array
+    query_start_loc: Array
+    page_table: Array
+    context_lens: Array
+    num_seqs: Array
+
+
+_Step = TypeVar("_Step", bound="DataclassInstance")
+_NEVER = np.iinfo(np.int64).max  # a first page past every column: the sequence reads nothing
+ReadKey = tuple[int, int, int, int | None, int | None]  # a read: pool, page size, replicas, window, chunk
+
 
 # ---- static: shapes and dtypes ------------------------------------------------------------------
-def shape_of(x: Any) -> tuple[int, ...]:
+def shape_of(x: Shaped) -> tuple[int, ...]:
+    if isinstance(x, np.ndarray):  # the host's hot path: already a tuple of ints
+        shape: tuple[int, ...] = x.shape
+        return shape
     return tuple(int(d) for d in np.shape(x))
 
 
-def dtype_of(x: Any) -> np.dtype:
+def dtype_of(x: object) -> np.dtype:
     dt = getattr(x, "dtype", None)  # arrays and tracers: never pull values to the host
     return np.dtype(dt) if dt is not None else np.asarray(x).dtype
 
 
-def is_host(*xs: Any) -> bool:
+def is_host(*xs: object) -> bool:
     """Values known on the host (numpy): their value checks run before anything does."""
     return all(isinstance(x, (np.ndarray, np.generic, int)) for x in xs)
 
 
-def int_field(name: str, x: Any, *, shape: tuple[int, ...] | None = None, ndim: int | None = None) -> None:
+def int_field(name: str, x: Shaped, *, shape: tuple[int, ...] | None = None, ndim: int | None = None) -> None:
     """Field ``name`` of the runtime metadata holds integers of this shape (or rank)."""
     s = shape_of(x)
     if shape is not None and s != shape:
@@ -54,8 +88,35 @@ def int_field(name: str, x: Any, *, shape: tuple[int, ...] | None = None, ndim: 
     if ndim is not None and len(s) != ndim:
         raise ValueError(f"metadata.{name} must have {ndim} dimension(s), got shape {s}")
     dt = dtype_of(x)
-    if not np.issubdtype(dt, np.integer):
+    if dt.kind not in "iu" and not np.issubdtype(dt, np.integer):  # kinds first: issubdtype is slow
         raise ValueError(f"metadata.{name} must hold integers, got dtype {dt.name}")
+
+
+def check_decode_fields(positions: Shaped, table: Shaped) -> int:
+    """EasyDeL's decode form: ``decodes_position`` (batch,) and ``decodes_page_table`` (batch,
+    pages) integers. Returns the batch."""
+    int_field("decodes_position", positions, ndim=1)
+    int_field("decodes_page_table", table, ndim=2)
+    batch = shape_of(positions)[0]
+    if shape_of(table)[0] != batch:
+        raise ValueError(f"metadata.decodes_page_table has {shape_of(table)[0]} rows but "
+                         f"decodes_position has {batch} entries")
+    return batch
+
+
+def check_prefill_fields(length: Shaped, positions: Shaped, table: Shaped) -> int:
+    """EasyDeL's prefill form: ``prefill_length`` () within the padded chunk (when known on the
+    host), ``prefill_position`` (padded,) and ``prefill_page_table`` (pages,) integers. Returns
+    the padded length."""
+    int_field("prefill_length", length, shape=())
+    int_field("prefill_position", positions, ndim=1)
+    int_field("prefill_page_table", table, ndim=1)
+    padded = shape_of(positions)[0]
+    if is_host(length):
+        n = int(np.asarray(length))
+        if not 0 <= n <= padded:
+            raise ValueError(f"metadata.prefill_length={n} is outside 0..{padded} (the padded chunk)")
+    return padded
 
 
 # ---- values: what the constructors check --------------------------------------------------------
@@ -63,7 +124,7 @@ def max_tokens(meta: PagedAttentionCacheMetaData) -> int:
     return meta.num_pages_per_sequence * meta.page_size
 
 
-def page_table(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim: int,
+def page_table(name: str, value: object, meta: PagedAttentionCacheMetaData, *, ndim: int,
                num_pages: int | None = None) -> np.ndarray:
     """A page table (or row): ids in ``-1 .. num_pages - 1`` (default: the largest pool),
     at most ``num_pages_per_sequence`` columns, no physical page twice in one row (the sequence
@@ -88,8 +149,8 @@ def page_table(name: str, value: Any, meta: PagedAttentionCacheMetaData, *, ndim
     return table
 
 
-def check_padding(meta: PagedAttentionCacheMetaData, tokens: int, seqs: int, pad_tokens_to: Any,
-                  pad_seqs_to: Any) -> tuple[int | None, int | None]:
+def check_padding(meta: PagedAttentionCacheMetaData, tokens: int, seqs: int, pad_tokens_to: object,
+                  pad_seqs_to: object) -> tuple[int | None, int | None]:
     """Padded token and sequence counts of a step: at least its real ones, at most what one
     step of this cache can hold (``batch_size`` sequences of ``max_sequences`` tokens)."""
     most_seqs = max(meta.batch_size, seqs)
@@ -137,7 +198,7 @@ def check_distinct_slots(slots: np.ndarray, what: str) -> None:
                              "first)")
 
 
-def check_slots(slots: Any, capacity: int) -> np.ndarray:
+def check_slots(slots: object, capacity: int) -> np.ndarray:
     """Host slots of a write: integers, each a slot of the pool or padding, no slot twice.
     Returned as int32."""
     slots = integer_array("slots", slots, ndim=1, lo=None, hi=None, dtype=np.int64)
@@ -202,11 +263,45 @@ def reads_assigned(table: np.ndarray, end_pages: np.ndarray) -> bool:
     return bool(np.all(first_gap >= end_pages))
 
 
+def read_spans(pos: np.ndarray, qsl: np.ndarray, num_seqs: int, *, page_size: int, window: int | None,
+               chunk: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What each sequence of a mixed-form step reads, ``(first, end, last)``: its pages
+    ``first[b] .. end[b] - 1``, from its earliest query's first visible key (with a sliding
+    ``window`` or in ``chunk``-sized chunks; else its first key) up to its last query's position
+    ``last[b]`` (-1: no query, and then no page). ``qsl`` must be in order, from 0 to at most
+    ``len(pos)``; tokens past ``qsl[num_seqs]`` are padding. Per-sequence reductions over the
+    tokens: O(tokens + sequences)."""
+    seqs = qsl.shape[0] - 1
+    bounds = qsl[: num_seqs + 1]
+    last = np.full(seqs, -1, np.int64)
+    # Without a window or chunk every row reads from its first key; one without a query has
+    # end = 0, so it reads nothing all the same.
+    lo = np.zeros(seqs, np.int64) if window is None and chunk is None else np.full(seqs, _NEVER, np.int64)
+    if num_seqs and bounds[-1] > 0:
+        counts = np.diff(bounds)
+        # Reduce per segment of tokens; a sequence without tokens must not open one (reduceat
+        # would read the next sequence's first token for it).
+        rows: slice | np.ndarray = slice(0, num_seqs) if counts.min() > 0 else np.flatnonzero(counts > 0)
+        at = bounds[:-1][rows]
+        pos = pos[: bounds[-1]]
+        last[rows] = np.maximum.reduceat(pos, at)
+        if window is not None or chunk is not None:
+            pos = pos.astype(np.int64)
+            start = np.zeros_like(pos)  # each query's first visible key
+            if window is not None:
+                start = np.maximum(start, pos - window + 1)
+            if chunk is not None:
+                start = np.maximum(start, pos - pos % chunk)
+            lo[rows] = np.minimum.reduceat(np.where(pos >= 0, start, _NEVER), at)
+    return lo // page_size, (last + page_size) // page_size, last
+
+
 def bad_read(name: str, table: np.ndarray, first: np.ndarray, end: np.ndarray, hi: np.ndarray, *,
-             num_pages: int, page_size: int, page_shards: int) -> str:
+             num_pages: int, page_size: int, page_shards: int, vouched: bool = False) -> str:
     """Why row ``b`` of ``table`` cannot be read over its pages ``first[b] .. end[b] - 1`` (the
     keys up to position ``hi[b]``), '' when every row can: each page read must be a page of the
-    pool and, with the pool split over ``page_shards`` data-parallel replicas, of one slice."""
+    pool and, with the pool split over ``page_shards`` data-parallel replicas, of one slice.
+    ``vouched``: a proof said they could (the message blames its issuer, not the reader)."""
     width = table.shape[1]
     if np.any(end > width):
         b = int(np.argmax(end > width))
@@ -217,6 +312,11 @@ def bad_read(name: str, table: np.ndarray, first: np.ndarray, end: np.ndarray, h
     bad = used & ((table < 0) | (table >= num_pages))
     if np.any(bad):
         b, c = (int(i) for i in np.argwhere(bad)[0])
+        if vouched:
+            return (f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is not a page of the pool (0..{num_pages - 1}) "
+                    f"but sequence {b} of the step reads it (keys {c * page_size}.. up to position {int(hi[b])}), "
+                    "and the step is marked as checked: whatever built it (the page manager, or a validated "
+                    "constructor) released or never assigned a page that is still read. Nothing was computed")
         if table[b, c] < 0:
             return (f"metadata.{name}[{b}, {c}] = {int(table[b, c])} is no page (never assigned, or released when it "
                     f"left a sliding or chunked window) but row {b} reads it (keys {c * page_size}.. up to position "
@@ -238,40 +338,94 @@ def bad_read(name: str, table: np.ndarray, first: np.ndarray, end: np.ndarray, h
     return ""
 
 
+def any_unreadable(table: np.ndarray, first: np.ndarray, end: np.ndarray, num_pages: int) -> bool:
+    """Whether some row ``b`` reads, among its pages ``first[b] .. end[b] - 1``, an id that is no
+    page of the pool (or lies past the table), with no message (`bad_read` says which). Reads
+    the table only, never the pool: the pages read themselves when they are few (windows), else
+    one pass of C-speed reductions, a segment per row's pages read and one per gap to the next
+    row's (cheaper than gathering when rows read most of their columns)."""
+    width = table.shape[1]
+    if end.max(initial=0) > width:  # as `bad_read`: a row's span past the table, even an empty one
+        return True
+    rows = np.flatnonzero(end > first)
+    if not rows.size:
+        return False
+    flat = table.reshape(-1)
+    if flat.dtype.kind == "i":  # as unsigned, -1 (any negative id) is larger than every page: one bound
+        flat = flat.view(np.dtype(f"u{flat.dtype.itemsize}"))
+    starts, spans = rows * width + first[rows], end[rows] - first[rows]
+    total = int(spans.sum())
+    if 4 * total < flat.size:
+        read = flat[np.repeat(starts - (np.cumsum(spans) - spans), spans) + np.arange(total)]
+        return bool(read.max() >= num_pages)
+    at = np.empty(2 * rows.size, np.intp)
+    at[0::2], at[1::2] = starts, starts + spans
+    highest = np.maximum.reduceat(flat, at if at[-1] < flat.size else at[:-1])
+    return bool(highest[0::2].max() >= num_pages)
+
+
 # ---- a whole step -------------------------------------------------------------------------------
-def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int, page_shards: int = 1,
-               window: int | None = None, chunk: int | None = None, tokens: int | None = None) -> None:
-    """A mixed-form step (``runtime.as_mixed``) against a pool of ``num_pages`` pages of
-    ``page_size`` (split over ``page_shards`` replicas), read with a sliding ``window`` and in
+def check_step(rt: StepReads, names: Mapping[str, str], *, num_pages: int, page_size: int, page_shards: int = 1,
+               window: int | None = None, chunk: int | None = None, tokens: int | None = None,
+               proof: HostChecked | None = None, shapes_checked: bool = False,
+               vouched: set[ReadKey] | None = None) -> None:
+    """A mixed-form step (``metadata.as_mixed``) read against a pool of ``num_pages`` pages of
+    ``page_size`` (split over ``page_shards`` replicas), with a sliding ``window`` and in
     ``chunk``-sized chunks (None: from the first key) by ``tokens`` query rows (None: any).
 
-    Shapes always. Host (numpy) values unless a mark (`HostChecked`) proves them for this pool:
-    sequence offsets in order, positions >= -1 and cached, and every page a query reads in the
-    pool (and in one replica's slice). ``names`` maps positions and page_table to the caller's
-    own field names for the messages."""
+    Every rule once: shapes (unless ``shapes_checked``: ``as_mixed`` derived these fields from
+    EasyDeL's, whose shapes it checked), then host (numpy) values. Values a ``proof`` (the step's
+    verified `HostChecked`) covers for this pool and read are not checked again but for the pages
+    read (`check_vouched_reads`, skipped for a read already in ``vouched``, the step's memo of
+    them); else every value is: sequence offsets in order, positions >= -1 and cached, every page
+    a query reads in the pool (and in one replica's slice). ``names`` maps positions and
+    page_table to the caller's own field names for the messages."""
     pos_name, table_name = names["positions"], names["page_table"]
+    if shapes_checked:
+        _check_tokens(rt, pos_name, tokens)
+    else:
+        _check_shapes(rt, pos_name, table_name, tokens)
+    if not is_host(*rt):
+        return
+    if proof is not None and proof.vouches_for(num_pages, page_size, page_shards, window, chunk):
+        read = (num_pages, page_size, page_shards, window, chunk)
+        if vouched is None or read not in vouched:
+            check_vouched_reads(rt, table_name, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
+                                window=window, chunk=chunk)
+            if vouched is not None:
+                vouched.add(read)
+        return
+    _check_values(rt, pos_name, table_name, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
+                  window=window, chunk=chunk)
+
+
+def _check_tokens(rt: StepReads, pos_name: str, tokens: int | None) -> None:
+    n_tok = shape_of(rt.positions)[0]
+    if tokens is not None and n_tok != tokens:
+        raise ValueError(f"q has {tokens} rows but metadata.{pos_name} has {n_tok}; give one query row per token")
+
+
+def _check_shapes(rt: StepReads, pos_name: str, table_name: str, tokens: int | None) -> None:
     int_field(pos_name, rt.positions, ndim=1)
     int_field("query_start_loc", rt.query_start_loc, ndim=1)
     int_field(table_name, rt.page_table, ndim=2)
     int_field("context_lens", rt.context_lens, ndim=1)
     int_field("num_seqs", rt.num_seqs, shape=())
-    n_tok = shape_of(rt.positions)[0]
-    if tokens is not None and n_tok != tokens:
-        raise ValueError(f"q has {tokens} rows but metadata.{pos_name} has {n_tok}; give one query row per token")
+    _check_tokens(rt, pos_name, tokens)
     seqs = shape_of(rt.page_table)[0]
     if shape_of(rt.query_start_loc)[0] != seqs + 1 or shape_of(rt.context_lens)[0] != seqs:
         raise ValueError(
             f"metadata.page_table has {seqs} rows, so query_start_loc needs {seqs + 1} entries and "
             f"context_lens {seqs}; got {shape_of(rt.query_start_loc)[0]} and {shape_of(rt.context_lens)[0]}"
         )
-    arrays = (rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens, rt.num_seqs)
-    mark = host_checked(rt)
-    if not is_host(*arrays) or (mark is not None and mark.reads and (mark.num_pages, mark.page_size) ==
-                                (num_pages, page_size) and page_shards in (1, mark.page_shards)
-                                and mark.covers(window, chunk)):
-        return
-    pos, qsl, table, ctx = (integer_array(name, a, lo=None, hi=None, dtype=np.int64)
-                            for name, a in zip((pos_name, "query_start_loc", table_name, "context_lens"), arrays))
+
+
+def _check_values(rt: StepReads, pos_name: str, table_name: str, *, num_pages: int, page_size: int,
+                  page_shards: int, window: int | None, chunk: int | None) -> None:
+    pos, qsl, table, ctx = (integer_array(name, a, lo=None, hi=None, dtype=np.int64) for name, a in zip(
+        (pos_name, "query_start_loc", table_name, "context_lens"),
+        (rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens)))
+    n_tok, seqs = pos.shape[0], table.shape[0]
     n = int(rt.num_seqs)
     if not 0 <= n <= seqs:
         raise ValueError(f"metadata.num_seqs={n} is outside 0..{seqs} (the rows of page_table)")
@@ -280,12 +434,8 @@ def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int
             f"metadata.query_start_loc {qsl.tolist()} must start at 0, never decrease and end "
             f"at most at the {n_tok} tokens"
         )
-    real = int(qsl[n])
-    pos = pos[:real]  # tokens past the real sequences are padding
-    check_positions(pos_name, pos)
-    owner = np.searchsorted(qsl[1:], np.arange(real), side="right")
-    last = np.full(seqs, -1, np.int64)
-    np.maximum.at(last, owner, pos)
+    check_positions(pos_name, pos[: qsl[n]])  # tokens past the real sequences are padding
+    first, end, last = read_spans(pos, qsl, n, page_size=page_size, window=window, chunk=chunk)
     over = last >= ctx
     if np.any(over):
         b = int(np.argmax(over))
@@ -293,20 +443,24 @@ def check_step(rt: Any, names: dict[str, str], *, num_pages: int, page_size: int
             f"sequence {b} has a query at position {int(last[b])} but context_lens[{b}] = "
             f"{int(ctx[b])}; a query sees keys up to its own position, which must be cached"
         )
-    # Row b reads keys lo[b] .. last[b]: from its earliest query's first visible key to its last query.
-    seen = pos >= 0
-    owner, pos = owner[seen], pos[seen]
-    start = np.zeros_like(pos)  # each query's first visible key
-    if window is not None:
-        start = np.maximum(start, pos - window + 1)
-    if chunk is not None:
-        start = np.maximum(start, pos - pos % chunk)
-    lo = np.full(seqs, np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(lo, owner, start)
-    why = bad_read(table_name, table, lo // page_size, (last + page_size) // page_size, last,
-                   num_pages=num_pages, page_size=page_size, page_shards=page_shards)
+    why = bad_read(table_name, table, first, end, last, num_pages=num_pages, page_size=page_size,
+                   page_shards=page_shards)
     if why:
         raise ValueError(why)
+
+
+def check_vouched_reads(rt: StepReads, table_name: str, *, num_pages: int, page_size: int, page_shards: int,
+                        window: int | None, chunk: int | None) -> None:
+    """What a proof says of the pages ``rt`` reads, checked anyway (it runs on every call on
+    host tables, so it must stay cheap: O(tokens + sequences + the table up to the pages read),
+    never O(pool)): every page a query reads, within its window or chunk, is a page of the pool.
+    Raises the ValueError of `bad_read`, naming the sequence and column, before anything runs."""
+    table = np.asarray(rt.page_table)  # host arrays (the caller checked): no copy
+    first, end, last = read_spans(np.asarray(rt.positions), np.asarray(rt.query_start_loc), int(rt.num_seqs),
+                                  page_size=page_size, window=window, chunk=chunk)
+    if any_unreadable(table, first, end, num_pages):
+        raise ValueError(bad_read(table_name, table, first, end, last, num_pages=num_pages, page_size=page_size,
+                                  page_shards=page_shards, vouched=True))
 
 
 # ---- what a constructor proved ------------------------------------------------------------------
@@ -317,59 +471,53 @@ class HostChecked:
     checks); with ``reads``, every page a query reads is a page of the pool and, for
     ``page_shards`` > 1, of one replica's slice, for queries that read no further back than
     ``attention`` with ``window`` allows (a sliding or chunked manager releases the pages
-    before: its table has holes there; "full": from the first key)."""
+    before: its table has holes there; full attention: from the first key)."""
 
     num_pages: int
     page_size: int
     reads: bool
     page_shards: int
-    attention: str = "full"
+    attention: AttentionKind = AttentionKind.FULL  # a name ("sliding") is taken and converted
     window: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", AttentionKind(self.attention))
 
     def covers(self, window: int | None, chunk: int | None) -> bool:
         """Whether a read with a sliding ``window`` and ``chunk`` (None: unbounded) starts no
         earlier than this table reaches, for every query position."""
-        if self.attention == "sliding":
-            return window is not None and window <= self.window
-        if self.attention == "chunked":
-            return chunk is not None and self.window % chunk == 0
+        if self.attention is AttentionKind.SLIDING:
+            return window is not None and self.window is not None and window <= self.window
+        if self.attention is AttentionKind.CHUNKED:
+            return chunk is not None and self.window is not None and self.window % chunk == 0
         return True
 
-
-_MARK = "_easykv_host_checked"
-
-
-def _leaves(rt: Any) -> list[Any]:
-    return [getattr(rt, f.name) for f in dataclasses.fields(rt)]
-
-
-def mark_checked(rt: Any, mark: HostChecked) -> Any:
-    """Record ``mark`` on ``rt`` (whose arrays are then read-only) and return it."""
-    for leaf in _leaves(rt):
-        if isinstance(leaf, np.ndarray):
-            leaf.flags.writeable = False
-    object.__setattr__(rt, _MARK, mark)
-    return rt
+    def vouches_for(self, num_pages: int, page_size: int, page_shards: int, window: int | None,
+                    chunk: int | None) -> bool:
+        """Whether it proves the reads of a step against this pool, read with this window and chunk."""
+        return (self.reads and (self.num_pages, self.page_size) == (num_pages, page_size)
+                and page_shards in (1, self.page_shards) and self.covers(window, chunk))
 
 
-def host_checked(rt: Any) -> HostChecked | None:
-    """The mark of a validated step, None if it has none or an array became writable again."""
-    mark = getattr(rt, "__dict__", {}).get(_MARK)
-    if mark is None:
-        return None
-    if any(isinstance(leaf, np.ndarray) and leaf.flags.writeable for leaf in _leaves(rt)):
+def mark_checked(rt: _Step, mark: HostChecked) -> _Step:
+    """``rt`` with ``mark`` as its proof: a new metadata over read-only arrays of its own; ``rt``
+    and its arrays are left as they were."""
+    return dataclasses.replace(rt, proof=mark)  # ``proof``: an InitVar of the metadata
+
+
+def host_checked(rt: object) -> HostChecked | None:
+    """The proof of a validated step, None if it has none or an array became writable again."""
+    mark = getattr(rt, "checked", None)
+    if not isinstance(mark, HostChecked) or any(isinstance(a, np.ndarray) and a.flags.writeable
+                                                 for a in vars(rt).values()):
         return None
     return mark
 
 
-def carry_mark(src: Any, dst: Any) -> Any:
-    """``dst`` (built from ``src``'s arrays) inherits ``src``'s mark when it has one."""
-    mark = host_checked(src)
-    return dst if mark is None else mark_checked(dst, mark)
-
-
 __all__ = [
-    "HostChecked", "bad_read", "carry_mark", "check_distinct_slots", "check_extent", "check_padding",
-    "check_pages_assigned", "check_positions", "check_slots", "check_step", "dtype_of", "host_checked", "host_slots",
-    "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "reads_assigned", "shape_of",
+    "Array", "HostChecked", "ReadKey", "Shaped", "StepReads", "any_unreadable", "bad_read", "check_decode_fields",
+    "check_distinct_slots", "check_extent", "check_padding", "check_pages_assigned", "check_positions",
+    "check_prefill_fields", "check_slots", "check_step", "check_vouched_reads", "dtype_of", "host_checked",
+    "host_slots", "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "read_spans", "reads_assigned",
+    "shape_of",
 ]

@@ -17,7 +17,8 @@ Conventions (all int32):
 Host checks (the ``for_*`` constructors, rules in `easykv.step.checks`): every id and length
 is bounded exactly before any arithmetic, a table row never names one physical page twice, and no
 two real tokens of a step share a slot (a write would keep one of them, silently). What they
-proved is marked on the result, so the write and attention do not check it again. Device side,
+proved is the result's declared proof (``proof=``, read back as ``checked``), so the write and
+attention do not check it again (but for the pages a step reads: see `checks`). Device side,
 `slots_from_table` bounds every page id before multiplying it by the page size, so no page id,
 however large, can wrap around int32 into another page.
 
@@ -28,19 +29,23 @@ entry of every write and attention call; `step_form` is the one place the forms 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import jax
 import numpy as np
 
 from easykv.step import checks
-from easykv.step.checks import HostChecked, check_distinct_slots, check_padding, mark_checked
+from easykv.step.checks import Array, HostChecked, check_distinct_slots, check_padding, mark_checked
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 
 if TYPE_CHECKING:
     from easykv.spec.metadata import PagedAttentionCacheMetaData
+
+Form = Literal["mixed", "decode", "prefill"]
 
 PAD_SLOT = checks.PAD_SLOT
 INVALID_SLOT = -2
@@ -49,16 +54,40 @@ PAD_POSITION = -1
 
 
 def _absent() -> np.ndarray:
-    # EasyDeL marks a mode as absent with a shape-() array; we keep that convention.
-    return np.zeros((), np.int32)
+    # EasyDeL marks a mode as absent with a shape-() array; we keep that convention. One shared,
+    # read-only array: nothing writes an absent field, and a proof rests on it without a copy.
+    return _ABSENT
 
 
-def _present(x: Any) -> bool:
+_ABSENT = np.zeros((), np.int32)
+_ABSENT.flags.writeable = False
+
+
+def _present(x: Array) -> bool:
     return np.ndim(x) > 0
 
 
-def _array_field() -> Any:
+def _array_field() -> Any:  # a dataclasses.field, typed Any by dataclasses itself so it fits any annotation
     return dataclasses.field(default_factory=_absent, metadata={"codec": "array"})
+
+
+def _sealed(*arrays: Array) -> None:
+    """Arrays this module has just allocated, made read-only: a proof rests on them as they are
+    (`_held` copies nothing). Never a caller's array."""
+    for a in arrays:
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+
+
+def _held(a: Array) -> Array:
+    """``a`` as a proof may rest on it: itself when it is read-only and owns its memory (nobody
+    can change it under another name), else a read-only copy. A caller's array is never frozen:
+    the step keeps its own."""
+    if not isinstance(a, np.ndarray) or (not a.flags.writeable and a.base is None):
+        return a
+    own = a.copy()
+    own.flags.writeable = False
+    return own
 
 
 @jax.tree_util.register_dataclass
@@ -83,6 +112,13 @@ class PagedAttentionMetadata(Serializable):
 
     ``to_dict`` / ``to_json`` write every array exactly (dtype, shape, bytes); ``from_dict`` /
     ``from_json`` give numpy arrays back.
+
+    ``proof``: what the host checks proved of these arrays (a `HostChecked`, read back as
+    ``checked``), given by the validated constructors and the page manager (`mark_checked`); the
+    write and attention skip the checks it covers. Declared as an init-only value, not a field:
+    no pytree leaf, not in JSON, and a ``replace``, a JSON round trip, ``jax.tree.map`` or a trip
+    through jit builds the metadata without it. The arrays under a proof are read-only and the
+    metadata's own: a writable (or borrowed) array is copied, the caller's stays as it was.
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionMetadata"
@@ -99,6 +135,32 @@ class PagedAttentionMetadata(Serializable):
     page_table: jax.Array | np.ndarray = _array_field()
     context_lens: jax.Array | np.ndarray = _array_field()
     num_seqs: jax.Array | np.ndarray = _array_field()
+    # Reads None on every instance (the class default), so dataclasses.replace passes None on.
+    proof: dataclasses.InitVar[HostChecked | None] = None
+
+    def __post_init__(self, proof: HostChecked | None) -> None:
+        if proof is None:
+            return
+        if not isinstance(proof, HostChecked):
+            raise ValueError(f"proof must be a HostChecked (what a validated constructor proved), got "
+                             f"{type(proof).__name__}")
+        for name in _ARRAY_FIELDS:
+            object.__setattr__(self, name, _held(getattr(self, name)))
+        object.__setattr__(self, "_checked", proof)
+
+    @property
+    def checked(self) -> HostChecked | None:
+        """The proof this step was built with, None without one (`checks.host_checked` also
+        says whether its arrays are still read-only)."""
+        return self.__dict__.get("_checked")
+
+    @functools.cached_property
+    def _reads_vouched(self) -> set[checks.ReadKey]:
+        """The reads (pool, page size, replicas, window, chunk) whose pages have been checked
+        against this step's proof (`checks.check_vouched_reads`): a step attended layer after
+        layer has its pages read checked once. A memo of one instance: a ``replace``, a copy
+        through jit or JSON starts without it (and without the proof)."""
+        return set()
 
     # ---- EasyDeL's API -------------------------------------------------------------------
     @classmethod
@@ -149,9 +211,9 @@ class PagedAttentionMetadata(Serializable):
         step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
                         pages_per_sequence=meta.num_pages_per_sequence)
         checks.check_slots(step.rt.slot_mapping, meta.tokens_per_layer)
-        if step_form(host) != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
-            checks.check_step(step.rt, step.names, num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
-                              page_shards=meta.page_shards, window=window, chunk=chunk)
+        if step.form != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
+            step.check_reads(num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
+                             page_shards=meta.page_shards, window=window, chunk=chunk)
 
     # ---- host-side constructors (validated) ---------------------------------------------
     @classmethod
@@ -185,7 +247,9 @@ class PagedAttentionMetadata(Serializable):
         positions = np.full(padded, PAD_POSITION, np.int32)
         positions[:length] = np.arange(start, start + length, dtype=np.int32)
         end_pages = np.asarray([-(-(start + length) // cache_metadata.page_size) if length else 0])
-        rt = cls(prefill_length=np.asarray(length, np.int32), prefill_position=positions, prefill_page_table=row)
+        prefill_length = np.asarray(length, np.int32)
+        _sealed(row, positions, prefill_length)  # all three built here (integer_array copies)
+        rt = cls(prefill_length=prefill_length, prefill_position=positions, prefill_page_table=row)
         return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill", pool=pool)
 
     @classmethod
@@ -209,6 +273,7 @@ class PagedAttentionMetadata(Serializable):
                 "give one position per sequence (-1 for padding rows)"
             )
         end_pages = (pos + cache_metadata.page_size) // cache_metadata.page_size  # 0 for padding (-1)
+        _sealed(pos, table)  # built here (integer_array copies)
         rt = cls(decodes_position=pos, decodes_page_table=table)
         return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode", pool=pool)
 
@@ -255,16 +320,22 @@ class PagedAttentionMetadata(Serializable):
             pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
         )
         rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
-        return _checked(rt, table, rt.positions[: rows.size, None], needed, cache_metadata, "mixed", rows,
-                        slots=rt.slot_mapping, pool=pool)
+        positions, slots = np.asarray(rt.positions), np.asarray(rt.slot_mapping)  # build_mixed's: numpy
+        return _checked(rt, table, positions[: rows.size, None], needed, cache_metadata, "mixed", rows, slots=slots,
+                        pool=pool)
 
 
-def _group_pool(meta: Any, group: Any) -> int:
+_ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(PagedAttentionMetadata))
+
+
+def _group_pool(meta: PagedAttentionCacheMetaData, group: int | None) -> int:
     """The pages of layer group ``group``'s pool (None: the largest pool, any group's ids)."""
     if group is None:
         return meta.num_pages_per_layer
     n = len(meta.groups)
-    return meta.groups[integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")].num_pages
+    index = integer("group", group, lo=0, hi=n - 1, hint=f"a layer group of the {n} in the metadata")
+    pages = meta.groups[index].num_pages
+    return meta.num_pages_per_layer if pages is None else pages  # None: a group not sized apart from the cache
 
 
 def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarray, end_pages: np.ndarray,
@@ -304,7 +375,9 @@ def build_mixed(
     """Vectorized, unvalidated construction of the mixed form (the page manager's hot path).
 
     Callers guarantee int32 inputs with pages assigned for every new token and paddings
-    checked by `check_padding`; `for_mixed` is the validated public entry point.
+    checked by `check_padding`; `for_mixed` is the validated public entry point. The arrays are
+    new and read-only (a step is a value), so a proof can rest on them without a copy: the page
+    manager's table is the largest array of a step.
     """
     num_seqs = page_table.shape[0]
     total = int(new_lens.sum())
@@ -326,14 +399,10 @@ def build_mixed(
     table[:num_seqs] = page_table
     context = np.zeros(seqs, np.int32)
     context[:num_seqs] = cached_lens + new_lens
-    return PagedAttentionMetadata(
-        slot_mapping=slot_mapping,
-        positions=positions,
-        query_start_loc=starts,
-        page_table=table,
-        context_lens=context,
-        num_seqs=np.asarray(num_seqs, np.int32),
-    )
+    count = np.asarray(num_seqs, np.int32)
+    _sealed(slot_mapping, positions, starts, table, context, count)
+    return PagedAttentionMetadata(slot_mapping=slot_mapping, positions=positions, query_start_loc=starts,
+                                  page_table=table, context_lens=context, num_seqs=count)
 
 
 # ---- the one internal form ---------------------------------------------------------------------
@@ -346,7 +415,8 @@ FORM_FIELDS: dict[str, dict[str, str]] = {
 }
 
 
-def group_runtime(metadata: Any, num_groups: int, group: int) -> PagedAttentionMetadata:
+def group_runtime(metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata], num_groups: int,
+                  group: int) -> PagedAttentionMetadata:
     """The step metadata of layer group ``group`` of a cache of ``num_groups`` groups: the one
     ``metadata`` every group shares, or item ``group`` of a tuple holding one per group (groups
     of their own pools have their own page tables and slots)."""
@@ -361,7 +431,7 @@ def group_runtime(metadata: Any, num_groups: int, group: int) -> PagedAttentionM
     return metadata
 
 
-def step_form(metadata: Any) -> str:
+def step_form(metadata: object) -> Form:
     """``"mixed"``, ``"decode"`` or ``"prefill"``; anything else is refused by name."""
     if not isinstance(metadata, PagedAttentionMetadata):
         raise ValueError(f"the runtime metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
@@ -384,9 +454,25 @@ class MixedStep(NamedTuple):
     rt: PagedAttentionMetadata  # the mixed form
     decode_only: bool  # EasyDeL's decode form: query row b is sequence b's one token (a static hint)
     names: dict[str, str]  # the caller's names of the token, position and page-table fields
+    form: Form  # the caller's form
+    proof: HostChecked | None  # the caller's proof, verified once (`checks.host_checked`); ``rt`` carries it
+    source: PagedAttentionMetadata  # what the caller passed (``rt`` itself for the mixed form)
+
+    def check_reads(self, *, num_pages: int, page_size: int, page_shards: int = 1, window: int | None = None,
+                    chunk: int | None = None, tokens: int | None = None) -> None:
+        """`checks.check_step` of this step read by ``tokens`` query rows: its fields' shapes
+        unless `as_mixed` derived them from fields it checked, its values unless its proof
+        covers them (then the pages read, once per step and read: the memo is the caller's
+        metadata's, the converted form being new on every call)."""
+        rt = self.rt
+        reads = checks.StepReads(rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens, rt.num_seqs)
+        checks.check_step(reads, self.names, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
+                          window=window, chunk=chunk, tokens=tokens, proof=self.proof,
+                          shapes_checked=self.form != "mixed",
+                          vouched=None if self.proof is None else self.source._reads_vouched)
 
 
-def as_mixed(metadata: Any, *, page_size: int, num_pages: int | None = None,
+def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int | None = None,
              pages_per_sequence: int | None = None) -> MixedStep:
     """``metadata`` in the mixed form: EasyDeL's decode form as ``B`` one-token sequences, its
     prefill form as one sequence of ``prefill_length`` tokens (rows past it are padding).
@@ -396,53 +482,51 @@ def as_mixed(metadata: Any, *, page_size: int, num_pages: int | None = None,
     from `slots_from_table` against ``num_pages`` and ``pages_per_sequence``: a token past the
     table or on a page outside the pool gets ``INVALID_SLOT``. The static structure of EasyDeL's
     fields (integer arrays, shapes that agree) is checked here, always; a host
-    ``prefill_length`` must lie in ``0 .. padded length``. A validated constructor's mark
+    ``prefill_length`` must lie in ``0 .. padded length``. A validated constructor's proof
     carries over to the result.
     """
     form = step_form(metadata)
     names = FORM_FIELDS[form]
+    proof = checks.host_checked(metadata)
     if form == "mixed":
-        return MixedStep(metadata, False, names)
-    md = metadata
-    if form == "decode":
-        checks.int_field("decodes_position", md.decodes_position, ndim=1)
-        checks.int_field("decodes_page_table", md.decodes_page_table, ndim=2)
-        pos, table = md.decodes_position, md.decodes_page_table
-        batch = checks.shape_of(pos)[0]
-        if checks.shape_of(table)[0] != batch:
-            raise ValueError(f"metadata.decodes_page_table has {checks.shape_of(table)[0]} rows but "
-                             f"decodes_position has {batch} entries")
-        xp = array_module(pos, table)
-        pos, table = xp.asarray(pos), xp.asarray(table)
-        owner_table = table
-        qsl = xp.arange(batch + 1, dtype=np.int32)
-        context = xp.where(pos >= 0, pos + 1, 0)
-        num = batch
-    else:
-        checks.int_field("prefill_length", md.prefill_length, shape=())
-        checks.int_field("prefill_position", md.prefill_position, ndim=1)
-        checks.int_field("prefill_page_table", md.prefill_page_table, ndim=1)
-        padded = checks.shape_of(md.prefill_position)[0]
-        if checks.is_host(md.prefill_length) and not 0 <= int(md.prefill_length) <= padded:
-            raise ValueError(f"metadata.prefill_length={int(md.prefill_length)} is outside 0..{padded} (the padded "
-                             "chunk)")
-        xp = array_module(md.prefill_length, md.prefill_position, md.prefill_page_table)
-        length = xp.clip(xp.asarray(md.prefill_length), 0, padded)
-        pos = xp.where(xp.arange(padded) < length, xp.asarray(md.prefill_position), PAD_POSITION)
-        table = xp.asarray(md.prefill_page_table)[None]
-        owner_table = xp.broadcast_to(table, (padded, table.shape[1]))
-        qsl = xp.stack([xp.zeros((), length.dtype), length]).astype(np.int32)
-        context = (xp.max(pos, initial=PAD_POSITION) + 1)[None]
-        num = 1
+        return MixedStep(metadata, False, names, form, proof, metadata)
+    pos, table, owner_table, qsl, context = (_decode_rows if form == "decode" else _prefill_rows)(metadata)
     slots = slots_from_table(owner_table, pos, page_size=page_size, num_pages=num_pages,
                              pages_per_sequence=pages_per_sequence)
+    num = np.asarray(table.shape[0], np.int32)
+    if proof is not None:
+        _sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
     rt = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
-                                context_lens=context, num_seqs=np.asarray(num, np.int32))
-    return MixedStep(checks.carry_mark(metadata, rt), form == "decode", names)
+                                context_lens=context, num_seqs=num, proof=proof)
+    return MixedStep(rt, form == "decode", names, form, proof, metadata)
 
 
-def slots_from_table(table: Any, positions: Any, *, page_size: int, num_pages: int | None,
-                     pages_per_sequence: int | None = None) -> Any:
+_Rows = tuple[Array, Array, Array, Array, Array]  # positions, table, each token's table row, offsets, lengths
+
+
+def _decode_rows(md: PagedAttentionMetadata) -> _Rows:
+    """EasyDeL's decode form as ``B`` one-token sequences (`as_mixed`)."""
+    pos, table = md.decodes_position, md.decodes_page_table
+    batch = checks.check_decode_fields(pos, table)
+    xp = array_module(pos, table)
+    pos, table = xp.asarray(pos), xp.asarray(table)
+    return pos, table, table, xp.arange(batch + 1, dtype=np.int32), xp.where(pos >= 0, pos + 1, 0)
+
+
+def _prefill_rows(md: PagedAttentionMetadata) -> _Rows:
+    """EasyDeL's prefill form as one sequence of ``prefill_length`` tokens (`as_mixed`)."""
+    padded = checks.check_prefill_fields(md.prefill_length, md.prefill_position, md.prefill_page_table)
+    xp = array_module(md.prefill_length, md.prefill_position, md.prefill_page_table)
+    length = xp.clip(xp.asarray(md.prefill_length), 0, padded)
+    pos = xp.where(xp.arange(padded) < length, xp.asarray(md.prefill_position), PAD_POSITION)
+    table = xp.asarray(md.prefill_page_table)[None]
+    qsl = xp.stack([xp.zeros((), length.dtype), length]).astype(np.int32)
+    context = (xp.max(pos, initial=PAD_POSITION) + 1)[None]
+    return pos, table, xp.broadcast_to(table, (padded, table.shape[1])), qsl, context
+
+
+def slots_from_table(table: Array, positions: Array, *, page_size: int, num_pages: int | None,
+                     pages_per_sequence: int | None = None) -> Array:
     """Slots of tokens at ``positions`` (-1: padding) read through per-token table rows, on the
     host (numpy) or the device (jax, inside jit too).
 
@@ -459,7 +543,8 @@ def slots_from_table(table: Any, positions: Any, *, page_size: int, num_pages: i
     last = (INT32_MAX + 1) // page_size - 1  # the last page whose every slot fits int32
     ok = in_table & (page >= 0) & (page <= (last if num_pages is None else min(num_pages - 1, last)))
     slot = xp.where(ok, xp.where(ok, page, 0) * page_size + positions % page_size, INVALID_SLOT)
-    return xp.where(positions == PAD_POSITION, PAD_SLOT, slot).astype(np.int32)
+    slots: Array = xp.where(positions == PAD_POSITION, PAD_SLOT, slot).astype(np.int32)
+    return slots
 
 
 def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int,
@@ -499,7 +584,7 @@ def stack_metadata(steps: Sequence[PagedAttentionMetadata]) -> PagedAttentionMet
     return steps[0].replace(**{f: np.stack([np.asarray(getattr(m, f)) for m in steps]) for f in _MIXED_FIELDS})
 
 
-def array_module(*arrays: Any) -> Any:
+def array_module(*arrays: object) -> ModuleType:
     """numpy when every array is numpy (host work stays on the host), else jax.numpy."""
     if all(isinstance(a, np.ndarray) for a in arrays):
         return np

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.attention.api import (
     REFERENCE_OPTIONS,
+    ImplementationKeywords,
     paged_attention,
     paged_attention_implementation,
     paged_attention_reference,
@@ -33,7 +34,7 @@ from easykv.attention.api import (
     view_attention,
 )
 from easykv.attention.checks import prepare
-from easykv.attention.options import AttentionOptions
+from easykv.attention.options import AttentionKeywords, AttentionOptions, ReferenceKeywords, ViewKeywords
 from easykv.step.metadata import build_mixed
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.attention import (BLOCK, COLLECTIVES, GROUP, LAYOUTS, MAKERS, PAGES, PS, WIDTH, D, decode_md,
@@ -351,6 +352,21 @@ def test_entry_point_keywords_are_the_options():
     for name in ("layout", "implementation", "query_block", "scael"):
         with pytest.raises(ValueError, match=rf"takes the options scale, sliding_window, chunk_size, value_head_dim, logit_soft_cap, dtype; got {name}"):
             paged_attention_reference(q, k, k, md, **{name: None})
+
+
+def test_the_typed_keywords_are_the_options():
+    """The ``**options`` the entry points pass on are typed: AttentionKeywords holds the options'
+    fields, ImplementationKeywords sinks and layer too, ViewKeywords all but the view's layout and
+    dtype, ReferenceKeywords the reference's (REFERENCE_OPTIONS, in order)."""
+    def keys(typed):
+        return typed.__required_keys__ | typed.__optional_keys__
+
+    fields = {f.name for f in dataclasses.fields(AttentionOptions)}
+    assert keys(AttentionKeywords) == fields
+    assert keys(ImplementationKeywords) == fields | {"sinks", "layer"}
+    assert keys(ViewKeywords) == fields - {"layout", "dtype"}
+    assert keys(ReferenceKeywords) == set(REFERENCE_OPTIONS)
+    assert REFERENCE_OPTIONS == ("scale", "sliding_window", "chunk_size", "value_head_dim", "logit_soft_cap", "dtype")
 
 
 def test_equal_options_hash_equal_and_reuse_one_compile():

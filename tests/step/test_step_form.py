@@ -166,10 +166,10 @@ def test_manager_metadata_is_marked(monkeypatch):
     calls = _counting(monkeypatch)
     pm = PageManager(META)
     a, b = pm.claim(2)
-    rt = pm.build_step_metadata([a, b], [6, 3])
+    (rt,) = pm.build_step_metadata([a, b], [6, 3])
     assert _checks_run(calls, rt) == {"attention": 0, "write": 0}
     pm.step([a, b], [list(range(6)), list(range(3))])
-    steps = pm.build_decode_metadata([a, b], num_steps=3)
+    steps = [step for (step,) in pm.build_decode_metadata([a, b], num_steps=3)]
     assert all(host_checked(s) is not None for s in steps)
     assert _checks_run(calls, steps[2]) == {"attention": 0, "write": 0}
 

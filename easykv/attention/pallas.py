@@ -83,17 +83,8 @@ def _kernel_pages(pages: Any, layer: jax.Array, dtype: np.dtype) -> tuple[jax.Ar
     return from_storage(pages[layer], dtype), None
 
 
-def pallas_gpu_decode_local(
-    q: jax.Array,
-    kp: Any,
-    vp: Any,
-    rows: Rows,
-    sinks: jax.Array,
-    layer: jax.Array,
-    *,
-    cfg: Config,
-    interpret: bool = False,
-) -> jax.Array:
+def pallas_gpu_decode_local(q: jax.Array, kp: Any, vp: Any, rows: Rows, sinks: jax.Array, layer: jax.Array, *,
+                            cfg: Config, interpret: bool = False) -> jax.Array:
     """Decode through JAX's Pallas GPU kernel on one device's heads (see the module doc); the
     query is scaled in float32 and given to the kernel in the pages' logical dtype (the kernel
     casts int8 / fp8 codes to it and multiplies the logits and weights by the scales)."""

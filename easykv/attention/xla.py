@@ -91,16 +91,8 @@ class _Shard(NamedTuple):
         return self.cfg.layout is not None and self.cfg.layout.page_shards > 1
 
 
-def attend_local(
-    q: jax.Array,
-    kp: Any,
-    vp: Any,
-    rows: Rows,
-    sinks: jax.Array,
-    layer: jax.Array,
-    *,
-    cfg: Config,
-) -> jax.Array:
+def attend_local(q: jax.Array, kp: Any, vp: Any, rows: Rows, sinks: jax.Array, layer: jax.Array, *,
+                 cfg: Config) -> jax.Array:
     """The XLA path on one device's shard (or the whole pool without a mesh): ``q`` ``(tokens,
     local q heads, head_dim)`` over layer ``layer`` of the stacked ``kp`` ``(layers, local kv
     heads, local pages, page_size, head_dim)`` and ``vp`` (the same with ``v_head_dim``; or

@@ -115,15 +115,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     mesh = create_mesh(options.mesh)
     pm = PartitionManager(PartitionAxis())
     max_len = 256
-    groups = cfg.layer_groups()
-    if groups is not None:  # a sliding group's sequences hold their window's pages only: a smaller pool
-        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention is AttentionKind.SLIDING
-                                           else options.pages) for g in groups)
-    meta = PagedAttentionCacheMetaData.create(
-        mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,
-        partition_manager=pm, quantizer=quantizer, layer_groups=groups,
-        num_pages_per_layer=options.pages if groups is None else None,
-    )  # fmt: skip
+    meta = _metadata(options, cfg, mesh, pm, dtype, quantizer, max_len)
     cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
     manager = PageManager(meta)
     requests = make_requests(options.requests, options.max_new_tokens, seed=options.seed)
@@ -139,16 +131,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
             m = eng.manager.metrics
             _progress(err, sum(len(r.output) for r in reqs), total, eng.step_index, m.used_pages, m.total_pages)
 
-    kind = (f"hybrid {cfg.layers}-layer model (sliding window {cfg.window} and full attention, pattern "
-            f"{cfg.pattern!r}, layers {'scanned' if cfg.scan else 'unrolled'})" if groups is not None
-            else f"{cfg.layers}-layer model")
-    print(f"easykv demo: {len(requests)} requests, {kind} ({cfg.q_heads} q / {cfg.kv_heads} kv heads, "
-          f"head_dim {cfg.head_dim}), {dtype.name} cache, quantizer {quantizer.name}", file=out)  # fmt: skip
-    pools = ", ".join(f"layers {g.span} ({g.attention}{f' {g.window}' if g.window else ''}): {g.num_pages}"
-                      for g in meta.groups)
-    print(f"  plan: pages of {meta.page_size} tokens per layer [{pools}] on mesh "
-          f"{dict(mesh.shape)}, kv heads {meta.kv_heads_per_device} per device, "
-          f"{meta.bytes_per_device / 2**20:.2f} MiB per device, {meta.bytes_per_token} B per token", file=out)  # fmt: skip
+    _print_plan(out, cfg, meta, mesh, len(requests), dtype, quantizer)
 
     t0 = time.perf_counter()
     # First half of the run on the first mesh.
@@ -202,6 +185,35 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         steps=engine.step_index, checkpoint_step=step, matched=not mismatches, mismatches=mismatches,
         prefix_hit_rate=m.token_hit_rate, copies=engine.copies, text=text,
     )  # fmt: skip
+
+
+def _metadata(options: DemoOptions, cfg: DemoConfig, mesh: Any, pm: PartitionManager, dtype: Any, quantizer: Any,
+              max_len: int) -> PagedAttentionCacheMetaData:
+    """The demo cache's metadata: one pool of ``options.pages``, or for a hybrid model a full
+    group of that many and a sliding group of a quarter (its sequences hold their window only)."""
+    groups = cfg.layer_groups()
+    if groups is not None:
+        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention is AttentionKind.SLIDING
+                                           else options.pages) for g in groups)
+    return PagedAttentionCacheMetaData.create(
+        mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,
+        partition_manager=pm, quantizer=quantizer, layer_groups=groups,
+        num_pages_per_layer=options.pages if groups is None else None,
+    )  # fmt: skip
+
+
+def _print_plan(out: TextIO, cfg: DemoConfig, meta: PagedAttentionCacheMetaData, mesh: Any, requests: int, dtype: Any,
+                quantizer: Any) -> None:
+    kind = (f"hybrid {cfg.layers}-layer model (sliding window {cfg.window} and full attention, pattern "
+            f"{cfg.pattern!r}, layers {'scanned' if cfg.scan else 'unrolled'})" if cfg.layer_groups() is not None
+            else f"{cfg.layers}-layer model")
+    print(f"easykv demo: {requests} requests, {kind} ({cfg.q_heads} q / {cfg.kv_heads} kv heads, "
+          f"head_dim {cfg.head_dim}), {dtype.name} cache, quantizer {quantizer.name}", file=out)  # fmt: skip
+    pools = ", ".join(f"layers {g.span} ({g.attention}{f' {g.window}' if g.window else ''}): {g.num_pages}"
+                      for g in meta.groups)
+    print(f"  plan: pages of {meta.page_size} tokens per layer [{pools}] on mesh "
+          f"{dict(mesh.shape)}, kv heads {meta.kv_heads_per_device} per device, "
+          f"{meta.bytes_per_device / 2**20:.2f} MiB per device, {meta.bytes_per_token} B per token", file=out)  # fmt: skip
 
 
 def _halfway_step(requests: list[Request]) -> int:

@@ -50,7 +50,7 @@ def _check_chains(seqs: SequenceTable, groups: GroupCoordinator, *, caching: boo
         if full == 0 and chain != root:
             raise Broken(f"sequences[id={row}].chain", f"sequence {row} has no full page but a chain digest "
                                                       "other than the root of its weight version")
-        digests = [None] * full
+        digests: list[bytes | None] = [None] * full
         if full:
             digests[-1] = chain
         if caching and hashes.known[row] == 0:

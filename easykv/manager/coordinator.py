@@ -70,7 +70,8 @@ class GroupCoordinator(tuple[GroupTable, ...]):
 
     def available_per_replica(self) -> np.ndarray:
         """Per replica, the pages an allocation can take in its tightest group."""
-        return np.min([gt.pool.available_per_replica() for gt in self], axis=0)
+        tightest: np.ndarray = np.min([gt.pool.available_per_replica() for gt in self], axis=0)
+        return tightest
 
     # ---- rows in every group ---------------------------------------------------------------------
     def release_row(self, row: int, npages: int, *, stale: bool) -> None:
@@ -96,7 +97,8 @@ class GroupCoordinator(tuple[GroupTable, ...]):
 
     def fewest_released(self, lens: np.ndarray) -> np.ndarray:
         """Per length, the fewest columns any group's window has released."""
-        return np.min([gt.released_columns(lens) for gt in self], axis=0)
+        fewest: np.ndarray = np.min([gt.released_columns(lens) for gt in self], axis=0)
+        return fewest
 
     # ---- the prefix caches ---------------------------------------------------------------------------
     def demote(self, version: bytes | None) -> None:
@@ -161,16 +163,16 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         ks = np.arange(1, len(digests) + 1)
         firsts = [gt.released_columns(ks * ps).astype(np.int64) for gt in self]  # the first column each hit needs
         avail = self.available_per_replica()
-        best = (0, 0, 0, replicas[0], [[] for _ in self])
+        best: tuple[int, int, int, int, list[list[int]]] = (0, 0, 0, replicas[0], [[] for _ in self])
         for r in replicas:
             whole = np.ones(ks.size, bool)
             found = []
             for gt, first in zip(self, firsts):
                 find = gt.host_lookup if host else gt.pool.lookup
-                pages = np.array([find(r, d) for d in digests], np.int64)
-                cached = np.concatenate([[0], np.cumsum(pages != PAD_PAGE)])
+                looked = np.array([find(r, d) for d in digests], np.int64)
+                cached = np.concatenate([[0], np.cumsum(looked != PAD_PAGE)])
                 whole &= (first < ks) & (cached[ks] - cached[first] == ks - first)
-                found.append(pages)
+                found.append(looked)
             k = int(ks[whole].max()) if whole.any() else 0
             pages = [[PAD_PAGE] * int(first[k - 1]) + f[first[k - 1]:k].tolist() if k else []
                      for f, first in zip(found, firsts)]

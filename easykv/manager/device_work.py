@@ -114,7 +114,7 @@ class PendingWork:
         # The host pages those transfers left unreferenced: the tier has read them (onload
         # sources) or drops their landing (offload destinations), so they are zeroed now and
         # nothing of the host tier stays pending.
-        host.scrub(tuple(gt.host.take_scrubs() for gt in groups))
+        host.scrub(tuple(gt.host_pool.take_scrubs() for gt in groups))
         copied = sum(len(gt.copies) for gt in groups)
         self.forget_copies(groups)
         self.forget_scrubs(groups)
@@ -123,7 +123,8 @@ class PendingWork:
     @staticmethod
     def check_cache(cache: Any, metadata: PagedAttentionCacheMetaData, what: str) -> PagedAttentionCacheMetaData:
         """`PageManager.check_cache`."""
-        meta = getattr(cache, "metadata", None)
+        # The cache is duck-typed: its metadata (if any) is held to the manager's below.
+        meta: PagedAttentionCacheMetaData | None = getattr(cache, "metadata", None)
         if not callable(getattr(cache, "copy_pages", None)) or meta is None:
             raise ValueError(f"{what} must be the PagedAttentionCache this manager schedules, got {type(cache).__name__}")
         diff = [f"{k}: cache {getattr(meta, k, None)}, manager {getattr(metadata, k)}" for k in POOL_FIELDS

@@ -82,6 +82,15 @@ class GroupTable(abc.ABC):
         """`` of layer group g`` in messages of a manager of several groups."""
         return f" of layer group {self.index}" if self.grouped else ""
 
+    @property
+    def host_pool(self) -> PagePool:
+        """`host`, where the caller knows the group has a host tier (pending transfers, the
+        host-tier policy); InvariantError without one."""
+        host = self.host
+        if host is None:
+            raise InvariantError(f"layer group {self.index} has no host-memory tier")
+        return host
+
     def set_scrub_released(self, scrub: bool) -> None:
         """Whether released pages are zeroed, in the device pool and the host tier alike."""
         for pool in (self.pool, self.host):
@@ -112,7 +121,8 @@ class GroupTable(abc.ABC):
     # ---- pages ------------------------------------------------------------------------------------
     def held(self, row: int, npages: int) -> list[int]:
         """The pages ``row`` holds in this group, in column order."""
-        return self.table[row, self.start[row]:npages].tolist()
+        pages: list[int] = self.table[row, self.start[row]:npages].tolist()  # numpy types tolist() as Any
+        return pages
 
     def allocate(self, replica: int, n: int, *, overwritten: bool = False) -> list[int]:
         """`PagePool.allocate`, saving the prefix pages it evicts to the host tier (if any)."""
@@ -137,7 +147,7 @@ class GroupTable(abc.ABC):
         tier does not hold yet; dropped (counted) when every host page of the replica is held.
         An evicted page still waiting for its onload never got its data: the onload is dropped
         (the host page keeps the digest)."""
-        host = self.host
+        host = self.host_pool
         pending = {d for _, d, _ in self.offloads.values()} if self.offloads else ()
         for page, digest, tag in self.pool.take_evicted():
             if page in self.onloads:
@@ -158,7 +168,7 @@ class GroupTable(abc.ABC):
         Returns whether any work was recorded."""
         if page in self.onloads:
             h = self.onloads[page]
-            self.host.share([h])
+            self.host_pool.share([h])
             self.onloads[dst] = h
             return True
         origin = self.copies.get(page, page)
@@ -180,7 +190,8 @@ class GroupTable(abc.ABC):
         idx = np.flatnonzero((new > 0) & (lens % ps != 0))
         pages = self.table[rows[idx], lens[idx] // ps]
         refs = self.pool.refcount[pages]
-        out, left = [], {}
+        out: list[int] = []
+        left: dict[int, int] = {}  # page -> its references not yet claimed by a writer
         for j in np.flatnonzero(refs > 1):
             page = int(pages[j])
             count = left.get(page, int(refs[j]))
@@ -205,7 +216,7 @@ class GroupTable(abc.ABC):
     def drop_freed_onloads(self) -> None:
         """Drop the pending onloads into pages that became free (the prefix cache was emptied)."""
         for page in [p for p in self.onloads if self.pool.refcount[p] == 0 and self.pool.digest_of(p) is None]:
-            self.host.release([self.onloads.pop(page)])
+            self.host_pool.release([self.onloads.pop(page)])
 
     def release_pages(self, pages: list[int], *, stale: bool = False) -> None:
         """Drop one reference from each page (``stale``: of an older weight version, see
@@ -215,7 +226,7 @@ class GroupTable(abc.ABC):
         for page in self.pool.release(pages, stale=stale, sources=sources):
             self.copies.pop(page, None)
             if self.onloads and page in self.onloads:
-                self.host.release([self.onloads.pop(page)])
+                self.host_pool.release([self.onloads.pop(page)])
 
     def reset_row(self, row: int) -> None:
         self.table[row] = PAD_PAGE
@@ -267,7 +278,8 @@ class GroupTable(abc.ABC):
     # ---- state -------------------------------------------------------------------------------------
     def row_pages(self, row: int, npages: int) -> list[int]:
         """``row``'s block-table row up to its last column (holes included), as a state writes it."""
-        return self.table[row, :npages].tolist()
+        pages: list[int] = self.table[row, :npages].tolist()  # numpy types tolist() as Any
+        return pages
 
     def state(self) -> tuple[dict[str, Any], list[list[int]]]:
         """(the pool's state, the pending copies as [src, dst] pairs)."""
@@ -300,7 +312,7 @@ class GroupTable(abc.ABC):
         position its next query reads (none for full attention), or before a resumed
         sequence's floor; none of a swapped-out sequence (its row holds nothing)."""
         released = np.minimum(self.released_columns(seqs.lens), seqs.npages)
-        start = np.maximum(released, seqs.floor // self.page_size).astype(self.start.dtype)
+        start: np.ndarray = np.maximum(released, seqs.floor // self.page_size).astype(self.start.dtype)
         start[swapped] = 0
         return start
 
@@ -353,9 +365,9 @@ class GroupTable(abc.ABC):
         owner_rows = np.nonzero(held)[0]
         if pages.size and np.any(pages // pool.pages_per_replica != seqs.replica[owner_rows]):
             raise Broken("sequences", f"a sequence holds a page{of} outside its data-parallel replica's slice")
-        for row in np.flatnonzero(n > 1):
-            if np.unique(self.table[row, start[row]: n[row]]).size != n[row] - start[row]:
-                raise Broken(f"sequences[id={row}].pages", f"sequence {row} holds a page{of} twice")
+        for r in np.flatnonzero(n > 1):
+            if np.unique(self.table[r, start[r]: n[r]]).size != n[r] - start[r]:
+                raise Broken(f"sequences[id={r}].pages", f"sequence {r} holds a page{of} twice")
         try:
             pool.check(np.bincount(pages, minlength=pool.num_pages).astype(np.int32))
         except InvariantError as err:

@@ -78,6 +78,7 @@ def _new_pages(gt: GroupTable, rows: np.ndarray, held: np.ndarray, counts: np.nd
     """``counts[i]`` new pages for ``rows[i]`` after its ``held[i]`` columns, from replica 0
     (``replicas`` None) or each row's replica, handed out in batch order."""
     total = int(counts.sum())
+    pages: list[int] | np.ndarray
     if replicas is None:
         pages = gt.allocate(0, total)
     else:  # one allocation per replica
@@ -104,7 +105,7 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
     demand[:, grow] = counts
     for g, cow in enumerate(cows):
         demand[g, cow] += 1
-    rep = seqs.replica[rows].copy()
+    rep: np.ndarray = seqs.replica[rows].copy()
     avail = np.stack([gt.pool.available_per_replica() for gt in groups])
     bound = rep >= 0
     left = avail - np.stack([np.bincount(rep[bound], weights=d[bound], minlength=n_rep) for d in demand]).astype(np.int64)
@@ -114,8 +115,8 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
         rep[i] = r
         left[:, r] -= demand[:, i]
     if left.min() < 0:
-        g, r = np.unravel_index(int(np.argmin(left)), left.shape)
-        groups[g].raise_full(int(r), int(avail[g, r] - left[g, r]))
+        g, r = map(int, np.unravel_index(int(np.argmin(left)), left.shape))
+        groups[g].raise_full(r, int(avail[g, r] - left[g, r]))
     seqs.replica[rows] = np.where(wants, rep, seqs.replica[rows])
     return rep
 
@@ -164,15 +165,19 @@ def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndar
     """``num_steps`` decode steps of ``rows`` (reserved): a list of one per step, or stacked."""
     ps, lens, ones = seqs.page_size, seqs.lens[rows], np.ones(rows.size, np.int32)
     reads = not seqs.floor[rows].any()
-    by_group = []
+    stacks: list[PagedAttentionMetadata] = []  # per group: its steps stacked (stacked)
+    by_group: list[list[PagedAttentionMetadata]] = []  # per group: its steps, checked (not stacked)
     for gt in groups:
         steps = [build_mixed(gt.table[rows], lens, ones, page_size=ps, pad_tokens_to=pad_seqs_to,
                              pad_seqs_to=pad_seqs_to)]
         for _ in range(num_steps - 1):
             steps.append(increment_cache_lengths(steps[-1], page_size=ps, num_pages=gt.pool.num_pages))
-        by_group.append(stack_metadata(steps) if stacked else [_proved(gt, m, reads) for m in steps])
+        if stacked:
+            stacks.append(stack_metadata(steps))
+        else:
+            by_group.append([_proved(gt, m, reads) for m in steps])
     if stacked:
-        return tuple(by_group)
+        return tuple(stacks)
     return [tuple(step) for step in zip(*by_group)]
 
 

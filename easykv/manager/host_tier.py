@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -58,6 +58,19 @@ if TYPE_CHECKING:
 
 HOST_COUNTERS = ("host_hits", "host_hit_tokens", "offloaded_pages", "onloaded_pages", "swap_outs", "swap_ins")
 Transfers: TypeAlias = tuple[tuple[np.ndarray, ...], ...]  # per group: offload src, dst; onload src, dst; host scrubs
+
+
+class HostTierLike(Protocol):
+    """What the policy calls on an `easykv.tiers.HostTier` (duck-typed: `check_host` checks
+    these names; the manager never imports ``tiers``)."""
+
+    @property
+    def owner(self) -> Any: ...
+    def apply(self, cache: Any, transfers: Any, *, copies: Any = None, scrubs: Any = None,
+              manager_metadata: Any = None) -> Any: ...
+    def check(self, cache: Any, manager_metadata: Any = None) -> None: ...
+    def bind(self, owner: Any) -> None: ...
+    def scrub(self, pages: Any) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +120,7 @@ class HostTierPolicy:
         self.enabled = enabled
         self.swapped: dict[int, SwappedSequence] = {}
         self.counters = dict.fromkeys(HOST_COUNTERS, 0)
-        self.tier: Any = None
+        self.tier: HostTierLike | None = None
         # This object, not the manager, is what a HostTier is bound to, so a clone (deep copy) or a
         # manager rebuilt from a state gets its own and cannot write into this one's tier.
         self.tier_key = _TierKey()
@@ -136,9 +149,9 @@ class HostTierPolicy:
         self.require("forget_host_tier")
         if self.swapped or self.has_pending_transfers(groups):
             raise ValueError("sequences are swapped out or host transfers are pending; swap_in and apply_pending first")
-        held = sum(gt.host.forget_prefixes() for gt in groups)
+        held = sum(gt.host_pool.forget_prefixes() for gt in groups)
         if self.tier is not None:  # no later apply reaches the detached tier: zero what it keeps now
-            self.tier.scrub(tuple(gt.host.take_scrubs() for gt in groups))
+            self.tier.scrub(tuple(gt.host_pool.take_scrubs() for gt in groups))
         self.tier = None
         return held
 
@@ -175,10 +188,10 @@ class HostTierPolicy:
         """Whether some host page holds data a newly taken tier would lack: any held page but a
         pending offload's destination (its data comes with the call), or a released page the
         current tier has not zeroed yet."""
-        return any(gt.host.num_pages - gt.host.num_free() > len(gt.offloads)
-                   or (self.tier is not None and gt.host.has_pending_scrubs()) for gt in groups)
+        return any((host := gt.host_pool).num_pages - host.num_free() > len(gt.offloads)
+                   or (self.tier is not None and host.has_pending_scrubs()) for gt in groups)
 
-    def bind(self, host: Any) -> None:
+    def bind(self, host: HostTierLike) -> None:
         """``host`` passed `check_host`: it holds this manager's host pages from now on."""
         host.bind(self.tier_key)
         self.tier = host
@@ -191,26 +204,27 @@ class HostTierPolicy:
         replica = int(seqs.replica[row])
         plans = []
         for gt in groups:
-            held = gt.table[row, gt.start[row]:cols].tolist()
+            host = gt.host_pool
+            held = gt.held(row, cols)
             for page in held:
                 if page in gt.copies or page in gt.onloads:
                     raise ValueError(f"sequence {row}'s page {page}{gt.label} still waits for a pending copy; "
                                      "call apply_pending(cache, host=...) before swapping it out")
-            shared = [gt.host.lookup(replica, d) if (d := gt.pool.digest_of(p)) is not None else -1 for p in held]
+            shared = [host.lookup(replica, d) if (d := gt.pool.digest_of(p)) is not None else -1 for p in held]
             plans.append((held, shared))
             need = shared.count(-1)
-            pinned = sum(1 for h in shared if h >= 0 and gt.host.refcount[h] == 0)
-            if need and need > gt.host.num_available(replica) - pinned:
+            pinned = sum(1 for h in shared if h >= 0 and host.refcount[h] == 0)
+            if need and need > host.num_available(replica) - pinned:
                 raise CacheFullError(
                     f"swap_out({row}) needs {need} host pages{gt.label} but the host tier has "
-                    f"{gt.host.num_available(replica) - pinned} free or evictable; release or swap in sequences, or "
+                    f"{host.num_available(replica) - pinned} free or evictable; release or swap in sequences, or "
                     "give the host tier more memory", resource="host pages", needed=need,
-                    available=gt.host.num_available(replica) - pinned,
+                    available=host.num_available(replica) - pinned,
                     replica=replica if groups.num_replicas > 1 else None)
         # Checked: nothing below fails.
         starts, pages = [], []
         for gt, (held, shared) in zip(groups, plans):
-            host = gt.host
+            host = gt.host_pool
             host.share([h for h in shared if h >= 0])  # first: no allocation below may evict them
             fresh = iter(host.allocate(replica, shared.count(-1), overwritten=True))
             out = []
@@ -237,10 +251,11 @@ class HostTierPolicy:
         r = record.replica
         plans = []
         for gt, host_pages in zip(groups, record.pages):
+            host = gt.host_pool
             if any(h in gt.offloads for h in host_pages):
                 raise ValueError(f"sequence {row}'s swap-out is still pending; call apply_pending(cache, host=...) "
                                  "between swap_out and swap_in")
-            found = [gt.pool.lookup(r, d) if (d := gt.host.digest_of(h)) is not None else -1 for h in host_pages]
+            found = [gt.pool.lookup(r, d) if (d := host.digest_of(h)) is not None else -1 for h in host_pages]
             need = found.count(-1)
             cached = sum(1 for p in found if p >= 0 and gt.pool.refcount[p] == 0)
             if need > gt.pool.num_available(r) - cached:
@@ -248,6 +263,7 @@ class HostTierPolicy:
             plans.append(found)
         # Checked: nothing below fails.
         for gt, host_pages, found, start in zip(groups, record.pages, plans, record.starts):
+            host = gt.host_pool
             gt.pool.share([p for p in found if p >= 0])
             fresh = iter(gt.allocate(r, found.count(-1), overwritten=True))
             row_pages = []
@@ -255,11 +271,11 @@ class HostTierPolicy:
                 if page < 0:
                     page = next(fresh)
                     gt.onloads[page] = h  # the sequence's host reference passes to the onload
-                    digest = gt.host.digest_of(h)
+                    digest = host.digest_of(h)
                     if digest is not None:
-                        gt.pool.commit(page, digest, gt.host.tag_of(h))
+                        gt.pool.commit(page, digest, host.tag_of(h))
                 else:
-                    gt.host.release([h])
+                    host.release([h])
                 row_pages.append(page)
             gt.table[row, start:record.npages] = row_pages
             gt.start[row] = start
@@ -272,7 +288,7 @@ class HostTierPolicy:
         """`release` of a swapped-out sequence: its host pages lose its reference."""
         record = self.swapped.pop(row)
         for gt, pages in zip(groups, record.pages):
-            gt.host.release(list(pages)[::-1])
+            gt.host_pool.release(list(pages)[::-1])
 
     # ---- prefix hits in the host tier ------------------------------------------------------------
     def attach_hits(self, replica: int, pages: list[list[int]], groups: GroupCoordinator) -> int:
@@ -286,10 +302,13 @@ class HostTierPolicy:
             if not cols:
                 continue
             hosts = [-2 - group_pages[i] for i in cols]
-            gt.host.share(hosts)  # pinned until applied: no eviction below takes them
+            host = gt.host_pool
+            host.share(hosts)  # pinned until applied: no eviction below takes them
             for i, h, page in zip(cols, hosts, gt.allocate(replica, len(cols), overwritten=True)):
                 gt.onloads[page] = h
-                gt.pool.commit(page, gt.host.digest_of(h), gt.host.tag_of(h))
+                if (digest := host.digest_of(h)) is None:  # a hit's host page is in the host prefix map
+                    raise InvariantError(f"host page {h}{gt.label} of a prefix hit has no digest")
+                gt.pool.commit(page, digest, host.tag_of(h))
                 group_pages[i] = page
             moved.update(cols)
         return len(moved)
@@ -317,7 +336,7 @@ class HostTierPolicy:
 
     def has_work(self, groups: Sequence[GroupTable]) -> bool:
         """Transfers, or scrubs of released host pages: the work only the tier can do."""
-        return self.enabled and any(gt.offloads or gt.onloads or gt.host.has_pending_scrubs() for gt in groups)
+        return self.enabled and any(gt.offloads or gt.onloads or gt.host_pool.has_pending_scrubs() for gt in groups)
 
     def pending_transfers(self, groups: Sequence[GroupTable]) -> Transfers:
         """`PageManager.pending_transfers`."""
@@ -325,14 +344,14 @@ class HostTierPolicy:
         for gt in groups:
             off = np.array([[src, dst] for dst, (src, _, _) in gt.offloads.items()], np.int32).reshape(-1, 2)
             on = np.array([[src, dst] for dst, src in gt.onloads.items()], np.int32).reshape(-1, 2)
-            out.append((off[:, 0], off[:, 1], on[:, 0], on[:, 1], gt.host.pending_scrubs()))
+            out.append((off[:, 0], off[:, 1], on[:, 0], on[:, 1], gt.host_pool.pending_scrubs()))
         return tuple(out)
 
     def transfers_done(self, groups: Sequence[GroupTable]) -> None:
         """The pending transfers were applied: offloaded prefix pages enter the host prefix map,
         every transfer's host reference is dropped."""
         for gt in groups:
-            host = gt.host
+            host = gt.host_pool
             self.counters["offloaded_pages"] += len(gt.offloads)
             self.counters["onloaded_pages"] += len(gt.onloads)
             host.take_scrubs()
@@ -347,7 +366,7 @@ class HostTierPolicy:
     def metrics(self, groups: Sequence[GroupTable]) -> HostTierMetrics | None:
         if not self.enabled:
             return None
-        hosts = [gt.host for gt in groups]
+        hosts = [gt.host_pool for gt in groups]
         return HostTierMetrics(
             total_pages=sum(h.num_pages for h in hosts), free_pages=sum(h.num_free() for h in hosts),
             cached_pages=sum(h.num_cached() for h in hosts), used_pages=sum(h.num_used() for h in hosts),
@@ -358,7 +377,7 @@ class HostTierPolicy:
     def lockstep_state(self, groups: Sequence[GroupTable]) -> dict[str, Any]:
         """The tier's bookkeeping as JSON (a fingerprint for `assert_lockstep`; nothing reads it back)."""
         return {
-            "pools": [gt.host.state_dict() for gt in groups],
+            "pools": [gt.host_pool.state_dict() for gt in groups],
             "swapped": [[row, r.npages, r.replica, list(r.starts), [list(p) for p in r.pages]]
                         for row, r in sorted(self.swapped.items())],
             "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in gt.offloads.items()]
@@ -371,7 +390,7 @@ class HostTierPolicy:
         and pending transfers), swapped sequences hold what their length (``lens``) needs, and
         transfers stay in a replica and touch pages they may."""
         g, of = gt.index, f" in layer group {gt.index}" if gt.grouped else ""
-        host, pool, ps = gt.host, gt.pool, gt.page_size
+        host, pool, ps = gt.host_pool, gt.pool, gt.page_size
         holders: list[int] = []
         for row, record in self.swapped.items():
             pages = record.pages[g]
@@ -410,4 +429,4 @@ class _TierKey:
         return f"<PageManager tier key {id(self):#x}>"
 
 
-__all__ = ["HOST_COUNTERS", "HostTierMetrics", "HostTierPolicy", "SwappedSequence", "Transfers"]
+__all__ = ["HOST_COUNTERS", "HostTierLike", "HostTierMetrics", "HostTierPolicy", "SwappedSequence", "Transfers"]

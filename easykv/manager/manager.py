@@ -138,7 +138,7 @@ class PageManager:
                 f"claim({n}) needs {n} sequence slots but only {free.size} of batch_size={self.batch_size} "
                 "are free; release finished sequences first or create the metadata with a larger batch_size",
                 resource="sequence slots", needed=n, available=int(free.size))
-        ids = free[:n].tolist()
+        ids: list[int] = free[:n].tolist()  # numpy types tolist() as Any
         self._seqs.claim(ids, self._versions.current, self._versions.root())
         return ids
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,9 +101,12 @@ class PagePool:
         out = [heapq.heappop(free) for _ in range(min(n, len(free)))]
         while len(out) < n:
             page, _ = lru.popitem(last=False)
-            del self._by_digest[replica][self._digest[page]]
+            digest = self._digest[page]
+            if digest is None:  # every cached page is in the prefix map
+                raise InvariantError(f"cached page {page} has no digest")
+            del self._by_digest[replica][digest]
             if self.keep_evicted:
-                self._evicted.append((page, self._digest[page], self._tag[page]))
+                self._evicted.append((page, digest, self._tag[page]))
             self._digest[page] = self._tag[page] = None
             self.evictions += 1
             self._mark_scrub(page)
@@ -145,8 +148,8 @@ class PagePool:
                 raise InvariantError(f"release() of page {page}, which has no reference")
             self.refcount[page] = count
             if count == 0:
-                if self._digest[page] is not None and page in sources:
-                    del self._by_digest[self.replica_of(page)][self._digest[page]]
+                if (digest := self._digest[page]) is not None and page in sources:
+                    del self._by_digest[self.replica_of(page)][digest]
                     self._digest[page] = self._tag[page] = None
                 if self._digest[page] is not None:
                     self._lru[self.replica_of(page)][page] = None
@@ -209,9 +212,10 @@ class PagePool:
 
     def uncommit(self, page: int) -> None:
         """Take a used page out of the prefix map (a truncated sequence will overwrite its tail)."""
-        if self.refcount[page] < 1 or self._digest[page] is None:
+        digest = self._digest[page]
+        if self.refcount[page] < 1 or digest is None:
             raise InvariantError(f"uncommit() of page {page}, which is not a used prefix page")
-        del self._by_digest[self.replica_of(page)][self._digest[page]]
+        del self._by_digest[self.replica_of(page)][digest]
         self._digest[page] = self._tag[page] = None
 
     def commit(self, page: int, digest: bytes, tag: bytes | None = None) -> bool:
@@ -257,7 +261,7 @@ class PagePool:
 
     def load_state(self, *, free: list[Any], lru: list[Any], digests: list[tuple[int, bytes]], scrub: list[int],
                    evictions: int, scrubs: int, refcount: np.ndarray,
-                   versions: list[tuple[int, bytes]] = ()) -> None:
+                   versions: Sequence[tuple[int, bytes]] = ()) -> None:
         """Replace this (fresh) pool's state with values already checked for type and range
         (`state.read_state`); ``refcount`` comes from the owners. Whether they agree
         with each other is for `check`."""
@@ -298,8 +302,8 @@ class PagePool:
             heap = self._free[r]
             if any(heap[(i - 1) // 2] > heap[i] for i in range(1, len(heap))):
                 raise InvariantError(f"replica {r}'s free heap is out of order")
-            for digest, page in self._by_digest[r].items():
-                if self._digest[page] != digest or self.replica_of(page) != r:
+            for held, page in self._by_digest[r].items():
+                if self._digest[page] != held or self.replica_of(page) != r:
                     raise InvariantError(f"prefix map entry of replica {r} -> page {page} disagrees with the page")
         hashed = sum(d is not None for d in self._digest)
         if hashed != sum(len(m) for m in self._by_digest):

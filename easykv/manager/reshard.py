@@ -23,10 +23,10 @@ import numpy as np
 from easykv.step.metadata import PAD_PAGE
 
 
-def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
+def reshard_state(saved: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
     """A (validated, canonical) state for ``new_shards`` page slices instead of its own (see the
     module doc). Format 1 (one group) and format 2 (several) alike."""
-    state = copy.deepcopy(dict(state))
+    state = copy.deepcopy(dict(saved))
     cfg = state["config"]
     old_shards = cfg["page_shards"]
     if old_shards == new_shards:
@@ -43,7 +43,7 @@ def reshard_state(state: Mapping[str, Any], new_shards: int) -> dict[str, Any]:
                 f"{sizes[g] // new_shards} pages (saved with {old_shards})")
 
     for seq in state["sequences"]:
-        reps = {}  # replica -> the first group holding a page there
+        reps: dict[int, int] = {}  # replica -> the first group holding a page there
         for g, row in enumerate(rows(seq)):
             for page in row:
                 if page != PAD_PAGE:  # holes: released from a window

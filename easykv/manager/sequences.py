@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from easykv.errors import UnknownSequenceError
 from easykv.manager.broken import Broken
@@ -63,7 +64,7 @@ class SequenceTable:
                 f"claimed ids: {self.active_ids[:16]}{'...' if self.active.sum() > 16 else ''}")
         return sid
 
-    def rows(self, seq_ids: Any) -> np.ndarray:
+    def rows(self, seq_ids: Any) -> npt.NDArray[np.int64]:
         """The rows of claimed sequences, each listed once."""
         rows = integer_array("seq_ids", seq_ids, ndim=1, lo=None, hi=None, dtype=np.int64)
         if not rows.size:
@@ -162,8 +163,8 @@ class SequenceTable:
                "chain": chain.hex(), "salt": hashes.salt[row].hex(), "partial": partial}
         if self.floor[row]:  # a resumed sequence (only then: other states keep their form)
             out["floor"] = int(self.floor[row])
-        if self.version[row] is not None:
-            out["version"] = self.version[row].hex()
+        if (version := self.version[row]) is not None:
+            out["version"] = version.hex()
         if hashable and caching and hashes.known[row] == 0:  # a truncation names pages again by them
             out["tokens"] = hashes.log[row, :length].tolist()
         return out

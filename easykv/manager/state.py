@@ -67,7 +67,7 @@ def config(metadata: PagedAttentionCacheMetaData, enable_prefix_caching: bool, s
     """The pool(s) a state belongs to. One group: a sliding or chunked cache adds its window
     (absent for full attention, so the states of uniform caches keep their form); several
     groups: ``groups`` lists each one's attention, window and pool size."""
-    out = {**{k: int(getattr(metadata, k)) for k in _CONFIG_INTS},
+    out: dict[str, Any] = {**{k: int(getattr(metadata, k)) for k in _CONFIG_INTS},
            "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
     groups = metadata.groups
     if len(groups) > 1:
@@ -223,8 +223,9 @@ def _read_config(parts: ManagerParts, raw: Any) -> dict[str, Any]:
     windowed = not grouped and isinstance(raw, Mapping) and "attention" in raw
     extra = ("groups",) if grouped else ("attention", "window") if windowed else ()
     cfg = _mapping(raw, "config", _CONFIG_INTS + _CONFIG_FLAGS + extra)
-    got = {**{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS + (("window",) if windowed else ())},
-           **{k: _flag(cfg[k], f"config.{k}") for k in _CONFIG_FLAGS}}
+    got: dict[str, Any] = {
+        **{k: _int(cfg[k], f"config.{k}", 1, INT64_MAX) for k in _CONFIG_INTS + (("window",) if windowed else ())},
+        **{k: _flag(cfg[k], f"config.{k}") for k in _CONFIG_FLAGS}}
     if windowed:
         got["attention"] = cfg["attention"]
     if grouped:
@@ -395,7 +396,7 @@ def _read_sequence(parts: ManagerParts, entry: Any, i: int, *, caching: bool) ->
     sid = _int(entry["id"], f"{where}.id", 0, seqs.batch_size - 1)
     length = _int(entry["length"], f"{where}.length", 0, seqs.max_length)
     floor = _int(entry["floor"], f"{where}.floor", 1, length) if resumed else 0
-    rows = []
+    rows: list[np.ndarray] = []
     for gt, (raw, field) in zip(groups, _per_group(entry["pages"], f"{where}.pages", len(groups))):
         pages = _ints(raw, field, PAD_PAGE, gt.pool.num_pages - 1, max_len=gt.table.shape[1])
         holes = int(np.argmax(pages != PAD_PAGE)) if np.any(pages != PAD_PAGE) else pages.size

@@ -238,7 +238,7 @@ def with_model_groups(meta: PagedAttentionCacheMetaData, groups: tuple[LayerGrou
     differ only in the window attention applies."""
     if groups is None:
         return meta
-    if len(groups) == 1 and groups[0].attention == "full":
+    if len(groups) == 1 and not groups[0].windowed:
         return meta
     same = dict(num_kv_heads=meta.num_kv_heads, key_head_dim=meta.kv_head_dim_size,
                 value_head_dim=meta.kv_head_dim_size, num_pages=meta.num_pages_per_layer,

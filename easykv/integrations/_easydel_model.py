@@ -28,6 +28,7 @@ from easykv.integrations._easydel_config import (
     with_model_groups,
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
+from easykv.spec.groups import AttentionKind
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout
 from easykv.storage.writes import scatter_kv
@@ -274,9 +275,9 @@ def _check_window(view: EasyKVCacheView, sliding_window: Any) -> None:
     if meta.is_uniform:
         return  # one full-attention group: the model's run-time window is the only one
     group = meta.groups[view.group]
-    declared = None if group.attention == "full" else group.window
+    declared = group.window if group.windowed else None
     given = None if sliding_window is None else int(sliding_window)
-    if group.attention == "chunked" or given != declared:
+    if group.attention is AttentionKind.CHUNKED or given != declared:
         raise ValueError(f"layer {view.layer_index} attends with sliding_window={given}, but its cache group (layers "
                          f"{group.span}) is {group.attention}{'' if declared is None else f' {declared}'}; build the "
                          "cache for this model (model.init_operations_cache after use_easykv)")

@@ -1,5 +1,7 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
 
+from typing import TYPE_CHECKING, Any
+
 from easykv.attention.api import (
     paged_attention,
     paged_attention_implementation,
@@ -54,8 +56,22 @@ _LAZY = {
     "HostTier": "easykv.tiers.host",
 }
 
+if TYPE_CHECKING:  # the lazy names' types, for type checkers only (never imported here at run time)
+    from easykv.checkpoint.checkpointer import (
+        CacheCheckpointer,
+        RestoredCache,
+        list_steps,
+        restore_cache,
+        save_cache,
+    )
+    from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
+    from easykv.checkpoint.inspect import inspect_checkpoint
+    from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
+    from easykv.tiers.host import HostTier
+    from easykv.tiers.sleep import SleepingCache, device_bytes, sleep, wake
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'easykv' has no attribute {name!r}")
     import importlib

@@ -240,7 +240,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
     from easykv.spec.layout import plan_layout
-    from easykv.spec.metadata import PagedAttentionCacheMetaData
+    from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
     from easykv.spec.sizing import tokens_per_gib
     from easykv.sharding import PartitionAxis, PartitionManager
 
@@ -257,7 +257,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.dtype, partition_manager=pm, quantizer=args.quant, memory_bytes_per_device=memory,
             layer_groups=groups, host_memory_bytes=host_memory,
         )  # fmt: skip
-    if meta.kv_head_shards > 1:
+    if meta.head_shards > 1:  # create() sets kv_head_shards: head_shards is it
         head_line = f"{heads} split over {meta.kv_head_mesh_axes} -> {meta.kv_heads_per_device} per device"
     else:
         head_line = f"replicated: every device stores all {heads}"
@@ -265,7 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = [
         ("model", f"{model}: {layers} layers, {heads} kv heads, head_dim {dim}"),
         ("mesh", f"{mesh_line} ({mesh.size} devices)"),
-        ("dtype / quantization", f"{meta.dtype.name} / {meta.quantization}"),
+        ("dtype / quantization", f"{known_dtype(meta.dtype).name} / {meta.quantization}"),
         ("memory budget per device", _format_bytes(meta.memory_bytes_per_device or 0)),
         ("kv heads", head_line),
         ("page axis", f"split over {meta.page_mesh_axes} into {meta.page_shards} slices"
@@ -286,7 +286,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ("sequences of max length", f"{meta.max_full_sequences} x {meta.max_sequences} tokens "
                                     f"({meta.num_pages_per_sequence} pages each)"),  # fmt: skip
     ]
-    if meta.has_host_tier:
+    if meta.host_pages_per_layer is not None:  # meta.has_host_tier
         rows.append(("host tier", f"{meta.host_pages_per_layer} pages per layer ({meta.host_pages_per_layer * meta.page_size:,}"
                                   f" tokens{' in the largest group' * (not meta.is_uniform)}), "
                                   f"{_format_bytes(meta.host_bytes_per_device)} of host memory per device"))

@@ -142,7 +142,7 @@ def page_ids(name: str, value: Any, *, num_pages: int, ndim: int | None = None, 
                          hint=f"page ids of a pool of {num_pages} pages, -1 {pad}")
 
 
-def _refuse_bools(name: str, items: list | tuple, where: tuple[int, ...], lo: int | None, hi: int | None,
+def _refuse_bools(name: str, items: list[Any] | tuple[Any, ...], where: tuple[int, ...], lo: int | None, hi: int | None,
                   hint: str) -> None:
     """numpy reads ``[1, True]`` as ints: find a bool among a list's entries before it does
     (a C-speed scan of the entries' types; nested lists are scanned row by row)."""
@@ -182,9 +182,10 @@ def as_dtype(name: str, value: Any, *, choices: str = "") -> np.dtype:
     """``np.dtype(value)`` for a user's dtype argument, or a ValueError naming it (numpy's own
     parser raises TypeError, ValueError or, on a nested list, RecursionError)."""
     try:
-        return np.dtype(value)
+        dtype: np.dtype = np.dtype(value)  # numpy's overloads give Any for an Any argument
     except (TypeError, ValueError, RecursionError):
         raise ValueError(f"{name}={show(value)} is not a dtype{'; use one of ' + choices if choices else ''}") from None
+    return dtype
 
 
 def boolean(name: str, value: Any) -> bool:

@@ -6,7 +6,8 @@ the target's model and pools must be the saved ones, its format only on request)
 (the one-writer lock and write errors), ``transfer`` (one sequence's pages and page-manager
 entry exported from one cache and imported into another), ``sequence_export`` and
 ``grouped_export`` (the two export classes) with ``export_file`` (their one base class, checks
-and ``.npz`` loader), and ``inspect`` (a report on a checkpoint without restoring it).
+and ``.npz`` loader), ``inspect`` (a report on a checkpoint without restoring it), and
+``orbax_types`` (the names of orbax's untyped objects in annotations).
 
 They are one unit because they sit on top of everything else, joining a cache's pages with its
 manager's state, and they bring orbax, which ``import easykv`` loads only on first use. This

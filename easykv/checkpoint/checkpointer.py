@@ -55,8 +55,8 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import jax
 import numpy as np
@@ -78,6 +78,7 @@ from easykv.checkpoint.format import (
     orbax_manager,
 )
 from easykv.checkpoint.integrity import FINGERPRINT_ALGORITHM, PendingFingerprints
+from easykv.checkpoint.orbax_types import OrbaxManager
 from easykv.checkpoint.record import EXTRA_MAX_DEPTH, leaf_role, nest, page_leaves
 from easykv.checkpoint.restore import RestoredCache, restore_cache
 from easykv.checkpoint.writer import WriterLock, write_error
@@ -87,7 +88,7 @@ from easykv.errors import (
 )
 from easykv.manager.manager import PageManager
 from easykv.manager.state import summarize_state
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.validation import boolean, optional_int, parse_json
 
 
@@ -100,7 +101,8 @@ def _cache_arrays(cache: PagedAttentionCache) -> tuple[dict[str, Any], list[tupl
 
 def _platform(cache: PagedAttentionCache) -> str:
     leaf = jax.tree.leaves(cache)[0]
-    return next(iter(leaf.sharding.device_set)).platform
+    platform: str = next(iter(leaf.sharding.device_set)).platform
+    return platform
 
 
 def _mesh_record(cache: PagedAttentionCache) -> dict[str, Any]:
@@ -163,7 +165,7 @@ def _check_extra(extra: Any) -> dict[str, Any]:
         raise ValueError(f"extra_metadata is not JSON-safe ({err}); keep to str/int/float/bool/None/list/dict") from err
     # What is saved must read back, and read back the same: restore parses with a nesting limit,
     # and JSON would turn int keys into strings and tuples into lists without a word.
-    back = parse_json(text, what="extra_metadata", max_depth=EXTRA_MAX_DEPTH)
+    back: dict[str, Any] = parse_json(text, what="extra_metadata", max_depth=EXTRA_MAX_DEPTH)
     if back != extra or not _same_types(back, extra):
         raise ValueError("extra_metadata would not read back unchanged from JSON (keys must be str, sequences "
                          "lists, numbers finite); pass it in that form")
@@ -179,9 +181,14 @@ def _same_types(a: Any, b: Any) -> bool:
 
 
 # ---- the checkpointer ---------------------------------------------------------------------------
-def _one_call_at_a_time(method: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_call_at_a_time(method: Callable[Concatenate[CacheCheckpointer, _P], _R]
+                        ) -> Callable[Concatenate[CacheCheckpointer, _P], _R]:
     @functools.wraps(method)
-    def serialized(self: CacheCheckpointer, *args: Any, **kwargs: Any) -> Any:
+    def serialized(self: CacheCheckpointer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._calls:
             return method(self, *args, **kwargs)
 
@@ -288,7 +295,7 @@ class CacheCheckpointer:
             "step": step,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "metadata": meta.to_dict(),
-            "storage": {"platform": _platform(cache), "logical_dtype": meta.dtype.name,
+            "storage": {"platform": _platform(cache), "logical_dtype": known_dtype(meta.dtype).name,
                         "quantization": meta.quantization},
             "mesh": _mesh_record(cache),
             "arrays": [
@@ -396,7 +403,7 @@ class CacheCheckpointer:
                 f"async_save={self.async_save})")
 
 
-def _shut_down(mngr: ocp.CheckpointManager, lock: WriterLock) -> None:
+def _shut_down(mngr: OrbaxManager, lock: WriterLock) -> None:
     """Finish orbax's writes, close its manager, release the writer lock (the finalizer of a
     CacheCheckpointer; `close` has already reported any failure)."""
     try:

@@ -19,8 +19,8 @@ import json
 import math
 import os
 import zipfile
-from collections.abc import Mapping
-from typing import Any, Self
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Self, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +35,19 @@ WINDOW_FORMAT = "easykv.SequenceExport/2"
 GROUPED_FORMAT = "easykv.SequenceExport/3"
 _MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
 TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
+_Loaded = TypeVar("_Loaded", bound="ExportFile[Any]")
+#: ``check(shape, stored dtype)``: why a file member is not what the header implies (None: it is).
+MemberCheck = Callable[[tuple[int, ...], np.dtype], "str | None"]
+#: ``read(name, check)``: the file's member ``name`` as stored, once ``check`` accepts it.
+MemberReader = Callable[[str, MemberCheck], np.ndarray]
 
 
-class ExportFile:
+class ExportFile(Generic[_Loaded]):
     """The base of the two export classes (see the module doc). A subclass is a frozen
     dataclass with ``token_ids`` and gives: ``_scalars`` (every field but the arrays, for
     equality), ``_arrays`` (a pytree of its arrays), ``_members`` (each array under its file
-    name), ``_header`` (the file's header) and ``_from_header`` (the export a file holds)."""
+    name), ``_header`` (the file's header) and ``_from_header`` (the export a file holds).
+    ``_Loaded``: what the subclass's `load` returns (`SequenceExport.load` reads either kind)."""
 
     __hash__ = None  # type: ignore[assignment]  # holds arrays
     token_ids: np.ndarray | None
@@ -59,7 +65,7 @@ class ExportFile:
         raise NotImplementedError
 
     @classmethod
-    def _from_header(cls, header: dict[str, Any], members: Any, read: Any, source: str) -> Any:
+    def _from_header(cls, header: dict[str, Any], members: Any, read: MemberReader, source: str) -> _Loaded:
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
@@ -68,7 +74,8 @@ class ExportFile:
         if self._scalars() != other._scalars():
             return False
         ids, other_ids = self.token_ids, other.token_ids
-        if (ids is None) != (other_ids is None) or (ids is not None and not np.array_equal(ids, other_ids)):
+        if (ids is None) != (other_ids is None) or (
+                ids is not None and other_ids is not None and not np.array_equal(ids, other_ids)):
             return False
         mine, theirs = jax.tree.leaves(self._arrays()), jax.tree.leaves(other._arrays())
         return len(mine) == len(theirs) and all(_bits_equal(a, b) for a, b in zip(mine, theirs))
@@ -89,7 +96,8 @@ class ExportFile:
         if self.token_ids is not None:
             arrays["token_ids"] = np.asarray(self.token_ids, np.int32)
         arrays["header"] = np.frombuffer(json.dumps(self._header(dtypes)).encode(), np.uint8)
-        np.savez(file, **arrays)
+        # The ignore: numpy's stub checks the ** entries against savez's allow_pickle (bool) too.
+        np.savez(file, **arrays)  # type: ignore[arg-type]
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
@@ -97,7 +105,7 @@ class ExportFile:
         return buf.getvalue()
 
     @classmethod
-    def load(cls, file: Any) -> Any:
+    def load(cls, file: Any) -> _Loaded:
         """Read what `save` wrote (a path or a binary file): `SequenceExport.load` reads an
         export of either kind, `GroupedSequenceExport.load` only a grouped one. Everything in
         the file is checked before it is used: ValueError names what is wrong when the file is
@@ -113,14 +121,14 @@ class ExportFile:
         return cls._load(file, source)
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> Any:
+    def from_bytes(cls, blob: bytes) -> _Loaded:
         """`load` from what `to_bytes` returned."""
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise ValueError(f"{cls.__name__}.from_bytes takes bytes (from to_bytes), got {type(blob).__name__}")
         return cls._load(io.BytesIO(bytes(blob)), f"the {len(blob)} bytes given")
 
     @classmethod
-    def _load(cls, file: Any, source: str) -> Any:
+    def _load(cls, file: Any, source: str) -> _Loaded:
         try:
             npz = np.load(file, allow_pickle=False)
         except Exception as err:  # missing file, not a zip, truncated, ...
@@ -244,11 +252,11 @@ def checked_token_ids(owner: str, token_ids: Any, length: int) -> np.ndarray | N
     """An export's ``token_ids``: None, or one int32 id per token of its ``length``."""
     if token_ids is None:
         return None
-    token_ids = integer_array(f"{owner}.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX, hint=TOKEN_HINT)
-    if token_ids.shape != (length,):
-        raise ValueError(f"{owner}.token_ids holds {token_ids.size} ids but the sequence has length={length} "
+    ids = integer_array(f"{owner}.token_ids", token_ids, ndim=1, lo=0, hi=INT32_MAX, hint=TOKEN_HINT)
+    if ids.shape != (length,):
+        raise ValueError(f"{owner}.token_ids holds {ids.size} ids but the sequence has length={length} "
                          "tokens; pass exactly one id per token (or None)")
-    return token_ids
+    return ids
 
 
 def dequantized(part: Any, quantizer: Any, dtype: np.dtype) -> np.ndarray:
@@ -271,7 +279,7 @@ def header_dtype(header: Mapping[str, Any], field: str) -> np.dtype:
     return cache_dtype(f"{field} 'dtype'", header["dtype"])
 
 
-def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: Any,
+def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: MemberReader,
                 specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], source: str, field: str, *,
                 shown: int) -> dict[str, np.ndarray]:
     """The arrays ``specs`` names, once the header's 'dtypes' (quoted up to ``shown``
@@ -286,7 +294,7 @@ def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: Any
     return {name: _read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
 
 
-def _read_array(read: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _read_array(read: MemberReader, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """Member ``name`` as saved (floats as raw bits), checked against ``shape`` and viewed as ``dtype``."""
     stored = stored_dtype(dtype)
 
@@ -298,7 +306,7 @@ def _read_array(read: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -
     return read(name, check).view(dtype)
 
 
-def read_token_ids(read: Any, members: Mapping[str, Any], length: int) -> np.ndarray | None:
+def read_token_ids(read: MemberReader, members: Mapping[str, Any], length: int) -> np.ndarray | None:
     """The ``token_ids`` member when the file has one: ``length`` integer ids."""
     if "token_ids" not in members:
         return None
@@ -323,7 +331,7 @@ def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: s
         raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}{extra}")
 
 
-def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Any, dict[str, Any]]:
+def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], MemberReader, dict[str, Any]]:
     """The members of an export file, a checked reader of one member (``read(name, check)``)
     and its parsed header (a dict; its fields are for the export class to check)."""
     try:
@@ -341,7 +349,7 @@ def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Any, 
     if "header" not in members:
         raise ValueError(f"{source} has no 'header' member; it is not an easykv sequence export")
 
-    def read(name: str, check: Any) -> np.ndarray:
+    def read(name: str, check: MemberCheck) -> np.ndarray:
         return _read_member(npz, members[name], name, source, check)
 
     def header_check(shape: tuple[int, ...], dtype: np.dtype) -> str | None:
@@ -355,7 +363,7 @@ def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Any, 
     return members, read, header
 
 
-def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: Any) -> np.ndarray:
+def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: MemberCheck) -> np.ndarray:
     """One .npy member, after its npy header passed ``check(shape, dtype) -> problem | None``
     and its size matches that header (nothing is allocated for a shape the file cannot hold)."""
     where = f"{source}: array {name!r}"

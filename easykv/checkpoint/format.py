@@ -53,6 +53,7 @@ from etils import epath
 
 from easykv.errors import CheckpointIntegrityError, NotACheckpointError, StepNotFoundError
 from easykv.checkpoint.integrity import PendingFingerprints, fingerprints
+from easykv.checkpoint.orbax_types import EPath, OrbaxManager, OrbaxPyTreeHandler
 from easykv.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
@@ -78,14 +79,15 @@ USE_OCDBT = False
 
 
 # ---- the orbax handler of the JSON record -----------------------------------------------------
-class _StateHandler(ocp.handlers.AsyncCheckpointHandler):
+# The ignores on these three classes: orbax ships no types, so its base classes are Any (orbax_types).
+class _StateHandler(ocp.handlers.AsyncCheckpointHandler):  # type: ignore[misc, no-any-unimported]
     """Writes ``easykv/checkpoint.json`` (+ ``manager.json``) once the fingerprints are done;
     orbax commits the step only after this and the pages are written."""
 
-    async def async_save(self, directory: epath.Path, args: _StateSave) -> list[Any]:
+    async def async_save(self, directory: EPath, args: _StateSave) -> list[Any]:
         return [ocp.future.CommitFutureAwaitingContractedSignals(self._write(directory, args), name="easykv_state")]
 
-    async def _write(self, directory: epath.Path, args: _StateSave) -> None:
+    async def _write(self, directory: EPath, args: _StateSave) -> None:
         record = dict(args.record)
         record["arrays"] = [dict(e) for e in record["arrays"]]
         if args.fingerprints is not None:
@@ -99,22 +101,23 @@ class _StateHandler(ocp.handlers.AsyncCheckpointHandler):
                 (directory / MANAGER_FILE).write_bytes(manager_bytes)
             (directory / RECORD_FILE).write_bytes(record_bytes)
 
-    def save(self, directory: epath.Path, args: _StateSave) -> None:
+    def save(self, directory: EPath, args: _StateSave) -> None:
         async def run() -> None:
             for f in await self.async_save(directory, args):
                 f.result()
 
         asyncio.run(run())
 
-    def restore(self, directory: epath.Path, args: Any = None) -> dict[str, Any]:
+    def restore(self, directory: EPath, args: Any = None) -> dict[str, Any]:
         # easykv reads its record with `read_record` (verified); this is orbax's generic path.
         path = epath.Path(directory) / RECORD_FILE
-        return parse_json(path.read_text(), what=str(path), error=CheckpointIntegrityError)
+        record: dict[str, Any] = parse_json(path.read_text(), what=str(path), error=CheckpointIntegrityError)
+        return record
 
 
 @ocp.args.register_with_handler(_StateHandler, for_save=True)
 @dataclasses.dataclass
-class _StateSave(ocp.args.CheckpointArgs):
+class _StateSave(ocp.args.CheckpointArgs):  # type: ignore[misc, no-any-unimported]
     record: dict[str, Any]
     manager_state: dict[str, Any] | None
     fingerprints: PendingFingerprints | None
@@ -124,11 +127,11 @@ class _StateSave(ocp.args.CheckpointArgs):
 # every item it finds in a step (saving, listing and inspecting fail with "no handler" without it).
 @ocp.args.register_with_handler(_StateHandler, for_restore=True)
 @dataclasses.dataclass
-class _StateRestore(ocp.args.CheckpointArgs):
+class _StateRestore(ocp.args.CheckpointArgs):  # type: ignore[misc, no-any-unimported]
     pass
 
 
-def _pages_handler() -> ocp.PyTreeCheckpointHandler:
+def _pages_handler() -> OrbaxPyTreeHandler:
     """orbax's PyTree handler for the pages, remembering the commit futures of its last save.
     orbax waits on a step's items in name order and stops at the first failure ("easykv" sorts
     before "pages"), so after a failed state write the page files may still be landing;
@@ -139,7 +142,7 @@ def _pages_handler() -> ocp.PyTreeCheckpointHandler:
     save = handler.async_save
     handler.easykv_pending = []
 
-    async def async_save(directory: epath.Path, *args: Any, **kwargs: Any) -> Any:
+    async def async_save(directory: EPath, *args: Any, **kwargs: Any) -> Any:
         futures = await save(directory, *args, **kwargs)
         handler.easykv_pending = list(futures or ())
         return futures
@@ -148,7 +151,7 @@ def _pages_handler() -> ocp.PyTreeCheckpointHandler:
     return handler
 
 
-def drain_pages(mngr: ocp.CheckpointManager) -> None:
+def drain_pages(mngr: OrbaxManager) -> None:
     """After a failed save: wait until the page files of that save are written (or failed)."""
     handler = mngr.easykv_pages_handler  # every manager comes from orbax_manager
     pending, handler.easykv_pending = handler.easykv_pending, []
@@ -159,8 +162,8 @@ def drain_pages(mngr: ocp.CheckpointManager) -> None:
             pass
 
 
-def orbax_manager(directory: epath.Path, *, read_only: bool, max_to_keep: int | None = None,
-                  enable_async: bool = False) -> ocp.CheckpointManager:
+def orbax_manager(directory: EPath, *, read_only: bool, max_to_keep: int | None = None,
+                  enable_async: bool = False) -> OrbaxManager:
     """An orbax CheckpointManager over ``directory`` with easykv's two items. A writer's also
     removes temporary directories that interrupted saves left behind: build one only while
     holding the directory's writer lock (`checkpoint_writer`)."""
@@ -180,7 +183,7 @@ def check_step(step: Any) -> int:
 
 
 # ---- finding and reading steps -------------------------------------------------------------------
-def check_not_foreign(directory: epath.Path) -> None:
+def check_not_foreign(directory: EPath) -> None:
     """Refuse a directory that holds orbax steps which are not easykv checkpoints."""
     if (directory / MARKER_FILE).exists():
         return
@@ -195,14 +198,14 @@ def check_not_foreign(directory: epath.Path) -> None:
 STORAGE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
-def checkpoint_path(directory: Any) -> epath.Path:
+def checkpoint_path(directory: Any) -> EPath:
     """A checkpoint directory argument (a str, a path, or an epath for object stores)."""
     if isinstance(directory, (str, os.PathLike, epath.Path)) and str(directory):
         return epath.Path(directory)
     raise ValueError(f"a checkpoint directory must be a path (str or os.PathLike), got {show(directory)}")
 
 
-def resolve_step(directory: epath.Path, step: int | None) -> tuple[int, list[int]]:
+def resolve_step(directory: EPath, step: int | None) -> tuple[int, list[int]]:
     if not directory.exists():
         raise NotACheckpointError(f"no checkpoint at {directory}: the directory does not exist")
     if not directory.is_dir():
@@ -251,7 +254,7 @@ def _check_leaf(leaf: Any, sds: jax.ShapeDtypeStruct) -> str | None:
     return None
 
 
-def open_reader(directory: Any, step: int) -> ocp.CheckpointManager:
+def open_reader(directory: Any, step: int) -> OrbaxManager:
     """A read-only orbax manager (it never deletes anything); orbax's failures to open the
     directory become CheckpointIntegrityError."""
     try:
@@ -262,7 +265,7 @@ def open_reader(directory: Any, step: int) -> ocp.CheckpointManager:
             "check the directory", step=step, directory=str(directory)) from err
 
 
-def restore_arrays(mngr: ocp.CheckpointManager, step: int, entries: list[tuple[dict[str, Any], Any]],
+def restore_arrays(mngr: OrbaxManager, step: int, entries: list[tuple[dict[str, Any], Any]],
                    directory: Any) -> list[jax.Array]:
     """Read every array with its target sharding; each must come back as a jax.Array of exactly
     the requested shape, dtype and sharding. An unreadable or wrong one is named."""
@@ -280,7 +283,8 @@ def restore_arrays(mngr: ocp.CheckpointManager, step: int, entries: list[tuple[d
                     f"array {entry['name']} of step {step} in {directory} cannot be read: {problem}; orbax's "
                     f"metadata of the step is damaged — restore another step", array=entry["name"], step=step,
                     directory=str(directory))
-        return jax.block_until_ready(leaves)
+        ready: list[jax.Array] = jax.block_until_ready(leaves)  # every leaf checked to be an array above
+        return ready
 
     try:
         return run(entries)

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from easykv.checkpoint.export_file import (
-    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, cache_dtype, check_header_keys, check_raw_exportable,
+    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, MemberReader, cache_dtype, check_header_keys,
+    check_raw_exportable,
     checked_part, checked_token_ids, dequantized, header_dtype, member_specs, quantizer_for, read_arrays,
     read_token_ids, unknown_format,
 )
@@ -61,7 +62,7 @@ class ExportedGroup:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class GroupedSequenceExport(ExportFile):
+class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
     """One sequence's tokens and K/V from a cache of several layer groups, on the host.
 
     ``groups``: one `ExportedGroup` per layer group, together every model layer once. Every
@@ -166,7 +167,8 @@ class GroupedSequenceExport(ExportFile):
                 "dtypes": dtypes}
 
     @classmethod
-    def _from_header(cls, header: dict[str, Any], members: Any, read: Any, source: str) -> GroupedSequenceExport:
+    def _from_header(cls, header: dict[str, Any], members: Any, read: MemberReader, source: str
+                     ) -> GroupedSequenceExport:
         """The export a version-3 file holds."""
         fmt = header.get("format")
         if fmt in (EXPORT_FORMAT, WINDOW_FORMAT):

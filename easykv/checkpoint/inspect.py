@@ -19,11 +19,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from etils import epath
 
 from easykv.checkpoint import format as fmt
 from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
+from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import is_legacy, legacy_note
+from easykv.spec.metadata import known_dtype
 
 
 def _size(n: float) -> str:
@@ -34,7 +35,7 @@ def _size(n: float) -> str:
     return f"{n:.2f} TiB"
 
 
-def _disk_bytes(path: epath.Path) -> int | None:
+def _disk_bytes(path: EPath) -> int | None:
     local = os.fspath(path)
     if "://" in local:
         return None
@@ -87,7 +88,7 @@ def _group_line(group: Any) -> str:
     return f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; {group.num_pages} pages{group.format_note}"
 
 
-def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[str], bool]:
+def _step_report(directory: EPath, step: int, verify: bool) -> tuple[list[str], bool]:
     """The lines of one step and whether it is intact."""
     try:
         record = fmt.read_record(directory, step)
@@ -107,8 +108,8 @@ def _step_report(directory: epath.Path, step: int, verify: bool) -> tuple[list[s
                  f"batch_size {meta.batch_size}, max_sequences {meta.max_sequences}")
     if not meta.is_uniform:
         lines.extend(f"  group {g}  {_group_line(group)}" for g, group in enumerate(meta.groups))
-    lines.append(f"  format   {meta.dtype.name}, quantization {meta.quantization}; stored as {', '.join(stored)} "
-                 f"on {record['storage']['platform']}")
+    lines.append(f"  format   {known_dtype(meta.dtype).name}, quantization {meta.quantization}; stored as "
+                 f"{', '.join(stored)} on {record['storage']['platform']}")
     lines.append(f"  size     {_size(logical)} in {len(arrays)} arrays"
                  + (f"; {_size(disk)} on disk" if disk is not None else ""))
     lines.append(f"  mesh     {_mesh_line(record['mesh'])}")
@@ -178,7 +179,7 @@ def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
     return inspect_report(directory, verify=verify)[0]
 
 
-def _has_steps(directory: epath.Path) -> bool:
+def _has_steps(directory: EPath) -> bool:
     """Raise for what is not a checkpoint directory; False for one with no complete step yet."""
     try:
         fmt.resolve_step(directory, None)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -107,7 +107,8 @@ def _cell_crcs_device(x: jax.Array) -> jax.Array:
         crc = jax.lax.fori_loop(0, words, word, crc)
     for j in range(4 * words, raw.shape[1]):  # at most 3 trailing bytes
         crc = tables[0][(crc ^ raw[:, j].astype(jnp.uint32)) & 0xFF] ^ (crc >> 8)
-    return (crc ^ jnp.uint32(0xFFFFFFFF)).reshape(h, n)
+    cells: jax.Array = (crc ^ jnp.uint32(0xFFFFFFFF)).reshape(h, n)  # jnp.uint32(...) is untyped: typed here
+    return cells
 
 
 def _cell_sums_host(block: np.ndarray) -> np.ndarray:
@@ -116,7 +117,8 @@ def _cell_sums_host(block: np.ndarray) -> np.ndarray:
     h, n = block.shape[:2]
     raw = _cells_host(block)
     words = raw.view("<u4") if raw.shape[1] % 4 == 0 else raw.astype(np.uint32)
-    return words.sum(axis=1, dtype=np.uint32).reshape(h, n)
+    sums: np.ndarray = words.sum(axis=1, dtype=np.uint32).reshape(h, n)  # numpy's sum of a dtype is untyped
+    return sums
 
 
 def _cell_sums_device(x: jax.Array) -> jax.Array:
@@ -140,10 +142,12 @@ def _digest(sums: np.ndarray) -> str:
 
 
 def _host_path_ok(x: jax.Array) -> bool:
-    return x.is_fully_addressable and all(d.platform == "cpu" for d in x.sharding.device_set)
+    # The ignore: jaxlib's stub of Device (an extension type) does not declare its platform.
+    return x.is_fully_addressable and all(
+        d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
 
 
-_DEVICE_CELLS: dict[Any, Any] = {}
+_DEVICE_CELLS: dict[Any, Callable[[jax.Array], jax.Array]] = {}
 
 
 def _device_cells(x: jax.Array, algorithm: str, grid: int) -> jax.Array:
@@ -156,14 +160,16 @@ def _device_cells(x: jax.Array, algorithm: str, grid: int) -> jax.Array:
         for _ in range(grid - 2):  # a leading (layer) axis of the grid, kept apart: no reshard
             cells = jax.vmap(cells)
         fn = _DEVICE_CELLS[key] = jax.jit(cells, out_shardings=out)
-    return fn(x)
+    digests: jax.Array = fn(x)  # a jitted function's result is untyped: typed here
+    return digests
 
 
 def _host_grid_cells(cells: Any, block: np.ndarray, grid: int) -> np.ndarray:
     """``cells`` of a block whose first ``grid`` axes are the cell grid (the leading ones merged:
     a contiguous reshape, the same cells in the same order)."""
     lead = block.shape[:grid]
-    return cells(block.reshape((-1,) + block.shape[grid - 1:])).reshape(lead)
+    out: np.ndarray = cells(block.reshape((-1,) + block.shape[grid - 1:])).reshape(lead)
+    return out
 
 
 class PendingFingerprints:

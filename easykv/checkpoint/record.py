@@ -42,8 +42,9 @@ import numpy as np
 from etils import epath
 
 from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
+from easykv.checkpoint.orbax_types import EPath
 from easykv.manager.state import max_state_bytes, summarize_state
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.pages import group_templates, page_template
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
@@ -118,7 +119,8 @@ def page_leaves(pairs: Sequence[tuple[Any, Any]], *, stacked: bool = True) -> li
 def page_pairs(templates: Sequence[tuple[Any, Any]], leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
     """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per item,
     with the structure of ``templates`` (`expected_templates`; V None for a latent group)."""
-    return jax.tree_util.tree_structure(list(templates)).unflatten(leaves)
+    pairs: list[tuple[Any, Any]] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(templates)), leaves)
+    return pairs
 
 
 def stored_template(meta: PagedAttentionCacheMetaData, platform: str) -> Any:
@@ -188,7 +190,7 @@ def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIn
 RECORD_MAX_BYTES = 16 << 20  # a record lists a few hundred bytes per array
 
 
-def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> bytes | None:
+def read_small_file(path: EPath, limit: int, step: int, directory: Any) -> bytes | None:
     """A JSON file of a step, or None when it does not exist. Only a regular file of at most
     ``limit`` bytes is read: a link to /dev/zero, a FIFO or a huge file is damage, not input
     to read until memory runs out (the read itself is bounded too: the file may change)."""
@@ -202,7 +204,7 @@ def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> 
         if size > limit:
             raise _damaged(f"{path} holds {size} bytes, more than the {limit} such a file can hold", step, directory)
         with path.open("rb") as f:
-            data = f.read(limit + 1)
+            data: bytes = f.read(limit + 1)
     except OSError as err:
         raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
     if len(data) > limit:
@@ -210,7 +212,7 @@ def read_small_file(path: epath.Path, limit: int, step: int, directory: Any) -> 
     return data
 
 
-def _read_json(path: epath.Path, step: int, directory: Any, *, data: bytes | None = None) -> Any:
+def _read_json(path: EPath, step: int, directory: Any, *, data: bytes | None = None) -> Any:
     if data is None:
         data = read_small_file(path, RECORD_MAX_BYTES, step, directory)
         if data is None:
@@ -256,7 +258,8 @@ def read_record(directory: Any, step: int) -> dict[str, Any]:
 
 def is_legacy(record: Mapping[str, Any]) -> bool:
     """True for a version-1 record: no hash of the record or manager state to verify."""
-    return record["format_version"] == LEGACY_VERSION
+    legacy: bool = record["format_version"] == LEGACY_VERSION
+    return legacy
 
 
 def legacy_note(step: int, directory: Any) -> str:
@@ -345,7 +348,8 @@ def _str(value: Any, field: str, step: int, directory: Any, *, pattern: re.Patte
         what = f"one of {sorted(allowed)}" if allowed is not None else "a short name" if pattern is _NAME else \
             f"a string matching {pattern.pattern}" if pattern is not None else f"a string of <= {max_len} characters"
         raise _bad(field, f"must be {what}, got {show(value)}", step, directory)
-    return value
+    text: str = value
+    return text
 
 
 def _optional(value: Any, check: Any, *args: Any, **kw: Any) -> Any:
@@ -369,12 +373,13 @@ def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedA
     for field in ("dtype", "kv_head_mesh_axes"):  # a cache's metadata leaves nothing to init_cache
         if getattr(meta, field) is None:
             raise _bad(f"metadata.{field}", "is null, but the metadata of a saved cache is complete", *at)
+    dtype = known_dtype(meta.dtype)  # checked just above
 
     storage = _dict(record["storage"], "storage", *at, keys=frozenset({"platform", "logical_dtype", "quantization"}))
     platform = _str(storage["platform"], "storage.platform", *at)
-    if storage["logical_dtype"] != meta.dtype.name:
+    if storage["logical_dtype"] != dtype.name:
         raise _bad("storage.logical_dtype", f"is {show(storage['logical_dtype'])} but the metadata says "
-                   f"{meta.dtype.name!r}", *at)
+                   f"{dtype.name!r}", *at)
     if storage["quantization"] != meta.quantization:
         raise _bad("storage.quantization", f"is {show(storage['quantization'])} but the metadata says "
                    f"{meta.quantization!r}", *at)

@@ -15,7 +15,7 @@ from typing import Any
 from easykv.errors import CheckpointMismatchError
 from easykv.quantization import get_quantizer
 from easykv.spec.dtypes import canonical_dtype
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 
 # Fields that describe the model and the pool: a restore never changes them.
 SHAPE_FIELDS = ("num_hidden_layers", "num_kv_heads", "kv_head_dim_size", "page_size", "num_pages_per_layer",
@@ -62,8 +62,9 @@ def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any,
                               quantization=first(want_q, base.quantization))
     changed = [(g, a, b) for g, a, b in zip(saved.groups, saved.group_formats, want.group_formats) if a != b]
     if changed and not convert:
-        what = "; ".join(("" if saved.is_uniform else f"layers {g.span}: ") + f"the checkpoint holds {a[0].name} pages "
-                         f"with quantizer {a[1]!r}, but {b[0].name} with quantizer {b[1]!r} was asked for"
+        what = "; ".join(("" if saved.is_uniform else f"layers {g.span}: ") + f"the checkpoint holds "
+                         f"{known_dtype(a[0]).name} pages with quantizer {a[1]!r}, but {known_dtype(b[0]).name} "
+                         f"with quantizer {b[1]!r} was asked for"
                          for g, a, b in changed)
         raise CheckpointMismatchError(
             f"{what}; restore without dtype/quantizer to get the saved format bit-exact, or pass convert=True to "

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from jax.sharding import Mesh
 
 from easykv.checkpoint.format import (
@@ -33,15 +32,16 @@ from easykv.checkpoint.format import (
     verify_arrays,
 )
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
+from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import check_format, check_same_cache
 from easykv.manager.manager import PageManager
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.spec.relayout import target_metadata
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.convert import convert_pages, to_storage_dtypes
 from easykv.storage.pages import PageLayout, group_templates
-from easykv.storage.placement import group_layouts
+from easykv.storage.placement import cache_layout, group_layouts
 from easykv.validation import boolean, show
 
 
@@ -116,7 +116,7 @@ def restore_cache(
             f"{target.pages_per_shard} pages", stacklevel=2)
 
     # Read the saved arrays as stored, each shard straight onto its target device; check them.
-    layout = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
+    layout = cache_layout(mesh, target)
     version = record["format_version"]
     abstract = _saved_arrays(record, group_layouts(target, layout), layout, is_stacked(version))
     mngr = open_reader(directory, step)
@@ -131,7 +131,7 @@ def restore_cache(
                          saved_mesh=dict(record["mesh"]), extra_metadata=dict(record["extra_metadata"]))
 
 
-def _restore_manager(directory: epath.Path, step: int, saved: PagedAttentionCacheMetaData,
+def _restore_manager(directory: EPath, step: int, saved: PagedAttentionCacheMetaData,
                      target: PagedAttentionCacheMetaData) -> Any:
     """The saved PageManager, validated against the pool it was saved with, then re-split for
     the target's page slices; None when none was saved."""
@@ -183,12 +183,12 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
     for g, ((k, v), group_layout) in enumerate(zip(pairs, group_layouts(target, layout))):
         if dst_templates is not None and same_format.group_formats[g] != target.group_formats[g]:
             k_tmpl, v_tmpl = dst_templates[g]
-            src, dst = same_format.group_formats[g][0], target.group_formats[g][0]
+            src, dst = known_dtype(same_format.group_formats[g][0]), known_dtype(target.group_formats[g][0])
             k = convert_pages(k, src, dst, k_tmpl, group_layout)
             v = None if v is None else convert_pages(v, src, dst, v_tmpl, group_layout)
         keys.append(k)
         values.append(v)
-    return PagedAttentionCache(target, keys, values, layout)
+    return PagedAttentionCache(target, tuple(keys), tuple(values), layout)
 
 
 def _stack_layers(pairs: list[tuple[Any, Any]], meta: PagedAttentionCacheMetaData,

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from easykv.checkpoint.export_file import (
-    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, cache_dtype, check_header_keys, check_raw_exportable,
+    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, MemberReader, cache_dtype, check_header_keys,
+    check_raw_exportable,
     checked_part, checked_token_ids, dequantized, header_dtype, member_specs, quantizer_for, read_arrays,
     read_token_ids, unknown_format,
 )
@@ -40,7 +41,7 @@ _SCALARS = ("length", "num_hidden_layers", "num_kv_heads", "kv_head_dim_size", "
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class SequenceExport(ExportFile):
+class SequenceExport(ExportFile["SequenceExport | GroupedSequenceExport"]):
     """One sequence's tokens and K/V, on the host.
 
     keys / values: dense ``(layers, tokens, kv_heads, head_dim)`` arrays in ``dtype``, or, when
@@ -125,7 +126,8 @@ class SequenceExport(ExportFile):
         return header
 
     @classmethod
-    def _from_header(cls, header: dict[str, Any], members: Any, read: Any, source: str) -> Any:
+    def _from_header(cls, header: dict[str, Any], members: Any, read: MemberReader, source: str
+                     ) -> SequenceExport | GroupedSequenceExport:
         """The export a file of any version holds (a grouped one from a version-3 file)."""
         fmt = header.get("format")
         if fmt == GROUPED_FORMAT:  # a cache of several layer groups

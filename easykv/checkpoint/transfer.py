@@ -301,7 +301,8 @@ def _available_per_replica(manager: PageManager, meta: Any) -> np.ndarray:
     return np.stack(out)
 
 
-def _room(manager: PageManager, meta: PagedAttentionCacheMetaData, length: int, tokens: np.ndarray | None, salt: Any, skip: int) -> bool:
+def _room(manager: PageManager, meta: PagedAttentionCacheMetaData, length: int, tokens: np.ndarray | None, salt: Any,
+          skip: int) -> bool:
     """Raise CacheFullError when no replica has, in every layer group, the pages the sequence
     needs beyond its cached prefix. Returns True when every replica surely has them (whatever
     the prefix match shares); False when only the manager itself can tell (then it is asked on

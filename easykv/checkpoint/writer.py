@@ -29,8 +29,7 @@ import re
 import socket
 from typing import Any
 
-from etils import epath
-
+from easykv.checkpoint.orbax_types import EPath
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
 
 LOCK_PREFIX = ".easykv-writer-"
@@ -41,14 +40,14 @@ def lock_file_name(process_index: int) -> str:
     return f"{LOCK_PREFIX}{process_index}.lock"
 
 
-def _is_local(directory: epath.Path) -> bool:
+def _is_local(directory: EPath) -> bool:
     return "://" not in os.fspath(directory)
 
 
 class WriterLock:
     """The exclusive writer lock of ``directory`` for one process index (see the module doc)."""
 
-    def __init__(self, directory: epath.Path, process_index: int):
+    def __init__(self, directory: EPath, process_index: int):
         self.directory = directory
         self.path = directory / lock_file_name(process_index)
         self._fd: int | None = None

@@ -57,8 +57,7 @@ class _WindowTable(GroupTable):
     windowed = True
 
     def first_needed(self, lens: np.ndarray) -> np.ndarray:
-        first: np.ndarray = self.group.first_needed_position(lens)  # scalars or arrays: typed Any there
-        return first
+        return self.group.first_needed_position(lens)
 
     def release_out_of_window(self, rows: np.ndarray, lens: np.ndarray, version: list[bytes | None],
                               current: bytes | None) -> np.ndarray:

@@ -35,6 +35,7 @@ from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.broken import Broken
 from easykv.manager.page_pool import PagePool
 from easykv.step.metadata import PAD_PAGE
+from easykv.spec.groups import known_size
 
 if TYPE_CHECKING:
     from easykv.manager.sequences import SequenceTable
@@ -68,7 +69,7 @@ class GroupTable(abc.ABC):
     def fresh(cls, group: LayerGroup, *, index: int, grouped: bool, page_size: int, batch_size: int,
               pages_per_sequence: int, page_shards: int, scrub_released: bool, host_pages: int = 0) -> GroupTable:
         """``host_pages``: pages of the group's host tier (0: none)."""
-        pool = PagePool(int(group.num_pages), int(page_shards), scrub_released=scrub_released)
+        pool = PagePool(known_size(group.num_pages), int(page_shards), scrub_released=scrub_released)
         host = None
         if host_pages:
             pool.keep_evicted = True

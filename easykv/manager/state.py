@@ -44,6 +44,7 @@ from easykv.manager.prefix_hash import DIGEST_BYTES, version_digest
 from easykv.manager.versions import LOOKUP_COUNTERS, VERSION_COUNTERS, WeightVersion
 from easykv.step.metadata import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
+from easykv.spec.groups import known_size
 
 if TYPE_CHECKING:
     from easykv.manager.parts import ManagerParts
@@ -72,9 +73,9 @@ def config(metadata: PagedAttentionCacheMetaData, enable_prefix_caching: bool, s
     groups = metadata.groups
     if len(groups) > 1:
         out["groups"] = [{"attention": g.attention, "window": None if g.window is None else int(g.window),
-                          "num_pages": int(g.num_pages)} for g in groups]
+                          "num_pages": known_size(g.num_pages)} for g in groups]
     elif groups[0].windowed:
-        out.update(attention=groups[0].attention, window=int(groups[0].window))
+        out.update(attention=groups[0].attention, window=known_size(groups[0].window))
     return out
 
 
@@ -467,7 +468,7 @@ def max_state_bytes(meta: PagedAttentionCacheMetaData) -> int:
     (tables, free and cached lists, digests), a sequence's fields per slot, and its token ids
     (at most 12 bytes each: ten digits, a comma, a space)."""
     groups = meta.groups
-    return (1 << 20) + 256 * (sum(g.num_pages for g in groups)
+    return (1 << 20) + 256 * (sum(known_size(g.num_pages) for g in groups)
                               + meta.batch_size * (meta.num_pages_per_sequence * len(groups) + 64)) \
         + 12 * meta.batch_size * meta.max_sequences
 

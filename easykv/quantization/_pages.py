@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import jax
 import numpy as np
@@ -18,7 +18,10 @@ SCALE_DTYPE = np.dtype("float32")
 class Quantizer(Protocol):
     """What the cache needs of a quantizer."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The name the metadata records (read-only: a field, a property or a class constant)."""
+        ...
 
     def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
         """Stored bytes of one token of one kv head, values and per-token scales together. A
@@ -92,9 +95,13 @@ class QuantizedPages:
         """The values these codes stand for, in ``dtype``. ``rotated=True``: a rotating
         quantizer's values are left in its rotated basis (attention rotates the query instead);
         for any other quantizer it changes nothing."""
+        # ``quantizer`` is any compressing quantizer (duck-typed: a rotating one takes ``rotated``).
+        values: jax.Array
         if rotated and self.rotation is not None:
-            return self.quantizer.dequantize(self, dtype, rotated=True)
-        return self.quantizer.dequantize(self, dtype)
+            values = self.quantizer.dequantize(self, dtype, rotated=True)
+        else:
+            values = self.quantizer.dequantize(self, dtype)
+        return values
 
     @property
     def rotation(self) -> Rotation | None:
@@ -107,7 +114,7 @@ class QuantizedPages:
         so (a whole number, at most 8, of values per stored element). ValueError when none does."""
         vshape, sshape = np.shape(self.values), np.shape(self.scales)
         lead = len(vshape) - (2 if scales_per_page(self.quantizer) else 1)  # per page: no page_size axis
-        packed, scale_tail = vshape[-1], tuple(sshape[lead:])
+        packed, scale_tail = int(vshape[-1]), tuple(sshape[lead:])
         if len(vshape) < 2 or sshape[:lead] != vshape[:lead] or packed <= 0:
             raise ValueError(f"{self.quantizer.name} values {vshape} and scales {sshape} do not pair up")
         for per_element in range(1, 9):  # values packed per stored element: 8 candidates, whatever the size
@@ -131,5 +138,6 @@ class NoQuantizer:
         return None
 
 
-def is_compressing(quantizer: Quantizer) -> bool:
+def is_compressing(quantizer: Quantizer) -> TypeGuard[CompressingQuantizer]:
+    """Whether ``quantizer``'s pages are `QuantizedPages` (it has ``quantize`` and the shapes)."""
     return isinstance(quantizer, CompressingQuantizer)

@@ -24,12 +24,13 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 _SIGN_SEED = b"easykv rotation v1"
 
 
 @functools.lru_cache(maxsize=64)
-def rotation_matrix(dim: int) -> np.ndarray:
+def rotation_matrix(dim: int) -> npt.NDArray[np.float32]:
     """``R`` (``(dim, dim)`` float32, orthogonal; see the module doc). ``y = R x`` is the rotated
     token; on row-major arrays ``y = x @ R.T`` and ``x = y @ R``."""
     if dim < 1:
@@ -42,7 +43,8 @@ def rotation_matrix(dim: int) -> np.ndarray:
     angles = 2 * np.pi * np.outer(np.arange(odd), np.arange(odd)) / odd
     hartley = np.cos(angles) + np.sin(angles)
     matrix = np.kron(hadamard, hartley) / np.sqrt(dim)
-    return (matrix * _signs(dim)[None, :]).astype(np.float32)
+    rotation: npt.NDArray[np.float32] = (matrix * _signs(dim)[None, :]).astype(np.float32)
+    return rotation
 
 
 def _signs(dim: int) -> np.ndarray:

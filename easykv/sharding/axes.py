@@ -114,7 +114,7 @@ class PartitionAxis:
                 f"unknown logical axis {logical!r}; known logical axes are "
                 f"{', '.join(repr(n) for n in LOGICAL_AXES)} (or None for an unsharded dim)."
             )
-        rule = getattr(self, field_name)
+        rule: MeshAxes = getattr(self, field_name)
         if rule is None:
             return ()
         if isinstance(rule, str):

@@ -13,7 +13,7 @@ import dataclasses
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -38,7 +38,7 @@ def shard_count(spec_entry: str | tuple[str, ...] | None, mesh: Mesh) -> int:
     return mesh_axis_size(mesh, spec_entry)
 
 
-def _check_inputs(axes: Sequence[str | None], shape: Sequence[int]) -> tuple[tuple, tuple[int, ...]]:
+def _check_inputs(axes: Sequence[str | None], shape: Sequence[int]) -> tuple[tuple[str | None, ...], tuple[int, ...]]:
     """Validate `axes` and `shape` and return them as tuples."""
     if isinstance(axes, str) or not isinstance(axes, Sequence):
         raise ValueError(
@@ -79,6 +79,12 @@ class PartitionManager:
 
     shard_count = staticmethod(shard_count)
 
+    @property
+    def rules(self) -> PartitionAxis:
+        """``paxis`` as built: never None (``__post_init__`` puts the defaults in its place)."""
+        # cast: the field's type keeps None because the constructor takes it; no built manager has it.
+        return cast(PartitionAxis, self.paxis)
+
     def resolve_with_report(
         self, axes: Sequence[str | None], shape: Sequence[int], *, mesh: Mesh
     ) -> tuple[PartitionSpec, tuple[str, ...]]:
@@ -89,14 +95,14 @@ class PartitionManager:
         """
         axes, shape = _check_inputs(axes, shape)
         mesh_sizes = dict(mesh.shape)
-        owner: dict[str, tuple[int, str]] = {}  # mesh axis -> (dim, logical) that requested it
+        owner: dict[str, tuple[int, str | None]] = {}  # mesh axis -> (dim, logical) that requested it
         entries: list[str | tuple[str, ...] | None] = []
         report: list[str] = []
         for dim_index, (logical, dim) in enumerate(zip(axes, shape)):
             kept: list[str] = []
             product = 1
             where = f"logical axis {logical!r} (dim {dim_index}, size {dim})"
-            for axis in self.paxis.mesh_axes(logical):
+            for axis in self.rules.mesh_axes(logical):
                 if axis not in mesh_sizes:
                     report.append(
                         f"{where}: the mesh has no axis {axis!r} (mesh axes: "
@@ -152,7 +158,8 @@ class PartitionManager:
         """A NamedSharding for `shape` on `mesh`, resolved (and reported) like `resolve`."""
         return NamedSharding(mesh, self._resolve(axes, shape, mesh, stacklevel=2))
 
-    def constrain(self, x: Any, axes: Sequence[str | None], *, mesh: Mesh) -> Any:
+    def constrain(self, x: jax.Array, axes: Sequence[str | None], *, mesh: Mesh) -> jax.Array:
         """`jax.lax.with_sharding_constraint` with the resolved spec; usable inside jit."""
         sharding = NamedSharding(mesh, self._resolve(axes, x.shape, mesh, stacklevel=2))
-        return jax.lax.with_sharding_constraint(x, sharding)
+        constrained: jax.Array = jax.lax.with_sharding_constraint(x, sharding)  # typed Any by jax
+        return constrained

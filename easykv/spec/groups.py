@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast, overload
 
 import numpy as np
 
@@ -33,6 +33,19 @@ from easykv.quantization import get_quantizer
 from easykv.spec.dtypes import canonical_dtype
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
+
+
+def known_size(value: int | None) -> int:
+    """``value``, a size a checked group always has, typed as the int it is there.
+
+    A `LayerGroup` leaves ``num_kv_heads``, the head dims and ``num_pages`` open (None) until a
+    metadata fills and sizes it, and a windowed group's ``window`` is None only for full
+    attention; so the fields are ``int | None``, but every group of a checked
+    `PagedAttentionCacheMetaData` (``metadata.groups``) has them all. Nothing is checked here:
+    the metadata's checks did that when it was built."""
+    # cast: "filled and sized" is an invariant of a checked metadata that the field types cannot carry.
+    return cast(int, value)
+
 
 class AttentionKind(enum.StrEnum):
     """What a layer group's queries read, and so which pages its sequences keep (module doc).
@@ -52,23 +65,30 @@ class AttentionKind(enum.StrEnum):
         """Whether sequences release the pages that left the window (sliding or chunked)."""
         return self is not AttentionKind.FULL
 
-    def first_needed_position(self, next_position: Any, window: int | None) -> Any:
+    @overload
+    def first_needed_position(self, next_position: int, window: int | None) -> int: ...
+    @overload
+    def first_needed_position(self, next_position: np.ndarray, window: int | None) -> np.ndarray: ...
+
+    def first_needed_position(self, next_position: int | np.ndarray, window: int | None) -> int | np.ndarray:
         """The first position a query at ``next_position`` or later reads (an int, or
         elementwise for a numpy array of positions)."""
+        if self is AttentionKind.FULL:
+            return 0 if isinstance(next_position, int) else np.zeros_like(next_position)
+        size = cast(int, window)  # a sliding or chunked group always has one (LayerGroup checks it)
         if self is AttentionKind.SLIDING:
-            return np.maximum(next_position - window + 1, 0)
-        if self is AttentionKind.CHUNKED:
-            return (next_position // window) * window
-        return 0
+            first = np.maximum(next_position - size + 1, 0)
+            return int(first) if isinstance(next_position, int) else first
+        return (next_position // size) * size
 
     def pages_kept(self, full_pages: int, window: int | None, page_size: int) -> int:
         """Pages a sequence of ``full_pages`` pages keeps at once: a window of W consecutive
         tokens touches at most ``ceil((W - 1) / page_size) + 1`` pages, a page-aligned chunk of C
         tokens exactly ``C / page_size``."""
         if self is AttentionKind.SLIDING:
-            return min(full_pages, math.ceil((window - 1) / page_size) + 1)
+            return min(full_pages, math.ceil((known_size(window) - 1) / page_size) + 1)
         if self is AttentionKind.CHUNKED:
-            return min(full_pages, window // page_size)
+            return min(full_pages, known_size(window) // page_size)
         return full_pages
 
 
@@ -146,7 +166,8 @@ class LayerGroup(Serializable):
             object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if self.quantization is not None:
             quantizer = get_quantizer(self.quantization)
-            for dim in {self.key_head_dim, self.value_head_dim if self.has_values else None} - {None}:
+            # cast: the set difference drops None, which mypy does not follow.
+            for dim in cast("set[int]", {self.key_head_dim, self.value_head_dim if self.has_values else None} - {None}):
                 quantizer.validate(dim, np.dtype("bfloat16") if self.dtype is None else self.dtype)
             object.__setattr__(self, "quantization", quantizer.name)
 
@@ -194,7 +215,12 @@ class LayerGroup(Serializable):
         `AttentionKind.pages_kept`)."""
         return self.attention.pages_kept(math.ceil(max_tokens / page_size), self.window, page_size)
 
-    def first_needed_position(self, next_position: Any) -> Any:
+    @overload
+    def first_needed_position(self, next_position: int) -> int: ...
+    @overload
+    def first_needed_position(self, next_position: np.ndarray) -> np.ndarray: ...
+
+    def first_needed_position(self, next_position: int | np.ndarray) -> int | np.ndarray:
         """The first token position a query at ``next_position`` or later can still read (an
         int, or elementwise for a numpy array of positions)."""
         return self.attention.first_needed_position(next_position, self.window)
@@ -219,7 +245,7 @@ def check_groups(groups: tuple[LayerGroup, ...], *, num_layers: int, page_size: 
                 raise ValueError(f"layer {layer} is in layer_groups[{owner[layer]}] and layer_groups[{g}]; "
                                  "a layer belongs to exactly one group")
             owner[layer] = g
-        if group.attention is AttentionKind.CHUNKED and group.window % page_size:
+        if group.attention is AttentionKind.CHUNKED and known_size(group.window) % page_size:
             raise ValueError(
                 f"layer_groups[{g}] has chunk size {group.window}, not a multiple of page_size={page_size}: a page "
                 "would straddle two chunks and could be neither kept nor freed whole; use a page size that divides it")
@@ -248,4 +274,4 @@ def group_pattern(num_layers: int, pattern: Any, **kinds: dict[str, Any]) -> tup
                             **kinds[letter]) for letter in order)
 
 
-__all__ = ["ATTENTION_KINDS", "AttentionKind", "LayerGroup", "check_groups", "group_pattern"]
+__all__ = ["ATTENTION_KINDS", "AttentionKind", "LayerGroup", "check_groups", "group_pattern", "known_size"]

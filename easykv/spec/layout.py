@@ -47,7 +47,7 @@ def plan_layout(
         raise ValueError(f"partition_manager must be a sharding.PartitionManager or None, got "
                          f"{type(partition_manager).__name__}{hint}")
     pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
-    page_axes = pm.paxis.mesh_axes(PAGE)
+    page_axes = pm.rules.mesh_axes(PAGE)
     # The page axis length is chosen by sizing, always as a multiple of its shard count, so
     # only axes missing from the mesh can be dropped there.
     page_dim = math.prod(mesh.shape.get(a, 1) for a in page_axes)

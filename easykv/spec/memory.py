@@ -52,6 +52,11 @@ def _read_int(path: str) -> int | None:
             text = f.read().strip()
     except FileNotFoundError:
         return None
+    return _parse_int(path, text)
+
+
+def _parse_int(path: str, text: str) -> int:
+    """The integer ``text`` read from ``path``; MemoryUnavailableError if garbled."""
     try:
         return int(text)
     except ValueError:
@@ -118,7 +123,7 @@ def read_host_memory(root: str = "/") -> HostMemory:
             continue
         if text == "max":
             continue
-        limit = _read_int(max_path)
+        limit = _parse_int(max_path, text)
         usage = _read_int(os.path.join(d, "memory.current"))
         if usage is None:
             raise MemoryUnavailableError(
@@ -128,14 +133,14 @@ def read_host_memory(root: str = "/") -> HostMemory:
             best = (limit, usage)
     if best is None:
         v1 = os.path.join(root, "sys/fs/cgroup/memory")
-        limit = _read_int(os.path.join(v1, "memory.limit_in_bytes"))
-        if limit is not None and limit < _CGROUP_V1_UNLIMITED:
+        v1_limit = _read_int(os.path.join(v1, "memory.limit_in_bytes"))
+        if v1_limit is not None and v1_limit < _CGROUP_V1_UNLIMITED:
             usage = _read_int(os.path.join(v1, "memory.usage_in_bytes"))
             if usage is None:
                 raise MemoryUnavailableError(
                     f"{v1}/memory.limit_in_bytes sets a limit but memory.usage_in_bytes is "
                     "missing; pass memory_bytes_per_device= to size the cache explicitly")
-            best = (limit, usage)
+            best = (v1_limit, usage)
     if best is None:
         return HostMemory(available)
     return HostMemory(available, best[0], best[1])
@@ -152,7 +157,7 @@ def _local(devices: Sequence[Any]) -> list[Any]:
     return [d for d in devices if getattr(d, "process_index", me) == me]
 
 
-def _from_stats(name: str, stats: dict, util: float) -> tuple[int, str]:
+def _from_stats(name: str, stats: dict[str, Any], util: float) -> tuple[int, str]:
     limit_key = next((k for k in ("bytes_limit", "bytes_reservable_limit")
                       if isinstance(stats.get(k), Integral) and stats[k] > 0), None)
     if limit_key is None:
@@ -162,8 +167,8 @@ def _from_stats(name: str, stats: dict, util: float) -> tuple[int, str]:
             "pass memory_bytes_per_device= to size the cache explicitly")
     limit = int(stats[limit_key])
     in_use = stats.get("bytes_in_use")
-    if isinstance(in_use, Integral) and in_use >= 0:
-        used, note = int(in_use), f"in use {_gib(in_use)}"
+    if isinstance(in_use, Integral) and int(in_use) >= 0:
+        used, note = int(in_use), f"in use {_gib(int(in_use))}"
     else:
         used, note = 0, "bytes_in_use not reported, taken as 0"
     budget = int(limit * util) - used

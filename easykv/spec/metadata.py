@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, cast, overload
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
 from easykv.sharding import PartitionManager
 from easykv.spec.create import create_metadata
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
-from easykv.spec.groups import LayerGroup, check_groups
+from easykv.spec.groups import LayerGroup, check_groups, known_size
 from easykv.spec.layout import LayoutPlan, plan_layout  # re-exported: the metadata's public companions
 from easykv.spec.memory import MemoryBudget  # re-exported
 from easykv.spec.serialization import Serializable
@@ -33,6 +33,11 @@ _EASYDEL_FIELDS = (
     "batch_size", "num_hidden_layers", "num_pages_per_layer", "num_pages_per_sequence",
     "max_sequences", "page_size", "num_kv_heads", "kv_head_dim_size", "hbm_utilization",
 )  # fmt: skip
+
+
+#: The logical shape of a group's stacked pages:
+#: ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)``.
+PagesShape = tuple[int, int, int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,14 +173,14 @@ class PagedAttentionCacheMetaData(Serializable):
                 raise ValueError(f"{where} holds {g.num_pages // self.page_shards} pages per "
                                  f"{'replica' if self.page_shards > 1 else 'pool'} but one sequence needs {need} in "
                                  "it; give the cache more memory or lower max_sequences")
-            if g.num_kv_heads % self._group_head_shards(g):
+            if known_size(g.num_kv_heads) % self._group_head_shards(g):
                 raise ValueError(f"{where}: num_kv_heads={g.num_kv_heads} is not divisible by kv_head_shards="
                                  f"{g.kv_head_shards}")
-            for dim in {g.key_head_dim, g.value_head_dim if g.has_values else g.key_head_dim}:
+            for dim in {known_size(g.key_head_dim), known_size(g.value_head_dim if g.has_values else g.key_head_dim)}:
                 self.group_quantizer(g).validate(dim, self.group_sizing_dtype(g))
-        largest = {"num_pages_per_layer": max(g.num_pages for g in groups),
-                   "num_kv_heads": max(g.num_kv_heads for g in groups),
-                   "kv_head_dim_size": max(g.key_head_dim for g in groups)}
+        largest = {"num_pages_per_layer": max(known_size(g.num_pages) for g in groups),
+                   "num_kv_heads": max(known_size(g.num_kv_heads) for g in groups),
+                   "kv_head_dim_size": max(known_size(g.key_head_dim) for g in groups)}
         off = {k: v for k, v in largest.items() if getattr(self, k) != v}
         if off:
             raise ValueError(
@@ -213,7 +218,7 @@ class PagedAttentionCacheMetaData(Serializable):
         group keeps as many sequences' worth of pages on the host as the largest."""
         if self.host_pages_per_layer is None:
             return 0
-        scaled = group.num_pages * self.host_pages_per_layer // self.num_pages_per_layer
+        scaled = known_size(group.num_pages) * self.host_pages_per_layer // self.num_pages_per_layer
         return scaled // self.page_shards * self.page_shards
 
     @property
@@ -231,10 +236,11 @@ class PagedAttentionCacheMetaData(Serializable):
         local = positive_int("devices_per_host", devices_per_host)
         probe = self.replace(host_pages_per_layer=None)
         # Bytes per device of one host page per layer of the largest pool, every group scaled alike.
-        unit = sum(self.group_page_bytes(g) * g.num_layers * g.num_pages for g in self.groups) / self.num_pages_per_layer
+        unit = sum(self.group_page_bytes(g) * g.num_layers * known_size(g.num_pages)
+                   for g in self.groups) / self.num_pages_per_layer
         per_replica = int(budget // local / unit) // self.page_shards  # pages of the largest pool, per replica slice
         per_replica = min(per_replica, INT32_MAX // self.page_size // self.page_shards)
-        smallest = min(g.num_pages for g in self.groups)
+        smallest = min(known_size(g.num_pages) for g in self.groups)
         need = -(-self.num_pages_per_layer // smallest)  # one page per replica in the smallest group
         if per_replica < need:
             raise ValueError(
@@ -322,14 +328,21 @@ class PagedAttentionCacheMetaData(Serializable):
                 return g, group.layers.index(layer)
         raise AssertionError(f"layer {layer} is in no layer group of a checked metadata: a bug in easykv")
 
-    def group_pages_shape(self, group: LayerGroup, *, values: bool = False) -> tuple[int, ...] | None:
+    @overload
+    def group_pages_shape(self, group: LayerGroup, *, values: Literal[False] = False) -> PagesShape: ...
+
+    @overload
+    def group_pages_shape(self, group: LayerGroup, *, values: bool) -> PagesShape | None: ...
+
+    def group_pages_shape(self, group: LayerGroup, *, values: bool = False) -> PagesShape | None:
         """Logical shape of ``group``'s stacked key (or value) pages, ``(layers_in_group,
         num_kv_heads, num_pages, page_size, head_dim)``; None for the values of a latent group,
         which stores none."""
         if values and not group.has_values:
             return None
         dim = group.value_head_dim if values else group.key_head_dim
-        return (group.num_layers, group.num_kv_heads, group.num_pages, self.page_size, dim)
+        return (group.num_layers, known_size(group.num_kv_heads), known_size(group.num_pages), self.page_size,
+                known_size(dim))
 
     def _group_head_shards(self, group: LayerGroup) -> int:
         return 1 if group.kv_head_shards is None else group.kv_head_shards
@@ -375,30 +388,31 @@ class PagedAttentionCacheMetaData(Serializable):
         """Stored bytes of one page of one kv head of ``group``: K and V, or the latent, with
         their scales (per token or per page)."""
         quantizer, dtype = self.group_quantizer(group), self.group_sizing_dtype(group)
-        per_head = page_head_bytes(quantizer, self.page_size, group.key_head_dim, dtype)
+        per_head = page_head_bytes(quantizer, self.page_size, known_size(group.key_head_dim), dtype)
         if group.has_values:
-            per_head += page_head_bytes(quantizer, self.page_size, group.value_head_dim, dtype)
+            per_head += page_head_bytes(quantizer, self.page_size, known_size(group.value_head_dim), dtype)
         return per_head
 
     def group_page_bytes(self, group: LayerGroup) -> int:
         """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent)."""
-        return group.num_kv_heads // self._group_head_shards(group) * self.group_page_head_bytes(group)
+        return known_size(group.num_kv_heads) // self._group_head_shards(group) * self.group_page_head_bytes(group)
 
     def _cost_detail(self) -> str:
-        return "; ".join(f"layers {g.span}: {g.num_pages // self.page_shards} pages x {g.num_layers} layers x "
-                         f"{self.group_page_bytes(g)} bytes" for g in self.groups)
+        return "; ".join(f"layers {g.span}: {known_size(g.num_pages) // self.page_shards} pages x {g.num_layers} "
+                         f"layers x {self.group_page_bytes(g)} bytes" for g in self.groups)
 
     @property
     def bytes_per_device(self) -> int:
         """Bytes of the whole pool (all groups, all layers) on one device."""
-        return sum(self.group_page_bytes(g) * (g.num_pages // self.page_shards) * g.num_layers for g in self.groups)
+        return sum(self.group_page_bytes(g) * (known_size(g.num_pages) // self.page_shards) * g.num_layers
+                   for g in self.groups)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one cached token over all layers and kv heads, each head counted once
         (replicated heads cost this again on every device that holds a copy); in a windowed
         group a token costs this only while it is inside the window."""
-        per_page = sum(g.num_kv_heads * self.group_page_head_bytes(g) * g.num_layers for g in self.groups)
+        per_page = sum(known_size(g.num_kv_heads) * self.group_page_head_bytes(g) * g.num_layers for g in self.groups)
         return -(-per_page // self.page_size)  # per-page scales spread over the page's tokens, rounded up
 
     def bytes_per_sequence(self, tokens: int) -> int:
@@ -415,7 +429,7 @@ class PagedAttentionCacheMetaData(Serializable):
     @property
     def max_full_sequences(self) -> int:
         """Sequences of max_sequences tokens the pool holds at once (in every group)."""
-        return self.page_shards * min(g.num_pages // self.page_shards
+        return self.page_shards * min(known_size(g.num_pages) // self.page_shards
                                       // g.pages_per_sequence(self.max_sequences, self.page_size) for g in self.groups)
 
     # ---- construction ----------------------------------------------------------------------
@@ -484,12 +498,23 @@ class PagedAttentionCacheMetaData(Serializable):
         return {**data, "__schema__": cls.SCHEMA, "__version__": cls.SCHEMA_VERSION}
 
 
+def known_dtype(dtype: np.dtype | None) -> np.dtype:
+    """``dtype`` (``metadata.dtype`` or ``metadata.group_dtype(g)``) of a complete metadata, typed
+    as the dtype it is there. A metadata may leave its dtype to ``init_cache`` (None), but `create`
+    sets it, and every cache's, view's and checkpoint's metadata was completed before a page
+    existed (see ``storage.placement.checked_layout``). Nothing is checked here."""
+    # cast: "complete" is an invariant of the metadata a cache holds that the field type cannot carry.
+    return cast(np.dtype, dtype)
+
+
 __all__ = [
     "LayerGroup",
     "MemoryBudget",
     "PagedAttentionCacheMetaData",
+    "PagesShape",
     "LayoutPlan",
     "SUPPORTED_DTYPES",
     "canonical_dtype",
+    "known_dtype",
     "plan_layout",
 ]

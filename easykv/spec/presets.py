@@ -9,6 +9,7 @@ not part of the cache, so they do not show here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from easykv.spec.groups import AttentionKind, LayerGroup, group_pattern
 
@@ -31,10 +32,11 @@ class ModelPreset:
         return self.pattern == "F"
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
-        kinds = {"F": dict(attention=AttentionKind.FULL),
-                 "S": dict(attention=AttentionKind.SLIDING, window=self.window),
-                 "C": dict(attention=AttentionKind.CHUNKED, window=self.window),
-                 "L": dict(attention=AttentionKind.FULL, latent=True, value_head_dim=self.value_head_dim)}
+        kinds: dict[str, dict[str, Any]] = {
+            "F": dict(attention=AttentionKind.FULL),
+            "S": dict(attention=AttentionKind.SLIDING, window=self.window),
+            "C": dict(attention=AttentionKind.CHUNKED, window=self.window),
+            "L": dict(attention=AttentionKind.FULL, latent=True, value_head_dim=self.value_head_dim)}
         return group_pattern(self.layers, self.pattern, **{k: v for k, v in kinds.items() if k in self.pattern})
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from easykv.errors import CheckpointMismatchError
+from easykv.spec.groups import known_size
 from easykv.spec.layout import plan_layout
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 
@@ -26,7 +27,7 @@ def target_metadata(
     changes = dict(kv_head_mesh_axes=plan.kv_head_mesh_axes, kv_head_shards=plan.kv_head_shards,
                    page_mesh_axes=plan.page_mesh_axes, page_shards=plan.page_shards)
     for g in saved.groups:
-        if g.num_pages % plan.page_shards:
+        if known_size(g.num_pages) % plan.page_shards:
             pool = ("num_pages_per_layer" if saved.is_uniform else f"layers {g.span}: num_pages") + f"={g.num_pages}"
             raise CheckpointMismatchError(
                 f"the target mesh splits pages over {plan.page_mesh_axes} into {plan.page_shards} slices, but the "
@@ -35,7 +36,7 @@ def target_metadata(
     if not saved.is_uniform:  # each group's kv heads split on their own over the target mesh
         groups = []
         for g in saved.groups:
-            own = plan_layout(mesh, num_kv_heads=g.num_kv_heads, partition_manager=partition_manager,
+            own = plan_layout(mesh, num_kv_heads=known_size(g.num_kv_heads), partition_manager=partition_manager,
                               emit_warnings=False)
             groups.append(dataclasses.replace(g, kv_head_mesh_axes=own.kv_head_mesh_axes,
                                               kv_head_shards=own.kv_head_shards))

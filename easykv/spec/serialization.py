@@ -12,7 +12,7 @@ import base64
 import dataclasses
 import json
 import math
-from typing import Any, ClassVar, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar
 
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np
@@ -67,10 +67,11 @@ def _check_json_safe(value: Any, where: str) -> None:
 def encode_dtype(value: Any, field: str = "dtype") -> str:
     """The canonical name of a numpy/jax dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
     try:
-        return np.dtype(value).name
+        name: str = np.dtype(value).name  # numpy's overloads give Any for an Any argument
     except (TypeError, ValueError, RecursionError) as e:
         raise SerializationError(
             f"field {show(field)}: {show(value)} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
+    return name
 
 
 def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
@@ -130,7 +131,7 @@ def _plain(value: Any, name: str) -> Any:
 
 
 # codec name (a field's ``metadata["codec"]``) -> (encode, decode), each ``(value, field name)``
-_CODECS = {
+_CODECS: dict[str | None, tuple[Callable[[Any, str], Any], Callable[[Any, str], Any]]] = {
     None: (lambda v, name: _to_lists(v), _plain),
     "tuple": (lambda v, name: _to_lists(v), lambda v, name: _to_tuples(v)),
     "dtype": (encode_dtype, decode_dtype),
@@ -138,7 +139,7 @@ _CODECS = {
 }
 
 
-def _coded(f: dataclasses.Field, value: Any, direction: int) -> Any:
+def _coded(f: dataclasses.Field[Any], value: Any, direction: int) -> Any:
     """``value`` of field ``f`` encoded (``direction`` 0) or decoded (1) by its codec."""
     codec = f.metadata.get("codec")
     if codec == "serializables":  # a tuple of nested Serializable of one class (``metadata["type"]``)
@@ -171,9 +172,11 @@ class Serializable:
 
     SCHEMA: ClassVar[str]
     SCHEMA_VERSION: ClassVar[int]
+    if TYPE_CHECKING:  # every subclass is a dataclass (`_init_fields` checks): `dataclasses.replace` takes it
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     @classmethod
-    def _init_fields(cls) -> dict[str, dataclasses.Field]:
+    def _init_fields(cls) -> dict[str, dataclasses.Field[Any]]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls.__name__} must be a @dataclass(frozen=True) to be Serializable")
         schema, version = getattr(cls, "SCHEMA", None), getattr(cls, "SCHEMA_VERSION", None)
@@ -185,7 +188,7 @@ class Serializable:
         return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
     @classmethod
-    def _upgrade(cls, data: dict) -> dict:
+    def _upgrade(cls, data: dict[str, Any]) -> dict[str, Any]:
         """Turn an older or foreign dict into this class's current format.
 
         Called before any check. The default accepts only easykv JSON; a subclass overrides it

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,7 @@ from jax.sharding import Mesh
 
 from easykv.quantization import Quantizer
 from easykv.sharding import PartitionManager
+from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.metadata import PagedAttentionMetadata, group_runtime
 from easykv.storage.cache_json import EasyDeLForms, cache_to_dict, cache_view_dicts
@@ -36,7 +38,7 @@ from easykv.storage.pages import (
     read_pages,
     zero_pages_local,
 )
-from easykv.storage.placement import check_fits, checked_layout, group_layouts
+from easykv.storage.placement import cache_layout, check_fits, checked_layout, group_layouts
 from easykv.storage.view import CacheViews, PagedAttentionCacheView
 from easykv.storage.writes import check_layer_rows, count_dropped, scatter_encoded, token_slots
 from easykv.validation import integer, page_ids
@@ -176,7 +178,7 @@ class PagedAttentionCache(EasyDeLForms):
         object.__setattr__(self, "key_pages", _replaced(self.key_pages, g, view.group_key_pages))
         object.__setattr__(self, "value_pages", _replaced(self.value_pages, g, view.group_value_pages))
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[PagedAttentionCacheView]:
         return (self[i] for i in range(len(self)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,7 +231,7 @@ class PagedAttentionCache(EasyDeLForms):
         if len(views) != meta.num_hidden_layers:
             raise ValueError(f"{len(views)} views for metadata with num_hidden_layers={meta.num_hidden_layers}")
         first = views[0].layout
-        layout = None if first is None else PageLayout(first.mesh, meta.kv_head_mesh_axes, meta.page_mesh_axes)
+        layout = None if first is None else cache_layout(first.mesh, meta)
         keys, values = [], []
         for group, group_layout in zip(meta.groups, group_layouts(meta, layout)):
             members = [views[i] for i in group.layers]
@@ -240,7 +242,7 @@ class PagedAttentionCache(EasyDeLForms):
             stack = _stacker(group_layout)
             keys.append(stack([v.key_pages for v in members]))
             values.append(stack([v.value_pages for v in members]) if group.has_values else None)
-        return cls(meta, keys, values, layout)
+        return cls(meta, tuple(keys), tuple(values), layout)
 
     # ---- all layers in one jit -----------------------------------------------------------
     def write(self, keys: Any, values: Any, metadata: PagedAttentionMetadata) -> tuple[PagedAttentionCache, jax.Array]:
@@ -265,7 +267,8 @@ class PagedAttentionCache(EasyDeLForms):
         num_tokens = int(np.shape(slots[0])[0])
         keys = check_layer_rows(keys, "keys", meta, num_tokens, values=False)
         values = check_layer_rows(values, "values", meta, num_tokens, values=True)
-        return write_all(self, keys, values, slots)
+        written: tuple[PagedAttentionCache, jax.Array] = write_all(self, keys, values, slots)  # jit: typed here
+        return written
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
@@ -276,7 +279,7 @@ class PagedAttentionCache(EasyDeLForms):
             where = "" if len(srcs) == 1 else f" of layer group {g}"
             if src.shape != dst.shape:
                 raise ValueError(f"src{where} has shape {src.shape} but dst has shape {dst.shape}; pair them 1:1")
-            per_shard = meta.groups[g].num_pages // meta.page_shards
+            per_shard = known_size(meta.groups[g].num_pages) // meta.page_shards
             if meta.page_shards > 1 and isinstance(src, np.ndarray) and isinstance(dst, np.ndarray):
                 # Each data-parallel replica owns a slice of the pool; a copy cannot cross slices.
                 real = (src >= 0) & (dst >= 0)
@@ -286,13 +289,15 @@ class PagedAttentionCache(EasyDeLForms):
                     raise ValueError(
                         f"copy {int(src[i])} -> {int(dst[i])}{where} crosses data-parallel replicas: pages are "
                         f"split into {meta.page_shards} slices of {per_shard}; copy within a replica's slice")
-        return _copy_all(self, srcs, dsts)
+        copied: PagedAttentionCache = _copy_all(self, srcs, dsts)  # jit: typed here
+        return copied
 
     def zero_pages(self, pages: Any) -> PagedAttentionCache:
         """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding.
         ``pages`` (and ``copy_pages``' ``src`` / ``dst``): one array of ids for every layer group,
         or a tuple of one per group (groups have their own pools)."""
-        return _zero_all(self, _group_page_ids(pages, "pages", self.metadata))
+        zeroed: PagedAttentionCache = _zero_all(self, _group_page_ids(pages, "pages", self.metadata))  # jit: typed here
+        return zeroed
 
 
 def _replaced(items: tuple[Any, ...], g: int, value: Any) -> tuple[Any, ...]:
@@ -326,8 +331,8 @@ def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: tuple[A
     def rows(x: Any, layers: tuple[int, ...]) -> jax.Array:
         if isinstance(x, tuple):
             return jnp.stack([jnp.asarray(x[i]) for i in layers])
-        x = jnp.asarray(x)
-        return x if layers == tuple(range(x.shape[0])) else x[np.asarray(layers)]
+        stacked = jnp.asarray(x)
+        return stacked if layers == tuple(range(stacked.shape[0])) else stacked[np.asarray(layers)]
 
     meta = cache.metadata
     keys_out, values_out, dropped = [], [], []
@@ -338,7 +343,7 @@ def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: tuple[A
         k, v = scatter_encoded((kp, vp), (new_k, new_v), slots[g], layout=cache.layout_of(g))
         keys_out.append(k)
         values_out.append(v)
-        dropped.append(count_dropped(jnp.asarray(slots[g]), group.num_pages * meta.page_size))
+        dropped.append(count_dropped(jnp.asarray(slots[g]), known_size(group.num_pages) * meta.page_size))
     return PagedAttentionCache(meta, tuple(keys_out), tuple(values_out), cache.layout), jnp.max(jnp.stack(dropped))
 
 
@@ -369,7 +374,7 @@ def gather_kv(
     layer: int,
     page_table_row: Any,
     length: int,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
     """The contiguous keys and values of one sequence, each (length, num_kv_heads, head_dim)
     of the layer's group in the logical dtype (values None for a latent group). Reads only the
     ``ceil(length / page_size)`` pages it needs."""
@@ -384,7 +389,8 @@ def gather_kv(
     length = integer("length", length, lo=0, hi=limit, hint=f"static; a sequence holds at most {limit} tokens")
     row = page_table_row
     if not isinstance(row, jax.Array):  # host data: every page it needs checked here
-        row = page_ids("page_table_row", row, num_pages=view.layer_group.num_pages, ndim=1, pad="unassigned")
+        row = page_ids("page_table_row", row, num_pages=known_size(view.layer_group.num_pages), ndim=1,
+                       pad="unassigned")
     if np.ndim(row) != 1:
         raise ValueError(f"page_table_row must be 1-D, got shape {np.shape(row)}")
     needed = math.ceil(length / meta.page_size)
@@ -394,19 +400,18 @@ def gather_kv(
         i = int(np.argmax(row[:needed] < 0))
         raise ValueError(f"page_table_row[{i}] = -1 is unassigned but is needed for length={length}")
     # A traced or device row is bounded inside the read: a page outside the pool reads zeros.
-    return _gather(view, jnp.asarray(row, jnp.int32)[:needed], length)
+    gathered: tuple[jax.Array, jax.Array | None] = _gather(view, jnp.asarray(row, jnp.int32)[:needed], length)
+    return gathered
 
 
 @partial(jax.jit, static_argnums=2)
-def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
-    def read(pages: Any) -> jax.Array | None:
-        if pages is None:
-            return None
+def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple[jax.Array, jax.Array | None]:
+    def read(pages: Any) -> jax.Array:
         picked = read_pages(pages, ids, view.dtype, view.layer)  # (heads, n, page_size, head_dim)
         heads, dim = picked.shape[0], picked.shape[-1]
         return jnp.transpose(picked, (1, 2, 0, 3)).reshape(-1, heads, dim)[:length]
 
-    return read(view.group_key_pages), read(view.group_value_pages)
+    return read(view.group_key_pages), None if view.group_value_pages is None else read(view.group_value_pages)
 
 
 def _group_page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> tuple[Any, ...]:
@@ -418,9 +423,9 @@ def _group_page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> t
         if len(ids) != n:
             raise ValueError(f"{name} holds {len(ids)} arrays of page ids but the cache has {n} layer group(s); "
                              "give one array for all groups or one per group")
-        return tuple(_page_ids(x, name if n == 1 else f"{name}[{g}]", meta.groups[g].num_pages)
+        return tuple(_page_ids(x, name if n == 1 else f"{name}[{g}]", known_size(meta.groups[g].num_pages))
                      for g, x in enumerate(ids))
-    return tuple(_page_ids(ids, name, g.num_pages) for g in meta.groups)
+    return tuple(_page_ids(ids, name, known_size(g.num_pages)) for g in meta.groups)
 
 
 def _page_ids(ids: Any, name: str, num_pages: int) -> Any:

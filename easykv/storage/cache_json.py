@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Self, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, Sharding, SingleDeviceSharding
 
 from easykv.errors import SerializationError
 from easykv.quantization import QuantizedPages
@@ -35,6 +35,7 @@ from easykv.validation import integer, parse_json, show
 VIEW_SCHEMA = "easykv.PagedAttentionCacheView"
 CACHE_SCHEMA = "easykv.PagedAttentionCache"
 _VERSION = 1
+_V = TypeVar("_V")
 
 
 class EasyDeLForms:
@@ -42,15 +43,18 @@ class EasyDeLForms:
     gives its dict form (``to_dict`` / ``from_dict``, built from the functions below) and JSON is
     that dict."""
 
-    def replace(self, **changes: Any) -> Any:
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]  # a dataclass: see above
+    if TYPE_CHECKING:  # the view and the cache are dataclasses: `dataclasses.replace` takes them
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    def replace(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
     def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None
-                  ) -> Any:
+                  ) -> Self:
         raise NotImplementedError
 
     def to_json(self, **json_kwargs: Any) -> str:
@@ -58,7 +62,7 @@ class EasyDeLForms:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, mesh: Mesh | None = None,
-                  partition_manager: PartitionManager | None = None) -> Any:
+                  partition_manager: PartitionManager | None = None) -> Self:
         return cls.from_dict(parse_json(text, what=f"the JSON of a {cls.__name__}", error=SerializationError),
                              mesh=mesh, partition_manager=partition_manager)
 
@@ -119,7 +123,7 @@ def _decode_pages(data: Any, template: Any, field: str) -> Any:
     return arr.view(want)
 
 
-def view_from_dict(cls: type, data: Any, mesh: Mesh | None, partition_manager: Any) -> Any:
+def view_from_dict(cls: Callable[..., _V], data: Any, mesh: Mesh | None, partition_manager: Any) -> _V:
     """A view of class ``cls`` (`PagedAttentionCacheView`) read from its dict form, its pages
     placed on ``mesh`` by the rule `init_cache` follows, or on one device without a mesh."""
     data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
@@ -128,6 +132,7 @@ def view_from_dict(cls: type, data: Any, mesh: Mesh | None, partition_manager: A
         raise SerializationError("the view's metadata has no dtype; a view's metadata is complete")
     layer = integer("layer_index", data["layer_index"], lo=0, hi=meta.num_hidden_layers - 1)
     g, _ = meta.group_of(layer)
+    sharding: Callable[[int], Sharding]
     if mesh is None:
         device = jax.devices()[0]
         layout, sharding = None, lambda ndim: SingleDeviceSharding(device)

@@ -32,11 +32,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from easykv.quantization import QuantizedPages, Quantizer, is_compressing, scale_dtype, scales_per_page
+from easykv.spec.groups import LayerGroup
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+
+#: One stacked page array's template (shapes and storage dtypes): a ShapeDtypeStruct, or a
+#: QuantizedPages of them (values and scales).
+PageTemplate = jax.ShapeDtypeStruct | QuantizedPages
 
 
 def storage_dtype(dtype: Any, platform: str) -> np.dtype:
     """The dtype pages of logical ``dtype`` are stored in on ``platform`` (see module doc)."""
-    dt = np.dtype(dtype)
+    dt: np.dtype = np.dtype(dtype)  # numpy's overloads give Any for an Any argument
     if platform == "cpu" and jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
         return np.dtype(f"uint{8 * dt.itemsize}")
     return dt
@@ -138,11 +144,12 @@ def run_local(
 
 
 def page_template(
-    shape: tuple[int, int, int, int, int], dtype: Any, quantizer: Quantizer, platform: str
-) -> Any:
+    shape: tuple[int, ...], dtype: Any, quantizer: Quantizer, platform: str
+) -> PageTemplate:
     """Shapes and storage dtypes of one stacked page array (K or V) of logical ``shape``
-    ``(layers, heads, pages, page_size, head_dim)`` and ``dtype``: a ShapeDtypeStruct, or a
-    QuantizedPages of them (values + compact scales)."""
+    ``(layers, heads, pages, page_size, head_dim)`` (or one layer's, as checkpoint formats 1-2
+    hold it) and ``dtype``: a ShapeDtypeStruct, or a QuantizedPages of them (values + compact
+    scales)."""
     if not is_compressing(quantizer):
         return jax.ShapeDtypeStruct(shape, storage_dtype(dtype, platform))
     *lead, head_dim = shape
@@ -155,16 +162,18 @@ def page_template(
     )
 
 
-def group_page_templates(meta: Any, group: Any, platform: str) -> tuple[Any, Any]:
-    """(key, value) templates of layer group ``group``'s stacked pages of ``meta`` (a
-    PagedAttentionCacheMetaData) on ``platform``, in the group's geometry and format (value None
-    for a latent group, which stores none)."""
+def group_page_templates(meta: PagedAttentionCacheMetaData, group: LayerGroup, platform: str
+                         ) -> tuple[PageTemplate, PageTemplate | None]:
+    """(key, value) templates of layer group ``group``'s stacked pages of ``meta`` on
+    ``platform``, in the group's geometry and format (value None for a latent group, which
+    stores none)."""
     dtype, quantizer = meta.group_dtype(group), meta.group_quantizer(group)
-    return tuple(None if shape is None else page_template(shape, dtype, quantizer, platform)
-                 for shape in (meta.group_pages_shape(group), meta.group_pages_shape(group, values=True)))
+    key = page_template(meta.group_pages_shape(group), dtype, quantizer, platform)
+    value_shape = meta.group_pages_shape(group, values=True)  # None: a latent group
+    return key, None if value_shape is None else page_template(value_shape, dtype, quantizer, platform)
 
 
-def group_templates(meta: Any, platform: str) -> list[tuple[Any, Any]]:
+def group_templates(meta: PagedAttentionCacheMetaData, platform: str) -> list[tuple[PageTemplate, PageTemplate | None]]:
     """`group_page_templates` of every layer group of ``meta``, in group order."""
     return [group_page_templates(meta, g, platform) for g in meta.groups]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Callable, cast, overload
 
 import numpy as np
 from jax.sharding import Mesh
@@ -19,10 +19,22 @@ from easykv.errors import MemoryUnavailableError
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.sharding import PartitionManager, ShardingAdjustedWarning
 from easykv.spec.dtypes import canonical_dtype
+from easykv.spec.groups import known_size
 from easykv.spec.layout import LayoutPlan, plan_layout
 from easykv.spec.memory import device_memory_budget
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.pages import PageLayout, group_page_templates
+from easykv.storage.pages import PageLayout, PageTemplate, group_page_templates
+
+#: ``templates(g, layers=None)``: the key and value page templates of group ``g``'s stack (`checked_layout`).
+Templates = Callable[..., tuple[PageTemplate, PageTemplate | None]]
+
+
+@overload
+def group_layouts(meta: PagedAttentionCacheMetaData, layout: PageLayout) -> tuple[PageLayout, ...]: ...
+
+
+@overload
+def group_layouts(meta: PagedAttentionCacheMetaData, layout: PageLayout | None) -> tuple[PageLayout | None, ...]: ...
 
 
 def group_layouts(meta: PagedAttentionCacheMetaData, layout: PageLayout | None) -> tuple[PageLayout | None, ...]:
@@ -39,7 +51,7 @@ def checked_layout(
     metadata: PagedAttentionCacheMetaData,
     partition_manager: PartitionManager | None,
     quantizer: str | Quantizer | None,
-) -> tuple[PagedAttentionCacheMetaData, PageLayout, Any]:
+) -> tuple[PagedAttentionCacheMetaData, PageLayout, Templates]:
     """The metadata completed for ``mesh`` (dtype and kv-head layouts where it leaves them
     open), the cache-wide placement, and ``templates(g, layers=None)``: the key and value page
     templates (shapes, storage dtypes; None for a latent group's values) of group ``g``'s stack
@@ -67,7 +79,7 @@ def checked_layout(
     if not metadata.is_uniform:
         groups = []
         for g in metadata.groups:
-            group_plan = plan if g.num_kv_heads == metadata.num_kv_heads else planned(g.num_kv_heads)
+            group_plan = plan if g.num_kv_heads == metadata.num_kv_heads else planned(known_size(g.num_kv_heads))
             _check_split(mesh, metadata, f"the pages of layers {g.span}", group_plan, g.kv_head_mesh_axes,
                          g.kv_head_shards)
             if g.kv_head_mesh_axes is None:
@@ -76,16 +88,25 @@ def checked_layout(
             groups.append(g)
         metadata = metadata.replace(layer_groups=tuple(groups))
     resolved = metadata.replace(dtype=dt)
-    layout = PageLayout(mesh=mesh, head_axes=resolved.kv_head_mesh_axes, page_axes=resolved.page_mesh_axes)
+    layout = cache_layout(mesh, resolved)
     platform = mesh.devices.flat[0].platform
 
-    def templates(g: int, layers: int | None = None) -> tuple[Any, Any]:
+    def templates(g: int, layers: int | None = None) -> tuple[PageTemplate, PageTemplate | None]:
         group = resolved.groups[g]
         if layers is not None:
             group = dataclasses.replace(group, layers=tuple(range(layers)))
         return group_page_templates(resolved, group, platform)
 
     return resolved, layout, templates
+
+
+def cache_layout(mesh: Mesh, meta: PagedAttentionCacheMetaData) -> PageLayout:
+    """The cache-wide placement on ``mesh`` of the pages of ``meta``, a cache's (complete) metadata:
+    its kv heads split over ``kv_head_mesh_axes``, its pages over ``page_mesh_axes``."""
+    # cast: `checked_layout` set the head split of every cache's metadata; the field type keeps the
+    # None of a metadata that leaves it to init_cache.
+    head_axes = cast("tuple[str, ...]", meta.kv_head_mesh_axes)
+    return PageLayout(mesh=mesh, head_axes=head_axes, page_axes=meta.page_mesh_axes)
 
 
 def _checked_format(metadata: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any) -> np.dtype:
@@ -138,4 +159,4 @@ def check_fits(mesh: Mesh, metadata: PagedAttentionCacheMetaData, need: int, wha
             "(PagedAttentionCacheMetaData.create) or give it fewer pages")
 
 
-__all__ = ["check_fits", "checked_layout", "group_layouts"]
+__all__ = ["Templates", "cache_layout", "check_fits", "checked_layout", "group_layouts"]

@@ -14,24 +14,42 @@ never imports the cache's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn, Protocol, SupportsIndex, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from easykv.quantization import Quantizer
+from easykv.quantization import QuantizedPages, Quantizer
 from easykv.sharding import PartitionManager
-from easykv.spec.groups import LayerGroup
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.groups import LayerGroup, known_size
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.step.metadata import PagedAttentionMetadata, group_runtime
 from easykv.storage.cache_json import EasyDeLForms, view_from_dict, view_to_dict
 from easykv.storage.pages import PageLayout, allocate_pages
 from easykv.storage.placement import check_fits, checked_layout, group_layouts
 from easykv.storage.writes import check_new_tokens, check_slots_on_host, scatter_kv, token_slots
 from easykv.validation import integer
+
+
+class _Cache(Protocol):
+    """What a view (and `CacheViews`) needs of the cache it was taken from: this module never
+    imports the cache's (`PagedAttentionCache` has all of it)."""
+
+    @property
+    def metadata(self) -> PagedAttentionCacheMetaData: ...
+
+    # ``layer``: anything int-like; the cache checks it (`validation.integer`).
+    def __getitem__(self, layer: Any) -> PagedAttentionCacheView: ...
+
+    def __setitem__(self, layer: Any, view: Any) -> None: ...
+
+    def _check_current(self, g: int, view: PagedAttentionCacheView, name: str) -> None: ...
+
+    def _put_group(self, g: int, view: PagedAttentionCacheView) -> None: ...
 
 
 @partial(
@@ -79,18 +97,19 @@ class PagedAttentionCacheView(EasyDeLForms):
         # arrays have moved on since (another layer written) would lose that write: refused.
         self._base = (self.group_key_pages, self.group_value_pages)
         # The cache (and group) this view was taken from with cache[i]: its writes go through to it.
-        self._owner: tuple[Any, int] | None = None
+        self._owner: tuple[_Cache, int] | None = None
 
     @property
     def dtype(self) -> np.dtype:
         """Logical dtype of the cached keys and values (this layer's group's)."""
-        return self.metadata.group_dtype(self.layer_group)
+        return known_dtype(self.metadata.group_dtype(self.layer_group))
 
     @property
-    def key_pages(self) -> Any:
+    def key_pages(self) -> jax.Array | QuantizedPages:
         """This layer's key pages ``(num_kv_heads, num_pages, page_size, head_dim)`` (storage
         dtype): a slice of the stack (outside jit, a copy; attention reads the stack itself)."""
-        return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+        pages: jax.Array | QuantizedPages = jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+        return pages
 
     @property
     def layer_group(self) -> LayerGroup:
@@ -98,8 +117,10 @@ class PagedAttentionCacheView(EasyDeLForms):
         return self.metadata.groups[self.group]
 
     @property
-    def value_pages(self) -> Any:
-        return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+    def value_pages(self) -> jax.Array | QuantizedPages | None:
+        """This layer's value pages, as ``key_pages``; None for a latent group (it stores none)."""
+        pages: jax.Array | QuantizedPages | None = jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+        return pages
 
     def at_layer(self, layer: Any) -> PagedAttentionCacheView:
         """The view of layer ``layer`` (index in the group) of the same group arrays: an int, or
@@ -130,8 +151,9 @@ class PagedAttentionCacheView(EasyDeLForms):
         metadata, layout, templates = checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         layouts = group_layouts(metadata, layout)
         g, _ = metadata.group_of(layer_index)
-        check_fits(mesh, metadata, metadata.group_page_bytes(metadata.groups[g]) * metadata.groups[g].num_pages
-                    // metadata.page_shards, f"1 layer of layers {metadata.groups[g].span}")
+        group = metadata.groups[g]
+        need = metadata.group_page_bytes(group) * known_size(group.num_pages) // metadata.page_shards
+        check_fits(mesh, metadata, need, f"1 layer of layers {group.span}")
         k, v = allocate_pages(templates(g, layers=1), layouts[g])
         return cls(metadata=metadata, layer_index=layer_index, group_key_pages=k, group_value_pages=v,
                    layer=0, layout=layouts[g], group=g)
@@ -155,7 +177,8 @@ class PagedAttentionCacheView(EasyDeLForms):
     # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
-        return self._write(key, value, check_slots_on_host(slots, self.layer_group.num_pages * self.metadata.page_size))
+        capacity = known_size(self.layer_group.num_pages) * self.metadata.page_size
+        return self._write(key, value, check_slots_on_host(slots, capacity))
 
     def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
         """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position.
@@ -195,7 +218,7 @@ class PagedAttentionCacheView(EasyDeLForms):
         return self
 
 
-class CacheViews(list):
+class CacheViews(list[PagedAttentionCacheView]):
     """``cache.views``: EasyDeL's list of per-layer views, over the cache's stacked arrays (a
     list, as EasyDeL's, whose items are made on access: it stores none of them).
     ``views[i]`` is layer ``i``'s view of the arrays the cache holds now; ``views[i] = view``
@@ -204,7 +227,7 @@ class CacheViews(list):
     its layer's pages into layer ``i`` (the group's other layers keep theirs). Its length is
     the number of layers: appending, inserting or deleting views is refused."""
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: _Cache) -> None:
         super().__init__()
         self._cache = cache
 
@@ -214,12 +237,18 @@ class CacheViews(list):
     def __eq__(self, other: Any) -> bool:
         return isinstance(other, CacheViews) and other._cache is self._cache
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
     def __len__(self) -> int:
         return self._cache.metadata.num_hidden_layers
 
-    def __getitem__(self, index: Any) -> Any:
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> PagedAttentionCacheView: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[PagedAttentionCacheView]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> PagedAttentionCacheView | list[PagedAttentionCacheView]:
         if isinstance(index, slice):
             return [self[i] for i in range(len(self))[index]]
         return self._cache[index]
@@ -229,13 +258,13 @@ class CacheViews(list):
             raise ValueError("assign views one at a time: cache.views[i] = view")
         self._cache[index] = view
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[PagedAttentionCacheView]:
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
         return f"CacheViews({len(self)} layers)"
 
-    def _fixed(self, *args: Any, **kwargs: Any) -> None:
+    def _fixed(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError("a cache holds exactly one view per layer; replace one with cache.views[i] = view")
 
     append = extend = insert = pop = remove = clear = sort = reverse = __delitem__ = __iadd__ = __imul__ = _fixed

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from easykv.quantization import QuantizedPages, scales_per_page
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.groups import known_size
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.pages import PageLayout, encode_tokens, run_local
 from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
 from easykv.step.checks import check_slots, host_checked
@@ -30,7 +31,7 @@ def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaD
     receives, shape (num_tokens,), checked on the host (numpy) unless a validated constructor
     already checked them against this pool; device slots pass through (their bad ones are
     dropped and counted in the write)."""
-    pages = meta.groups[group].num_pages
+    pages = known_size(meta.groups[group].num_pages)
     rt = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
                   pages_per_sequence=meta.num_pages_per_sequence).rt
     mark = host_checked(rt)
@@ -75,7 +76,7 @@ def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_token
     if x is None or shape != want:
         got = "None" if x is None else f"shape {shape}"
         raise ValueError(f"{name} has {got}, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
-    stores = metadata.group_dtype(g)
+    stores = known_dtype(metadata.group_dtype(g))
     if dtype is None or np.dtype(dtype) != stores:
         raise ValueError(
             f"{name} has dtype {dtype}, but the cache stores {stores.name}{where}; "
@@ -135,6 +136,8 @@ def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = N
         # Indexed by (page, offset) on the stack as stored: a reshape to flat slots would make
         # XLA copy the whole stack when it lays out a scan's carry differently. Updates stay
         # token-major: their window dims map onto the layer, head and trailing dims.
+        window: tuple[int, ...]
+        inserted: tuple[int, ...]
         if layer is None:  # (layers, tokens, heads, ...)
             window, inserted = (0, *range(2, upd.ndim)), (2, 3)
         else:  # (tokens, heads, ...)
@@ -245,7 +248,8 @@ def scatter_kv(
     """
     new_k = encode_tokens(jnp.asarray(key), key_pages)
     new_v = None if value_pages is None else encode_tokens(jnp.asarray(value), value_pages)  # None: a latent group
-    return scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
+    written: tuple[Any, Any] = scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
+    return written
 
 
 def scatter_encoded(pages: Any, new: Any, slots: Any, layer: Any = None, *, layout: PageLayout | None) -> Any:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from easykv.spec.groups import known_size
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
 
@@ -63,7 +64,7 @@ class HostTier:
             leaves, treedef = jax.tree.flatten((cache.key_pages[g], cache.value_pages[g]))
             self._groups.append(_GroupStore(leaves, treedef, meta.group_host_pages(group), meta.page_shards))
         self._inflight: list[tuple[int, list[jax.Array], np.ndarray, np.ndarray]] = []
-        self._owner: Any = None  # the token of the manager whose host pages these are (bind)
+        self._owner: object | None = None  # the token of the manager whose host pages these are (bind)
         # Bytes of the pages moved (every layer, K, V and scales, each kv head once).
         self.bytes_offloaded = 0  # device -> host
         self.bytes_onloaded = 0  # host -> device
@@ -74,11 +75,11 @@ class HostTier:
         return sum(a.nbytes for store in self._groups for shards in store.shards for a in shards.values())
 
     @property
-    def owner(self) -> Any:
+    def owner(self) -> object | None:
         """The token of the `PageManager` this tier serves (None until one binds it)."""
         return self._owner
 
-    def bind(self, owner: Any) -> None:
+    def bind(self, owner: object) -> None:
         """Serve the manager holding the token ``owner`` from now on (`PageManager.apply_pending`
         calls it); binding again with the same token is a no-op. ValueError when the tier serves
         another manager: its pages hold that manager's sequences."""
@@ -151,13 +152,15 @@ class HostTier:
         if len(transfers) != n or len(copies) != n or len(scrubs) != n:
             raise ValueError(f"transfers, copies and scrubs need one entry per layer group ({n}), got "
                              f"{len(transfers)}, {len(copies)}, {len(scrubs)}")
-        plans = [store.plan(t, group.num_pages) for store, t, group in zip(self._groups, transfers, meta.groups)]
+        plans = [store.plan(t, known_size(group.num_pages))
+                 for store, t, group in zip(self._groups, transfers, meta.groups)]
         device_ids = []
         for (src, dst), z, group in zip(copies, scrubs, meta.groups):
             src, dst, z = (np.asarray(a, np.int32).reshape(-1) for a in (src, dst, z))
-            if src.shape != dst.shape or any(a.size and (a.min() < -1 or a.max() >= group.num_pages)
+            pool = known_size(group.num_pages)
+            if src.shape != dst.shape or any(a.size and (a.min() < -1 or a.max() >= pool)
                                              for a in (src, dst, z)):
-                raise ValueError(f"copies and scrubs are page ids of 0..{group.num_pages - 1} (-1: padding), "
+                raise ValueError(f"copies and scrubs are page ids of 0..{pool - 1} (-1: padding), "
                                  f"src and dst paired; got src {src.tolist()}, dst {dst.tolist()}, scrubs {z.tolist()}")
             device_ids.append((_padded(src), _padded(dst), _padded(z)))
         self.flush()  # every earlier offload lands before a host page is read or zeroed
@@ -259,7 +262,7 @@ class _GroupStore:
         """The onloaded pages as device arrays, page-major ``(replicas * k, layers, heads, ...)``
         and sharded like the pool; padding pages go nowhere."""
         k = plan.on_src.shape[1]
-        out = []
+        out: list[jax.Array] = []
         for stores, devices, shape, sharding in zip(self.shards, self.devices, self.shapes, self.shardings):
             parts: dict[tuple[Any, int], np.ndarray] = {}
             for _, key, r in devices:
@@ -347,8 +350,8 @@ def _move(pools: tuple[list[jax.Array], ...], off_ids: tuple[jax.Array, ...], st
 def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Array, on_pages: list[jax.Array],
                 on: jax.Array, ids: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
     def local(leaves: list[jax.Array], on_pages: list[jax.Array], off: jax.Array, on: jax.Array,
-              copy_src: jax.Array, copy_dst: jax.Array, scrubs: jax.Array) -> Any:
-        r = 0
+              copy_src: jax.Array, copy_dst: jax.Array, scrubs: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+        r: int | jax.Array = 0
         if layout is not None and layout.page_shards > 1:
             r = jax.lax.axis_index(layout.page_axes)
         taken = [jnp.moveaxis(jnp.take(a, off[r], axis=2, mode="clip"), 2, 0) for a in leaves]  # page-major
@@ -362,7 +365,8 @@ def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Arr
     moved = [_page_major_spec(s) for s in specs]
     replicated = (PartitionSpec(),) * 5
     mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, moved, *replicated), out_specs=(specs, moved))
-    return mapped(leaves, on_pages, off, on, *ids)
+    result: tuple[list[jax.Array], list[jax.Array]] = mapped(leaves, on_pages, off, on, *ids)  # shard_map: typed here
+    return result
 
 
 __all__ = ["HostTier"]

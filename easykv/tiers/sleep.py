@@ -16,7 +16,7 @@ A `SleepingCache` is woken once; its host copies are freed then.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax.sharding import Mesh
@@ -26,7 +26,7 @@ from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.spec.relayout import target_metadata
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pages import PageLayout, allocate_pages, group_page_templates
-from easykv.storage.placement import check_fits, group_layouts
+from easykv.storage.placement import cache_layout, check_fits, group_layouts
 from easykv.validation import integer
 
 HOST_KIND = "pinned_host"
@@ -65,7 +65,8 @@ def _to_kind(a: jax.Array, kind: str) -> jax.Array:
     that moves memory kinds is refused by some jaxlib versions)."""
     sharding = a.sharding.with_memory_kind(kind)
     if a.is_fully_addressable:
-        return jax.device_put(a, sharding)
+        moved: jax.Array = jax.device_put(a, sharding)  # device_put of an array returns an array
+        return moved
     shards = [jax.device_put(s.data, s.data.sharding.with_memory_kind(kind)) for s in a.addressable_shards]
     return jax.make_array_from_single_device_arrays(a.shape, sharding, shards)
 
@@ -174,16 +175,18 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
             raise ValueError(f"sequences {manager.swapped_ids} are swapped out to the host tier, whose pages stay with "
                              "the old placement; swap them in before sleeping, or wake on the mesh it slept on")
         manager = manager.reshard(target) if target.page_shards != meta.page_shards else manager
-        new = PageLayout(mesh=mesh, head_axes=target.kv_head_mesh_axes, page_axes=target.page_mesh_axes)
+        new = cache_layout(mesh, target)
         layouts, layout, moved = group_layouts(target, new), new, True
         if manager.has_host_tier:  # a HostTier holds pages of one placement: the new cache needs a new one
             manager.forget_host_tier()
     if mesh is not None:
         check_fits(mesh, target, target.bytes_per_device, "the woken pages")
     if sleeping.level == 2:  # fresh zeroed pages, each device making its own shards
-        platform = mesh.devices.flat[0].platform
+        # cast: sleep(level=2) refuses a cache without a layout; wake keeps it or lays it out anew.
+        placed = cast(PageLayout, layout)
+        platform = placed.mesh.devices.flat[0].platform
         pages = [allocate_pages(group_page_templates(target, g, platform), gl)
-                 for g, gl in zip(target.groups, layouts)]
+                 for g, gl in zip(target.groups, group_layouts(target, placed))]
         cache = PagedAttentionCache(target, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
     else:
         cache = PagedAttentionCache(target, *_placed_pages(sleeping, layouts, moved), layout)
@@ -199,6 +202,8 @@ def _placed_pages(sleeping: SleepingCache, layouts: tuple[PageLayout | None, ...
     """The sleeping pages back in device memory: with the shardings they had, or (``moved``)
     staged there as they were and laid out per ``layouts`` (one group at a time, so the extra
     device memory is one group's). Returns (key pages, value pages), one entry per group, ready."""
+    # cast: a level-1 cache not yet woken holds its host pages (level 2 and `woken` never get here).
+    key_pages, value_pages = cast("tuple[tuple[Any, ...], tuple[Any, ...]]", (sleeping.key_pages, sleeping.value_pages))
     keys, values = [], []
     for g, group_layout in enumerate(layouts):
         staged: list[jax.Array] = []
@@ -207,10 +212,11 @@ def _placed_pages(sleeping: SleepingCache, layouts: tuple[PageLayout | None, ...
             if not moved:  # where it slept: the very shardings it had
                 return _to_kind(a, "device")
             staged.append(_to_kind(a, "device"))
-            return jax.device_put(staged[-1], gl.sharding_for(a.ndim))
+            # cast: moved pages take the layouts `wake` made for the new mesh, each a PageLayout.
+            return jax.device_put(staged[-1], cast(PageLayout, gl).sharding_for(a.ndim))
 
-        keys.append(jax.tree.map(place, sleeping.key_pages[g]))
-        values.append(None if sleeping.value_pages[g] is None else jax.tree.map(place, sleeping.value_pages[g]))
+        keys.append(jax.tree.map(place, key_pages[g]))
+        values.append(None if value_pages[g] is None else jax.tree.map(place, value_pages[g]))
         if staged:  # ready before a staged buffer goes: a transfer may still be reading it
             jax.block_until_ready((keys[-1], values[-1]))
             _free_unshared(staged, (keys[-1], values[-1]))

@@ -11,7 +11,9 @@ from easykv.sharding import axes as _axes, manager as _manager, mesh as _mesh
 
 warnings.warn("the top-level package 'sharding' moved to 'easykv.sharding' and will be removed in easykv 0.3; "
               "import from easykv.sharding instead", DeprecationWarning, stacklevel=2)
-# `from sharding.mesh import create_mesh` as before: the submodules are the moved ones, not copies.
+# `from sharding.mesh import create_mesh` and `sharding.mesh.create_mesh` as before: the
+# submodules are the moved ones, not copies.
+axes, manager, mesh = _axes, _manager, _mesh
 for _name, _module in (("axes", _axes), ("manager", _manager), ("mesh", _mesh)):
     sys.modules[f"{__name__}.{_name}"] = _module
 del _name, _module

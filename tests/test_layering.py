@@ -75,7 +75,7 @@ LAYERS = {
 }
 # Aliases kept for one release (until easykv 0.3): the old top-level `sharding`, `easykv.distributed`.
 CONTRACT = Contract(root="easykv", rows=LAYERS, deprecated={"sharding": "easykv.sharding"},
-                    moved={"distributed": "multihost"})
+                    moved={"distributed": "multihost", "runtime": "step"})
 
 
 @pytest.fixture(scope="module")

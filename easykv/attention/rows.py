@@ -1,4 +1,4 @@
-"""The mixed form of a step (every form becomes it: ``runtime.as_mixed``) as sequences of query
+"""The mixed form of a step (every form becomes it: ``step.metadata.as_mixed``) as sequences of query
 rows. ``api.run`` builds :class:`Rows` inside jit and hands them, replicated, to the per-device
 paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one signature.
 """

@@ -91,7 +91,7 @@ def restore_cache(
     mesh's; e.g. ``"gpu"`` to hold bf16 natively).
     """
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. sharding.create_mesh), got {type(mesh).__name__}")
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. easykv.sharding.create_mesh), got {type(mesh).__name__}")
     convert, verify = boolean("convert", convert), boolean("verify", verify)
     restore_manager = boolean("restore_manager", restore_manager)
     if storage_platform is not None and storage_platform not in STORAGE_PLATFORMS:

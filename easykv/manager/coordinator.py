@@ -36,6 +36,9 @@ def single_group(answer: tuple[T, ...]) -> T:
     if not isinstance(answer, tuple):
         raise ValueError(f"single_group takes a per-group answer (a tuple of one item per layer group, what "
                          f"build_step_metadata returns), got {type(answer).__name__}")
+    if len(answer) == 2 and all(type(item) is tuple for item in answer):
+        raise ValueError("single_group takes one per-group answer; pending_copies / take_copies give two, "
+                         "(src_per_group, dst_per_group): unpack each ((src,), (dst,) = manager.take_copies())")
     if len(answer) != 1:
         raise ValueError(f"single_group: the answer holds one item for each of {len(answer)} layer groups; index it "
                          "by group (answer[g]) or pass it whole (cache.write takes one metadata per group)")

@@ -561,7 +561,7 @@ class PageManager:
 
     def lockstep_state(self) -> dict[str, Any]:
         """`state_dict` with the host tier's bookkeeping (swapped-out sequences, pending transfers,
-        the host pools): what `easykv.distributed.assert_lockstep` compares between processes."""
+        the host pools): what `easykv.multihost.assert_lockstep` compares between processes."""
         return write_state(self._parts(), host=True)
 
     @classmethod

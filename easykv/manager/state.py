@@ -72,10 +72,10 @@ def config(metadata: PagedAttentionCacheMetaData, enable_prefix_caching: bool, s
            "enable_prefix_caching": bool(enable_prefix_caching), "scrub_released": bool(scrub_released)}
     groups = metadata.groups
     if len(groups) > 1:
-        out["groups"] = [{"attention": g.attention, "window": None if g.window is None else int(g.window),
+        out["groups"] = [{"attention": g.attention.value, "window": None if g.window is None else int(g.window),
                           "num_pages": known_size(g.num_pages)} for g in groups]
     elif groups[0].windowed:
-        out.update(attention=groups[0].attention, window=known_size(groups[0].window))
+        out.update(attention=groups[0].attention.value, window=known_size(groups[0].window))
     return out
 
 

@@ -38,13 +38,13 @@ def plan_layout(
     positive_int("num_kv_heads", num_kv_heads)
     if not isinstance(getattr(mesh, "shape", None), Mapping):  # Mesh and AbstractMesh map axis -> size
         raise ValueError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {show(mesh)}; for one device "
-                         "use sharding.create_mesh({'tp': 1}, devices=jax.devices()[:1])")
+                         "use easykv.sharding.create_mesh({'tp': 1}, devices=jax.devices()[:1])")
     if partition_manager is not None and not isinstance(partition_manager, PartitionManager):
         hint = ""
         if type(partition_manager).__module__.startswith(("eformer", "easydel")):
             hint = (" (an eformer/EasyDeL one converts with easykv.integrations.easydel."
                     "partition_manager_from_easydel(pm, mesh=mesh))")
-        raise ValueError(f"partition_manager must be a sharding.PartitionManager or None, got "
+        raise ValueError(f"partition_manager must be an easykv.sharding.PartitionManager or None, got "
                          f"{type(partition_manager).__name__}{hint}")
     pm = partition_manager if partition_manager is not None else PartitionManager(PartitionAxis())
     page_axes = pm.rules.mesh_axes(PAGE)

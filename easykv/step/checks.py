@@ -9,8 +9,10 @@ known before anything is written or read. Device values are not pulled to the ho
 opt-in ``PagedAttentionMetadata.check_values`` pulls them and runs the same rules.
 
 What a validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``) or the page manager
-proved is a :class:`HostChecked`, declared on the metadata: ``PagedAttentionMetadata(...,
-proof=...)`` (or `mark_checked`) attaches it, ``.checked`` reads it. The write and attention then
+proved is a :class:`HostChecked`, declared on the metadata: `mark_checked` issues it for the
+step's arrays, ``.checked`` reads it, and ``PagedAttentionMetadata(..., proof=...)`` carries it
+only over those very arrays (a proof written by hand, or moved onto other arrays, is refused).
+The write and attention then
 skip the value checks it covers: a decode step's table is checked once, not once more per layer.
 The proof is neither a pytree leaf nor a dataclass field, so a ``replace``, a JSON round trip,
 ``jax.tree.map`` or a trip through jit builds the metadata anew without it. The arrays it rests on
@@ -479,6 +481,10 @@ class HostChecked:
     page_shards: int
     attention: AttentionKind = AttentionKind.FULL  # a name ("sliding") is taken and converted
     window: int | None = None
+    # The arrays this proof was issued for (`mark_checked`), in field order; None until issued. A
+    # step carries the proof only over these very arrays (read-only, its own), so a proof can be
+    # neither written by hand nor moved onto other arrays through ``proof=``.
+    arrays: tuple[object, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", AttentionKind(self.attention))
@@ -499,10 +505,21 @@ class HostChecked:
                 and page_shards in (1, self.page_shards) and self.covers(window, chunk))
 
 
+class Issue:
+    """A proof being issued by the code that made its checks (`mark_checked`, the conversion
+    to the mixed form): the new metadata binds it to its own arrays (`HostChecked.arrays`)."""
+
+    __slots__ = ("mark",)
+
+    def __init__(self, mark: HostChecked):
+        self.mark = mark
+
+
 def mark_checked(rt: _Step, mark: HostChecked) -> _Step:
-    """``rt`` with ``mark`` as its proof: a new metadata over read-only arrays of its own; ``rt``
-    and its arrays are left as they were."""
-    return dataclasses.replace(rt, proof=mark)  # ``proof``: an InitVar of the metadata
+    """``rt`` with ``mark`` as its proof, issued by the caller (a validated constructor, the page
+    manager), who made the checks it states: a new metadata over read-only arrays of its own;
+    ``rt`` and its arrays are left as they were."""
+    return dataclasses.replace(rt, proof=Issue(mark))  # ``proof``: an InitVar of the metadata
 
 
 def host_checked(rt: object) -> HostChecked | None:

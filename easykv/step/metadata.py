@@ -114,8 +114,10 @@ class PagedAttentionMetadata(Serializable):
     ``from_json`` give numpy arrays back.
 
     ``proof``: what the host checks proved of these arrays (a `HostChecked`, read back as
-    ``checked``), given by the validated constructors and the page manager (`mark_checked`); the
-    write and attention skip the checks it covers. Declared as an init-only value, not a field:
+    ``checked``), issued by the validated constructors and the page manager (`mark_checked`) for
+    the arrays they checked; ``proof=`` takes only a proof issued for these very arrays (another
+    step's ``checked`` over the same arrays), so none can be written by hand or moved onto other
+    arrays (ValueError). The write and attention skip the checks it covers. Declared as an init-only value, not a field:
     no pytree leaf, not in JSON, and a ``replace``, a JSON round trip, ``jax.tree.map`` or a trip
     through jit builds the metadata without it. The arrays under a proof are read-only and the
     metadata's own: a writable (or borrowed) array is copied, the caller's stays as it was.
@@ -136,16 +138,25 @@ class PagedAttentionMetadata(Serializable):
     context_lens: jax.Array | np.ndarray = _array_field()
     num_seqs: jax.Array | np.ndarray = _array_field()
     # Reads None on every instance (the class default), so dataclasses.replace passes None on.
-    proof: dataclasses.InitVar[HostChecked | None] = None
+    proof: dataclasses.InitVar[HostChecked | checks.Issue | None] = None
 
-    def __post_init__(self, proof: HostChecked | None) -> None:
+    def __post_init__(self, proof: HostChecked | checks.Issue | None) -> None:
         if proof is None:
             return
-        if not isinstance(proof, HostChecked):
+        if isinstance(proof, checks.Issue):  # issued now, by the code that made the checks
+            held = tuple(_held(getattr(self, name)) for name in _ARRAY_FIELDS)
+            for name, array in zip(_ARRAY_FIELDS, held):
+                object.__setattr__(self, name, array)
+            proof = dataclasses.replace(proof.mark, arrays=held)
+        elif not isinstance(proof, HostChecked):
             raise ValueError(f"proof must be a HostChecked (what a validated constructor proved), got "
                              f"{type(proof).__name__}")
-        for name in _ARRAY_FIELDS:
-            object.__setattr__(self, name, _held(getattr(self, name)))
+        elif proof.arrays is None or any(mine is not getattr(self, name)
+                                         for name, mine in zip(_ARRAY_FIELDS, proof.arrays)):
+            raise ValueError("proof= carries the proof of another step's arrays (or of none): a proof is issued by "
+                             "a validated constructor (for_mixed, for_decode, for_prefill) or the PageManager for "
+                             "the arrays it checked, and only a step of those very arrays carries it; build this "
+                             "step with a constructor instead")
         object.__setattr__(self, "_checked", proof)
 
     @property
@@ -497,7 +508,8 @@ def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int
     if proof is not None:
         _sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
     rt = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
-                                context_lens=context, num_seqs=num, proof=proof)
+                                context_lens=context, num_seqs=num,
+                                proof=None if proof is None else checks.Issue(proof))  # derived from checked fields
     return MixedStep(rt, form == "decode", names, form, proof, metadata)
 
 

@@ -46,7 +46,7 @@ def test_wrong_types_raise_value_errors_not_type_or_attribute_errors(run, tmp_pa
     save_cache(tmp_path, cache, manager)
     with pytest.raises(ValueError, match="dtype"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm, dtype=1)
-    with pytest.raises(ValueError, match="partition_manager must be a sharding.PartitionManager"):
+    with pytest.raises(ValueError, match="partition_manager must be an easykv.sharding.PartitionManager"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=1)
     with pytest.raises(ValueError, match="storage_platform must be None or one of"):
         restore_cache(tmp_path, mesh=mesh, partition_manager=pm, storage_platform="xx")

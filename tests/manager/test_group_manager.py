@@ -200,6 +200,9 @@ def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
     assert one.increment_cache_lengths(dec)[0].positions.tolist() == [4]  # one group: bare metadata too
     with pytest.raises(ValueError, match=r"one item for each of 2 layer groups; index it by group \(answer\[g\]\)"):
         easykv.single_group(two.build_step_metadata([0], [3]))
+    with pytest.raises(ValueError, match=r"pending_copies / take_copies give two, \(src_per_group, dst_per_group\): "
+                                         r"unpack each"):
+        easykv.single_group(one.pending_copies())
     with pytest.raises(ValueError, match=r"takes a per-group answer .* got PagedAttentionMetadata"):
         easykv.single_group(rt)
     with pytest.raises(ValueError, match=r"this manager has 1 layer group\(s\): pass a tuple of 1 step metadata.*"

@@ -291,7 +291,8 @@ def test_the_old_top_level_name_still_imports_with_a_deprecation_warning():
             "    from sharding.mesh import create_mesh\n"
             "import easykv.sharding, easykv.sharding.mesh\n"
             "assert sharding.PartitionManager is easykv.sharding.PartitionManager\n"
-            "assert create_mesh is easykv.sharding.mesh.create_mesh\n"
+            "assert create_mesh is easykv.sharding.mesh.create_mesh is sharding.mesh.create_mesh\n"
+            "assert sharding.axes is easykv.sharding.axes and sharding.manager is easykv.sharding.manager\n"
             "assert sorted(sharding.__all__) == sorted(easykv.sharding.__all__)\n"
             "print([(w.category.__name__, str(w.message)) for w in seen])\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

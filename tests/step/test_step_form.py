@@ -238,3 +238,20 @@ def test_a_row_across_data_parallel_slices_is_not_read_safe():
     with pytest.raises(ValueError, match=r"row 0 of metadata.page_table uses pages of two data-parallel replicas "
                                          r"\(page 1 in slice 0, page 8 in slice 1; 6 pages per slice\)"):
         across.check_values(split)
+
+
+def test_the_old_module_name_still_imports_with_a_deprecation_warning():
+    """`easykv.runtime` (before 0.2) gives the moved objects and warns once with the new name."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    from easykv.runtime import PagedAttentionMetadata, as_mixed\n"
+            "import easykv.step.metadata as moved\n"
+            "assert PagedAttentionMetadata is moved.PagedAttentionMetadata and as_mixed is moved.as_mixed\n"
+            "print([str(w.message) for w in seen if w.category is DeprecationWarning])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(["easykv.runtime moved to easykv.step.metadata and will be removed in easykv "
+                                       "0.3; import from easykv.step.metadata (or easykv) instead"])

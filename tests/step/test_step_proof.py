@@ -74,12 +74,18 @@ def test_marking_copies_a_writable_array_and_never_freezes_it():
     marked = mark_checked(step, mark)
     assert step.checked is None and host_checked(step) is None  # the step passed in is as it was
     assert mine.flags.writeable and step.slot_mapping is mine
-    assert host_checked(marked) is marked.checked is mark
+    assert host_checked(marked) is marked.checked == mark
     assert not marked.slot_mapping.flags.writeable and not np.shares_memory(marked.slot_mapping, mine)
-    direct = PagedAttentionMetadata(slot_mapping=mine, proof=mark)  # the same, declared at construction
-    assert direct.checked is mark and direct.slot_mapping is not mine and mine.flags.writeable
     frozen = marked.slot_mapping
     assert mark_checked(marked, mark).slot_mapping is frozen  # already the step's own: no copy
+    fields = {f.name: getattr(marked, f.name) for f in dataclasses.fields(marked)}
+    carried = PagedAttentionMetadata(**fields, proof=marked.checked)  # the very same arrays: it carries
+    assert carried.checked is marked.checked and carried.slot_mapping is frozen
+    refused = r"proof= carries the proof of another step's arrays \(or of none\): a proof is issued by"
+    with pytest.raises(ValueError, match=refused):  # written by hand: issued for no arrays
+        PagedAttentionMetadata(slot_mapping=mine, proof=mark)
+    with pytest.raises(ValueError, match=refused):  # equal values, but other arrays
+        PagedAttentionMetadata(**{**fields, "slot_mapping": frozen.copy()}, proof=marked.checked)
     with pytest.raises(ValueError, match=r"proof must be a HostChecked \(what a validated constructor proved\), got "
                                          r"str"):
         PagedAttentionMetadata(slot_mapping=mine, proof="checked")
@@ -139,11 +145,13 @@ def test_a_hole_inside_the_window_of_a_marked_step_is_refused_not_read():
     good = paged_attention(q, k, v, rt, sliding_window=5)
     np.testing.assert_allclose(np.asarray(good), np.asarray(paged_attention_reference(q, k, v, rt, sliding_window=5)),
                                atol=2e-6)
-    # Its issuer released the window's first page one step early; the copy keeps the proof.
+    # Its issuer released the window's first page one step early and issued the proof anyway.
     early = rt.page_table.copy()
     early[0, 1] = -1
-    bad = dataclasses.replace(rt, page_table=early, proof=rt.checked)
-    assert host_checked(bad) is rt.checked
+    with pytest.raises(ValueError, match=r"proof= carries the proof of another step's arrays"):
+        dataclasses.replace(rt, page_table=early, proof=rt.checked)  # nobody else can move a proof onto it
+    bad = mark_checked(dataclasses.replace(rt, page_table=early), rt.checked)
+    assert host_checked(bad) == rt.checked
     with pytest.raises(ValueError, match=r"metadata.page_table\[0, 1\] = -1 is not a page of the pool \(0..5\) but "
                                          r"sequence 0 of the step reads it \(keys 4.. up to position 9\), and the step "
                                          r"is marked as checked"):
@@ -162,11 +170,12 @@ def test_a_hole_anywhere_a_marked_step_reads_is_refused(form):
     k, v = _pages(12)
     q = np.zeros((rt.num_tokens, 4, 8), np.float32)
     paged_attention(q, k, v, rt)
-    bad = dataclasses.replace(rt, **holed, proof=rt.checked)
+    bad = mark_checked(dataclasses.replace(rt, **holed), rt.checked)  # an issuer in error
     with pytest.raises(ValueError, match=rf"metadata.{name}\[0, 1\] = -1 is not a page of the pool .* but sequence 0 "
                                          r"of the step reads it"):
         paged_attention(q, k, v, bad)
-    far = dataclasses.replace(rt, **{name: np.where(np.arange(4) == 0, 12, getattr(rt, name))}, proof=rt.checked)
+    far = mark_checked(dataclasses.replace(rt, **{name: np.where(np.arange(4) == 0, 12, getattr(rt, name))}),
+                       rt.checked)
     with pytest.raises(ValueError, match=rf"metadata.{name}\[0, 0\] = 12 is not a page of the pool \(0..11\)"):
         paged_attention(q, k, v, far)
 

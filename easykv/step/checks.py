@@ -505,6 +505,25 @@ class HostChecked:
                 and page_shards in (1, self.page_shards) and self.covers(window, chunk))
 
 
+def sealed(*arrays: Array) -> None:
+    """Arrays this module has just allocated, made read-only: a proof rests on them as they are
+    (`held` copies nothing). Never a caller's array."""
+    for a in arrays:
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+
+
+def held(a: Array) -> Array:
+    """``a`` as a proof may rest on it: itself when it is read-only and owns its memory (nobody
+    can change it under another name), else a read-only copy. A caller's array is never frozen:
+    the step keeps its own."""
+    if not isinstance(a, np.ndarray) or (not a.flags.writeable and a.base is None):
+        return a
+    own = a.copy()
+    own.flags.writeable = False
+    return own
+
+
 class Issue:
     """A proof being issued by the code that made its checks (`mark_checked`, the conversion
     to the mixed form): the new metadata binds it to its own arrays (`HostChecked.arrays`)."""
@@ -535,6 +554,7 @@ __all__ = [
     "Array", "HostChecked", "ReadKey", "Shaped", "StepReads", "any_unreadable", "bad_read", "check_decode_fields",
     "check_distinct_slots", "check_extent", "check_padding", "check_pages_assigned", "check_positions",
     "check_prefill_fields", "check_slots", "check_step", "check_vouched_reads", "dtype_of", "host_checked",
-    "host_slots", "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "read_spans", "reads_assigned",
+    "held", "host_slots", "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "read_spans",
+    "reads_assigned", "sealed",
     "shape_of",
 ]

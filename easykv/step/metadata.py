@@ -71,25 +71,6 @@ def _array_field() -> Any:  # a dataclasses.field, typed Any by dataclasses itse
     return dataclasses.field(default_factory=_absent, metadata={"codec": "array"})
 
 
-def _sealed(*arrays: Array) -> None:
-    """Arrays this module has just allocated, made read-only: a proof rests on them as they are
-    (`_held` copies nothing). Never a caller's array."""
-    for a in arrays:
-        if isinstance(a, np.ndarray):
-            a.flags.writeable = False
-
-
-def _held(a: Array) -> Array:
-    """``a`` as a proof may rest on it: itself when it is read-only and owns its memory (nobody
-    can change it under another name), else a read-only copy. A caller's array is never frozen:
-    the step keeps its own."""
-    if not isinstance(a, np.ndarray) or (not a.flags.writeable and a.base is None):
-        return a
-    own = a.copy()
-    own.flags.writeable = False
-    return own
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionMetadata(Serializable):
@@ -114,13 +95,11 @@ class PagedAttentionMetadata(Serializable):
     ``from_json`` give numpy arrays back.
 
     ``proof``: what the host checks proved of these arrays (a `HostChecked`, read back as
-    ``checked``), issued by the validated constructors and the page manager (`mark_checked`) for
-    the arrays they checked; ``proof=`` takes only a proof issued for these very arrays (another
-    step's ``checked`` over the same arrays), so none can be written by hand or moved onto other
-    arrays (ValueError). The write and attention skip the checks it covers. Declared as an init-only value, not a field:
-    no pytree leaf, not in JSON, and a ``replace``, a JSON round trip, ``jax.tree.map`` or a trip
-    through jit builds the metadata without it. The arrays under a proof are read-only and the
-    metadata's own: a writable (or borrowed) array is copied, the caller's stays as it was.
+    ``checked``; the write and attention skip what it covers), issued for them by a validated
+    constructor or the page manager (`mark_checked`); ``proof=`` carries one only over the very
+    arrays it was issued for (ValueError otherwise). An init-only value, not a field: no pytree
+    leaf, not in JSON; ``replace``, JSON, ``jax.tree.map`` and jit build the metadata without it.
+    Its arrays are read-only and the metadata's own (a caller's writable array is copied).
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionMetadata"
@@ -144,7 +123,7 @@ class PagedAttentionMetadata(Serializable):
         if proof is None:
             return
         if isinstance(proof, checks.Issue):  # issued now, by the code that made the checks
-            held = tuple(_held(getattr(self, name)) for name in _ARRAY_FIELDS)
+            held = tuple(checks.held(getattr(self, name)) for name in _ARRAY_FIELDS)
             for name, array in zip(_ARRAY_FIELDS, held):
                 object.__setattr__(self, name, array)
             proof = dataclasses.replace(proof.mark, arrays=held)
@@ -259,7 +238,7 @@ class PagedAttentionMetadata(Serializable):
         positions[:length] = np.arange(start, start + length, dtype=np.int32)
         end_pages = np.asarray([-(-(start + length) // cache_metadata.page_size) if length else 0])
         prefill_length = np.asarray(length, np.int32)
-        _sealed(row, positions, prefill_length)  # all three built here (integer_array copies)
+        checks.sealed(row, positions, prefill_length)  # all three built here (integer_array copies)
         rt = cls(prefill_length=prefill_length, prefill_position=positions, prefill_page_table=row)
         return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill", pool=pool)
 
@@ -284,7 +263,7 @@ class PagedAttentionMetadata(Serializable):
                 "give one position per sequence (-1 for padding rows)"
             )
         end_pages = (pos + cache_metadata.page_size) // cache_metadata.page_size  # 0 for padding (-1)
-        _sealed(pos, table)  # built here (integer_array copies)
+        checks.sealed(pos, table)  # built here (integer_array copies)
         rt = cls(decodes_position=pos, decodes_page_table=table)
         return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode", pool=pool)
 
@@ -411,7 +390,7 @@ def build_mixed(
     context = np.zeros(seqs, np.int32)
     context[:num_seqs] = cached_lens + new_lens
     count = np.asarray(num_seqs, np.int32)
-    _sealed(slot_mapping, positions, starts, table, context, count)
+    checks.sealed(slot_mapping, positions, starts, table, context, count)
     return PagedAttentionMetadata(slot_mapping=slot_mapping, positions=positions, query_start_loc=starts,
                                   page_table=table, context_lens=context, num_seqs=count)
 
@@ -506,7 +485,7 @@ def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int
                              pages_per_sequence=pages_per_sequence)
     num = np.asarray(table.shape[0], np.int32)
     if proof is not None:
-        _sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
+        checks.sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
     rt = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
                                 context_lens=context, num_seqs=num,
                                 proof=None if proof is None else checks.Issue(proof))  # derived from checked fields

@@ -8,22 +8,17 @@ import pytest
 
 import easykv.multihost
 from easykv.multihost import initialize_from_env
+from tests.support.deprecation import warnings_on_import
 
 
 def test_the_old_module_name_still_imports_the_same_objects_with_a_deprecation_warning():
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    import easykv.distributed\n"
-            "    from easykv.distributed import launch_local\n"
-            "import easykv.multihost\n"
-            "assert sorted(easykv.distributed.__all__) == sorted(easykv.multihost.__all__)\n"
-            "assert all(getattr(easykv.distributed, n) is getattr(easykv.multihost, n) for n in easykv.multihost.__all__)\n"
-            "assert launch_local is easykv.multihost.launch_local\n"
-            "print([(w.category.__name__, str(w.message), w.filename) for w in seen])\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str([("DeprecationWarning", "easykv.distributed moved to easykv.multihost and will be "
-                                        "removed in easykv 0.3; import from easykv.multihost instead", "<string>")])
+    seen = warnings_on_import("import easykv.distributed\nfrom easykv.distributed import launch_local", """
+import easykv.multihost
+assert sorted(easykv.distributed.__all__) == sorted(easykv.multihost.__all__)
+assert all(getattr(easykv.distributed, n) is getattr(easykv.multihost, n) for n in easykv.multihost.__all__)
+assert launch_local is easykv.multihost.launch_local""")
+    assert seen == [("DeprecationWarning", "easykv.distributed moved to easykv.multihost and will be removed in "
+                                           "easykv 0.3; import from easykv.multihost instead", "<string>")]
 
 
 def test_the_public_names():

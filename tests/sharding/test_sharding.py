@@ -282,21 +282,14 @@ def test_package_exports():
 def test_the_old_top_level_name_still_imports_with_a_deprecation_warning():
     """`import sharding` (before easykv 0.2) gives the same objects, submodules included, and
     warns once with the new name; the package installs beside easykv for one release."""
-    import subprocess
-    import sys
+    from tests.support.deprecation import warnings_on_import
 
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    import sharding\n"
-            "    from sharding.mesh import create_mesh\n"
-            "import easykv.sharding, easykv.sharding.mesh\n"
-            "assert sharding.PartitionManager is easykv.sharding.PartitionManager\n"
-            "assert create_mesh is easykv.sharding.mesh.create_mesh is sharding.mesh.create_mesh\n"
-            "assert sharding.axes is easykv.sharding.axes and sharding.manager is easykv.sharding.manager\n"
-            "assert sorted(sharding.__all__) == sorted(easykv.sharding.__all__)\n"
-            "print([(w.category.__name__, str(w.message)) for w in seen])\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str([("DeprecationWarning", "the top-level package 'sharding' moved to "
-                                        "'easykv.sharding' and will be removed in easykv 0.3; import from "
-                                        "easykv.sharding instead")])
+    seen = warnings_on_import("import sharding\nfrom sharding.mesh import create_mesh", """
+import easykv.sharding, easykv.sharding.mesh
+assert sharding.PartitionManager is easykv.sharding.PartitionManager
+assert create_mesh is easykv.sharding.mesh.create_mesh is sharding.mesh.create_mesh
+assert sharding.axes is easykv.sharding.axes and sharding.manager is easykv.sharding.manager
+assert sorted(sharding.__all__) == sorted(easykv.sharding.__all__)""")
+    assert [(category, message) for category, message, _ in seen] == [
+        ("DeprecationWarning", "the top-level package 'sharding' moved to 'easykv.sharding' and will be removed in "
+                               "easykv 0.3; import from easykv.sharding instead")]

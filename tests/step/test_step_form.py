@@ -242,16 +242,11 @@ def test_a_row_across_data_parallel_slices_is_not_read_safe():
 
 def test_the_old_module_name_still_imports_with_a_deprecation_warning():
     """`easykv.runtime` (before 0.2) gives the moved objects and warns once with the new name."""
-    import subprocess
-    import sys
+    from tests.support.deprecation import warnings_on_import
 
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "with warnings.catch_warnings(record=True) as seen:\n"
-            "    from easykv.runtime import PagedAttentionMetadata, as_mixed\n"
-            "import easykv.step.metadata as moved\n"
-            "assert PagedAttentionMetadata is moved.PagedAttentionMetadata and as_mixed is moved.as_mixed\n"
-            "print([str(w.message) for w in seen if w.category is DeprecationWarning])\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == str(["easykv.runtime moved to easykv.step.metadata and will be removed in easykv "
-                                       "0.3; import from easykv.step.metadata (or easykv) instead"])
+    seen = warnings_on_import("from easykv.runtime import PagedAttentionMetadata, as_mixed", """
+import easykv.step.metadata as moved
+assert PagedAttentionMetadata is moved.PagedAttentionMetadata and as_mixed is moved.as_mixed""")
+    assert [message for category, message, _ in seen if category == "DeprecationWarning"] == [
+        "easykv.runtime moved to easykv.step.metadata and will be removed in easykv 0.3; import from "
+        "easykv.step.metadata (or easykv) instead"]

@@ -111,6 +111,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--restore-mesh", default=None, help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")
     demo.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when running on a CPU")
     demo.add_argument("--checkpoint-dir", default=None, help="where the midway checkpoint goes (default: a temp dir)")
+    demo.add_argument("--decode-steps", type=int, default=8,
+                      help="decode steps per device loop, sampling on the device (1: one host round trip per token)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
@@ -140,7 +142,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
     for flag, value, low, high in (("--requests", args.requests, 1, 64), ("--max-new-tokens", args.max_new_tokens, 2, 128),
-                                   ("--cpu-devices", args.cpu_devices, 1, 64)):  # fmt: skip
+                                   ("--cpu-devices", args.cpu_devices, 1, 64),
+                                   ("--decode-steps", args.decode_steps, 1, 64)):  # fmt: skip
         if not low <= value <= high:
             raise UsageError(f"{flag} {value} is out of range; use {low}..{high}")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -157,7 +160,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} {axes} needs {size} devices of positive axis sizes; this process has {n}")
     options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant, dtype=args.dtype,
                           mesh=mesh, restore_mesh=restore, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-                          progress=not args.no_progress, model=args.model)  # fmt: skip
+                          progress=not args.no_progress, model=args.model, decode_steps=args.decode_steps)  # fmt: skip
     from easykv.errors import CheckpointError
 
     try:

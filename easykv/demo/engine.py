@@ -10,6 +10,10 @@ Sampling is greedy, except that a forked request (parallel sampling) takes the s
 likely token at its first step and then follows greedily, so the fork diverges from its parent
 through a copy-on-write of their shared last page.
 
+With ``decode_steps=k > 1``, a step that schedules only decodes runs up to ``k`` of them in one
+device loop (the manager plans them at once, sampling happens on the device) and returns to the
+host once; a request stops inside the loop at its ``max_new_tokens``.
+
 With a host-memory tier (``host=``, an `easykv.HostTier`), a step whose pages do not fit
 preempts: the running request that arrived last is swapped out to host memory and swapped back
 in, ahead of new requests, once its pages fit again; it continues where it stopped (no prefill
@@ -68,12 +72,16 @@ class Engine:
     """Runs requests to completion through one model, one paged cache and one page manager."""
 
     def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
-                 token_budget: int, max_seqs: int, prefill_chunk: int, host: Any = None) -> None:  # fmt: skip
+                 token_budget: int, max_seqs: int, prefill_chunk: int, host: Any = None,
+                 decode_steps: int = 1) -> None:  # fmt: skip
         if prefill_chunk > token_budget:
             raise ValueError(f"prefill_chunk={prefill_chunk} exceeds token_budget={token_budget}")
         if max_seqs > token_budget:
             raise ValueError(f"max_seqs={max_seqs} exceeds token_budget={token_budget}: one decode token each must fit")
+        if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
+            raise ValueError(f"decode_steps={decode_steps!r} must be an int >= 1 (decode steps per device loop)")
         self.model, self.cache, self.manager = model, cache, manager
+        self.decode_steps = decode_steps
         self.token_budget, self.max_seqs, self.prefill_chunk = token_budget, max_seqs, prefill_chunk
         self.step_index = 0
         self.history: list[StepRecord] = []
@@ -89,9 +97,10 @@ class Engine:
                 return
             self._admit(requests)
             batch = self._schedule(requests)
-            if batch:
+            ran = self._decode_steps(batch, self._horizon(requests, until_step)) if batch else None
+            if batch and ran is None:
                 self._step(batch, requests)
-            self.step_index += 1
+            self.step_index += ran or 1
             if on_step is not None:
                 on_step(self, requests)
 
@@ -190,6 +199,47 @@ class Engine:
         self.history.append(StepRecord(self.step_index, len(flat), len(batch), m.used_pages, m.cached_pages,
                                        tuple(g.used_pages for g in m.groups)))
 
+
+    def _horizon(self, requests: list[Request], until_step: int | None) -> int:
+        """Steps a device loop may run before the host is needed: the next arrival of a request
+        still to come, or ``until_step``."""
+        ends = [r.arrival for r in requests if r.seq is None and not r.done and r.arrival > self.step_index]
+        if until_step is not None:
+            ends.append(until_step)
+        return max(1, min(ends, default=self.step_index + self.decode_steps) - self.step_index)
+
+    def _decode_steps(self, batch: list[tuple[Request, list[int]]], horizon: int) -> int | None:
+        """With ``decode_steps > 1`` and only decodes scheduled: up to ``decode_steps`` steps of
+        them in one device loop (`PageManager.plan_decode`, `CompiledModel.paged_decode`), each
+        request stopping at its ``max_new_tokens``. Returns the steps run; None when this step
+        is not all decodes or the plan does not fit (the one-step path runs it, preempting).
+        ``horizon``: no request samples more tokens than this (an arrival is due then)."""
+        if self.decode_steps == 1 or any(r.fed < len(r.prompt) for r, _ in batch):
+            return None
+        mgr, k = self.manager, self.decode_steps
+        seqs = [r.seq for r, _ in batch]
+        most = [min(k, horizon, r.max_new_tokens - len(r.output)) for r, _ in batch]
+        try:
+            plan = mgr.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=self.max_seqs)
+        except CacheFullError:
+            return None
+        self.cache, copied = mgr.apply_pending(self.cache, host=self.host)
+        self.copies += copied
+        tokens = np.zeros(self.max_seqs, np.int32)
+        tokens[: len(batch)] = [ids[0] for _, ids in batch]
+        out = self.model.paged_decode(self.cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
+        self.cache = out.state
+        written, sampled, counts = jax.device_get((out.written, out.sampled, out.num_written))
+        mgr.commit_decode(plan, written, counts)
+        for i, (r, _) in enumerate(batch):
+            r.output.extend(sampled[i, : counts[i]].tolist())
+            if len(r.output) >= r.max_new_tokens:
+                r.done = True
+                mgr.release(r.seq)
+        m = mgr.metrics
+        self.history.append(StepRecord(self.step_index, int(counts.sum()), len(batch), m.used_pages, m.cached_pages,
+                                       tuple(g.used_pages for g in m.groups)))
+        return int(out.steps)
 
     def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
         """Apply pending copy-on-write copies, then write and attend for all layers in one jit."""

@@ -27,6 +27,7 @@ from flax import nnx
 
 from easykv.attention.api import view_attention
 from easykv.storage.cache import PagedAttentionCache
+from easykv.step.loop import DecodeOutput, decode_loop
 from easykv.step.metadata import PagedAttentionMetadata
 
 VOCAB = 256  # bytes
@@ -241,6 +242,22 @@ def _dense_jit(graphdef: Any, params: Any, keys: jax.Array, values: jax.Array, t
     return _dense_step(nnx.merge(graphdef, params), keys, values, tokens, start, kv_round_trip)
 
 
+@partial(jax.jit, static_argnums=(0, 2), static_argnames=("num_steps", "page_size", "num_pages", "eos_id"),
+         donate_argnums=4)
+def _decode_jit(graphdef: Any, params: Any, block_def: Any, stacked: Any, cache: PagedAttentionCache,
+                tokens: jax.Array, metadata: Any, limits: jax.Array, *, num_steps: int, page_size: int,
+                num_pages: tuple[int, ...], eos_id: int | None) -> DecodeOutput:  # fmt: skip
+    model = nnx.merge(graphdef, params)
+
+    def step(cache: PagedAttentionCache, tokens: jax.Array, metadata: Any) -> tuple[jax.Array, PagedAttentionCache]:
+        if block_def is not None:
+            return _scanned_forward(model, block_def, stacked, cache, tokens, metadata)
+        return _paged_step(model, cache, tokens, metadata)
+
+    return decode_loop(step, cache, tokens, metadata, num_steps=num_steps, page_size=page_size, num_pages=num_pages,
+                       limits=limits, eos_id=eos_id)
+
+
 class CompiledModel:
     """A DemoModel split once into (graphdef, params) with its two jitted steps."""
 
@@ -262,6 +279,16 @@ class CompiledModel:
         if self.cfg.scan:
             return _scanned_jit(self.graphdef, self.params, self.block_def, self.stacked, cache, tokens, metadata)
         return _paged_jit(self.graphdef, self.params, cache, tokens, metadata)
+
+    def paged_decode(self, cache: PagedAttentionCache, tokens: jax.Array, plan: Any, limits: jax.Array, *,
+                     eos_id: int | None = None) -> DecodeOutput:
+        """``plan``'s decode steps (`PageManager.plan_decode`) in one jitted device loop with greedy
+        sampling (`easykv.step.loop.decode_loop`); the cache is donated and comes back as the
+        output's ``state``. ``tokens``, ``limits``: ``(plan.padded_rows,)``."""
+        block_def, stacked = (self.block_def, self.stacked) if self.cfg.scan else (None, None)
+        return _decode_jit(self.graphdef, self.params, block_def, stacked, cache, tokens, plan.metadata, limits,
+                           num_steps=plan.num_steps, page_size=plan.page_size, num_pages=plan.num_pages,
+                           eos_id=eos_id)
 
     def dense_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
                    kv_round_trip: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip

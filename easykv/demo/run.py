@@ -53,6 +53,7 @@ class DemoOptions:
     checkpoint_dir: str | None = None
     progress: bool = True
     model: str = "hybrid"  # or "uniform"
+    decode_steps: int = 8  # decode steps per device loop (1: back to the host after every token)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -124,7 +125,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
             raise ValueError(f"request {r.rid} needs {len(r.prompt) + r.max_new_tokens} tokens > max length {max_len}")
     total = sum(r.max_new_tokens for r in requests)
     engine = Engine(model, cache, manager, token_budget=options.token_budget, max_seqs=options.max_seqs,
-                    prefill_chunk=options.token_budget // 2)  # fmt: skip
+                    prefill_chunk=options.token_budget // 2, decode_steps=options.decode_steps)  # fmt: skip
 
     def on_step(eng: Engine, reqs: list[Request]) -> None:
         if options.progress:

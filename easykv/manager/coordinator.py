@@ -10,7 +10,7 @@ allocators (and the sequence table's type); it never imports ``storage``, ``atte
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
 import numpy as np

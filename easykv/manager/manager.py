@@ -27,7 +27,8 @@ Life of a sequence (Modular MAX names in brackets)::
     cache = cache.copy_pages(*manager.take_copies())      # before the step's writes
     ... jitted step writes K/V by meta.slot_mapping and attends ...
     manager.step([seq], [prompt[done:]])                  # [step]: commit tokens, fill prefix cache
-    ... decode: build_decode_metadata(ids, num_steps=k)   # [increment_cache_lengths]
+    plan = manager.plan_decode(ids, num_steps=k)          # k decode steps in one device loop
+    manager.commit_decode(plan, written, num_tokens)      # early stops give back their pages
     manager.release(seq)                                  # [release]
 
 Three tiers of error: `CacheFullError` when the pool or the batch is full (expected; nothing
@@ -44,11 +45,12 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.manager import admit, growth, rollback
+from easykv.manager import admit, decode_plan, growth, rollback
 from easykv.manager.allocators import allocator_for
 from easykv.manager.broken import Broken
 from easykv.manager.commit import commit_tokens, parse_tokens
 from easykv.manager.consistency import check_consistency
+from easykv.manager.decode_plan import DecodePlan
 from easykv.manager.coordinator import GroupCoordinator, PerGroup, single_group  # the last: re-exported
 from easykv.manager.device_work import PendingWork
 from easykv.manager.host_tier import HostTierPolicy, Transfers
@@ -62,8 +64,9 @@ from easykv.manager.versions import VersionLog, VersionMetrics, WeightVersion
 from easykv.spec import sizing
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.checks import check_padding
+from easykv.step.loop import increment_groups
 from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths, stack_metadata  # the last two: re-exported
-from easykv.validation import boolean, integer_array, non_negative_int, positive_int
+from easykv.validation import boolean, non_negative_int, positive_int
 
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
 StepMetadata: TypeAlias = PerGroup[PagedAttentionMetadata]
@@ -144,16 +147,7 @@ class PageManager:
 
     def external_claim(self, seq_ids: Sequence[int]) -> None:
         """Claim ids chosen by the caller (e.g. a scheduler that owns the numbering)."""
-        if isinstance(seq_ids, (int, np.integer)):
-            raise ValueError(f"external_claim takes a list of ids, got the int {seq_ids}; pass [{seq_ids}]")
-        ids = integer_array("seq_ids", seq_ids, ndim=1, lo=0, hi=self.batch_size - 1,
-                            hint=f"sequence ids of batch_size={self.batch_size}").tolist()
-        for s in ids:
-            if self._seqs.active[s]:
-                raise ValueError(f"sequence id {s} is already claimed; release it first or claim another id")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"seq_ids {ids} repeat an id; claim each id once")
-        self._seqs.claim(ids, self._versions.current, self._versions.root())
+        self._seqs.claim(self._seqs.free_ids(seq_ids), self._versions.current, self._versions.root())
 
     def contains(self, seq_id: int) -> bool:
         sid = self._seqs.check_id(seq_id, strict=False)  # the checked value, never the object again
@@ -268,20 +262,32 @@ class PageManager:
         growth.reserve(seqs, groups, self._host, self._work, rows, np.full(rows.size, k, np.int64))
         return growth.decode_metadata(seqs, groups, rows, k, pad_seqs_to=pad_seqs_to, stacked=stacked)
 
+    def plan_decode(self, seq_ids: Sequence[int], num_steps: int, *, max_tokens: int | Sequence[int] | None = None,
+                    pad_seqs_to: int | None = None) -> DecodePlan:
+        """Plan ``num_steps`` decode steps of ``seq_ids`` at once, for one device loop: room for
+        ``max_tokens[i]`` more tokens of each (0..num_steps, default ``num_steps``) is reserved
+        (all or nothing: CacheFullError naming the pages, nothing changed) and the plan carries
+        the first step's metadata (see `DecodePlan`). Commit it once with `commit_decode`;
+        nothing else may touch its sequences meanwhile."""
+        return decode_plan.plan(self._seqs, self._groups, self._host, self._work, seq_ids, num_steps, max_tokens,
+                                pad_seqs_to=pad_seqs_to, metadata=self.metadata)
+
+    def commit_decode(self, plan: DecodePlan, token_ids: Any, num_tokens: Any = None) -> None:
+        """Commit what ``plan``'s loop wrote: ``token_ids`` ``(n, num_steps)`` (or the plan's padded
+        rows) the token each sequence wrote at each step, of which the first ``num_tokens[i]``
+        count (by default all it was planned for; fewer for a sequence that stopped early). Pages reserved for
+        steps a sequence did not write go back; pages that left a window are released. Refused,
+        with nothing changed, for a plan of another manager, committed already, or whose
+        sequences changed since, and for more tokens than planned."""
+        decode_plan.commit(self._seqs, self._groups, self._host, self._work, plan, token_ids, num_tokens,
+                           caching=self.enable_prefix_caching, current=self._versions.current)
+
     def increment_cache_lengths(self, metadata: StepMetadata) -> StepMetadata:
         """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly): a
         tuple of one per layer group, as `build_decode_metadata` gives it (a cache of one group
         also takes its one metadata bare); the manager's lengths do not change."""
-        groups = self._groups
-        n = len(groups)
-        if n == 1 and isinstance(metadata, PagedAttentionMetadata):
-            metadata = (metadata,)
-        if not isinstance(metadata, tuple) or len(metadata) != n:
-            got = f"a tuple of {len(metadata)}" if isinstance(metadata, tuple) else type(metadata).__name__
-            raise ValueError(f"this manager has {n} layer group(s): pass a tuple of {n} step metadata, one per group "
-                             f"(what build_decode_metadata returns), got {got}")
-        return tuple(increment_cache_lengths(m, page_size=self.page_size, num_pages=gt.pool.num_pages)
-                     for gt, m in zip(groups, metadata))
+        return increment_groups(metadata, page_size=self.page_size,
+                                num_pages=tuple(gt.pool.num_pages for gt in self._groups))
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:

@@ -1,5 +1,6 @@
 """Dropping a sequence's tail: `truncate` (speculative decoding's rejected draft tokens, beam
-pruning, a rollout rewound to its prompt).
+pruning, a rollout rewound to its prompt), and `give_back_reserved` (pages reserved ahead that
+a multi-step decode plan's stopped sequence never wrote).
 
 The pages wholly past the new length go back to their pool (or the prefix cache, as on release).
 The page the new length ends inside becomes the sequence's unfinished page again, and the next
@@ -88,6 +89,24 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
         seqs.hashes.rewind(row, new, chain)
 
 
+def give_back_reserved(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, *,
+                       current: bytes | None) -> None:
+    """Return the pages ``rows`` reserved ahead but never wrote into (those wholly past each row's
+    length) to their pools: a multi-step decode plan's steps that a stopped sequence did not run."""
+    ps = seqs.page_size
+    keep = -(-seqs.lens[rows] // ps)
+    for i in np.flatnonzero(seqs.npages[rows] > keep).tolist():
+        row, kept, held = int(rows[i]), int(keep[i]), int(seqs.npages[rows[i]])
+        stale = seqs.version[row] != current
+        for gt in groups:
+            first = max(kept, int(gt.start[row]))
+            gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
+            gt.table[row, kept:held] = PAD_PAGE
+        seqs.npages[row] = kept
+        if not kept:  # a sequence is bound to a replica while it holds pages
+            seqs.replica[row] = -1
+
+
 def _chain_at(seqs: SequenceTable, groups: GroupCoordinator, row: int, full: int) -> bytes | None:
     """The digest of the row's page ``full - 1`` (its version's root for 0): the current
     chain when no full page is dropped, the prefix cache's digest of that page, or computed
@@ -108,4 +127,4 @@ def _chain_at(seqs: SequenceTable, groups: GroupCoordinator, row: int, full: int
     return chain
 
 
-__all__ = ["truncate"]
+__all__ = ["give_back_reserved", "truncate"]

@@ -31,7 +31,10 @@ class SequenceTable:
     - ``replica``: the data-parallel slice its pages lie in (-1 while it holds none);
     - ``active``: whether the id is claimed;
     - ``hashes``: its salt, chain digest, unfinished page and token log (`SequenceHashes`);
-    - ``version``: the digest of the weight version it runs under (None: unversioned).
+    - ``version``: the digest of the weight version it runs under (None: unversioned);
+    - ``claims``: how often it was claimed (or forked into): a decode plan's stamp tells a
+      sequence released and claimed again from the one it planned. Never saved: a loaded
+      manager is another manager, whose plans are its own.
     """
 
     def __init__(self, batch_size: int, page_size: int, max_length: int):
@@ -44,6 +47,7 @@ class SequenceTable:
         self.active = np.zeros(b, bool)
         self.hashes = SequenceHashes(b, page_size)
         self.version: list[bytes | None] = [None] * b
+        self.claims = np.zeros(b, np.int64)
 
     # ---- input checks ---------------------------------------------------------------------------
     def check_id(self, seq_id: Any, strict: bool = True) -> int:
@@ -112,9 +116,23 @@ class SequenceTable:
     def free_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.active)
 
+    def free_ids(self, seq_ids: Any) -> list[int]:
+        """Ids a caller chose to claim (`PageManager.external_claim`), each free and listed once."""
+        if isinstance(seq_ids, (int, np.integer)):
+            raise ValueError(f"external_claim takes a list of ids, got the int {seq_ids}; pass [{seq_ids}]")
+        ids: list[int] = integer_array("seq_ids", seq_ids, ndim=1, lo=0, hi=self.batch_size - 1,
+                                       hint=f"sequence ids of batch_size={self.batch_size}").tolist()
+        for s in ids:
+            if self.active[s]:
+                raise ValueError(f"sequence id {s} is already claimed; release it first or claim another id")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids {ids} repeat an id; claim each id once")
+        return ids
+
     def claim(self, rows: Sequence[int], version: bytes | None, root: bytes) -> None:
         """Claim ``rows`` (checked free), each starting under ``version`` (whose root is ``root``)."""
         self.active[rows] = True
+        self.claims[rows] += 1
         for row in rows:
             self.start(row, version, root)
 
@@ -133,6 +151,7 @@ class SequenceTable:
         """``dst`` continues ``src``'s history, holding its first ``columns`` columns."""
         self.npages[dst], self.floor[dst] = columns, self.floor[src]
         self.active[dst] = True
+        self.claims[dst] += 1
         # A parent that holds only pages reserved ahead shares none: the child is unbound.
         self.lens[dst], self.replica[dst] = self.lens[src], (self.replica[src] if columns else -1)
         self.hashes.copy_row(src, dst)

@@ -13,7 +13,7 @@ import dataclasses
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec

@@ -1,0 +1,188 @@
+"""Multi-step decode: ``k`` decode steps of running sequences decided at once, so an engine runs
+them in one device loop and returns to the host once (JetStream's and vLLM's multi-step
+scheduling). `plan` reserves room for ``k`` more tokens of each sequence and builds the first
+step's metadata; on the device, `DecodePlan.next_metadata` derives each next step from the one
+before. `commit` then commits what each sequence wrote (a sequence that stopped early, at its end
+of sequence or its length limit, commits fewer) and gives back the pages reserved for tokens it
+never wrote. A sliding or chunked group releases the pages its window left at that commit, not
+during the loop: every step of the loop may still read them.
+
+A plan is stamped with what it was planned over (each sequence's claim, length, columns, weight
+version, and its block-table rows and window starts in every group): committing it after any of
+that changed, or twice, is refused with nothing changed. Other sequences may change meanwhile.
+
+Coordinator code over the parts it is handed, like ``growth`` and ``commit``. Imports ``step`` for
+the metadata and the manager's ``growth``, ``commit`` and ``rollback``; never ``storage``,
+``attention``, ``checkpoint`` or ``tiers``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from easykv.manager import growth
+from easykv.manager.commit import commit_tokens
+from easykv.manager.prefix_hash import as_token_ids
+from easykv.manager.rollback import give_back_reserved
+from easykv.step.loop import increment_groups
+from easykv.step.checks import check_padding
+from easykv.validation import INT32_MAX, integer_array, positive_int
+
+if TYPE_CHECKING:
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+    from easykv.step.metadata import PagedAttentionMetadata
+    from easykv.manager.coordinator import GroupCoordinator, PerGroup
+    from easykv.manager.device_work import PendingWork
+    from easykv.manager.host_tier import HostTierPolicy
+    from easykv.manager.sequences import SequenceTable
+
+
+class DecodePlan:
+    """``num_steps`` decode steps of ``seq_ids``, pages reserved for all of them
+    (`PageManager.plan_decode`; commit it once with `PageManager.commit_decode`).
+
+    - ``metadata``: the first step's metadata, a tuple of one per layer group, ``padded_rows``
+      rows each (``pad_seqs_to``; row ``i < len(seq_ids)`` is ``seq_ids[i]``);
+    - ``lengths``: ``(len(seq_ids),)`` each sequence's committed length when planned; step ``j``
+      writes position ``lengths + j``;
+    - ``limits``: ``(padded_rows,)`` int32, the most tokens each row may write (room is reserved
+      for that many; 0 for padding rows): the device loop's limits;
+    - `next_metadata`: step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
+    """
+
+    __slots__ = ("_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps", "page_size",
+                 "seq_ids")
+
+    def __init__(self, *, owner: SequenceTable, seq_ids: tuple[int, ...], num_steps: int, lengths: np.ndarray,
+                 limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int, num_pages: tuple[int, ...],
+                 stamp: tuple[np.ndarray, ...]) -> None:  # fmt: skip
+        self._owner, self._stamp = owner, stamp
+        self.seq_ids, self.num_steps, self.lengths, self.limits = seq_ids, num_steps, lengths, limits
+        self.metadata, self.page_size, self.num_pages = metadata, page_size, num_pages
+        self.committed = False
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of every step's metadata: ``len(seq_ids)`` or the ``pad_seqs_to`` asked for."""
+        return int(self.metadata[0].page_table.shape[0])
+
+    def next_metadata(self, metadata: PerGroup[PagedAttentionMetadata]) -> PerGroup[PagedAttentionMetadata]:
+        """The next step's metadata from this one (one per layer group): each sequence's token moves
+        one position on, into the pages this plan reserved."""
+        return increment_groups(metadata, page_size=self.page_size, num_pages=self.num_pages)
+
+    def __repr__(self) -> str:
+        state = "committed" if self.committed else "open"
+        return (f"DecodePlan({len(self.seq_ids)} sequences x {self.num_steps} steps, "
+                f"padded to {self.padded_rows} rows, {state})")
+
+
+def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, seq_ids: Any,
+         num_steps: Any, max_tokens: Any, *, pad_seqs_to: Any, metadata: PagedAttentionCacheMetaData) -> DecodePlan:
+    """`PageManager.plan_decode`: checked whole, then all or nothing (CacheFullError naming the
+    pages, nothing changed)."""
+    rows = seqs.rows(seq_ids)
+    k = positive_int("num_steps", num_steps, hi=seqs.max_length,
+                     hint=f"decode steps in one plan, at most max_sequences={seqs.max_length}")
+    most = np.full(rows.size, k, np.int64) if max_tokens is None else seqs.counts(max_tokens, rows.size)
+    if most.max(initial=0) > k:
+        i = int(np.argmax(most))
+        raise ValueError(f"max_tokens[{i}]={int(most[i])} is more than num_steps={k}; a sequence writes at most "
+                         "one token per step")
+    _, pad_seqs_to = check_padding(metadata, rows.size, rows.size, None, pad_seqs_to)
+    growth.reserve(seqs, groups, host, work, rows, most)
+    first = growth.decode_metadata(seqs, groups, rows, 1, pad_seqs_to=pad_seqs_to, stacked=False)[0]
+    assert isinstance(first, tuple)
+    limits = np.zeros(first[0].page_table.shape[0], np.int32)
+    limits[: rows.size] = most
+    return DecodePlan(owner=seqs, seq_ids=tuple(rows.tolist()), num_steps=k,
+                      lengths=_frozen(seqs.lens[rows].copy()), limits=_frozen(limits), metadata=first,
+                      page_size=seqs.page_size,
+                      num_pages=tuple(gt.pool.num_pages for gt in groups), stamp=_stamp(seqs, groups, rows))
+
+
+def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, plan: DecodePlan,
+           token_ids: Any, num_tokens: Any, *, caching: bool, current: bytes | None) -> None:
+    """`PageManager.commit_decode`: checked whole first, nothing changed on any error."""
+    if not isinstance(plan, DecodePlan):
+        raise TypeError(f"commit_decode takes the DecodePlan plan_decode returned, got {type(plan).__name__}")
+    if plan._owner is not seqs:
+        raise ValueError(f"{plan!r} was made by another PageManager; commit a plan on the manager that made it")
+    if plan.committed:
+        raise ValueError(f"{plan!r} was committed already; plan the next steps with plan_decode")
+    rows = np.asarray(plan.seq_ids, np.int64)
+    _check_unchanged(seqs, groups, rows, plan)
+    tokens, counts = _written(plan, token_ids, num_tokens)
+    live = np.flatnonzero(counts > 0)
+    if live.size:
+        written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
+        commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
+    # Committed: what nobody wrote goes back (this cannot fail).
+    give_back_reserved(seqs, groups, rows, current=current)
+    plan.committed = True
+
+
+def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ``(n, k)``, count per sequence) of what the plan's loop wrote, checked."""
+    n, k, padded = len(plan.seq_ids), plan.num_steps, plan.padded_rows
+    if isinstance(token_ids, jax.Array):
+        token_ids = np.asarray(token_ids)
+    tokens = integer_array("token_ids", token_ids, ndim=2, lo=0, hi=INT32_MAX, dtype=np.int64, hint="token ids")
+    if tokens.shape not in ((n, k), (padded, k)):
+        raise ValueError(f"token_ids has shape {tokens.shape}; {plan!r} takes ({n}, {k}) ids (or ({padded}, {k}) as "
+                         "its padded loop returns them): the token each sequence wrote at each step")
+    if num_tokens is None:
+        counts = plan.limits[: tokens.shape[0]].astype(np.int64)
+    else:
+        if isinstance(num_tokens, jax.Array):
+            num_tokens = np.asarray(num_tokens)
+        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=None, dtype=np.int64,
+                               hint=f"tokens each sequence wrote, 0 .. num_steps={k}")
+        if counts.shape not in ((n,), (padded,)):
+            raise ValueError(f"num_tokens has {counts.size} entries; {plan!r} takes {n} (or {padded}, padded): "
+                             "how many tokens each sequence wrote")
+        if counts[n:].any():
+            i = n + int(np.argmax(counts[n:] > 0))
+            raise ValueError(f"num_tokens[{i}]={int(counts[i])} but row {i} is padding ({plan!r} has {n} sequences); "
+                             "padding rows write nothing")
+        over = counts > plan.limits[: counts.size]
+        if over.any():
+            i = int(np.argmax(over))
+            raise ValueError(f"num_tokens[{i}]={int(counts[i])} is more than the {int(plan.limits[i])} tokens {plan!r} "
+                             f"planned for sequence {plan.seq_ids[i]}; commit at most what was planned")
+    return tokens[:n], counts[:n]
+
+
+def _stamp(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    """What a plan was planned over: the rows' claims, lengths, columns and weight versions, and
+    their block-table rows and window starts in every group."""
+    versions = np.array([seqs.version[r] or b"" for r in rows.tolist()], object)
+    own = (seqs.claims[rows], seqs.lens[rows], seqs.npages[rows], versions)
+    return tuple(a.copy() for a in own) + tuple(a.copy() for gt in groups for a in (gt.table[rows], gt.start[rows]))
+
+
+def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, plan: DecodePlan) -> None:
+    if not seqs.active[rows].all():
+        row = int(rows[np.argmin(seqs.active[rows])])
+        raise ValueError(f"sequence {row} of {plan!r} was released after the plan was made; commit a plan before "
+                         "releasing its sequences (num_tokens=0 commits nothing and gives the pages back)")
+    now = _stamp(seqs, groups, rows)
+    for then, current in zip(plan._stamp, now, strict=True):
+        if not np.array_equal(then, current):
+            changed = np.flatnonzero((then != current).reshape(rows.size, -1).any(axis=1))
+            row = int(rows[changed[0]])
+            raise ValueError(
+                f"sequence {row} of {plan!r} changed after the plan was made (its length, pages or weight "
+                f"version: length {int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now); a plan "
+                "is committed before anything else touches its sequences: plan again")
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+__all__ = ["DecodePlan", "commit", "plan"]

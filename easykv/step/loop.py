@@ -1,0 +1,121 @@
+"""Multi-step decode on the device: ``k`` decode steps of a plan (`PageManager.plan_decode`) in one
+``lax.while_loop``, sampling on the device, so an engine goes back to the host once per ``k``
+tokens instead of once per token.
+
+Each step writes every row's current token at its next position (through the step function the
+caller gives: its model's write and attention over the cache), samples the next token from the
+logits, and derives the next step's metadata from this one (`increment_cache_lengths`, into the
+pages the plan reserved). A row stops at its end-of-sequence token or its limit; the loop ends
+when every row stopped or after ``num_steps``. A stopped row keeps being computed (shapes are
+static) and its later writes land in pages reserved for it past what it commits, which
+`PageManager.commit_decode` gives back: no other sequence's page is touched.
+
+Call it inside the caller's jit (with the cache donated), so the whole loop is one compiled call.
+This module imports jax and ``step.metadata`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths
+
+# step(state, tokens: (rows,) int32, metadata: tuple of one per layer group) -> (logits: (rows, vocab), state)
+StepFn = Callable[[Any, jax.Array, tuple[PagedAttentionMetadata, ...]], tuple[jax.Array, Any]]
+# sample(logits: (rows, vocab), key) -> (rows,) int32 token ids
+SampleFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+class DecodeOutput(NamedTuple):
+    """What `decode_loop` returns; ``rows`` is the plan's padded rows, ``k`` its steps."""
+
+    written: jax.Array  # (rows, k) int32: the token each row wrote at each step (commit these)
+    sampled: jax.Array  # (rows, k) int32: the token each step sampled (the row's output)
+    num_written: jax.Array  # (rows,) int32: steps each row ran: tokens to commit, outputs to keep
+    steps: jax.Array  # () int32: steps the loop ran (fewer than k when every row stopped early)
+    state: Any  # the step function's state (the cache) after the last step
+
+
+def greedy(logits: jax.Array, key: jax.Array) -> jax.Array:
+    """The most likely token of each row (``key`` unused)."""
+    del key
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def with_temperature(temperature: float) -> SampleFn:
+    """Sampling from ``softmax(logits / temperature)`` with the loop's key (``temperature > 0``)."""
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} must be a number > 0; use greedy for temperature 0")
+
+    def sample(logits: jax.Array, key: jax.Array) -> jax.Array:
+        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+
+    return sample
+
+
+def increment_groups(metadata: Any, *, page_size: int,
+                     num_pages: tuple[int, ...]) -> tuple[PagedAttentionMetadata, ...]:
+    """`increment_cache_lengths` of each layer group's decode metadata (``num_pages``: each group's
+    pool; numpy or jax, inside jit too); a cache of one group also takes its one metadata bare."""
+    n = len(num_pages)
+    if n == 1 and isinstance(metadata, PagedAttentionMetadata):
+        metadata = (metadata,)
+    if not isinstance(metadata, tuple) or len(metadata) != n:
+        got = f"a tuple of {len(metadata)}" if isinstance(metadata, tuple) else type(metadata).__name__
+        raise ValueError(f"this manager has {n} layer group(s): pass a tuple of {n} step metadata, one per group "
+                         f"(what build_decode_metadata and plan_decode give), got {got}")
+    return tuple(increment_cache_lengths(m, page_size=page_size, num_pages=p) for m, p in zip(metadata, num_pages))
+
+
+def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...], *,
+                num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
+                eos_id: int | None = None, sample: SampleFn = greedy, key: jax.Array | None = None) -> DecodeOutput:
+    """Run up to ``num_steps`` decode steps of a plan in one device loop.
+
+    - ``tokens``: ``(rows,)`` each row's next token to write (the last one it sampled);
+    - ``metadata``: the plan's first step, a tuple of one per layer group (``plan.metadata``);
+    - ``num_steps``, ``page_size``, ``num_pages``: the plan's (``plan.num_steps``,
+      ``plan.page_size``, ``plan.num_pages``), static;
+    - ``limits``: ``(rows,)`` the most tokens each row may still sample (0 for padding rows and
+      rows that must not run), at most ``num_steps`` each;
+    - ``eos_id``: a row stops after sampling it (it is kept in ``sampled``, never written).
+    """
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+        raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (the plan's num_steps)")
+    increment_groups(metadata, page_size=page_size, num_pages=num_pages)  # checks the tuple (traced, discarded)
+    rows = metadata[0].page_table.shape[0]
+    if tokens.shape != (rows,) or limits.shape != (rows,):
+        raise ValueError(f"tokens {tokens.shape} and limits {limits.shape} must be ({rows},): one per row of the plan")
+    key = jax.random.key(0) if key is None else key
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        j, state, meta, current, written, sampled, live, count, key = carry
+        logits, state = step(state, current, meta)
+        key, sub = jax.random.split(key)
+        nxt = sample(logits[:rows], sub)
+        written = written.at[:, j].set(current)
+        sampled = sampled.at[:, j].set(nxt)
+        count = count + live
+        stopped = count >= limits
+        if eos_id is not None:
+            stopped |= nxt == eos_id
+        meta = increment_groups(meta, page_size=page_size, num_pages=num_pages)
+        return j + 1, state, meta, nxt, written, sampled, live & ~stopped, count, key
+
+    def cond(carry: tuple[Any, ...]) -> jax.Array:
+        more: jax.Array = (carry[0] < num_steps) & carry[6].any()
+        return more
+
+    limits = jnp.minimum(limits.astype(jnp.int32), num_steps)
+    empty = jnp.zeros((rows, num_steps), jnp.int32)
+    carry = (jnp.int32(0), state, metadata, tokens.astype(jnp.int32), empty, empty, limits > 0,
+             jnp.zeros(rows, jnp.int32), key)
+    j, state, _, _, written, sampled, _, count, _ = jax.lax.while_loop(cond, body, carry)
+    return DecodeOutput(written=written, sampled=sampled, num_written=count, steps=j, state=state)
+
+
+__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "with_temperature"]

@@ -78,6 +78,7 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierP
                 for gt in groups:
                     gt.pool.commit(int(gt.table[row, col]), digest, version[row])
     seqs.lens[rows] = lens + counts
+    seqs.edits[rows[counts > 0]] += 1
     groups.release_out_of_window(seqs, rows, current)
 
 

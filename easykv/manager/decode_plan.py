@@ -4,10 +4,11 @@ scheduling). `plan` reserves room for ``k`` more tokens of each sequence and bui
 step's metadata; on the device, `DecodePlan.next_metadata` derives each next step from the one
 before. `commit` then commits what each sequence wrote (a sequence that stopped early, at its end
 of sequence or its length limit, commits fewer) and gives back the pages reserved for tokens it
-never wrote. A sliding or chunked group releases the pages its window left at that commit, not
+never wrote (a private copy of a shared page, made at planning for its first write, stays: its
+next write needs it). A sliding or chunked group releases the pages its window left at that commit, not
 during the loop: every step of the loop may still read them.
 
-A plan is stamped with what it was planned over (each sequence's claim, length, columns, weight
+A plan is stamped with what it was planned over (each sequence's edits, length, columns, weight
 version, and its block-table rows and window starts in every group): committing it after any of
 that changed, or twice, is refused with nothing changed. Other sequences may change meanwhile.
 
@@ -157,10 +158,10 @@ def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndar
 
 
 def _stamp(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray) -> tuple[np.ndarray, ...]:
-    """What a plan was planned over: the rows' claims, lengths, columns and weight versions, and
+    """What a plan was planned over: the rows' edits, lengths, columns and weight versions, and
     their block-table rows and window starts in every group."""
     versions = np.array([seqs.version[r] or b"" for r in rows.tolist()], object)
-    own = (seqs.claims[rows], seqs.lens[rows], seqs.npages[rows], versions)
+    own = (seqs.edits[rows], seqs.lens[rows], seqs.npages[rows], versions)
     return tuple(a.copy() for a in own) + tuple(a.copy() for gt in groups for a in (gt.table[rows], gt.start[rows]))
 
 
@@ -175,8 +176,8 @@ def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.nda
             changed = np.flatnonzero((then != current).reshape(rows.size, -1).any(axis=1))
             row = int(rows[changed[0]])
             raise ValueError(
-                f"sequence {row} of {plan!r} changed after the plan was made (its length, pages or weight "
-                f"version: length {int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now); a plan "
+                f"sequence {row} of {plan!r} changed after the plan was made (written, rewound or claimed anew, "
+                f"or its pages or weight version: length {int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now); a plan "
                 "is committed before anything else touches its sequences: plan again")
 
 

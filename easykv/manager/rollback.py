@@ -83,6 +83,7 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
             gt.pool.uncommit(page)
     seqs.npages[row] = keep
     seqs.lens[row] = new
+    seqs.edits[row] += 1
     if not keep:  # a sequence is bound to a replica while it holds pages
         seqs.replica[row] = -1
     if hashing:

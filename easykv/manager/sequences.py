@@ -32,9 +32,10 @@ class SequenceTable:
     - ``active``: whether the id is claimed;
     - ``hashes``: its salt, chain digest, unfinished page and token log (`SequenceHashes`);
     - ``version``: the digest of the weight version it runs under (None: unversioned);
-    - ``claims``: how often it was claimed (or forked into): a decode plan's stamp tells a
-      sequence released and claimed again from the one it planned. Never saved: a loaded
-      manager is another manager, whose plans are its own.
+    - ``edits``: how often it was claimed, forked into, committed to or truncated: a decode
+      plan's stamp tells the sequence it planned from one released and claimed again, or one
+      written and rewound to the same length meanwhile. Never saved: a loaded manager is
+      another manager, whose plans are its own.
     """
 
     def __init__(self, batch_size: int, page_size: int, max_length: int):
@@ -47,7 +48,7 @@ class SequenceTable:
         self.active = np.zeros(b, bool)
         self.hashes = SequenceHashes(b, page_size)
         self.version: list[bytes | None] = [None] * b
-        self.claims = np.zeros(b, np.int64)
+        self.edits = np.zeros(b, np.int64)
 
     # ---- input checks ---------------------------------------------------------------------------
     def check_id(self, seq_id: Any, strict: bool = True) -> int:
@@ -132,7 +133,7 @@ class SequenceTable:
     def claim(self, rows: Sequence[int], version: bytes | None, root: bytes) -> None:
         """Claim ``rows`` (checked free), each starting under ``version`` (whose root is ``root``)."""
         self.active[rows] = True
-        self.claims[rows] += 1
+        self.edits[rows] += 1
         for row in rows:
             self.start(row, version, root)
 
@@ -151,7 +152,7 @@ class SequenceTable:
         """``dst`` continues ``src``'s history, holding its first ``columns`` columns."""
         self.npages[dst], self.floor[dst] = columns, self.floor[src]
         self.active[dst] = True
-        self.claims[dst] += 1
+        self.edits[dst] += 1
         # A parent that holds only pages reserved ahead shares none: the child is unbound.
         self.lens[dst], self.replica[dst] = self.lens[src], (self.replica[src] if columns else -1)
         self.hashes.copy_row(src, dst)

@@ -73,7 +73,7 @@ def increment_groups(metadata: Any, *, page_size: int,
 
 def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...], *,
                 num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
-                eos_id: int | None = None, sample: SampleFn = greedy, key: jax.Array | None = None) -> DecodeOutput:
+                eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy, key: jax.Array | None = None) -> DecodeOutput:
     """Run up to ``num_steps`` decode steps of a plan in one device loop.
 
     - ``tokens``: ``(rows,)`` each row's next token to write (the last one it sampled);
@@ -82,7 +82,8 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
       ``plan.page_size``, ``plan.num_pages``), static;
     - ``limits``: ``(rows,)`` the most tokens each row may still sample (0 for padding rows and
       rows that must not run), at most ``num_steps`` each;
-    - ``eos_id``: a row stops after sampling it (it is kept in ``sampled``, never written).
+    - ``eos_id``: an end-of-sequence id (or a tuple of them): a row stops after sampling one (it
+      is kept in ``sampled``, never written).
     """
     if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (the plan's num_steps)")
@@ -102,7 +103,7 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
         count = count + live
         stopped = count >= limits
         if eos_id is not None:
-            stopped |= nxt == eos_id
+            stopped |= jnp.isin(nxt, jnp.asarray(eos_id, jnp.int32))
         meta = increment_groups(meta, page_size=page_size, num_pages=num_pages)
         return j + 1, state, meta, nxt, written, sampled, live & ~stopped, count, key
 

@@ -1,0 +1,397 @@
+"""Multi-step decode plans: `PageManager.plan_decode` reserves room for ``k`` tokens of each
+sequence and carries step 0's metadata; `commit_decode` commits what each sequence wrote (early
+stops commit fewer) and gives back the pages reserved but never written.
+
+Covered here, on tiny pools (page_size 4) with exact page ids: the pages a plan reserves, the
+metadata of every step (equal to `build_decode_metadata`'s), the pages a commit with early stops
+gives back and that the next claim gets them first; ``max_tokens``; a plan over forks (copy-on-write
+before the loop); a sliding window that holds every page its loop reads and releases what left the
+window at commit; a hybrid plan that does not fit; padded plans; every refused plan or
+commit (its exception, message and an unchanged `state_dict`); and a randomized equivalence of
+plan + commit against one `build_step_metadata` / `step` per token, for full, sliding, chunked
+and hybrid (full + sliding) caches, with forks, releases and weight versions between rounds."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from easykv import CacheFullError, LayerGroup, PagedAttentionCacheMetaData, PageManager
+from easykv.manager.decode_plan import DecodePlan
+from tests.support.managers import PS, cached_ids, make, prefill
+
+PAD = -1
+FIELDS = ("slot_mapping", "positions", "context_lens", "page_table", "query_start_loc", "num_seqs")
+
+
+def meta(groups, batch=3, max_len=32):
+    return PagedAttentionCacheMetaData(
+        batch_size=batch, num_hidden_layers=2, num_pages_per_layer=max(g.num_pages for g in groups),
+        num_pages_per_sequence=-(-max_len // PS), max_sequences=max_len, page_size=PS, num_kv_heads=2,
+        kv_head_dim_size=8, hbm_utilization=0.9, layer_groups=tuple(groups))
+
+
+def counts(m):
+    mm = m.metrics
+    return (mm.used_pages, mm.cached_pages, mm.free_pages,
+            [(g.used_pages, g.cached_pages, g.free_pages) for g in mm.groups])
+
+
+def refused(m, exc, match, call, *args, **kw):
+    """``call`` raises ``exc`` matching ``match`` and leaves ``m`` exactly as it was."""
+    before = m.state_dict()
+    with pytest.raises(exc, match=match):
+        call(*args, **kw)
+    assert m.state_dict() == before
+    m.check_invariants()
+
+
+def two_sequences(pages=10):
+    """a: 5 tokens in pages [0, 1]; b: 3 tokens in page [2]."""
+    m = make(batch=4, pages=pages, max_len=32)
+    a, b = m.claim(2)
+    prefill(m, a, [1, 2, 3, 4, 5])
+    prefill(m, b, [6, 7, 8])
+    return m, a, b
+
+
+def assert_same_metadata(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for f in FIELDS:
+            np.testing.assert_array_equal(np.asarray(getattr(g, f)), np.asarray(getattr(w, f)), err_msg=f)
+
+
+# ---- 1. exact pages ---------------------------------------------------------------------------
+def test_plan_reserves_k_tokens_and_commit_gives_back_what_an_early_stop_never_wrote():
+    m, a, b = two_sequences()
+    assert (m.pages(a), m.pages(b), counts(m)[:3]) == ([0, 1], [2], (3, 0, 7))
+    ref = m.clone()
+    plan = m.plan_decode([a, b], 6)
+    assert isinstance(plan, DecodePlan) and repr(plan) == "DecodePlan(2 sequences x 6 steps, padded to 2 rows, open)"
+    assert plan.seq_ids == (a, b) and plan.lengths.tolist() == [5, 3] and not plan.lengths.flags.writeable
+    # a: positions 5..10 need column 2 (page 3); b: positions 3..8 need columns 1, 2 (pages 4, 5)
+    assert (m.pages(a), m.pages(b)) == ([0, 1, 3], [2, 4, 5])
+    assert m.page_table([a, b]).tolist() == [[0, 1, 3] + [PAD] * 5, [2, 4, 5] + [PAD] * 5]
+    assert counts(m)[:3] == (6, 0, 4) and (m.length(a), m.length(b)) == (5, 3)
+    m.check_invariants()
+    (md,) = plan.metadata
+    assert md.positions.tolist() == [5, 3] and md.slot_mapping.tolist() == [5, 11]
+    assert md.context_lens.tolist() == [6, 4] and md.page_table.tolist() == m.page_table([a, b]).tolist()
+    # every step's metadata is build_decode_metadata's on the same state (the same page ids)
+    steps, cur = ref.build_decode_metadata([a, b], 6), plan.metadata
+    for j, want in enumerate(steps):
+        assert_same_metadata(cur, want)
+        assert cur[0].slot_mapping.tolist() == [m.pages(a)[(5 + j) // PS] * PS + (5 + j) % PS,
+                                                m.pages(b)[(3 + j) // PS] * PS + (3 + j) % PS]
+        cur = plan.next_metadata(cur)
+    m.commit_decode(plan, [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]], [2, 6])
+    assert repr(plan).endswith("committed)")
+    assert (m.length(a), m.length(b)) == (7, 9)
+    assert (m.pages(a), m.pages(b)) == ([0, 1], [2, 4, 5])  # a stopped after 2: page 3 unwritten, given back
+    assert counts(m)[:3] == (5, 0, 5)
+    # the token log is exact: the committed tokens, and only those, are the cached prefix
+    assert m.cached_prefix_length([1, 2, 3, 4, 5, 10, 11, 12, 13]) == 4
+    assert m.cached_prefix_length([6, 7, 8, 20, 21, 22, 23, 24, 25]) == 8
+    assert m.cached_prefix_length([6, 7, 8, 20, 21, 22, 23, 99, 25]) == 4
+    m.check_invariants()
+    c = m.claim(1)[0]
+    m.reserve(c, 12)  # the given-back page is the first one handed out again
+    assert m.pages(c) == [3, 6, 7]
+    m.release(a)
+    m.release(b)
+    assert sorted(cached_ids(m)) == [0, 2, 4]  # full pages of committed tokens only
+    m.check_invariants()
+
+
+def test_pages_given_back_are_handed_out_again_first_in_column_order():
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 11)
+    assert (m.pages(a), m.pages(b)) == ([0, 1, 3, 4], [2, 5, 6, 7])
+    m.commit_decode(plan, np.ones((2, 11), np.int64), [1, 11])
+    assert (m.pages(a), m.pages(b), counts(m)[:3]) == ([0, 1], [2, 5, 6, 7], (6, 0, 4))
+    c = m.claim(1)[0]
+    m.reserve(c, 12)
+    assert m.pages(c) == [3, 4, 8]
+    m.check_invariants()
+
+
+def test_commit_of_zero_tokens_restores_the_state_before_the_plan_and_default_commits_all():
+    m, a, b = two_sequences()
+    c = m.claim(1)[0]  # no tokens, no pages, bound to no replica
+    before = m.state_dict()
+    plan = m.plan_decode([a, b, c], 6)
+    assert (m.pages(a), m.pages(b), m.pages(c), m.replica(c)) == ([0, 1, 3], [2, 4, 5], [6, 7], 0)
+    m.commit_decode(plan, np.zeros((3, 6), np.int64), [0, 0, 0])
+    assert m.state_dict() == before and (m.pages(a), m.pages(b), m.pages(c), m.replica(c)) == ([0, 1], [2], [], None)
+    plan = m.plan_decode([b], 3)  # only b: a, not planned, may change meanwhile
+    m.build_step_metadata([a], [2])
+    m.step([a], [[9, 9]])
+    m.commit_decode(plan, jnp.asarray([[30, 31, 32]], jnp.int32))  # num_tokens defaults to all 3
+    assert (m.length(a), m.length(b), m.pages(b)) == (7, 6, [2, 3]) and m.pages(a) == [0, 1]
+    m.check_invariants()
+
+
+def test_a_plan_over_forks_copies_the_shared_partial_page_and_waits_for_the_copy():
+    m = make(batch=4, pages=10, max_len=32)
+    a = m.claim(1)[0]
+    prefill(m, a, [1, 2, 3, 4, 5])
+    c = m.fork(a)  # shares pages 0 and the partial page 1
+    plan = m.plan_decode([a, c], 3)
+    assert (m.pages(a), m.pages(c)) == ([0, 2], [0, 1])  # the first writer copies, the last keeps page 1
+    assert [x[0].tolist() for x in m.pending_copies()] == [[1], [2]]
+    tokens = [[6, 7, 8], [16, 17, 18]]
+    refused(m, ValueError, "page 2, whose copy-on-write copy is still pending", m.commit_decode, plan, tokens, [3, 1])
+    m.take_copies()  # (the device copies page 1 into page 2 before the loop)
+    m.commit_decode(plan, tokens, [3, 1])
+    assert (m.length(a), m.length(c), m.pages(a), m.pages(c)) == (8, 6, [0, 2], [0, 1])
+    assert m.cached_prefix_length([1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
+    assert m.cached_prefix_length([1, 2, 3, 4, 5, 16, 0, 0, 0]) == 4
+    m.check_invariants()
+
+
+def test_max_tokens_reserves_less_for_a_sequence_near_its_end():
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 6, max_tokens=[1, 6])
+    assert plan.limits.tolist() == [1, 6] and (m.pages(a), m.pages(b)) == ([0, 1], [2, 3, 4])
+    refused(m, ValueError, r"num_tokens\[0\]=2 is more than the 1 tokens", m.commit_decode, plan,
+            np.ones((2, 6), np.int64), [2, 6])
+    refused(m, ValueError, r"max_tokens\[1\]=7 is more than num_steps=6", m.plan_decode, [a, b], 6, max_tokens=[1, 7])
+    m.commit_decode(plan, np.ones((2, 6), np.int64))  # by default each commits its limit
+    assert (m.length(a), m.length(b)) == (6, 9)
+    m.check_invariants()
+
+
+# ---- 3. sliding windows ----------------------------------------------------------------------------
+def test_sliding_plan_holds_every_page_its_loop_reads_and_commit_releases_what_left_the_window():
+    m = PageManager(meta([LayerGroup((0, 1), "sliding", 5, num_pages=10)]))
+    a, b = m.claim(2)
+    for s, toks in ((a, [1, 2, 3, 4, 5, 6]), (b, [7, 8, 9])):
+        m.build_step_metadata([s], [len(toks)])
+        m.step([s], [toks])
+    assert (m.pages(a), m.pages(b)) == ([0, 1], [2])
+    plan = m.plan_decode([a, b], 7)
+    assert (m.pages(a), m.pages(b)) == ([0, 1, 3, 4], [2, 5, 6])
+    m.check_invariants()
+    md = plan.metadata
+    for j in range(7):  # a query at p reads p-4..p: every column of it is a page the sequence holds
+        for i, s in enumerate((a, b)):
+            pos = int(plan.lengths[i]) + j
+            assert int(md[0].positions[i]) == pos
+            cols = range(max(0, pos - 4) // PS, pos // PS + 1)
+            held = m.pages(s)
+            assert [int(md[0].page_table[i, c]) for c in cols] == [held[c] for c in cols]
+            assert PAD not in [held[c] for c in cols]
+        md = plan.next_metadata(md)
+    m.commit_decode(plan, np.arange(100, 114).reshape(2, 7), [7, 2])
+    # a: length 13, the next query reads 9..13: pages 0, 1 left the window (full: cached)
+    # b: length 5, the next query reads 1..5: page 2 still read; page 6 never written, given back
+    assert (m.pages(a), m.pages(b)) == ([PAD, PAD, 3, 4], [2, 5])
+    assert counts(m)[:3] == (4, 2, 4) and sorted(cached_ids(m)) == [0, 1]
+    m.check_invariants()
+    c = m.claim(1)[0]
+    m.reserve(c, 4)
+    assert m.pages(c) == [6]
+
+
+def test_a_hybrid_plan_that_does_not_fit_the_sliding_pool_changes_neither_group():
+    m = PageManager(meta([LayerGroup((0,), "full", num_pages=12), LayerGroup((1,), "sliding", 5, num_pages=4)]))
+    a, b = m.claim(2)
+    for s in (a, b):
+        m.build_step_metadata([s], [3])
+        m.step([s], [[s, s, s]])
+    refused(m, CacheFullError, r"needs 4 pages .*but only 2 are free", m.plan_decode, [a, b], 6)
+    plan = m.plan_decode([a, b], 2)
+    m.commit_decode(plan, [[1, 2], [3, 4]], [1, 2])
+    assert [m.pages(a, group=g) for g in (0, 1)] == [[0], [0]]
+    assert [m.pages(b, group=g) for g in (0, 1)] == [[1, 3], [1, 3]]  # a's page 2 was given back in both
+    m.check_invariants()
+
+
+# ---- 4. refusals ----------------------------------------------------------------------------
+def test_plan_refuses_bad_steps_and_a_plan_that_does_not_fit_with_nothing_changed():
+    m, a, b = two_sequences()
+    for k in (0, -1, True, 2**70, 33, 1.0, None):
+        refused(m, ValueError, "num_steps must be a positive int", m.plan_decode, [a], k)
+    refused(m, ValueError, r"would hold 33 tokens .*past max_sequences=32", m.plan_decode, [a], 28)
+    refused(m, CacheFullError, r"needs 10 pages but only 7 are free", m.plan_decode, [a, b], 20)
+    refused(m, ValueError, "repeats id", m.plan_decode, [a, a], 2)
+    refused(m, ValueError, "not claimed", m.plan_decode, [3], 2)
+    refused(m, ValueError, "pad_seqs_to", m.plan_decode, [a], 2, pad_seqs_to=5)
+
+
+@pytest.mark.parametrize("tokens, num, match", [
+    ("ok", [4, 0], r"num_tokens\[0\]=4 is more than"),
+    ("ok", [-1, 0], r"num_tokens\[0\] = -1 is out of range"),
+    ("ok", [1, 1, 0], "num_tokens has 3 entries"),
+    ("ok", 1, "num_tokens must have 1 dimension"),
+    ("padded", [1, 1, 1, 0], r"num_tokens\[2\]=1 but row 2 is padding"),
+    ("padded", [1, 1, 0, 2], r"num_tokens\[3\]=2 but row 3 is padding"),
+    (np.zeros((2, 4), np.int64), None, r"token_ids has shape \(2, 4\)"),
+    (np.zeros((3, 3), np.int64), None, r"token_ids has shape \(3, 3\)"),
+    (np.zeros(3, np.int64), None, "token_ids must have 2 dimension"),
+    ([[1, 2, -3], [0, 0, 0]], None, r"token_ids\[0, 2\] = -3 is out of range"),
+    ([[1, 2, 2**31], [0, 0, 0]], None, r"token_ids\[0, 2\] = 2147483648 is out of range"),
+    (np.zeros((2, 3)), None, r"token_ids\[0, 0\] must be a non-negative int"),
+])
+def test_commit_refuses_bad_tokens_and_counts_with_nothing_changed(tokens, num, match):
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3, pad_seqs_to=4)
+    if isinstance(tokens, str):  # well-formed ids: (n, k) or (padded_rows, k)
+        tokens = np.ones((2 if tokens == "ok" else 4, 3), np.int64)
+    refused(m, ValueError, match, m.commit_decode, plan, tokens, num)
+    m.commit_decode(plan, np.ones((2, 3), np.int64), [1, 3])  # the plan is still open and commits after
+    assert (m.length(a), m.length(b)) == (6, 6)
+
+
+def test_commit_refuses_a_plan_twice_of_another_manager_or_not_a_plan():
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3)
+    other = m.clone()
+    refused(other, ValueError, "made by another PageManager", other.commit_decode, plan, np.ones((2, 3), np.int64))
+    theirs = other.plan_decode([a], 2)
+    refused(m, ValueError, "made by another PageManager", m.commit_decode, theirs, np.ones((1, 2), np.int64))
+    refused(m, TypeError, "takes the DecodePlan plan_decode returned, got dict",
+            m.commit_decode, {"seq_ids": (a, b)}, np.ones((2, 3), np.int64))
+    m.commit_decode(plan, np.ones((2, 3), np.int64), [1, 1])
+    refused(m, ValueError, "was committed already", m.commit_decode, plan, np.ones((2, 3), np.int64), [0, 0])
+    other.commit_decode(theirs, np.ones((1, 2), np.int64))  # the clone's own plan still commits there
+
+
+@pytest.mark.parametrize("change, match", [
+    ("release", "sequence 1 .* was released after the plan"),
+    ("reclaim", "sequence 1 .* changed after the plan"),
+    ("truncate", "sequence 0 .* changed after the plan .*length 5 then, 4 now"),
+    ("step", "sequence 0 .* changed after the plan .*length 5 then, 6 now"),
+    ("replan", "sequence 1 .* changed after the plan"),
+    ("cow", "sequence 0 .* changed after the plan .*length 5 then, 5 now"),
+    # written and rewound to the very same length and pages: the loop's later K/V may rest on the lost token
+    ("rewound", "sequence 0 .* changed after the plan .*length 5 then, 5 now"),
+])
+def test_commit_refuses_a_plan_whose_sequence_changed_since(change, match):
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3)
+    if change in ("release", "reclaim"):
+        m.release(b)
+        if change == "reclaim":
+            assert m.claim(1) == [b]  # the same id, another sequence, with the very same length and pages
+            prefill(m, b, [6, 7, 8])
+            m.reserve(b, 3)
+            assert (m.pages(b), m.length(b)) == ([2, 3], 3)
+    elif change == "truncate":
+        m.truncate(a, 4)
+    elif change == "step":
+        m.step([a], [9])  # into the room the plan reserved
+    elif change == "replan":
+        m.plan_decode([b], 8)  # another plan grew b's pages
+    elif change == "rewound":
+        m.step([a], [42])
+        m.truncate(a, 5)
+        assert m.length(a) == 5
+    else:  # a fork shares a's partial page 1; a's next reserve swaps it for a private copy
+        m.fork(a)
+        m.reserve(a, 1)
+        m.take_copies()
+        assert (m.pages(a), m.length(a)) == ([0, 4], 5)
+    refused(m, ValueError, match, m.commit_decode, plan, np.ones((2, 3), np.int64))
+
+
+# ---- 5. padding ---------------------------------------------------------------------------------
+def test_a_padded_plan_has_padded_rows_and_commits_its_loops_padded_output():
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3, pad_seqs_to=4)
+    assert plan.padded_rows == 4 and "padded to 4 rows" in repr(plan)
+    md = plan.metadata
+    for j in range(3):
+        assert md[0].page_table.shape[0] == 4 and md[0].positions.tolist() == [5 + j, 3 + j, PAD, PAD]
+        assert md[0].slot_mapping[2:].tolist() == [PAD, PAD] and md[0].context_lens.tolist() == [6 + j, 4 + j, 0, 0]
+        md = plan.next_metadata(md)
+    m.commit_decode(plan, jnp.arange(12, dtype=jnp.int32).reshape(4, 3), jnp.asarray([1, 3, 0, 0]))
+    assert (m.length(a), m.length(b), m.pages(a), m.pages(b)) == (6, 6, [0, 1], [2, 3])
+    assert m.cached_prefix_length([6, 7, 8, 3, 4, 5, 0]) == 4 and m.cached_prefix_length([1, 2, 3, 4, 5, 0, 0]) == 4
+    m.check_invariants()
+
+
+# ---- 2. equivalence with one step per token --------------------------------------------------------
+KINDS = {
+    "full": [LayerGroup((0, 1), "full", num_pages=64)],
+    "sliding": [LayerGroup((0, 1), "sliding", 5, num_pages=64)],
+    "chunked": [LayerGroup((0, 1), "chunked", 8, num_pages=64)],
+    "hybrid": [LayerGroup((0,), "full", num_pages=64), LayerGroup((1,), "sliding", 6, num_pages=48)],
+}
+
+
+def shares_tail(m, s):
+    """Whether ``s``'s next write lands in a page another sequence holds (a fork's partial page)."""
+    col = m.length(s) // PS
+    for g in range(m.num_groups):
+        pages = m.pages(s, group=g)
+        if col < len(pages) and pages[col] != PAD and any(pages[col] in m.pages(o, group=g)
+                                                         for o in m.active_ids if o != s):
+            return True
+    return False
+
+
+def settled(m):
+    m.take_copies()  # (the device would apply them here)
+    m.take_scrubs()
+    return m
+
+
+def one_run(kind, seed):
+    rng = np.random.default_rng(seed)
+    md = meta(KINDS[kind], batch=6, max_len=64)
+    A, B = PageManager(md), PageManager(md)
+    hist, gone = {}, []
+    prompts = [rng.integers(0, 5, 8).tolist() for _ in range(2)]  # shared prefixes: prefix hits
+    for s in range(3):
+        p = prompts[rng.integers(2)][: rng.integers(1, 9)] + rng.integers(0, 50, rng.integers(0, 4)).tolist()
+        for m in (A, B):
+            assert m.claim(1) == [s]
+            done = m.match_prefix(s, p)
+            settled(m).build_step_metadata([s], [len(p) - done])
+            settled(m).step([s], [p[done:]])
+        hist[s] = p
+    for rnd in range(4):
+        if rng.random() < 0.5 and len(hist) < 6:
+            parent = int(rng.choice(sorted(hist)))
+            child = A.fork(parent)
+            assert B.fork(parent) == child
+            hist[child] = list(hist[parent])
+        if rng.random() < 0.3 and len(hist) > 2:
+            s = int(rng.choice(sorted(hist)))
+            A.release(s), B.release(s)
+            gone.append(hist.pop(s))
+        if rng.random() < 0.3:
+            A.set_weight_version(rnd + 1), B.set_weight_version(rnd + 1)
+        ids = [int(i) for i in rng.permutation(sorted(hist))[: rng.integers(1, len(hist) + 1)]]
+        k = int(rng.integers(1, 6))
+        toks = rng.integers(0, 50, (len(ids), k))
+        # early stops; 0 only where no fork shares the page a write would go into: the plan
+        # copies that page at once (as reserve does), the one-step path only when it writes
+        num = [max(int(c), int(shares_tail(A, s))) for c, s in zip(rng.integers(0, k + 1, len(ids)), ids)]
+        plan = A.plan_decode(ids, k)
+        settled(A).commit_decode(plan, toks, num)
+        for j in range(k):  # B: one step per token, only the sequences still running
+            live = [i for i, s in enumerate(ids) if num[i] > j]
+            if not live:
+                break
+            settled(B).build_step_metadata([ids[i] for i in live], [1] * len(live))
+            settled(B).step([ids[i] for i in live], [int(toks[i, j]) for i in live])
+        for i, s in enumerate(ids):
+            hist[s] += toks[i, : num[i]].tolist()
+        A.check_invariants()
+        B.check_invariants()
+        for s, h in hist.items():
+            assert A.length(s) == B.length(s) == len(h), (kind, seed, rnd, s)
+        for h in list(hist.values()) + gone:
+            assert A.cached_prefix_length(h) == B.cached_prefix_length(h), (kind, seed, rnd, h)
+        assert counts(A) == counts(B), (kind, seed, rnd)
+        assert A.metrics.evictions == B.metrics.evictions == 0  # (pools large enough to compare)
+    return sum(A.cached_prefix_length(h) for h in hist.values())
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_plan_and_commit_match_one_step_per_token(kind):
+    assert sum(one_run(kind, seed) for seed in range(20)) > 0  # prefix caching was exercised

@@ -69,7 +69,8 @@ LAYERS = {
     "tiers": row((*MIDDLE, "easykv"), "moves pages between device and host memory; never checkpoint, which "
                  "brings orbax and files (what both need, a metadata for another mesh, belongs in spec)"),
     "checkpoint": row((*MIDDLE, "easykv"), "joins a cache's pages with its manager's state on disk; sits on top"),
-    "integrations": row((*MIDDLE, "easykv"), "bridges to other libraries, each loaded only when used"),
+    "integrations": row((*MIDDLE, "easykv", "tiers"), "bridges to other libraries, each loaded only when used; "
+                        "an RL rollout puts its cache to sleep between calls (tiers), none writes checkpoints"),
     "demo": row((*MIDDLE, "easykv", *TOP), "the engine loop behind `easykv demo`, over everything but the cli"),
     "cli": row((*MIDDLE, "easykv", *TOP, "demo"), "the `easykv` command: the very top"),
 }

@@ -2,6 +2,8 @@
 
 * ``easykv.integrations.easydel``: EasyDeL 0.3 models and its eSurge engine on easykv pages
   (``pip install 'easykv[easydel]'``).
+* ``easykv.integrations.tunix``: Tunix's Qwen3, Llama3 and Gemma3 generating over easykv pages,
+  and a rollout engine for Tunix's RL cluster (``pip install 'easykv[tunix]'``).
 
 Nothing is imported here: each bridge loads its library only when used.
 """

@@ -26,8 +26,8 @@ from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths
 
 # step(state, tokens: (rows,) int32, metadata: tuple of one per layer group) -> (logits: (rows, vocab), state)
 StepFn = Callable[[Any, jax.Array, tuple[PagedAttentionMetadata, ...]], tuple[jax.Array, Any]]
-# sample(logits: (rows, vocab), key) -> (rows,) int32 token ids
-SampleFn = Callable[[jax.Array, jax.Array], jax.Array]
+# sample(logits: (rows, vocab), key) -> ((rows,) int32 token ids, (rows,) float32 log-probabilities of them)
+SampleFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class DecodeOutput(NamedTuple):
@@ -35,15 +35,23 @@ class DecodeOutput(NamedTuple):
 
     written: jax.Array  # (rows, k) int32: the token each row wrote at each step (commit these)
     sampled: jax.Array  # (rows, k) int32: the token each step sampled (the row's output)
+    logprobs: jax.Array  # (rows, k) float32: each sampled token's log-probability under the sampler
     num_written: jax.Array  # (rows,) int32: steps each row ran: tokens to commit, outputs to keep
     steps: jax.Array  # () int32: steps the loop ran (fewer than k when every row stopped early)
     state: Any  # the step function's state (the cache) after the last step
 
 
-def greedy(logits: jax.Array, key: jax.Array) -> jax.Array:
-    """The most likely token of each row (``key`` unused)."""
+def log_prob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``log_softmax(logits)`` at ``tokens``: ``(rows, vocab)``, ``(rows,)`` -> ``(rows,)`` float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def greedy(logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The most likely token of each row (``key`` unused) and its log-probability."""
     del key
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tokens, log_prob(logits, tokens)
 
 
 def with_temperature(temperature: float) -> SampleFn:
@@ -51,8 +59,10 @@ def with_temperature(temperature: float) -> SampleFn:
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be a number > 0; use greedy for temperature 0")
 
-    def sample(logits: jax.Array, key: jax.Array) -> jax.Array:
-        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
+    def sample(logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        scaled = logits.astype(jnp.float32) / temperature
+        tokens = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        return tokens, log_prob(scaled, tokens)
 
     return sample
 
@@ -94,29 +104,30 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
     key = jax.random.key(0) if key is None else key
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        j, state, meta, current, written, sampled, live, count, key = carry
+        j, state, meta, current, written, sampled, logprobs, live, count, key = carry
         logits, state = step(state, current, meta)
         key, sub = jax.random.split(key)
-        nxt = sample(logits[:rows], sub)
+        nxt, logp = sample(logits[:rows], sub)
         written = written.at[:, j].set(current)
         sampled = sampled.at[:, j].set(nxt)
+        logprobs = logprobs.at[:, j].set(logp.astype(jnp.float32))
         count = count + live
         stopped = count >= limits
         if eos_id is not None:
             stopped |= jnp.isin(nxt, jnp.asarray(eos_id, jnp.int32))
         meta = increment_groups(meta, page_size=page_size, num_pages=num_pages)
-        return j + 1, state, meta, nxt, written, sampled, live & ~stopped, count, key
+        return j + 1, state, meta, nxt, written, sampled, logprobs, live & ~stopped, count, key
 
     def cond(carry: tuple[Any, ...]) -> jax.Array:
-        more: jax.Array = (carry[0] < num_steps) & carry[6].any()
+        more: jax.Array = (carry[0] < num_steps) & carry[7].any()
         return more
 
     limits = jnp.minimum(limits.astype(jnp.int32), num_steps)
     empty = jnp.zeros((rows, num_steps), jnp.int32)
-    carry = (jnp.int32(0), state, metadata, tokens.astype(jnp.int32), empty, empty, limits > 0,
-             jnp.zeros(rows, jnp.int32), key)
-    j, state, _, _, written, sampled, _, count, _ = jax.lax.while_loop(cond, body, carry)
-    return DecodeOutput(written=written, sampled=sampled, num_written=count, steps=j, state=state)
+    carry = (jnp.int32(0), state, metadata, tokens.astype(jnp.int32), empty, empty,
+             jnp.zeros((rows, num_steps), jnp.float32), limits > 0, jnp.zeros(rows, jnp.int32), key)
+    j, state, _, _, written, sampled, logprobs, _, count, _ = jax.lax.while_loop(cond, body, carry)
+    return DecodeOutput(written=written, sampled=sampled, logprobs=logprobs, num_written=count, steps=j, state=state)
 
 
-__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "with_temperature"]
+__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "log_prob", "with_temperature"]

@@ -132,10 +132,15 @@ def test_a_sampled_loop_is_reproducible_by_its_key_and_stays_in_the_vocabulary()
 
     sample = with_temperature(0.7)
     logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]]))
-    a, b = sample(logits, jax.random.key(3)), sample(logits, jax.random.key(3))
+    (a, la), (b, lb) = sample(logits, jax.random.key(3)), sample(logits, jax.random.key(3))
     np.testing.assert_array_equal(a, b)
     assert a.dtype == jnp.int32 and set(np.asarray(a).tolist()) <= {0, 1, 2}
-    np.testing.assert_array_equal(greedy(logits, jax.random.key(0)), [2, 0])
+    scaled = np.log(np.asarray([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]])) / 0.7
+    expected = scaled - np.log(np.exp(scaled).sum(-1, keepdims=True))
+    np.testing.assert_allclose(la, expected[[0, 1], np.asarray(a)], rtol=1e-5)
+    tokens, logp = greedy(logits, jax.random.key(0))
+    np.testing.assert_array_equal(tokens, [2, 0])
+    np.testing.assert_allclose(logp, np.log([0.7, 0.5]), rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, True, "1", float("nan")])

@@ -1,0 +1,181 @@
+"""Tunix rollouts: Tunix's own ``Sampler`` (its dense per-call cache) vs easykv's engine over pages
+(``easykv.integrations.tunix``), the same model and requests, multi-step decode at k = 1, 4, 16, 64.
+
+    python benchmarks/bench_tunix.py [--rounds 7]
+    python benchmarks/bench_tunix.py --quick      # 4 x 32 tokens, k = 1 and 16, 2 rounds (CI)
+
+Tunix is an optional extra (``pip install -e '.[tunix]'``): without it ``--quick`` says it skipped
+and exits 0; a full run fails. The model: Tunix's Qwen3 (2 layers, embed 64, 4 q / 2 kv heads of
+16 dims, vocabulary 256, float32, random weights) on one CPU device. Requests: B prompts of 24
+tokens, each continued by exactly N tokens (greedy; no end token can occur), as B x N = 4 x 160
+and 16 x 160. Tunix's ``Sampler`` at the rollout default ``kv_cache_size=1024`` and
+``max_prompt_length=32``; easykv's engine with pages of 16 and a pool of 512. Every case is run once
+to compile, then ``--rounds`` times, cases interleaved; reported: the median generated tokens per
+second and its ratio to Tunix's in the same run, and how many requests got Tunix's greedy tokens
+(and how many differ only after Tunix generated its pad id, a token its ``Sampler`` masks from
+then on while the model without a cache, and easykv, attend to it).
+
+A GRPO group (G = 8 samples of a 256-token prompt, 256 generated each): the peak cache bytes easykv
+holds (its one prefill's pages shared by the 8 forks) against the dense cache Tunix's ``Sampler``
+allocates for the group at ``kv_cache_size=1024``, and the prompt tokens each prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+VOCAB, PROMPT = 256, 24
+
+
+def tiny_qwen3(seed: int = 0):
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+
+    cfg = qwen3.ModelConfig(num_layers=2, vocab_size=VOCAB, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
+                            num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-6)
+    model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+    state = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    nnx.update(model, jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]))
+    return model
+
+
+class Tokens:
+    """A tokenizer that is the identity on ids: prompts are given as text of the ids' characters."""
+
+    def encode(self, text, **kw):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, **kw):
+        return "".join(map(chr, ids))
+
+    def bos_id(self):
+        return 0  # no BOS added
+
+    def eos_id(self):
+        return 1 << 20  # never sampled: every request runs its N tokens
+
+    def pad_id(self):
+        return 0
+
+
+def prompts(batch: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, PROMPT).tolist() for _ in range(batch)]
+
+
+def tunix_runner(model, batch: int, new: int):
+    from tunix.generate import sampler as sampler_lib
+
+    c = model.config
+    sampler = sampler_lib.Sampler(model, Tokens(), sampler_lib.CacheConfig(
+        cache_size=1024, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim))
+    text = ["".join(map(chr, p)) for p in prompts(batch, 0)]
+
+    def run():
+        out = sampler(text, max_generation_steps=new, max_prompt_length=32, temperature=0.0)
+        return [np.asarray(t) for t in out.tokens]
+
+    return run
+
+
+def easykv_runner(model, batch: int, new: int, k: int):
+    from easykv.integrations.tunix import TunixPagedEngine
+
+    engine = TunixPagedEngine(model, max_length=1024, batch_size=max(16, batch), page_size=16, num_pages=512,
+                              decode_steps=k, prefill_tokens=PROMPT * batch)
+    ids = prompts(batch, 0)
+
+    def run():
+        return engine.generate(ids, new)[0]
+
+    return run
+
+
+def throughput(cases: dict[str, object], batch: int, new: int, rounds: int) -> tuple[dict[str, float], dict]:
+    outputs = {name: run() for name, run in cases.items()}  # compile
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, run in cases.items():
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    return {name: batch * new / statistics.median(t) for name, t in times.items()}, outputs
+
+
+def agreement(outputs: list[np.ndarray], reference: list[list[int]]) -> tuple[int, int]:
+    """(rows equal to Tunix's, rows that differ only after Tunix's own output generated the pad id:
+    Tunix's Sampler masks a generated pad token from then on, the model without a cache does not)."""
+    same = after_pad = 0
+    for out, ref in zip(outputs, reference):
+        out = out.tolist()
+        if out == ref:
+            same += 1
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        after_pad += Tokens().pad_id() in ref[:first]
+    return same, after_pad
+
+
+def grpo_memory(model, group: int, prompt: int, new: int) -> tuple[int, int, int]:
+    """(easykv's peak cache bytes, Tunix's dense cache bytes, easykv's prefilled prompt tokens)."""
+    from easykv.integrations.tunix import TunixPagedEngine
+
+    engine = TunixPagedEngine(model, max_length=1024, batch_size=group, page_size=16, num_pages=256, decode_steps=64,
+                              prefill_tokens=prompt)
+    engine.generate([list(range(3, 3 + prompt))] * group, new)
+    meta = engine.manager.metadata
+    c = model.config
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, float32
+    # a page id stands for one page in every layer of its (only) layer group
+    return engine.peak_pages * per_token * meta.page_size, group * 1024 * per_token, prompt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 x 32 tokens, k = 1 and 16, 2 rounds (CI)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if importlib.util.find_spec("tunix") is None:
+        if args.quick:
+            print("bench_tunix: Tunix is not installed (pip install -e '.[tunix]'); skipped")
+            return 0
+        print("bench_tunix: needs Tunix: pip install -e '.[tunix]'", file=sys.stderr)
+        return 1
+    model = tiny_qwen3()
+    shapes = [(4, 32)] if args.quick else [(4, 160), (16, 160)]
+    steps = (1, 16) if args.quick else (1, 4, 16, 64)
+    rounds = 2 if args.quick else args.rounds
+    print(f"{'B x N':>9} {'engine':<18} {'tokens/s':>9} {'x Tunix':>8} {'same tokens':>12}")
+    for batch, new in shapes:
+        cases = {"Tunix Sampler": tunix_runner(model, batch, new)}
+        cases |= {f"easykv k={k}": easykv_runner(model, batch, new, k) for k in steps}
+        rates, outputs = throughput(cases, batch, new, rounds)
+        base = rates["Tunix Sampler"]
+        ref = [t.tolist() for t in outputs["Tunix Sampler"]]
+        for name, rate in rates.items():
+            same, after_pad = agreement(outputs[name], ref)
+            note = f" (+{after_pad} after a pad id)" if after_pad else ""
+            print(f"{batch:>4} x {new:<3} {name:<18} {rate:9.0f} {rate / base:8.2f} {same:>6}/{batch}{note}")
+    group, prompt, new = (8, 64, 32) if args.quick else (8, 256, 256)
+    paged, dense, prefilled = grpo_memory(model, group, prompt, new)
+    print(f"\nGRPO group of {group} samples, {prompt}-token prompt, {new} generated: easykv's peak cache "
+          f"{paged / 2**20:.2f} MiB vs Tunix's dense {dense / 2**20:.2f} MiB ({paged / dense:.3f}x); prompt tokens "
+          f"prefilled {prefilled} vs {group * prompt} ({group}x fewer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Generation with a Tunix model over easykv pages (`TunixPagedEngine`): the prompts' prefixes looked
+up in the prefix cache, the rest prefilled in chunks, the samples of one prompt forked from it after
+its one prefill (GRPO's groups), then decode ``decode_steps`` tokens at a time in one device loop
+(`PageManager.plan_decode`, `easykv.step.loop.decode_loop`), sampling on the device. Private to the
+Tunix integration; imports tunix (through ``_tunix_model``), flax and easykv's public parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from easykv.integrations._tunix_model import Family, forward, paged_copy
+from easykv.manager.manager import PageManager
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.spec.groups import LayerGroup
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.step.loop import DecodeOutput, decode_loop, greedy, log_prob
+from easykv.storage.cache import PagedAttentionCache
+from easykv.tiers.sleep import SleepingCache, sleep, wake
+from easykv.validation import integer, integer_array, positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a token is drawn, as Tunix's ``Sampler`` draws it: greedy while ``top_p`` is None, else
+    from ``softmax(logits / temperature)`` cut to the ``top_k`` most likely (None or 0: all) and to
+    the smallest set whose probability reaches ``top_p``. Hashable: the device loop's static."""
+
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.top_p is None:
+            return
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1], or None for greedy decoding")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature={self.temperature!r} must be > 0 when sampling (top_p={self.top_p}); "
+                             "set top_p=None for greedy decoding")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 or None: no top-k cut)")
+
+    def __call__(self, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.top_p is None:
+            return greedy(logits, key)
+        scaled = logits.astype(jnp.float32) / self.temperature
+        k = scaled.shape[-1] if not self.top_k else min(self.top_k, scaled.shape[-1])
+        best, index = jax.lax.top_k(scaled, k)
+        probs = jax.nn.softmax(best, axis=-1)
+        best = jnp.where(jnp.cumsum(probs, axis=-1) - probs > self.top_p, -jnp.inf, best)
+        pick = jax.random.categorical(key, best, axis=-1)
+        tokens = jnp.take_along_axis(index, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+        return tokens, log_prob(scaled, tokens)
+
+
+# ---- the jitted device work: pure functions of (graphdef, state); the graphdef is closed over (Tunix's
+# configs are not hashable), the state passed, so new weights reuse the compiled code -----------------
+def _prefill(graphdef: Any, state: Any, cache: Any, tokens: jax.Array, metadata: Any) -> tuple[jax.Array, Any]:
+    """Write one prefill step; the logits after each row's last token of the step, ``(rows, vocab)``."""
+    logits, cache = forward(nnx.merge(graphdef, state), cache, tokens, metadata)
+    ends = jnp.maximum(metadata[0].query_start_loc[1:] - 1, 0)
+    return logits[ends], cache
+
+
+@partial(jax.jit, static_argnames=("sample",))
+def _sample(logits: jax.Array, key: jax.Array, *, sample: Sampling) -> tuple[jax.Array, jax.Array]:
+    return sample(logits, key)
+
+
+def _decode(graphdef: Any, state: Any, cache: Any, tokens: jax.Array, metadata: Any, limits: jax.Array,
+            key: jax.Array, *, num_steps: int, page_size: int, num_pages: tuple[int, ...],
+            eos_id: tuple[int, ...], sample: Sampling) -> DecodeOutput:  # fmt: skip
+    # The model is merged inside the loop's body from fresh leaves: Tunix's remat (an nnx transform)
+    # refuses Variables made at an outer trace level.
+    def step(c: Any, t: jax.Array, m: Any) -> tuple[jax.Array, Any]:
+        return forward(nnx.merge(graphdef, jax.tree.map(lambda a: a, state)), c, t, m)
+
+    return decode_loop(step, cache, tokens, metadata,
+                       num_steps=num_steps,
+                       page_size=page_size, num_pages=num_pages, limits=limits, eos_id=eos_id or None,
+                       sample=sample, key=key)
+
+
+def _compiled(graphdef: Any) -> tuple[Any, Any]:
+    """The prefill and decode steps of one model structure, jitted (the cache donated)."""
+    prefill = jax.jit(partial(_prefill, graphdef), donate_argnums=1)
+    decode = jax.jit(partial(_decode, graphdef), donate_argnums=1,
+                     static_argnames=("num_steps", "page_size", "num_pages", "eos_id", "sample"))
+    return prefill, decode
+
+
+def _bucket(n: int) -> int:
+    """Rows padded to a power of two (at least 4): few shapes, so few compilations."""
+    return max(4, 1 << (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class _Row:
+    """One prompt's sample: its sequence, the prompt tokens fed so far, what it produced."""
+
+    prompt: np.ndarray
+    limit: int  # tokens it may produce
+    seq: int = -1
+    fed: int = 0
+    out: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    done: bool = False
+    ended_by_eos: bool = False
+
+    def take(self, tokens: list[int], logp: list[float], eos: tuple[int, ...]) -> None:
+        self.out += tokens
+        self.logp += logp
+        if tokens and tokens[-1] in eos:
+            self.done = self.ended_by_eos = True
+        elif len(self.out) >= self.limit:
+            self.done = True
+
+
+class TunixPagedEngine:
+    """A Tunix model generating over an easykv cache it owns (see the module doc).
+
+    ``model``: a Tunix Qwen3, Llama3 or Gemma3 (it is not changed: the engine runs a paged copy,
+    `model`, whose parameters are the caller's own; new parameters, set by `update_params` or by
+    a trainer in the shared model, start a new weight version of the cache). The cache: ``batch_size`` sequences of up to
+    ``max_length`` tokens in pages of ``page_size``; ``num_pages`` per layer (per layer group), or
+    sized from ``hbm_utilization`` of device memory; ``dtype`` (default: the parameters'), an
+    optional ``quantizer``; on ``mesh`` (default: one device), kv heads over its ``tp`` axis.
+    ``decode_steps``: decode steps per device loop; ``prefill_tokens``: tokens per prefill step.
+    """
+
+    def __init__(self, model: Any, *, mesh: Any = None, max_length: int = 1024, batch_size: int = 64,
+                 page_size: int = 16, num_pages: int | None = None, hbm_utilization: float = 0.5, dtype: Any = None,
+                 quantizer: Any = None, decode_steps: int = 16, prefill_tokens: int = 256) -> None:  # fmt: skip
+        self.family: Family
+        self.family, self.model = paged_copy(model)
+        self.decode_steps = positive_int("decode_steps", decode_steps, hi=1 << 16)
+        self.prefill_tokens = positive_int("prefill_tokens", prefill_tokens, hi=1 << 20)
+        if mesh is None:
+            mesh = create_mesh({"tp": 1}, devices=jax.devices()[:1])
+        if dtype is None:
+            dtype = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0].dtype
+        pm = PartitionManager(PartitionAxis(kv_head_axis="tp" if "tp" in mesh.axis_names else None))
+        meta = self._metadata(mesh, pm, max_length=max_length, batch_size=batch_size, page_size=page_size,
+                              num_pages=num_pages, hbm_utilization=hbm_utilization, dtype=dtype, quantizer=quantizer)
+        self.cache: PagedAttentionCache | None = PagedAttentionCache.init_cache(mesh, dtype, meta, pm,
+                                                                                 quantizer=quantizer)
+        self.manager = PageManager(meta)
+        self.version = 0
+        self.manager.set_weight_version(self.version)
+        graphdef, self._state = nnx.split(self.model)
+        self._prefill_step, self._decode_loop = _compiled(graphdef)
+        self._seen = self._param_refs()
+        self._sleeping: SleepingCache | None = None
+        self.peak_pages = 0  # the most pages (every group) the last generate held at once
+
+    def _metadata(self, mesh: Any, pm: PartitionManager, *, max_length: int, batch_size: int, page_size: int,
+                  num_pages: int | None, hbm_utilization: float, dtype: Any, quantizer: Any
+                  ) -> PagedAttentionCacheMetaData:  # fmt: skip
+        """The cache's metadata: one layer group per distinct window (Gemma 3's local layers slide)."""
+        attn = self.model.layers[0].attn
+        windows = self.family.windows(self.model)
+        groups = None
+        if any(w is not None for w in windows):
+            groups = tuple(LayerGroup(tuple(i for i, x in enumerate(windows) if x == w), "full" if w is None else
+                                      "sliding", w, num_pages=num_pages) for w in dict.fromkeys(windows))  # fmt: skip
+        return PagedAttentionCacheMetaData.create(
+            mesh, batch_size, len(windows), max_length, page_size, int(attn.num_kv_heads), int(attn.head_dim),
+            hbm_utilization, dtype, partition_manager=pm, quantizer=quantizer, layer_groups=groups,
+            num_pages_per_layer=num_pages if groups is None else None)
+
+    # ---- weights and memory ------------------------------------------------------------------------
+    def update_params(self, params: Any) -> None:
+        """New weights (an ``nnx.State`` of the model's parameters, whole or in part, as Tunix's
+        trainer hands them); the cache's next weight version, so no prefix cached under the old
+        weights is found again."""
+        nnx.update(self.model, params)
+        self._new_version()
+
+    def _param_refs(self) -> list[weakref.ref[Any]]:
+        return [weakref.ref(a) for a in jax.tree.leaves(nnx.state(self.model, nnx.Param))]
+
+    def _new_version(self) -> None:
+        self._state, self._seen = nnx.state(self.model), self._param_refs()
+        self.version += 1
+        if self._sleeping is None:
+            self.manager.set_weight_version(self.version)
+
+    def _check_weights(self) -> None:
+        """The paged copy shares the caller's parameters (no second copy of the weights), so a
+        trainer that updates them in place changes it too: a parameter array that is not the one
+        last seen starts a new weight version."""
+        now = jax.tree.leaves(nnx.state(self.model, nnx.Param))
+        if len(now) != len(self._seen) or any(ref() is not a for ref, a in zip(self._seen, now)):
+            self._new_version()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the cache's device memory (`easykv.sleep`: level 1 keeps its pages in host memory,
+        level 2 discards them); the next `generate` wakes it. Nothing runs meanwhile."""
+        if self._sleeping is None:
+            assert self.cache is not None
+            self._sleeping, self.cache = sleep(self.cache, self.manager, level=level), None
+
+    def wake(self) -> None:
+        if self._sleeping is not None:
+            self.cache, self.manager = wake(self._sleeping)
+            self._sleeping = None
+            self.manager.set_weight_version(self.version)
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeping is not None
+
+    # ---- generation --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                 eos_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: Any = 0
+                 ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
+        """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens (one int, or one per
+        prompt), stopping at any of ``eos_ids`` (not returned, as Tunix's ``Sampler`` does).
+        Identical prompts are prefilled once and forked. Returns each prompt's tokens and their
+        log-probabilities under ``sampling``; every sequence is released at the end (its full
+        pages stay findable by later prompts until the weights change)."""
+        rows = self._rows(prompts, max_new_tokens)
+        eos = tuple(integer("eos id", e, lo=0) for e in eos_ids)
+        key = seed if isinstance(seed, jax.Array) else jax.random.key(integer("seed", seed, lo=0, hi=None))
+        self.wake()
+        self._check_weights()
+        self.peak_pages = 0
+        try:
+            leaders = self._admit(rows)
+            last = self._prefill(rows, leaders)
+            self._fork(rows, leaders)
+            self._first_tokens(rows, leaders, last, jax.random.fold_in(key, 0), sampling, eos)
+            round_ = 0
+            while live := [row for row in rows if not row.done]:
+                round_ += 1
+                self._decode_round(live, jax.random.fold_in(key, round_), sampling, eos)
+        finally:
+            for row in rows:
+                if row.seq >= 0 and self.manager.contains(row.seq):
+                    self.manager.release(row.seq)
+        tokens = [np.asarray(r.out[: len(r.out) - r.ended_by_eos], np.int32) for r in rows]
+        return tokens, [np.asarray(r.logp[: len(t)], np.float32) for r, t in zip(rows, tokens)]
+
+    def _rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[_Row]:
+        meta = self.manager.metadata
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+        if len(prompts) > meta.batch_size:
+            raise ValueError(f"{len(prompts)} prompts but the cache holds batch_size={meta.batch_size} sequences; "
+                             "generate fewer at once or create the engine with a larger batch_size")
+        hint = f"new tokens per prompt, 1 .. max_length={meta.max_sequences}"
+        if isinstance(max_new_tokens, (int, np.integer)):
+            limits = [integer("max_new_tokens", max_new_tokens, lo=1, hi=meta.max_sequences, hint=hint)] * len(prompts)
+        else:
+            limits = integer_array("max_new_tokens", max_new_tokens, ndim=1, lo=1, hi=meta.max_sequences,
+                                   hint=hint).tolist()
+            if len(limits) != len(prompts):
+                raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts; pass one int "
+                                 "or one per prompt")
+        rows = []
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            ids = np.asarray(p)
+            if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0:
+                raise ValueError(f"prompts[{i}] must be a non-empty list of token ids >= 0")
+            if n < 1 or ids.size + n > meta.max_sequences:
+                raise ValueError(f"prompts[{i}] has {ids.size} tokens and asks for {n} new ones: each needs 1 or more "
+                                 f"and at most max_length={meta.max_sequences} in all")
+            rows.append(_Row(ids.astype(np.int32), n))
+        return rows
+
+    def _admit(self, rows: list[_Row]) -> dict[int, list[int]]:
+        """One sequence per distinct prompt (its first row leads), its cached prefix attached;
+        returns leader row -> every row of that prompt."""
+        groups: dict[bytes, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(row.prompt.tobytes(), []).append(i)
+        leaders = {members[0]: members for members in groups.values()}
+        for i in leaders:
+            row = rows[i]
+            row.seq = self.manager.claim(1)[0]
+            row.fed = self.manager.match_prefix(row.seq, row.prompt)
+        return leaders
+
+    def _prefill(self, rows: list[_Row], leaders: dict[int, list[int]]) -> dict[int, jax.Array]:
+        """Each leader's uncached prompt tokens, ``prefill_tokens`` a step; its last logits."""
+        mgr, budget_each = self.manager, self.prefill_tokens
+        todo, last = list(leaders), {}
+        while todo:
+            batch, budget = [], budget_each
+            for i in todo:
+                n = min(budget, rows[i].prompt.size - rows[i].fed)
+                if n <= 0:
+                    break
+                batch.append((i, rows[i].prompt[rows[i].fed : rows[i].fed + n]))
+                budget -= n
+            seqs = [rows[i].seq for i, _ in batch]
+            md = mgr.build_step_metadata(seqs, [c.size for _, c in batch], pad_tokens_to=budget_each,
+                                         pad_seqs_to=min(_bucket(len(batch)), mgr.batch_size))
+            self.cache, _ = mgr.apply_pending(self.cache)
+            tokens = np.zeros(budget_each, np.int32)
+            flat = np.concatenate([c for _, c in batch])
+            tokens[: flat.size] = flat
+            logits, self.cache = self._prefill_step(self._state, self.cache, jnp.asarray(tokens), md)
+            mgr.step(seqs, [c for _, c in batch])
+            self._note_pages()
+            for j, (i, chunk) in enumerate(batch):
+                rows[i].fed += chunk.size
+                if rows[i].fed == rows[i].prompt.size:
+                    last[i] = logits[j]
+            todo = [i for i in todo if rows[i].fed < rows[i].prompt.size]
+        return last
+
+    def _fork(self, rows: list[_Row], leaders: dict[int, list[int]]) -> None:
+        for i, members in leaders.items():
+            if len(members) > 1:
+                for j, child in zip(members[1:], self.manager.fork(rows[i].seq, len(members) - 1)):
+                    rows[j].seq = child
+
+    def _first_tokens(self, rows: list[_Row], leaders: dict[int, list[int]], last: dict[int, jax.Array],
+                      key: jax.Array, sampling: Sampling, eos: tuple[int, ...]) -> None:  # fmt: skip
+        leader_of = {j: i for i, members in leaders.items() for j in members}
+        logits = jnp.stack([last[leader_of[j]] for j in range(len(rows))])
+        tokens, logp = jax.device_get(_sample(logits, key, sample=sampling))
+        for row, t, lp in zip(rows, tokens.tolist(), logp.tolist()):
+            row.take([t], [lp], eos)
+
+    def _decode_round(self, live: list[_Row], key: jax.Array, sampling: Sampling, eos: tuple[int, ...]) -> None:
+        mgr, k = self.manager, self.decode_steps
+        plan = mgr.plan_decode([r.seq for r in live], k, max_tokens=[min(k, r.limit - len(r.out)) for r in live],
+                               pad_seqs_to=min(_bucket(len(live)), mgr.batch_size))
+        self.cache, _ = mgr.apply_pending(self.cache)
+        self._note_pages()
+        tokens = np.zeros(plan.padded_rows, np.int32)
+        tokens[: len(live)] = [r.out[-1] for r in live]
+        out = self._decode_loop(self._state, self.cache, jnp.asarray(tokens), plan.metadata,
+                      jnp.asarray(plan.limits), key, num_steps=k, page_size=plan.page_size, num_pages=plan.num_pages,
+                      eos_id=eos, sample=sampling)
+        self.cache = out.state
+        written, sampled, logp, counts = jax.device_get((out.written, out.sampled, out.logprobs, out.num_written))
+        mgr.commit_decode(plan, written, counts)
+        for i, row in enumerate(live):
+            row.take(sampled[i, : counts[i]].tolist(), logp[i, : counts[i]].tolist(), eos)
+
+    def _note_pages(self) -> None:
+        self.peak_pages = max(self.peak_pages, self.manager.metrics.used_pages)
+
+
+__all__ = ["Sampling", "TunixPagedEngine"]

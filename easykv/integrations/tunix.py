@@ -1,0 +1,145 @@
+"""Tunix (``google-tunix`` 0.1.7, extra ``easykv[tunix]``) on easykv pages: its own models generate
+over a paged cache, and RL rollouts run through Tunix's own RL cluster on them.
+
+.. code-block:: python
+
+    import functools
+    from tunix.rl import rl_cluster as rl
+    from easykv.integrations.tunix import EasyKVRollout
+
+    config = rl.ClusterConfig(..., rollout_engine=functools.partial(EasyKVRollout, num_pages=4096))
+    # or, without Tunix's cluster: engine = TunixPagedEngine(model); tokens, logp = engine.generate(ids, 64)
+
+What it serves: Tunix's Qwen3, Llama3 and Gemma3 modules, each layer computing what Tunix's own
+attention computes before the cache (its projections, q/k norms, RoPE and Gemma's query scaling,
+reused, not rewritten) and reading its keys and values from easykv pages (Gemma 3's local layers
+as a sliding layer group, whose pages leave as the window moves). Any other model class, a changed
+attention module, or a Gemma 3 with a vision tower is refused by name (ValueError), never run
+wrong. The rollout (`EasyKVRollout`, a Tunix ``BaseRollout``):
+
+- prefills each distinct prompt once, in chunks, after looking its prefix up in the cache's prefix
+  cache; GRPO's ``num_generations`` samples of a prompt are forks of it (copy-on-write pages);
+- decodes ``decode_steps`` tokens per device loop, sampling on the device as Tunix's ``Sampler``
+  does (greedy while ``top_p`` is None; else temperature, ``top_k`` and ``top_p``);
+- on new weights (``update_params``, or the trainer's update of the parameters the rollout shares
+  with the actor) starts a new weight version of the cache, so no prefix computed with the old
+  weights is ever found again;
+- with ``sleep_level`` (1 or 2) frees the cache's device memory between calls (the trainer's phase)
+  and wakes it at the next ``generate``.
+
+Tunix's ``Sampler`` masks every token equal to the tokenizer's pad id, generated ones included;
+easykv attends to every generated token, as the model without a cache does. Both give the same
+tokens unless a sample generates the pad id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from tunix.generate.tokenizer_adapter import TokenizerAdapter
+from tunix.rl import common, reshard
+from tunix.rl.rollout import base_rollout
+
+from easykv.integrations._tunix_engine import Sampling, TunixPagedEngine
+from easykv.integrations._tunix_model import FAMILIES, family_of
+
+
+class EasyKVRollout(base_rollout.BaseRollout):
+    """A Tunix rollout engine over easykv pages (module doc). Tunix's RL cluster builds it as
+    ``EasyKVRollout(rollout_actor=model, tokenizer=..., mesh=..., rollout_config=...)``: pass it
+    as ``ClusterConfig.rollout_engine``, with engine options bound by ``functools.partial``.
+    ``engine_options`` are `TunixPagedEngine`'s (``num_pages``, ``page_size``, ``batch_size``,
+    ``decode_steps``, ``dtype``, ``quantizer``, ...); ``max_length`` defaults to the rollout
+    config's ``kv_cache_size``."""
+
+    def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Any = None,
+                 rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_level: int | None = None,
+                 **engine_options: Any) -> None:  # fmt: skip
+        if rollout_actor is None or tokenizer is None:
+            raise ValueError("EasyKVRollout needs rollout_actor (a Tunix model) and tokenizer, as Tunix's RL cluster "
+                             "passes them")
+        if sleep_level not in (None, 1, 2):
+            raise ValueError(f"sleep_level={sleep_level!r} must be None (stay awake), 1 (pages kept in host memory "
+                             "between calls) or 2 (pages discarded between calls)")
+        self._tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
+        engine_options.setdefault("max_length", getattr(rollout_config, "kv_cache_size", 1024))
+        self._engine = TunixPagedEngine(rollout_actor, mesh=mesh, **engine_options)
+        self._mesh, self._sleep_level, self._calls = mesh, sleep_level, 0
+
+    @property
+    def engine(self) -> TunixPagedEngine:
+        return self._engine
+
+    @property
+    def mesh(self) -> Any:
+        return self._mesh
+
+    def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
+                 **kwargs: Any) -> base_rollout.RolloutOutput:  # fmt: skip
+        """Tunix's ``generate``: ``prompts`` as strings (tokenized as Tunix's ``Sampler`` does),
+        up to ``max_tokens_to_generate`` tokens each; the output as ``VanillaRollout`` gives it
+        (completion tokens without the end token, prompts left-padded to ``max_prompt_length``
+        or the next power of two of the longest)."""
+        tok = self._tokenizer
+        ids = [self._tokenize(p) for p in prompts]
+        eos = tuple(rollout_config.eos_tokens or [tok.eos_id()])
+        sampling = Sampling(temperature=rollout_config.temperature, top_p=rollout_config.top_p,
+                            top_k=rollout_config.top_k)
+        self._calls += 1
+        seed = rollout_config.seed if rollout_config.seed is not None else self._calls
+        tokens, logp = self._engine.generate(ids, rollout_config.max_tokens_to_generate, eos_ids=eos,
+                                             sampling=sampling, seed=seed)
+        if self._sleep_level is not None:
+            self._engine.sleep(self._sleep_level)
+        return base_rollout.RolloutOutput(
+            text=[tok.decode(t.tolist()) for t in tokens], logits=[], tokens=tokens,
+            left_padded_prompt_tokens=_left_padded(ids, rollout_config.max_prompt_length, tok.pad_id()),
+            logprobs=[lp.tolist() for lp in logp] if rollout_config.return_logprobs else None)
+
+    def _tokenize(self, text: str) -> np.ndarray:
+        tok = self._tokenizer
+        bos = [tok.bos_id()] if tok.bos_id() else []
+        return np.asarray(tok.dedup_bos_ids(bos + list(tok.encode(text))), np.int32)
+
+    def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array, **kwargs: Any) -> jax.Array:
+        """Tunix's log-probabilities of the completion tokens under the current weights (Tunix's
+        own forward, no cache)."""
+        graphdef, state = nnx.split(self._engine.model)
+        return common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_tokens,
+                                              completion_tokens=completion_tokens, pad_id=self.pad_id(),
+                                              eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
+
+    def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
+        """New weights from the trainer (laid out as the rollout model's when ``filter_types`` is
+        given, as Tunix's own rollout does); the cache starts a new weight version."""
+        if filter_types is not None:
+            params = reshard.reshard_pytree(params, nnx.state(self._engine.model, filter_types))
+        self._engine.update_params(params)
+
+    def pad_id(self) -> int:
+        return int(self._tokenizer.pad_id())
+
+    def eos_id(self) -> int:
+        return int(self._tokenizer.eos_id())
+
+    def model(self) -> Any:
+        """The engine's paged copy of the model. It shares the actor's parameters, so Tunix sees
+        shared weights and skips the sync; the engine notices new parameter arrays at the next
+        ``generate`` and moves the cache to a new weight version then."""
+        return self._engine.model
+
+
+def _left_padded(ids: list[np.ndarray], length: int | None, pad: int) -> np.ndarray:
+    longest = max(p.size for p in ids)
+    if length is None or length < longest:
+        length = 1 << (longest - 1).bit_length()
+    out = np.full((len(ids), length), pad, np.int32)
+    for i, p in enumerate(ids):
+        out[i, length - p.size :] = p
+    return out
+
+
+__all__ = ["FAMILIES", "EasyKVRollout", "Sampling", "TunixPagedEngine", "family_of"]

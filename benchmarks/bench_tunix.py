@@ -16,8 +16,9 @@ second and its ratio to Tunix's in the same run, and how many requests got Tunix
 then on while the model without a cache, and easykv, attend to it).
 
 A GRPO group (G = 8 samples of a 256-token prompt, 256 generated each): the peak cache bytes easykv
-holds (its one prefill's pages shared by the 8 forks) against the dense cache Tunix's ``Sampler``
-allocates for the group at ``kv_cache_size=1024``, and the prompt tokens each prefills.
+holds (its one prefill's pages shared by the 8 forks), in float32 and int8 pages, against the dense
+cache Tunix's ``Sampler`` allocates for the group at ``kv_cache_size=1024``, and the prompt tokens
+each prefills. Exact float32 pages cannot go below (256 + 8 x 256) / (8 x 1024) = 0.281x of it.
 """
 
 from __future__ import annotations
@@ -129,18 +130,19 @@ def agreement(outputs: list[np.ndarray], reference: list[list[int]]) -> tuple[in
     return same, after_pad
 
 
-def grpo_memory(model, group: int, prompt: int, new: int) -> tuple[int, int, int]:
+def grpo_memory(model, group: int, prompt: int, new: int, quantizer: str | None = None) -> tuple[int, int, int]:
     """(easykv's peak cache bytes, Tunix's dense cache bytes, easykv's prefilled prompt tokens)."""
     from easykv.integrations.tunix import TunixPagedEngine
 
     engine = TunixPagedEngine(model, max_length=1024, batch_size=group, page_size=16, num_pages=256, decode_steps=64,
-                              prefill_tokens=prompt)
+                              prefill_tokens=prompt, quantizer=quantizer)
     engine.generate([list(range(3, 3 + prompt))] * group, new)
     meta = engine.manager.metadata
     c = model.config
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # K and V, float32
-    # a page id stands for one page in every layer of its (only) layer group
-    return engine.peak_pages * per_token * meta.page_size, group * 1024 * per_token, prompt
+    dense_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # Tunix's K and V, float32
+    # a page id stands for one page in every layer of the (only) layer group; scales included
+    g = meta.groups[0]
+    return engine.peak_pages * meta.group_page_bytes(g) * g.num_layers, group * 1024 * dense_per_token, prompt
 
 
 def main() -> int:
@@ -170,10 +172,12 @@ def main() -> int:
             note = f" (+{after_pad} after a pad id)" if after_pad else ""
             print(f"{batch:>4} x {new:<3} {name:<18} {rate:9.0f} {rate / base:8.2f} {same:>6}/{batch}{note}")
     group, prompt, new = (8, 64, 32) if args.quick else (8, 256, 256)
-    paged, dense, prefilled = grpo_memory(model, group, prompt, new)
-    print(f"\nGRPO group of {group} samples, {prompt}-token prompt, {new} generated: easykv's peak cache "
-          f"{paged / 2**20:.2f} MiB vs Tunix's dense {dense / 2**20:.2f} MiB ({paged / dense:.3f}x); prompt tokens "
-          f"prefilled {prefilled} vs {group * prompt} ({group}x fewer)")
+    print(f"\nGRPO group of {group} samples, {prompt}-token prompt, {new} generated each:")
+    for quantizer in (None, "int8"):
+        paged, dense, prefilled = grpo_memory(model, group, prompt, new, quantizer)
+        print(f"  easykv {quantizer or 'float32'} pages: peak cache {paged / 2**20:.2f} MiB vs Tunix's dense float32 "
+              f"{dense / 2**20:.2f} MiB ({paged / dense:.3f}x); prompt tokens prefilled {prefilled} vs "
+              f"{group * prompt} ({group}x fewer)")
     return 0
 
 

@@ -7,8 +7,8 @@ caller gives: its model's write and attention over the cache), samples the next 
 logits, and derives the next step's metadata from this one (`increment_cache_lengths`, into the
 pages the plan reserved). A row stops at its end-of-sequence token or its limit; the loop ends
 when every row stopped or after ``num_steps``. A stopped row keeps being computed (shapes are
-static) and its later writes land in pages reserved for it past what it commits, which
-`PageManager.commit_decode` gives back: no other sequence's page is touched.
+static) but writes nothing more: its slots are padding from then on, so no page, not even a page
+it shares with a fork, holds anything it did not commit.
 
 Call it inside the caller's jit (with the cache donated), so the whole loop is one compiled call.
 This module imports jax and ``step.metadata`` only.
@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths
+from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
 
 # step(state, tokens: (rows,) int32, metadata: tuple of one per layer group) -> (logits: (rows, vocab), state)
 StepFn = Callable[[Any, jax.Array, tuple[PagedAttentionMetadata, ...]], tuple[jax.Array, Any]]
@@ -81,6 +81,17 @@ def increment_groups(metadata: Any, *, page_size: int,
     return tuple(increment_cache_lengths(m, page_size=page_size, num_pages=p) for m, p in zip(metadata, num_pages))
 
 
+def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) -> tuple[PagedAttentionMetadata, ...]:
+    """The step's metadata with the stopped rows' writes dropped (token ``i`` is row ``i``): a
+    row that stopped writes nothing more, not even into its own pages."""
+    def keep(m: PagedAttentionMetadata) -> PagedAttentionMetadata:
+        rows = live.shape[0]
+        slots = m.slot_mapping.at[:rows].set(jnp.where(live, m.slot_mapping[:rows], PAD_SLOT))
+        return m.replace(slot_mapping=slots)
+
+    return tuple(keep(m) for m in metadata)
+
+
 def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...], *,
                 num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
                 eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy, key: jax.Array | None = None) -> DecodeOutput:
@@ -105,7 +116,7 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
 
     def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
         j, state, meta, current, written, sampled, logprobs, live, count, key = carry
-        logits, state = step(state, current, meta)
+        logits, state = step(state, current, _only_live(meta, live))
         key, sub = jax.random.split(key)
         nxt, logp = sample(logits[:rows], sub)
         written = written.at[:, j].set(current)

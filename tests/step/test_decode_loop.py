@@ -133,6 +133,7 @@ def test_a_sampled_loop_is_reproducible_by_its_key_and_stays_in_the_vocabulary()
     sample = with_temperature(0.7)
     logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]]))
     (a, la), (b, lb) = sample(logits, jax.random.key(3)), sample(logits, jax.random.key(3))
+    np.testing.assert_array_equal(la, lb)
     np.testing.assert_array_equal(a, b)
     assert a.dtype == jnp.int32 and set(np.asarray(a).tolist()) <= {0, 1, 2}
     scaled = np.log(np.asarray([[0.1, 0.2, 0.7], [0.5, 0.25, 0.25]])) / 0.7
@@ -195,3 +196,24 @@ def test_a_k_step_engine_with_a_host_tier_preempts_and_matches_the_dense_referen
     assert engine.preemptions >= 1
     for r in requests:
         assert r.output == reference_generate(model, r, max_len=MAX_LEN, dtype=jnp.float32), r.rid
+
+
+def test_a_row_with_nothing_to_write_leaves_the_page_it_shares_with_its_fork_untouched():
+    """A fork's parent planned with max_tokens=0 keeps the partly filled page it shares with
+    nobody now (the child copied it for its own write); the loop computes the parent's row but
+    writes nothing into that page."""
+    model, cache, m, seqs, first = _prefilled(UNIFORM, [[5, 6, 7, 8, 9], [40, 41, 42]])
+    parent = seqs[0]
+    child = m.fork(parent)
+    plan = m.plan_decode([parent, child, seqs[1]], 4, max_tokens=[0, 4, 4], pad_seqs_to=4)
+    cache, _ = m.apply_pending(cache)
+    page, offset = m.pages(parent)[-1], m.length(parent) % 8
+    before = np.asarray(cache.key_pages[0])[:, :, page].copy()
+    tokens = np.asarray([first[0], first[0], first[1], 0], np.int32)
+    out = model.paged_decode(cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
+    assert np.asarray(out.num_written).tolist() == [0, 4, 4, 0]
+    after = np.asarray(out.state.key_pages[0])[:, :, page]
+    np.testing.assert_array_equal(after, before)  # offset 5.. of the parent's page: still what it was
+    assert offset == 5
+    m.commit_decode(plan, out.written, out.num_written)
+    assert m.length(parent) == 5 and m.length(child) == 9

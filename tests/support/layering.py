@@ -302,7 +302,7 @@ def _strongly_connected(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def check_circles(contract: Contract, tree, imports: list[Import]) -> list[Violation]:
-    root, out = contract.root, []
+    out: list[Violation] = []
     edges: dict[tuple[str, str], Import] = {}
     strength = {MODULE_LEVEL: 0, LAZY: 1, TYPE_CHECKING_ONLY: 2}
     for imp in imports:  # every kind counts; a pair is named by its module-level import if any, else lazy

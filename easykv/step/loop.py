@@ -85,9 +85,9 @@ def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) ->
     """The step's metadata with the stopped rows' writes dropped (token ``i`` is row ``i``): a
     row that stopped writes nothing more, not even into its own pages."""
     def keep(m: PagedAttentionMetadata) -> PagedAttentionMetadata:
+        slots = jnp.asarray(m.slot_mapping)  # a traced array inside the loop
         rows = live.shape[0]
-        slots = m.slot_mapping.at[:rows].set(jnp.where(live, m.slot_mapping[:rows], PAD_SLOT))
-        return m.replace(slot_mapping=slots)
+        return m.replace(slot_mapping=slots.at[:rows].set(jnp.where(live, slots[:rows], PAD_SLOT)))
 
     return tuple(keep(m) for m in metadata)
 

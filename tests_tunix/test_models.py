@@ -91,6 +91,19 @@ def test_peak_pages_of_a_group_count_the_prompt_once():
     assert eng.peak_pages == 16 + 8 * 8
 
 
+def test_a_finished_sample_gives_its_pages_to_the_running_ones():
+    """A 14-page pool holds a 20-token prompt finished after one token and an 8-token prompt that
+    runs 38 tokens only if the first is released as soon as it is done."""
+    model = make("llama3", seed=2)
+    eng = engine(model, max_length=48, num_pages=14, decode_steps=8)
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(3, 64, 20).tolist(), rng.integers(3, 64, 8).tolist()
+    tokens, _ = eng.generate([a, b], [1, 38])
+    assert [len(t) for t in tokens] == [len(uncached_greedy(model, a, 1)), len(uncached_greedy(model, b, 38))]
+    assert tokens[1].tolist() == uncached_greedy(model, b, 38)
+    assert eng.manager.metrics.active_sequences == 0
+
+
 def test_models_and_options_it_cannot_serve_are_refused_by_name():
     from tunix.models.qwen3 import model as qwen3
 
@@ -103,6 +116,13 @@ def test_models_and_options_it_cannot_serve_are_refused_by_name():
     class Changed(qwen3.Attention):
         pass
 
+    class Wrapped(qwen3.Qwen3):  # as qwix's LoRA and quantization wrappers make
+        pass
+
+    wrapped = make("qwen3")
+    wrapped.__class__ = Wrapped
+    with pytest.raises(ValueError, match="is a changed Tunix Qwen3 .* cannot vouch for a changed one"):
+        family_of(wrapped)
     model.layers[1].attn.__class__ = Changed
     with pytest.raises(ValueError, match="layer 1 of the qwen3 model is a .*Changed, not Tunix's Attention"):
         TunixPagedEngine(model)
@@ -128,11 +148,15 @@ def test_bad_generate_calls_are_refused_with_nothing_held():
         (([[1, 2]], 0), "max_new_tokens must be a positive int, got 0"),
         (([[1] * 100], 40), r"prompts\[0\] has 100 tokens and asks for 40"),
         (([[1], [2]], [3]), "max_new_tokens has 1 entries for 2 prompts"),
+        (([[1, 64]], 4), r"prompts\[0\] holds token id 64, outside the model's vocabulary of 64"),
+        (([[1, 2**32 + 5]], 4), r"holds token id 4294967301, outside"),  # never wrapped into range
     ]
     for (prompts, n), match in cases:
         with pytest.raises(ValueError, match=match):
             eng.generate(prompts, n)
         assert eng.manager.metrics.active_sequences == 0 and eng.manager.metrics.used_pages == 0
+    with pytest.raises(ValueError, match="decode_steps must be .* at most max_length"):
+        engine(make("llama3"), decode_steps=129)
     with pytest.raises(ValueError, match="top_p=1.5 must be in"):
         Sampling(top_p=1.5)
     with pytest.raises(ValueError, match="temperature=0 must be > 0 when sampling"):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
 from easykv.manager.manager import PageManager
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
@@ -143,7 +144,8 @@ class TunixPagedEngine:
                  quantizer: Any = None, decode_steps: int = 16, prefill_tokens: int = 256) -> None:  # fmt: skip
         self.family: Family
         self.family, self.model = paged_copy(model)
-        self.decode_steps = positive_int("decode_steps", decode_steps, hi=1 << 16)
+        self.decode_steps = positive_int("decode_steps", decode_steps, hi=integer("max_length", max_length, lo=1),
+                                         hint="decode steps per device loop, at most max_length")
         self.prefill_tokens = positive_int("prefill_tokens", prefill_tokens, hi=1 << 20)
         if mesh is None:
             mesh = create_mesh({"tp": 1}, devices=jax.devices()[:1])
@@ -241,7 +243,7 @@ class TunixPagedEngine:
             self._fork(rows, leaders)
             self._first_tokens(rows, leaders, last, jax.random.fold_in(key, 0), sampling, eos)
             round_ = 0
-            while live := [row for row in rows if not row.done]:
+            while live := self._release_done(rows):
                 round_ += 1
                 self._decode_round(live, jax.random.fold_in(key, round_), sampling, eos)
         finally:
@@ -267,11 +269,14 @@ class TunixPagedEngine:
             if len(limits) != len(prompts):
                 raise ValueError(f"max_new_tokens has {len(limits)} entries for {len(prompts)} prompts; pass one int "
                                  "or one per prompt")
-        rows = []
+        rows, vocab = [], self.family.vocab(self.model)
         for i, (p, n) in enumerate(zip(prompts, limits)):
             ids = np.asarray(p)
             if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0:
                 raise ValueError(f"prompts[{i}] must be a non-empty list of token ids >= 0")
+            if ids.max() >= vocab:
+                raise ValueError(f"prompts[{i}] holds token id {int(ids.max())}, outside the model's vocabulary of "
+                                 f"{vocab}")
             if n < 1 or ids.size + n > meta.max_sequences:
                 raise ValueError(f"prompts[{i}] has {ids.size} tokens and asks for {n} new ones: each needs 1 or more "
                                  f"and at most max_length={meta.max_sequences} in all")
@@ -336,8 +341,11 @@ class TunixPagedEngine:
 
     def _decode_round(self, live: list[_Row], key: jax.Array, sampling: Sampling, eos: tuple[int, ...]) -> None:
         mgr, k = self.manager, self.decode_steps
-        plan = mgr.plan_decode([r.seq for r in live], k, max_tokens=[min(k, r.limit - len(r.out)) for r in live],
-                               pad_seqs_to=min(_bucket(len(live)), mgr.batch_size))
+        seqs, pad = [r.seq for r in live], min(_bucket(len(live)), mgr.batch_size)
+        try:
+            plan = mgr.plan_decode(seqs, k, max_tokens=[min(k, r.limit - len(r.out)) for r in live], pad_seqs_to=pad)
+        except CacheFullError:  # room for one more token each may still be there (same loop, one step)
+            plan = mgr.plan_decode(seqs, k, max_tokens=1, pad_seqs_to=pad)
         self.cache, _ = mgr.apply_pending(self.cache)
         self._note_pages()
         tokens = np.zeros(plan.padded_rows, np.int32)
@@ -350,6 +358,15 @@ class TunixPagedEngine:
         mgr.commit_decode(plan, written, counts)
         for i, row in enumerate(live):
             row.take(sampled[i, : counts[i]].tolist(), logp[i, : counts[i]].tolist(), eos)
+
+    def _release_done(self, rows: list[_Row]) -> list[_Row]:
+        """Release the rows that are done (their full pages stay findable; a fork's shared pages
+        stay with the others) so the running ones have their room; returns the running ones."""
+        for row in rows:
+            if row.done and row.seq >= 0:
+                self.manager.release(row.seq)
+                row.seq = -1
+        return [row for row in rows if not row.done]
 
     def _note_pages(self) -> None:
         self.peak_pages = max(self.peak_pages, self.manager.metrics.used_pages)

@@ -79,9 +79,13 @@ class Family:
     out: Callable[[Any, jax.Array], jax.Array]
     windows: Callable[[Any], list[int | None]]
     refuse: Callable[[Any], str | None]
+    vocab_field: str
 
     def tunix(self) -> Any:
         return importlib.import_module(self.module)
+
+    def vocab(self, model: Any) -> int:
+        return int(getattr(model.config, self.vocab_field))
 
 
 def _qwen3_qkv(attn: Any, x: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -121,11 +125,11 @@ def _gemma3_refuse(model: Any) -> str | None:
 
 FAMILIES = (
     Family("qwen3", "tunix.models.qwen3.model", "Qwen3", _qwen3_qkv, lambda a: float(a.scale),
-           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None),
+           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None, "vocab_size"),
     Family("llama3", "tunix.models.llama3.model", "Llama3", _llama3_qkv, lambda a: float(a.scale),
-           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None),
+           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None, "vocab_size"),
     Family("gemma3", "tunix.models.gemma3.model", "Gemma3", _gemma3_qkv, lambda a: 1.0,
-           lambda a, o: a.attn_vec_einsum(o), _gemma3_windows, _gemma3_refuse),
+           lambda a, o: a.attn_vec_einsum(o), _gemma3_windows, _gemma3_refuse, "num_embed"),
 )
 
 
@@ -138,8 +142,13 @@ def family_of(model: Any) -> Family:
     names = ", ".join(f.name for f in FAMILIES)
     for family in FAMILIES:
         tunix = family.tunix()
-        if type(model) is getattr(tunix, family.model_class):
+        served = getattr(tunix, family.model_class)
+        if type(model) is served:
             break
+        if isinstance(model, served):
+            raise ValueError(f"{type(model).__module__}.{type(model).__qualname__} is a changed Tunix "
+                             f"{family.model_class} (a subclass, as qwix's LoRA or quantization wrappers make): "
+                             "easykv reuses Tunix's own modules and cannot vouch for a changed one")
     else:
         raise ValueError(f"{type(model).__module__}.{type(model).__qualname__} is not a Tunix model family easykv "
                          f"serves ({names}); its attention is not known to easykv, so it is refused rather than "

@@ -8,7 +8,9 @@ never wrote (a private copy of a shared page, made at planning for its first wri
 next write needs it). A sliding or chunked group releases the pages its window left at that commit, not
 during the loop: every step of the loop may still read them.
 
-A plan is stamped with what it was planned over (each sequence's edits, length, columns, weight
+While a plan is open nothing else may reserve, commit, fork, truncate, swap out or release its
+sequences (ValueError: its device loop may be writing their pages). A plan is stamped with what it
+was planned over (each sequence's edits, length, columns, weight
 version, and its block-table rows and window starts in every group): committing it after any of
 that changed, or twice, is refused with nothing changed. Other sequences may change meanwhile.
 
@@ -54,13 +56,13 @@ class DecodePlan:
     - `next_metadata`: step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
     """
 
-    __slots__ = ("_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps", "page_size",
+    __slots__ = ("_held", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps", "page_size",
                  "seq_ids")
 
     def __init__(self, *, owner: SequenceTable, seq_ids: tuple[int, ...], num_steps: int, lengths: np.ndarray,
                  limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int, num_pages: tuple[int, ...],
-                 stamp: tuple[np.ndarray, ...]) -> None:  # fmt: skip
-        self._owner, self._stamp = owner, stamp
+                 stamp: tuple[np.ndarray, ...], held: np.ndarray) -> None:  # fmt: skip
+        self._owner, self._stamp, self._held = owner, stamp, held  # held: columns before the plan reserved
         self.seq_ids, self.num_steps, self.lengths, self.limits = seq_ids, num_steps, lengths, limits
         self.metadata, self.page_size, self.num_pages = metadata, page_size, num_pages
         self.committed = False
@@ -94,15 +96,21 @@ def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, wo
         raise ValueError(f"max_tokens[{i}]={int(most[i])} is more than num_steps={k}; a sequence writes at most "
                          "one token per step")
     _, pad_seqs_to = check_padding(metadata, rows.size, rows.size, None, pad_seqs_to)
+    full = np.flatnonzero(seqs.lens[rows] >= seqs.max_length)  # no position left for a step, even one unwritten
+    if full.size:
+        row = int(rows[full[0]])
+        seqs.check_extent(row, int(seqs.lens[row]) + 1, "a decode step's position")
+    held = seqs.npages[rows].copy()
     growth.reserve(seqs, groups, host, work, rows, most)
     first = growth.decode_metadata(seqs, groups, rows, 1, pad_seqs_to=pad_seqs_to, stacked=False)[0]
     assert isinstance(first, tuple)
     limits = np.zeros(first[0].page_table.shape[0], np.int32)
     limits[: rows.size] = most
+    seqs.planned[rows] = True
     return DecodePlan(owner=seqs, seq_ids=tuple(rows.tolist()), num_steps=k,
                       lengths=_frozen(seqs.lens[rows].copy()), limits=_frozen(limits), metadata=first,
-                      page_size=seqs.page_size,
-                      num_pages=tuple(gt.pool.num_pages for gt in groups), stamp=_stamp(seqs, groups, rows))
+                      page_size=seqs.page_size, num_pages=tuple(gt.pool.num_pages for gt in groups),
+                      stamp=_stamp(seqs, groups, rows), held=held)
 
 
 def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, plan: DecodePlan,
@@ -118,11 +126,16 @@ def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
     _check_unchanged(seqs, groups, rows, plan)
     tokens, counts = _written(plan, token_ids, num_tokens)
     live = np.flatnonzero(counts > 0)
-    if live.size:
-        written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
-        commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
-    # Committed: what nobody wrote goes back (this cannot fail).
-    give_back_reserved(seqs, groups, rows, current=current)
+    seqs.planned[rows] = False  # its own commit may write them
+    try:
+        if live.size:
+            written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
+            commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
+    except BaseException:
+        seqs.planned[rows] = True
+        raise
+    # Committed: what the plan reserved and nobody wrote goes back (this cannot fail).
+    give_back_reserved(seqs, groups, rows, current=current, keep=plan._held)
     plan.committed = True
 
 

@@ -167,6 +167,7 @@ class PageManager:
         """End a sequence: its id becomes free, its pages lose a reference. Full pages stay in
         the prefix cache (tail pages are evicted before head pages); others are freed."""
         row = self._seqs.row(seq_id)
+        self._seqs.refuse_planned(row, "releasing it")
         if row in self._host.swapped:
             self._host.release_swapped(row, self._groups)
         self._groups.release_row(row, int(self._seqs.npages[row]), stale=self._is_stale(row))
@@ -561,9 +562,12 @@ class PageManager:
     def clone(self) -> PageManager:
         """An independent copy of this manager (to try calls on without changing it); the
         `HostTier` it last applied work through is shared, not copied, and stays bound to this
-        manager: the clone cannot apply work through it (`check_host`)."""
+        manager: the clone cannot apply work through it (`check_host`). The original's open decode
+        plans stay the original's: the clone holds their pages as reserved room."""
         tier = self._host.tier
-        return copy.deepcopy(self, {id(tier): tier} if tier is not None else {})
+        twin: PageManager = copy.deepcopy(self, {id(tier): tier} if tier is not None else {})
+        twin._seqs.planned[:] = False
+        return twin
 
     def lockstep_state(self) -> dict[str, Any]:
         """`state_dict` with the host tier's bookkeeping (swapped-out sequences, pending transfers,

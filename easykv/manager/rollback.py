@@ -42,6 +42,7 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
              caching: bool, current: bytes | None) -> None:
     """`PageManager.truncate` of the claimed, not swapped-out ``row`` (see the module doc);
     ``current``: the current weight version."""
+    seqs.refuse_planned(row, "truncating it")
     ps, cur = seqs.page_size, int(seqs.lens[row])
     new = integer("length", length, lo=0, hi=cur,
                   hint=f"sequence {row} holds {cur} committed tokens; truncate keeps a prefix of them")
@@ -91,11 +92,12 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
 
 
 def give_back_reserved(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, *,
-                       current: bytes | None) -> None:
+                       current: bytes | None, keep: np.ndarray) -> None:
     """Return the pages ``rows`` reserved ahead but never wrote into (those wholly past each row's
-    length) to their pools: a multi-step decode plan's steps that a stopped sequence did not run."""
+    length, and past its ``keep`` columns) to their pools: a multi-step decode plan's steps that
+    a stopped sequence did not run (``keep``: the columns it held before the plan)."""
     ps = seqs.page_size
-    keep = -(-seqs.lens[rows] // ps)
+    keep = np.maximum(-(-seqs.lens[rows] // ps), keep)
     for i in np.flatnonzero(seqs.npages[rows] > keep).tolist():
         row, kept, held = int(rows[i]), int(keep[i]), int(seqs.npages[rows[i]])
         stale = seqs.version[row] != current

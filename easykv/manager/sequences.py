@@ -32,10 +32,13 @@ class SequenceTable:
     - ``active``: whether the id is claimed;
     - ``hashes``: its salt, chain digest, unfinished page and token log (`SequenceHashes`);
     - ``version``: the digest of the weight version it runs under (None: unversioned);
-    - ``edits``: how often it was claimed, forked into, committed to or truncated: a decode
-      plan's stamp tells the sequence it planned from one released and claimed again, or one
-      written and rewound to the same length meanwhile. Never saved: a loaded manager is
-      another manager, whose plans are its own.
+    - ``edits``: how often it was claimed, forked into or from, committed to or truncated: a
+      decode plan's stamp tells the sequence it planned from one released and claimed again, or
+      one written and rewound to the same length meanwhile;
+    - ``planned``: whether a decode plan over it is open (a device loop may be writing its
+      pages): until the plan is committed nothing else may reserve, commit, fork, truncate,
+      swap out or release it. Neither is saved: a loaded manager is another manager, whose
+      plans are its own.
     """
 
     def __init__(self, batch_size: int, page_size: int, max_length: int):
@@ -49,6 +52,7 @@ class SequenceTable:
         self.hashes = SequenceHashes(b, page_size)
         self.version: list[bytes | None] = [None] * b
         self.edits = np.zeros(b, np.int64)
+        self.planned = np.zeros(b, bool)
 
     # ---- input checks ---------------------------------------------------------------------------
     def check_id(self, seq_id: Any, strict: bool = True) -> int:
@@ -96,6 +100,15 @@ class SequenceTable:
         if counts.shape != (n,):
             raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
         return counts
+
+    def refuse_planned(self, rows: Any, what: str) -> None:
+        """ValueError naming the first of ``rows`` with an open decode plan (``what``: the call)."""
+        rows = np.atleast_1d(np.asarray(rows, np.int64))
+        if rows.size and self.planned[rows].any():
+            row = int(rows[np.argmax(self.planned[rows])])
+            raise ValueError(f"sequence {row} has an open decode plan (its device loop may be writing its pages); "
+                             f"commit it with commit_decode before {what} (num_tokens=0 commits nothing and gives "
+                             "its reserved pages back)")
 
     def check_extent(self, row: int, end: int, what: str) -> None:
         if end > self.max_length:
@@ -152,7 +165,7 @@ class SequenceTable:
         """``dst`` continues ``src``'s history, holding its first ``columns`` columns."""
         self.npages[dst], self.floor[dst] = columns, self.floor[src]
         self.active[dst] = True
-        self.edits[dst] += 1
+        self.edits[[src, dst]] += 1
         # A parent that holds only pages reserved ahead shares none: the child is unbound.
         self.lens[dst], self.replica[dst] = self.lens[src], (self.replica[src] if columns else -1)
         self.hashes.copy_row(src, dst)

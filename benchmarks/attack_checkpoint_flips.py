@@ -43,9 +43,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 # tests agree.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.checkpoints import file_kind, flip_fixture, flip_outcome, raw_leaves  # noqa: E402
 from easykv.checkpoint.checkpointer import save_cache  # noqa: E402
-
+from tests.support.checkpoints import file_kind, flip_fixture, flip_outcome, raw_leaves  # noqa: E402
 
 QUICK_BYTES_PER_FILE = 16
 

@@ -35,7 +35,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import easykv  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402

@@ -30,10 +30,10 @@ from jax.sharding import AbstractMesh, AxisType  # noqa: E402
 
 from easykv.errors import CacheFullError  # noqa: E402
 from easykv.manager.manager import PageManager  # noqa: E402
+from easykv.sharding import PartitionAxis, PartitionManager  # noqa: E402
 from easykv.spec.metadata import PagedAttentionCacheMetaData  # noqa: E402
 from easykv.spec.presets import PRESETS  # noqa: E402
 from easykv.spec.sizing import tokens_per_gib  # noqa: E402
-from easykv.sharding import PartitionAxis, PartitionManager  # noqa: E402
 
 PATTERNED = ("gemma-2-9b", "gemma-3-27b", "gpt-oss-20b", "llama-4-scout", "mistral-7b-v0.1", "deepseek-v3")
 

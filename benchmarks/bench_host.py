@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from easykv.attention.checks import prepare  # noqa: E402
 from easykv.attention.options import AttentionOptions  # noqa: E402
 from easykv.manager.manager import PageManager  # noqa: E402
-from easykv.step.metadata import PagedAttentionMetadata  # noqa: E402
 from easykv.spec.metadata import PagedAttentionCacheMetaData  # noqa: E402
+from easykv.step.metadata import PagedAttentionMetadata  # noqa: E402
 from easykv.storage.writes import token_slots  # noqa: E402
 
 SEQS, WIDTH, PAGE = 256, 512, 16

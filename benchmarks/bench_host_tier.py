@@ -157,8 +157,8 @@ def report_workload(off: dict, on: dict, work: Workload) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="shorter documents, 2 questions each, 8 pages, 2 repeats: checks the script runs (CI); numbers "
-                             "meaningless")
+                        help="shorter documents, 2 questions each, 8 pages, 2 repeats: checks the script runs (CI); "
+                             "numbers meaningless")
     parser.add_argument("--repeats", type=int, default=None, help="default 15; --quick: 2")
     parser.add_argument("--pages", type=int, default=None, help="default 64; --quick: 8")
     args = parser.parse_args()

@@ -32,12 +32,13 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # for tests.support
 
+from bench_quantization import DIM, FULL, HEADS, PAGE, QHEADS, QUICK, QUICK_HELP, decode_workload  # noqa: E402
+from bench_quantization import Sizes as DecodeSizes  # noqa: E402
+
 import easykv  # noqa: E402
 from easykv.quantization import page_head_bytes  # noqa: E402
 from easykv.storage.cache import write_all  # noqa: E402
 from easykv.storage.writes import token_slots  # noqa: E402
-from bench_quantization import DIM, FULL, HEADS, PAGE, QHEADS, QUICK, QUICK_HELP  # noqa: E402
-from bench_quantization import Sizes as DecodeSizes, decode_workload  # noqa: E402
 from tests.support.quant_families import FAMILIES, errors  # noqa: E402
 
 # "int4-ch:decode": int4-ch pages filled one token per write (their scales grow as they fill).
@@ -141,7 +142,8 @@ def main() -> None:
     for plain in ("int8", "int4", "int4-asym"):
         print(f"decode time {plain}-rot / {plain}: {times[plain + '-rot'] / times[plain]:.2f}x (target <= 1.3x)")
     print(f"int4-ch / int4: decode attention {times['int4-ch'] / times['int4']:.2f}x, decode write "
-          f"{write_times['int4-ch'] / write_times['int4']:.2f}x (a write rereads and requantizes the pages it lands in)")
+          f"{write_times['int4-ch'] / write_times['int4']:.2f}x "
+          f"(a write rereads and requantizes the pages it lands in)")
     print(f"int4-ol / int4: decode attention {times['int4-ol'] / times['int4']:.2f}x, decode write "
           f"{write_times['int4-ol'] / write_times['int4']:.2f}x (outliers found per token, decoded elementwise)")
 

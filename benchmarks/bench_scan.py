@@ -86,7 +86,7 @@ def _model(layers: int):
 
     def unrolled(cache, weights, h):
         for i in range(layers):
-            view, h = layer(cache.views[i], jax.tree.map(lambda a: a[i], weights), h)
+            view, h = layer(cache.views[i], jax.tree.map(lambda a: a[i], weights), h)  # noqa: B023  called at once
             cache.views[i] = view
         return cache, h
 

@@ -31,7 +31,8 @@ def timed(argv: list[str], cwd: Path, env: dict | None = None) -> tuple[float, s
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
     if done.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed in {cwd} (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        sys.exit(f"{' '.join(argv)} failed in {cwd} (exit {done.returncode}):\n"
+                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return seconds, done.stdout + done.stderr
 
 
@@ -85,7 +86,8 @@ def quick_rows() -> list[tuple[str, float, str]]:
     """tests/storage/test_writes.py in this checkout with a compilation cache of its own: cold, then warm."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache}
-        argv = [sys.executable, "-m", "pytest", "tests/storage/test_writes.py", "-q", "-p", "no:cacheprovider", "-n", "0"]
+        argv = [sys.executable, "-m", "pytest", "tests/storage/test_writes.py", "-q", "-p", "no:cacheprovider",
+                "-n", "0"]
         rows = []
         for label in ("tests/storage/test_writes.py, cold cache", "tests/storage/test_writes.py, warm cache"):
             seconds, out = timed(argv, REPO, env)

@@ -48,7 +48,8 @@ def tiny_qwen3(seed: int = 0):
     state = nnx.state(model, nnx.Param)
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]))
+    nnx.update(model, jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(k, a.shape)
+                                                for a, k in zip(leaves, keys)]))
     return model
 
 

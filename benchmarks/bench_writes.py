@@ -72,8 +72,8 @@ def _cache(num_pages: int, native: bool, devices: int = 8):
     import jax.numpy as jnp
 
     import easykv
-    from easykv.storage.pages import allocate_pages
     from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+    from easykv.storage.pages import allocate_pages
 
     mesh = create_mesh({"tp": devices}, devices=jax.devices()[:devices])
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))

@@ -8,7 +8,6 @@ from easykv.attention.api import (
     paged_attention_reference,
     view_attention,
 )
-from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
 from easykv.errors import (
     CacheFullError,
     CheckpointError,
@@ -28,12 +27,6 @@ from easykv.errors import (
 )
 from easykv.manager.host_tier import HostTierMetrics
 from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics, single_group
-from easykv.spec.memory import MemoryBudget, device_memory_budget
-from easykv.spec.groups import ATTENTION_KINDS, AttentionKind, LayerGroup, group_pattern
-from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
-from easykv.spec.presets import PRESETS, ModelPreset
-from easykv.spec.sizing import tokens_per_gib
-from easykv.storage.pages import PageLayout, storage_dtype
 from easykv.quantization import (
     QuantizedPages,
     Quantizer,
@@ -41,7 +34,14 @@ from easykv.quantization import (
     get_quantizer,
     register_quantizer,
 )
+from easykv.spec.groups import ATTENTION_KINDS, AttentionKind, LayerGroup, group_pattern
+from easykv.spec.memory import MemoryBudget, device_memory_budget
+from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
+from easykv.spec.presets import PRESETS, ModelPreset
+from easykv.spec.sizing import tokens_per_gib
 from easykv.step.metadata import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
+from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
+from easykv.storage.pages import PageLayout, storage_dtype
 
 __version__ = "0.1.0"
 

@@ -56,7 +56,8 @@ def parse_mesh(text: str) -> dict[str, int]:
             raise UsageError(f"--mesh {text!r} names axis {m.group(1)!r} twice")
         size = int(m.group(2))
         if abs(size) > _MAX_AXIS:
-            raise UsageError(f"--mesh {text!r}: axis {m.group(1)} of size {size}; a mesh axis holds at most {_MAX_AXIS} devices")
+            raise UsageError(f"--mesh {text!r}: axis {m.group(1)} of size {size}; "
+                             f"a mesh axis holds at most {_MAX_AXIS} devices")
         axes[m.group(1)] = size
     return axes
 
@@ -94,11 +95,13 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--page-axis", default="none", help="mesh axis (or a,b) splitting the page pool, e.g. dp")
     plan.add_argument("--utilization", type=float, default=0.9, help="hbm_utilization in (0, 1]")
     plan.add_argument("--memory", default=None,
-                      help="per-device bytes for the cache (e.g. 16GiB); plans any mesh without its devices")  # fmt: skip
+                      help="per-device bytes for the cache (e.g. 16GiB); "
+                           "plans any mesh without its devices")  # fmt: skip
     plan.add_argument("--cpu-devices", type=int, default=None,
                       help="simulate this many CPU devices (for meshes larger than this machine)")  # fmt: skip
     plan.add_argument("--host-memory", default=None,
-                      help="host bytes per host for a host-memory tier (e.g. 64GiB): evicted prefixes, swapped sequences")
+                      help="host bytes per host for a host-memory tier (e.g. 64GiB): "
+                           "evicted prefixes, swapped sequences")
     demo = sub.add_parser("demo", help="a small model generating through the cache, checked against a dense cache")
     demo.add_argument("--requests", type=int, default=12, help="number of requests (one of them forked), 1..64")
     demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate per request, 2..128")
@@ -108,7 +111,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
     demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="cache and model dtype")
     demo.add_argument("--mesh", default=None, help="mesh to serve on (default tp=8 on 8 simulated CPU devices)")
-    demo.add_argument("--restore-mesh", default=None, help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")
+    demo.add_argument("--restore-mesh", default=None,
+                      help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")
     demo.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when running on a CPU")
     demo.add_argument("--checkpoint-dir", default=None, help="where the midway checkpoint goes (default: a temp dir)")
     demo.add_argument("--decode-steps", type=int, default=8,
@@ -124,8 +128,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Exit 0: every step intact; 1: damage (or a step this easykv cannot read) was found and
     is described in the report; 2: not a checkpoint directory. Never a traceback."""
-    from easykv.errors import CheckpointError, NotACheckpointError
     from easykv.checkpoint.inspect import inspect_report
+    from easykv.errors import CheckpointError, NotACheckpointError
 
     try:
         report, intact = inspect_report(args.directory, verify=not args.no_verify)
@@ -141,7 +145,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
-    for flag, value, low, high in (("--requests", args.requests, 1, 64), ("--max-new-tokens", args.max_new_tokens, 2, 128),
+    for flag, value, low, high in (("--requests", args.requests, 1, 64),
+                                   ("--max-new-tokens", args.max_new_tokens, 2, 128),
                                    ("--cpu-devices", args.cpu_devices, 1, 64),
                                    ("--decode-steps", args.decode_steps, 1, 64)):  # fmt: skip
         if not low <= value <= high:
@@ -153,13 +158,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     n = jax.device_count()
     mesh = parse_mesh(args.mesh) if args.mesh else {"tp": n}
-    restore = parse_mesh(args.restore_mesh) if args.restore_mesh else ({"dp": 2, "tp": n // 2} if n % 2 == 0 else {"tp": n})
+    restore = (parse_mesh(args.restore_mesh) if args.restore_mesh
+               else {"dp": 2, "tp": n // 2} if n % 2 == 0 else {"tp": n})
     for flag, axes in (("--mesh", mesh), ("--restore-mesh", restore)):  # checked before half a demo runs
         size = math.prod(axes.values())
         if any(v <= 0 for v in axes.values()) or size > n:
             raise UsageError(f"{flag} {axes} needs {size} devices of positive axis sizes; this process has {n}")
-    options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant, dtype=args.dtype,
-                          mesh=mesh, restore_mesh=restore, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
+    options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant,
+                          dtype=args.dtype, mesh=mesh, restore_mesh=restore, seed=args.seed,
+                          checkpoint_dir=args.checkpoint_dir,
                           progress=not args.no_progress, model=args.model, decode_steps=args.decode_steps)  # fmt: skip
     from easykv.errors import CheckpointError
 
@@ -203,7 +210,8 @@ def _group_quantizers(args: argparse.Namespace, groups: Any) -> Any:
     for item in args.group_quant:
         kind, sep, name = item.partition("=")
         if not sep or kind not in ATTENTION_KINDS or not name:
-            raise UsageError(f"--group-quant {item!r}: write KIND=NAME with KIND full, sliding or chunked, e.g. full=int8")
+            raise UsageError(f"--group-quant {item!r}: write KIND=NAME with KIND full, sliding or chunked, "
+                             "e.g. full=int8")
         if kind in chosen:
             raise UsageError(f"--group-quant names {kind} twice ({chosen[kind]!r} and {name!r})")
         chosen[AttentionKind(kind)] = name
@@ -242,16 +250,17 @@ def _mesh(args: argparse.Namespace) -> Any:
 def cmd_plan(args: argparse.Namespace) -> int:
     import warnings
 
+    from easykv.sharding import PartitionAxis, PartitionManager
     from easykv.spec.layout import plan_layout
     from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
     from easykv.spec.sizing import tokens_per_gib
-    from easykv.sharding import PartitionAxis, PartitionManager
 
     layers, heads, dim, model, groups = _model_dims(args)
     memory = parse_bytes(args.memory) if args.memory is not None else None
     host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
     mesh = _mesh(args)
-    pm = PartitionManager(PartitionAxis(kv_head_axis=_axes_flag(args.kv_head_axis), page_axis=_axes_flag(args.page_axis)))
+    pm = PartitionManager(PartitionAxis(kv_head_axis=_axes_flag(args.kv_head_axis),
+                                        page_axis=_axes_flag(args.page_axis)))
     layout = plan_layout(mesh, num_kv_heads=heads, partition_manager=pm, emit_warnings=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the same adjustments are printed in the table below
@@ -290,7 +299,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                     f"({meta.num_pages_per_sequence} pages each)"),  # fmt: skip
     ]
     if meta.host_pages_per_layer is not None:  # meta.has_host_tier
-        rows.append(("host tier", f"{meta.host_pages_per_layer} pages per layer ({meta.host_pages_per_layer * meta.page_size:,}"
+        rows.append(("host tier", f"{meta.host_pages_per_layer} pages per layer "
+                                  f"({meta.host_pages_per_layer * meta.page_size:,}"
                                   f" tokens{' in the largest group' * (not meta.is_uniform)}), "
                                   f"{_format_bytes(meta.host_bytes_per_device)} of host memory per device"))
     held, uniform = tokens_per_gib(meta, meta.max_sequences), tokens_per_gib(meta, meta.max_sequences, uniform=True)
@@ -310,7 +320,8 @@ def _group_line(meta: Any, g: Any) -> str:
     dims = (f"latent of {g.key_head_dim} (value: first {g.value_head_dim})" if g.latent
             else f"K {g.key_head_dim} / V {g.value_head_dim}")
     per = g.num_pages // meta.page_shards
-    return (f"layers {g.span} ({g.num_layers}): {kind}; {g.num_kv_heads} kv heads ({g.num_kv_heads // (g.kv_head_shards or 1)}"
+    return (f"layers {g.span} ({g.num_layers}): {kind}; {g.num_kv_heads} kv heads "
+            f"({g.num_kv_heads // (g.kv_head_shards or 1)}"
             f" per device), {dims}; {g.num_pages} pages ({per} per device, "
             f"{g.pages_per_sequence(meta.max_sequences, meta.page_size)} per sequence), "
             f"{_format_bytes(meta.group_page_bytes(g) * per * g.num_layers)} per device{g.format_note}")

@@ -48,7 +48,8 @@ class InvariantError(AssertionError):
     inconsistent. This is a bug in easykv, never bad input."""
 
     def __init__(self, message: str, *, where: str = "page manager"):
-        super().__init__(f"easykv bug: {where} invariant broken: {message}. Please report it with the calls that led here.")
+        super().__init__(f"easykv bug: {where} invariant broken: {message}. "
+                         "Please report it with the calls that led here.")
         self.detail = message
 
 

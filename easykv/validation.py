@@ -84,7 +84,8 @@ def positive_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str
     return integer(name, value, lo=1, hi=hi, hint=hint)
 
 
-def optional_int(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32_MAX, hint: str = "") -> int | None:
+def optional_int(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32_MAX,
+                 hint: str = "") -> int | None:
     return None if value is None else integer(name, value, lo=lo, hi=hi, hint=hint)
 
 
@@ -108,7 +109,8 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     try:
         arr = np.asarray(value)
     except Exception as err:  # noqa: BLE001  ragged, unconvertible, too deep, or a misbehaving object
-        raise ValueError(f"{name} must be a regular array of ints, got {show(value)}{_note(None, None, hint, str(err))}") from None
+        raise ValueError(f"{name} must be a regular array of ints, "
+                         f"got {show(value)}{_note(None, None, hint, str(err))}") from None
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}{_note(None, None, hint)}")
     if arr.size == 0:

@@ -54,7 +54,8 @@ def tiny_qwen3(seed):
     model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
     leaves, tree = jax.tree.flatten(nnx.state(model, nnx.Param))
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    nnx.update(model, jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)]))
+    nnx.update(model, jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(k, a.shape)
+                                                for a, k in zip(leaves, keys)]))
     return model
 
 
@@ -63,7 +64,8 @@ def reward(prompts, completions, **kwargs):
 
 
 def main():
-    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
     engine = functools.partial(EasyKVRollout, num_pages=256, page_size=16, batch_size=16, decode_steps=8, sleep_level=2)
     config = rl.ClusterConfig(
         role_to_mesh={rl.Role.ACTOR: mesh, rl.Role.REFERENCE: mesh, rl.Role.ROLLOUT: mesh},

@@ -7,7 +7,9 @@ import warnings
 
 from easykv.sharding import *  # noqa: F403 (the same public names as before the move)
 from easykv.sharding import __all__  # noqa: F401
-from easykv.sharding import axes as _axes, manager as _manager, mesh as _mesh
+from easykv.sharding import axes as _axes
+from easykv.sharding import manager as _manager
+from easykv.sharding import mesh as _mesh
 
 warnings.warn("the top-level package 'sharding' moved to 'easykv.sharding' and will be removed in easykv 0.3; "
               "import from easykv.sharding instead", DeprecationWarning, stacklevel=2)

@@ -40,7 +40,8 @@ def pytest_configure(config):
     try:
         settings.load_profile(name)
     except InvalidArgument as err:
-        raise pytest.UsageError(f"{PROFILE_VARIABLE}={name!r} names no Hypothesis profile; use fast, full or deep") from err
+        raise pytest.UsageError(f"{PROFILE_VARIABLE}={name!r} names no Hypothesis profile; "
+                                "use fast, full or deep") from err
 
 
 def pytest_report_header(config):

@@ -44,7 +44,8 @@ def test_the_fast_tier_leaves_out_the_slow_tests_and_everything_runs_them():
     """tests/multihost: the multi-process runs and the exit hook's own runs (a process per case)
     are slow; the launcher's argument checks and the package's checks fast."""
     fast, everything = (
-        {line.split("::")[0] for line in collect("-q", *args, where="tests/multihost").stdout.splitlines() if "::" in line}
+        {line.split("::")[0] for line in collect("-q", *args, where="tests/multihost").stdout.splitlines()
+         if "::" in line}
         for args in ((), ("-m", "")))  # fmt: skip
     assert fast == {"tests/multihost/test_launch_arguments.py", "tests/multihost/test_package.py"}
     assert everything == fast | {"tests/multihost/test_fail_fast.py", "tests/multihost/test_multihost.py"}

@@ -64,7 +64,8 @@ def test_v2_pages_identical_and_tokens_match_easydel():
         # Layer 0's K/V are the same bits; deeper layers see EasyDeL v2's bf16 attention output,
         # so there only the written slots must agree.
         for layer in range(2):
-            kv = np.asarray(theirs_v2.cache.views[layer].kv_pages)  # (pages, page_size, 2 * heads, dim), K/V interleaved
+            # (pages, page_size, 2 * heads, dim), K/V interleaved
+            kv = np.asarray(theirs_v2.cache.views[layer].kv_pages)
             for half, pages in ((0, ours.cache.views[layer].k_pages), (1, ours.cache.views[layer].v_pages)):
                 mine, theirs = np.transpose(np.asarray(pages), (1, 2, 0, 3)), kv[:, :, half::2]
                 np.testing.assert_array_equal(mine != 0, theirs != 0, err_msg=f"step {step} layer {layer}: slots")

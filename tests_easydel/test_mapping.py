@@ -141,7 +141,8 @@ def test_use_easykv_refusals_leave_the_model_unchanged():
     before = (type(model), _impls(model))
     with pytest.raises(ValueError, match="num_pages_per_layer .* or memory_bytes_per_device .* not both"):
         use_easykv(model, num_pages_per_layer=8, memory_bytes_per_device=1 << 20)
-    for options, match in (({"query_block": 0}, r"query_block must be a positive int, got 0"), ({"implementation": "cuda"}, r"'cuda'"),
+    for options, match in (({"query_block": 0}, r"query_block must be a positive int, got 0"),
+                           ({"implementation": "cuda"}, r"'cuda'"),
                            ({"sliding_window": 4}, r"a dict of \('query_block'"), ([("query_block", 8)], r"a dict")):
         with pytest.raises(ValueError, match=match):
             use_easykv(model, attention_options=options)

@@ -109,7 +109,8 @@ def test_models_and_options_it_cannot_serve_are_refused_by_name():
 
     with pytest.raises(TypeError, match="takes a Tunix model"):
         family_of("qwen3")
-    with pytest.raises(ValueError, match=r"\.Linear is not a Tunix model family easykv serves \(qwen3, llama3, gemma3\)"):
+    with pytest.raises(ValueError,
+                       match=r"\.Linear is not a Tunix model family easykv serves \(qwen3, llama3, gemma3\)"):
         family_of(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     model = make("qwen3")
 

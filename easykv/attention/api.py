@@ -36,17 +36,22 @@ from jax.sharding import PartitionSpec
 from numpy.typing import DTypeLike
 
 from easykv.attention.checks import Config, Layer, Pages, prepare, view_pages
-from easykv.attention.options import (IMPLEMENTATIONS, AttentionKeywords, AttentionOptions, ReferenceKeywords,
-                                      ViewKeywords)
+from easykv.attention.options import (
+    IMPLEMENTATIONS,
+    AttentionKeywords,
+    AttentionOptions,
+    ReferenceKeywords,
+    ViewKeywords,
+)
 from easykv.attention.pallas import pallas_decode_local, pallas_gpu_decode_local
 from easykv.attention.reference import dense_reference
 from easykv.attention.rows import query_rows
 from easykv.attention.xla import attend_local
 from easykv.quantization import Rotation
 from easykv.spec.groups import AttentionKind, LayerGroup
-from easykv.storage.pages import PageLayout
 from easykv.step.checks import Array
 from easykv.step.metadata import PagedAttentionMetadata, group_runtime
+from easykv.storage.pages import PageLayout
 
 if TYPE_CHECKING:
     from easykv.storage.view import PagedAttentionCacheView

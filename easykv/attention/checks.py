@@ -19,11 +19,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
-from easykv.storage.pages import PageLayout
-from easykv.quantization import (Fp8Quantizer, Int8Quantizer, QuantizedPages, Quantizer, Rotation, rotation_of,
-                                 scales_per_page)
+from easykv.quantization import (
+    Fp8Quantizer,
+    Int8Quantizer,
+    QuantizedPages,
+    Quantizer,
+    Rotation,
+    rotation_of,
+    scales_per_page,
+)
 from easykv.step.checks import Array, dtype_of, shape_of
 from easykv.step.metadata import PagedAttentionMetadata, as_mixed
+from easykv.storage.pages import PageLayout
 from easykv.validation import integer
 
 if TYPE_CHECKING:
@@ -402,7 +409,8 @@ class _Fit:
     def _tpu_unfit(self) -> str:
         cfg, head_dim = self.cfg, self.head_dims[0]
         if self.stored != cfg.dtype or cfg.dtype.name not in ("bfloat16", "float32"):
-            return f"it needs bfloat16/float32 pages stored as such, these are {self.stored.name} holding {cfg.dtype.name}"
+            return (f"it needs bfloat16/float32 pages stored as such, these are {self.stored.name} holding "
+                    f"{cfg.dtype.name}")
         if head_dim % 128:
             return f"it needs head_dim a multiple of 128, got {head_dim}"
         return ""
@@ -461,17 +469,17 @@ def _quantized_head_dim(pages: QuantizedPages, fallback: int) -> int:
 
 
 def _check_quantized(key_pages: Any, value_pages: Any, head_dim: int, value_head_dim: int) -> None:
-    for name, pages, head_dim in (("key_pages", key_pages, head_dim), ("value_pages", value_pages, value_head_dim)):
+    for name, pages, dim in (("key_pages", key_pages, head_dim), ("value_pages", value_pages, value_head_dim)):
         if not isinstance(pages, QuantizedPages):
             raise ValueError(f"{name} is not quantized but the other pages are; pass both as QuantizedPages or neither")
         q = pages.quantizer
-        tail, _ = q.value_shape(head_dim)
+        tail, _ = q.value_shape(dim)
         vshape, sshape = shape_of(pages.values), shape_of(pages.scales)
         per_page = scales_per_page(q)  # scales (heads, pages, ...) rather than (heads, pages, page_size, ...)
-        want_s = vshape[:2 if per_page else 3] + tuple(q.scale_shape(head_dim))
+        want_s = vshape[:2 if per_page else 3] + tuple(q.scale_shape(dim))
         if len(vshape) != 3 + len(tail) or vshape[3:] != tuple(tail) or sshape != want_s:
             raise ValueError(
-                f"{name} ({q.name}) has values {vshape} and scales {sshape}; for head_dim {head_dim} "
+                f"{name} ({q.name}) has values {vshape} and scales {sshape}; for head_dim {dim} "
                 f"expected values (heads, pages, page_size, {', '.join(map(str, tail))}) and scales {want_s}"
                 + (" (one row per page)" if per_page else "")
             )

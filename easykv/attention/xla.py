@@ -159,11 +159,11 @@ def _attend_block(sh: _Shard, qblk: jax.Array, pos: jax.Array, row: jax.Array) -
     pm = jnp.repeat(pos, group)  # (rows * group,)
     # The sink is a key every query sees first, with no value: the softmax starts from it.
     m0 = jnp.tile(sh.sink, (1, rows))  # (heads, rows * group): entry r * group + g is q head (h, g)
-    l0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0)
+    denom0 = jnp.where(jnp.isfinite(m0), 1.0, 0.0)  # the softmax's running denominator
     a0 = jnp.zeros((heads, rows * group, sh.v_dim), f32)
 
     def body(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
-        m, l, acc = carry
+        m, denom, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(row, i * sh.pb, sh.pb) - sh.offset
         k, present = _load_pages(sh.kp, ids, cfg.dtype, sh.layer, rotated)
         v = k[..., : sh.v_dim] if latent else _load_pages(sh.vp, ids, cfg.dtype, sh.layer, rotated)[0]
@@ -181,12 +181,12 @@ def _attend_block(sh: _Shard, qblk: jax.Array, pos: jax.Array, row: jax.Array) -
         m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[..., None])
-        l = l * alpha + jnp.sum(p, axis=-1)
+        denom = denom * alpha + jnp.sum(p, axis=-1)
         acc = acc * alpha[..., None] + jnp.einsum("hmk,hkd->hmd", p, v, preferred_element_type=f32)
-        return m_new, l, acc
+        return m_new, denom, acc
 
-    _, l, acc = jax.lax.fori_loop(first, last, body, (m0, l0, a0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, denom, acc = jax.lax.fori_loop(first, last, body, (m0, denom0, a0))
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return jnp.transpose(out.reshape(heads, rows, group, sh.v_dim), (1, 0, 2, 3))
 
 

@@ -62,9 +62,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from easykv.storage.cache import PagedAttentionCache
 from easykv.checkpoint.format import (
-    checkpoint_path,
     FORMAT,
     FORMAT_VERSION,
     MARKER_FILE,
@@ -73,6 +71,7 @@ from easykv.checkpoint.format import (
     _StateSave,
     check_not_foreign,
     check_step,
+    checkpoint_path,
     drain_pages,
     list_steps,
     orbax_manager,
@@ -89,6 +88,7 @@ from easykv.errors import (
 from easykv.manager.manager import PageManager
 from easykv.manager.state import summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
+from easykv.storage.cache import PagedAttentionCache
 from easykv.validation import boolean, optional_int, parse_json
 
 
@@ -293,7 +293,7 @@ class CacheCheckpointer:
             "format_version": FORMAT_VERSION,
             "easykv_version": _easykv_version(),
             "step": step,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "metadata": meta.to_dict(),
             "storage": {"platform": _platform(cache), "logical_dtype": known_dtype(meta.dtype).name,
                         "quantization": meta.quantization},

@@ -51,7 +51,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from easykv.errors import CheckpointIntegrityError, NotACheckpointError, StepNotFoundError
 from easykv.checkpoint.integrity import PendingFingerprints, fingerprints
 from easykv.checkpoint.orbax_types import EPath, OrbaxManager, OrbaxPyTreeHandler
 from easykv.checkpoint.record import (
@@ -69,6 +68,7 @@ from easykv.checkpoint.record import (
     saved_metadata,
     seal,
 )
+from easykv.errors import CheckpointIntegrityError, NotACheckpointError, StepNotFoundError
 from easykv.validation import integer, parse_json, show
 
 MARKER_FILE = "easykv_checkpoint.json"

@@ -24,10 +24,23 @@ from typing import Any
 import numpy as np
 
 from easykv.checkpoint.export_file import (
-    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, MemberReader, cache_dtype, check_header_keys,
+    EXPORT_FORMAT,
+    GROUPED_FORMAT,
+    WINDOW_FORMAT,
+    ExportFile,
+    MemberReader,
+    cache_dtype,
+    check_header_keys,
     check_raw_exportable,
-    checked_part, checked_token_ids, dequantized, header_dtype, member_specs, quantizer_for, read_arrays,
-    read_token_ids, unknown_format,
+    checked_part,
+    checked_token_ids,
+    dequantized,
+    header_dtype,
+    member_specs,
+    quantizer_for,
+    read_arrays,
+    read_token_ids,
+    unknown_format,
 )
 from easykv.quantization import get_quantizer, is_compressing
 from easykv.validation import boolean, integer, optional_int, positive_int, show
@@ -288,7 +301,8 @@ def _checked_group(g: Any, i: int, length: int, export_dtype: np.dtype, export_q
             raise ValueError(f"{where}: {err}") from None
     specs = _group_specs(i, length - first, len(layers), heads, dk, None if latent else dv, dtype, quantizer, raw)
     what = (f"{length - first} tokens x {len(layers)} layers x {heads} kv heads (K {dk}, "
-            f"{'latent' if latent else f'V {dv}'}) " + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
+            f"{'latent' if latent else f'V {dv}'}) "
+            + (f"in the raw {quantizer.name} format" if raw else f"in {dtype.name}"))
     parts: dict[str, Any] = {}
     for kind in ("keys", "values"):
         data = getattr(g, kind)

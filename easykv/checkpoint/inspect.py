@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 from easykv.checkpoint import format as fmt
-from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
 from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import is_legacy, legacy_note
+from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
 from easykv.spec.metadata import known_dtype
 
 
@@ -85,7 +85,8 @@ def _group_line(group: Any) -> str:
     kind = group.attention if group.window is None else f"{group.attention} {group.window}"
     dims = (f"latent {group.key_head_dim} (values: its first {group.value_head_dim})" if group.latent
             else f"K {group.key_head_dim} / V {group.value_head_dim}")
-    return f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; {group.num_pages} pages{group.format_note}"
+    return (f"layers {group.span}: {kind}; {group.num_kv_heads} kv heads x {dims}; "
+            f"{group.num_pages} pages{group.format_note}")
 
 
 def _step_report(directory: EPath, step: int, verify: bool) -> tuple[list[str], bool]:

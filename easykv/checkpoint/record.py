@@ -43,10 +43,10 @@ from etils import epath
 
 from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
 from easykv.checkpoint.orbax_types import EPath
+from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.pages import group_templates, page_template
-from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"

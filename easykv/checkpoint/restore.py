@@ -31,10 +31,10 @@ from easykv.checkpoint.format import (
     saved_metadata,
     verify_arrays,
 )
-from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import check_format, check_same_cache
+from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.spec.relayout import target_metadata
@@ -91,7 +91,8 @@ def restore_cache(
     mesh's; e.g. ``"gpu"`` to hold bf16 natively).
     """
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. easykv.sharding.create_mesh), got {type(mesh).__name__}")
+        raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. easykv.sharding.create_mesh), "
+                         f"got {type(mesh).__name__}")
     convert, verify = boolean("convert", convert), boolean("verify", verify)
     restore_manager = boolean("restore_manager", restore_manager)
     if storage_platform is not None and storage_platform not in STORAGE_PLATFORMS:

@@ -24,10 +24,23 @@ from typing import Any
 import numpy as np
 
 from easykv.checkpoint.export_file import (
-    EXPORT_FORMAT, GROUPED_FORMAT, WINDOW_FORMAT, ExportFile, MemberReader, cache_dtype, check_header_keys,
+    EXPORT_FORMAT,
+    GROUPED_FORMAT,
+    WINDOW_FORMAT,
+    ExportFile,
+    MemberReader,
+    cache_dtype,
+    check_header_keys,
     check_raw_exportable,
-    checked_part, checked_token_ids, dequantized, header_dtype, member_specs, quantizer_for, read_arrays,
-    read_token_ids, unknown_format,
+    checked_part,
+    checked_token_ids,
+    dequantized,
+    header_dtype,
+    member_specs,
+    quantizer_for,
+    read_arrays,
+    read_token_ids,
+    unknown_format,
 )
 from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.quantization import get_quantizer, is_compressing

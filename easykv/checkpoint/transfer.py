@@ -106,10 +106,11 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     arrays; only its pages are read. In a sliding or chunked cache the export holds the K/V its
     window still reads (from ``manager.first_kept_position``; ``first_position`` of the
     export). A cache of several layer groups (other geometries or windows) gives a
-    `GroupedSequenceExport`: each group's part in its own geometry, from its own window. ``dequantize=False`` keeps a quantized cache's values and scales as stored
-    (bit-exact into a cache with the same quantizer). Reads only: the cache and the manager are
-    unchanged. The manager's pending copies and scrubs of the sequence's
-    pages must have been applied (``cache, _ = manager.apply_pending(cache)``)."""
+    `GroupedSequenceExport`: each group's part in its own geometry, from its own window.
+    ``dequantize=False`` keeps a quantized cache's values and scales as stored (bit-exact into a
+    cache with the same quantizer). Reads only: the cache and the manager are unchanged. The
+    manager's pending copies and scrubs of the sequence's pages must have been applied
+    (``cache, _ = manager.apply_pending(cache)``)."""
     meta = _check_pair(cache, manager)
     dequantize = boolean("dequantize", dequantize)
     seq = integer("seq_id", seq_id, lo=0, hi=meta.batch_size - 1,
@@ -192,7 +193,8 @@ def _cutter(first: int, length: int, ps: int) -> Any:
 
 
 @partial(jax.jit, donate_argnums=0)
-def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...], slots: tuple[jax.Array, ...]) -> PagedAttentionCache:
+def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...],
+               slots: tuple[jax.Array, ...]) -> PagedAttentionCache:
     """A sequence's rows per layer group ``(layers_in_group, tokens, heads, ...)`` (values None
     for a latent group), written at the group's ``slots`` into its stacks: one scatter per array.
     A group's rows are its raw codes and scales (a dict), or dense values in its dtype, encoded
@@ -262,10 +264,12 @@ def _check_import(meta: Any, exported: SequenceExport | GroupedSequenceExport) -
     names = ("layers", "kv heads", "K dim", "V dim", "latent")
     if [geo for geo, _ in theirs] != mine:
         def show_groups(groups: list[tuple[Any, ...]]) -> str:
-            return "; ".join(", ".join(f"{n} {show(list(v) if isinstance(v, tuple) else v)}" for n, v in zip(names, geo))
+            return "; ".join(", ".join(f"{n} {show(list(v) if isinstance(v, tuple) else v)}"
+                                       for n, v in zip(names, geo))
                              for geo in groups)
 
-        raise ValueError(f"the sequence comes from a model of another shape (export: {show_groups([geo for geo, _ in theirs])}"
+        raise ValueError(f"the sequence comes from a model of another shape "
+                         f"(export: {show_groups([geo for geo, _ in theirs])}"
                          f" | cache: {show_groups(mine)}); import it into a cache of the same model")
     if exported.length > meta.max_sequences:
         raise ValueError(f"the sequence holds {exported.length} tokens but the target cache allows at most "

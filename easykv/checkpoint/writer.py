@@ -75,7 +75,7 @@ class WriterLock:
             os.close(fd)
             raise write_error(err, step=None, directory=directory, doing="taking the writer lock of") from err
         self._fd = fd
-        since = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        since = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         text = f"pid {os.getpid()} on host {socket.gethostname()}, process index {process_index}, since {since}\n"
         try:
             os.ftruncate(fd, 0)

@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.errors import CacheFullError, InvariantError
-from easykv.storage.cache import PagedAttentionCache
 from easykv.demo.model import CompiledModel
+from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
 from easykv.step.metadata import PAD_POSITION
+from easykv.storage.cache import PagedAttentionCache
 
 
 @dataclasses.dataclass
@@ -127,7 +127,8 @@ class Engine:
             if parent.prompt_logits is None:
                 continue
             if len(parent.output) != 1 or parent.done:
-                raise InvariantError(f"request {r.rid} missed its fork point (parent {parent.rid})", where="demo engine")
+                raise InvariantError(f"request {r.rid} missed its fork point (parent {parent.rid})",
+                                     where="demo engine")
             r.seq = self.manager.fork(parent.seq)
             r.fed, r.cached = len(r.prompt), parent.cached
             r.output.append(_sample(parent.prompt_logits, second=True))

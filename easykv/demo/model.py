@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from easykv.attention.api import view_attention
-from easykv.storage.cache import PagedAttentionCache
 from easykv.step.loop import DecodeOutput, decode_loop
 from easykv.step.metadata import PagedAttentionMetadata
+from easykv.storage.cache import PagedAttentionCache
 
 VOCAB = 256  # bytes
 
@@ -123,7 +123,8 @@ def _block(cfg: DemoConfig, blk: Block, x: jax.Array, positions: jax.Array, stat
     return x + blk.down(jax.nn.silu(blk.gate(h)) * blk.up(h)), state
 
 
-def _forward(model: DemoModel, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn) -> tuple[jax.Array, Any]:
+def _forward(model: DemoModel, tokens: jax.Array, positions: jax.Array, state: Any,
+             attend: AttendFn) -> tuple[jax.Array, Any]:
     """Logits (tokens, VOCAB) for token ids at positions, layers unrolled; ``attend(layer, q, k,
     v, state)`` stores the new K/V wherever the back end keeps them and returns (output, state)."""
     x = model.embed(tokens)
@@ -172,7 +173,8 @@ def _scanned_forward(model: DemoModel, block_def: Any, stacked: list[Any], cache
     return model.head(model.norm(x)), cache
 
 
-def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array, metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
+def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array,
+                metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
     """One engine step for all layers in one jit: write each layer's new K/V into its pages
     (the cache is donated) and attend through the page tables of the mixed metadata."""
 

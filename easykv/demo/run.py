@@ -23,16 +23,16 @@ from typing import Any, TextIO
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.spec.groups import AttentionKind
-from easykv.storage.cache import PagedAttentionCache
 from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import NEAR_TIE, Engine, Request, reference_disagreements
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
 from easykv.demo.workload import decode, make_requests
 from easykv.manager.manager import PageManager
-from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.quantization import get_quantizer, is_compressing, scales_per_page
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.spec.groups import AttentionKind
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.storage.cache import PagedAttentionCache
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -101,7 +101,8 @@ def demo_quantizer(name: str) -> Any:
     if scales_per_page(quantizer):
         raise ValueError(f"the demo cannot check {quantizer.name}: its codes depend on how tokens arrive in a page "
                          "(a page's scales grow as it fills), which the demo's dense reference does not model; use "
-                         "--quant int4-rot or int4-asym-rot for 4 bits (tests/quantization/test_quantization_channel.py checks "
+                         "--quant int4-rot or int4-asym-rot for 4 bits "
+                         "(tests/quantization/test_quantization_channel.py checks "
                          "int4-ch against a model of its pages)")
     return quantizer
 
@@ -177,8 +178,8 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     if mismatches:
         lines.append(f"  CHECK FAILED: requests {list(mismatches)} differ from the dense-cache reference")
     else:
-        lines.append(f"  check: every greedy token of all {len(requests)} requests is the dense-cache reference's choice "
-                     f"given the same history (ties closer than {NEAR_TIE:g} in its logits either way)")
+        lines.append(f"  check: every greedy token of all {len(requests)} requests is the dense-cache reference's "
+                     f"choice given the same history (ties closer than {NEAR_TIE:g} in its logits either way)")
     text = "\n".join(lines)
     print(text, file=out)
     return DemoReport(
@@ -214,7 +215,8 @@ def _print_plan(out: TextIO, cfg: DemoConfig, meta: PagedAttentionCacheMetaData,
                       for g in meta.groups)
     print(f"  plan: pages of {meta.page_size} tokens per layer [{pools}] on mesh "
           f"{dict(mesh.shape)}, kv heads {meta.kv_heads_per_device} per device, "
-          f"{meta.bytes_per_device / 2**20:.2f} MiB per device, {meta.bytes_per_token} B per token", file=out)  # fmt: skip
+          f"{meta.bytes_per_device / 2**20:.2f} MiB per device, {meta.bytes_per_token} B per token",
+          file=out)  # fmt: skip
 
 
 def _halfway_step(requests: list[Request]) -> int:

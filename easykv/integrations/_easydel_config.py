@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from easykv.quantization import Quantizer, get_quantizer
+from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 from easykv.spec.groups import LayerGroup, group_pattern
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.quantization import Quantizer, get_quantizer
 from easykv.validation import parse_json, positive_int, show
-from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
 
 VERSIONS = ("v2", "v3")
 
@@ -116,7 +116,8 @@ def update_slices(page_size: int, num_kv_heads: int, head_dim: int, dtype: Any) 
     page_bytes = page_size * heads * (-(-head_dim // 128) * 128) * bits // 8
     slices = (16 * 1024 * 1024) // page_bytes
     if slices <= 0:
-        raise ValueError(f"one page of {page_bytes} bytes exceeds EasyDeL's 16 MiB update page; use a smaller page_size")
+        raise ValueError(f"one page of {page_bytes} bytes exceeds EasyDeL's 16 MiB update page; "
+                         "use a smaller page_size")
     return min(1 << (slices.bit_length() - 1), 64)
 
 
@@ -161,8 +162,9 @@ def metadata_from_config(config: Any, *, mesh: Any = None, partition_manager: An
         _unset(data, name, "eSurge's window-aware runtime caps have no easykv counterpart (easykv sizes every "
                            "sequence for max_model_length; run eSurge with enable_window_aware_runtime_cap=False)")
     if data["_mixed_layer_configs"] is not None:
-        raise ValueError("_mixed_layer_configs is set: this model has per-layer kv-head counts or head sizes; an easykv "
-                         "cache has one geometry for all layers (one cache per geometry is not supported here)")
+        raise ValueError("_mixed_layer_configs is set: this model has per-layer kv-head counts or head sizes; "
+                         "an easykv cache has one geometry for all layers (one cache per geometry is not supported "
+                         "here)")
     max_reqs = _int(data, "max_num_reqs", lo=-1)
     if max_reqs > 0 and batch_size is not None and int(batch_size) != max_reqs:
         raise ValueError(f"batch_size={show(batch_size)} contradicts the config's max_num_reqs={max_reqs}")
@@ -269,10 +271,12 @@ def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str
                          "(PagedAttentionCacheMetaData.create, or the views of an initialised cache)")
     if not meta.is_uniform and not shares_one_table(meta):
         kinds = "; ".join(f"layers {g.span}: {g.attention}, {g.num_kv_heads} kv heads x K {g.key_head_dim} / V "
-                          f"{g.value_head_dim}{' latent' if g.latent else ''}, {g.num_pages} pages{g.format_note}" for g in meta.groups)
+                          f"{g.value_head_dim}{' latent' if g.latent else ''}, {g.num_pages} pages{g.format_note}"
+                          for g in meta.groups)
         raise ValueError(f"EasyDeL's ragged-page cache addresses every layer with one page table and one geometry, "
                          f"but this metadata's layer groups differ ({kinds}); only groups of the cache-wide geometry "
-                         "and format with the same pool (as use_easykv builds for sliding + full models) map to EasyDeL")
+                         "and format with the same pool (as use_easykv builds for sliding + full models) map to "
+                         "EasyDeL")
     heads, dim, shards = meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_shards
     if version == "v3" and shards > 1 and v3_storage_groups(heads, dim, meta.dtype) % shards:
         raise ValueError(f"EasyDeL's v3 layout packs {heads} kv heads of {meta.dtype.name} into "

@@ -28,11 +28,11 @@ from easykv.integrations._easydel_config import (
     with_model_groups,
 )
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
+from easykv.sharding import PartitionManager
 from easykv.spec.groups import AttentionKind
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.pages import PageLayout
 from easykv.storage.writes import scatter_kv
-from easykv.sharding import PartitionManager
 
 RAGGED_MECHANISMS = ("ragged_page_attention_v3", "ragged_page_attention_v2")
 
@@ -325,8 +325,9 @@ def install_attention(model: Any, options: tuple[tuple[str, Any], ...] = ()) -> 
                     else EasyKVRaggedPageAttnV2 if isinstance(op, RaggedPageAttnV2) else None)
             if twin is None:
                 name = op.get_impl_name() if hasattr(op, "get_impl_name") else type(op).__name__
-                raise ValueError(f"{'.'.join(map(str, path))}.{attr} runs {name!r}; easykv pages are read by the ragged-"
-                                 f"page operations only: set attn_mechanism (and decode_attn_mechanism) to one of "
+                raise ValueError(f"{'.'.join(map(str, path))}.{attr} runs {name!r}; easykv pages are read by "
+                                 f"the ragged-page operations only: set attn_mechanism (and decode_attn_mechanism) "
+                                 f"to one of "
                                  f"{RAGGED_MECHANISMS}")
             swaps.append((flex, attr, twin(op.metadata)))
     for flex, attr, op in swaps:

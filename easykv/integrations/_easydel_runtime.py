@@ -16,8 +16,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.step.metadata import PAD_POSITION, PagedAttentionMetadata, slots_from_table
 from easykv.step.checks import is_host
+from easykv.step.metadata import PAD_POSITION, PagedAttentionMetadata, slots_from_table
 
 
 def ragged_fields(metadata: Any) -> Any:

@@ -132,10 +132,11 @@ class TunixPagedEngine:
 
     ``model``: a Tunix Qwen3, Llama3 or Gemma3 (it is not changed: the engine runs a paged copy,
     `model`, whose parameters are the caller's own; new parameters, set by `update_params` or by
-    a trainer in the shared model, start a new weight version of the cache). The cache: ``batch_size`` sequences of up to
-    ``max_length`` tokens in pages of ``page_size``; ``num_pages`` per layer (per layer group), or
-    sized from ``hbm_utilization`` of device memory; ``dtype`` (default: the parameters'), an
-    optional ``quantizer``; on ``mesh`` (default: one device), kv heads over its ``tp`` axis.
+    a trainer in the shared model, start a new weight version of the cache). The cache:
+    ``batch_size`` sequences of up to ``max_length`` tokens in pages of ``page_size``;
+    ``num_pages`` per layer (per layer group), or sized from ``hbm_utilization`` of device memory;
+    ``dtype`` (default: the parameters'), an optional ``quantizer``; on ``mesh`` (default: one
+    device), kv heads over its ``tp`` axis.
     ``decode_steps``: decode steps per device loop; ``prefill_tokens``: tokens per prefill step.
     """
 

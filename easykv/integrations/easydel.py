@@ -70,8 +70,9 @@ Conversions (pure functions; JSON works without EasyDeL installed):
 * :func:`quantizer_from_easydel`: ``EasyQuantizer`` / ``QuantizationConfig`` /
   ``QuantizationType`` -> easykv's quantizer name: INT8 (and AFFINE bits=8) -> ``int8``; NVFP8,
   MXFP8 -> ``fp8``; AFFINE bits=4 (scale + bias per group) -> ``int4-g<group_size>-asym``
-  (EasyDeL's default group 64; ``int4-asym`` when the group covers head_dim). easykv's ``int8`` / ``fp8`` keep one scale per token and kv
-  head: an explicit smaller ``group_size`` is refused.
+  (EasyDeL's default group 64; ``int4-asym`` when the group covers head_dim). easykv's
+  ``int8`` / ``fp8`` keep one scale per token and kv head: an explicit smaller ``group_size``
+  is refused.
 * :func:`runtime_from_easydel` (traceable) and :func:`easydel_metadata_from_easykv` (host, to
   drive an EasyDeL model from easykv's ``PageManager``).
 
@@ -161,8 +162,8 @@ def use_easykv(model: Any, *, num_pages_per_layer: int | None = None, memory_byt
         graphdef = model.new_graphdef(attn_mechanism="ragged_page_attention_v3", recursive_update=True)
         model = model.merge_module(graphdef, model.graphstate, model.graphother)
     if text.get_kv_shared_layer_mapping():
-        raise ValueError("this model shares K/V between layers (num_kv_shared_layers); an easykv cache has one view per "
-                         "layer. Serve it with EasyDeL's own cache")
+        raise ValueError("this model shares K/V between layers (num_kv_shared_layers); an easykv cache has one view "
+                         "per layer. Serve it with EasyDeL's own cache")
     views = model.get_operations_cache_view()
     other = sorted({cls.__name__ for cls in views.values() if cls is not RaggedPagesCacheView})
     if other:
@@ -180,7 +181,8 @@ def use_easykv(model: Any, *, num_pages_per_layer: int | None = None, memory_byt
                           hbm_utilization=hbm_utilization, quantizer=qname, partition_manager=pm,
                           attention=m.attention_options(attention_options))
     cls = m.model_class(type(model), settings)
-    m.resolve_quantizer(model, settings)  # the config's KV quantization must map: fail here (model unchanged), not in eSurge
+    # The config's KV quantization must map: fail here (model unchanged), not in eSurge.
+    m.resolve_quantizer(model, settings)
     m.install_attention(model, settings.attention)
     model.__class__ = cls
     return model

@@ -97,7 +97,8 @@ def resume(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
     # resumed page is already past it (the state would then be refused: its window passed the floor).
     seqs.floor[row] = col * seqs.page_size if groups.fewest_released(seqs.lens[[row]])[0] < col else 0
     seqs.hashes.hashable[row] = False
-    seqs.replica[row] = int(np.argmax(groups.available_per_replica()))  # a row with columns is bound; the emptiest slice
+    # A row with columns is bound; the emptiest slice.
+    seqs.replica[row] = int(np.argmax(groups.available_per_replica()))
 
 
 __all__ = ["cached_prefix_length", "match_prefix", "resume"]

@@ -30,17 +30,17 @@ from easykv.manager import growth
 from easykv.manager.commit import commit_tokens
 from easykv.manager.prefix_hash import as_token_ids
 from easykv.manager.rollback import give_back_reserved
-from easykv.step.loop import increment_groups
 from easykv.step.checks import check_padding
+from easykv.step.loop import increment_groups
 from easykv.validation import INT32_MAX, integer_array, positive_int
 
 if TYPE_CHECKING:
-    from easykv.spec.metadata import PagedAttentionCacheMetaData
-    from easykv.step.metadata import PagedAttentionMetadata
     from easykv.manager.coordinator import GroupCoordinator, PerGroup
     from easykv.manager.device_work import PendingWork
     from easykv.manager.host_tier import HostTierPolicy
     from easykv.manager.sequences import SequenceTable
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+    from easykv.step.metadata import PagedAttentionMetadata
 
 
 class DecodePlan:
@@ -56,12 +56,12 @@ class DecodePlan:
     - `next_metadata`: step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
     """
 
-    __slots__ = ("_held", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps", "page_size",
-                 "seq_ids")
+    __slots__ = ("_held", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps",
+                 "page_size", "seq_ids")
 
     def __init__(self, *, owner: SequenceTable, seq_ids: tuple[int, ...], num_steps: int, lengths: np.ndarray,
-                 limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int, num_pages: tuple[int, ...],
-                 stamp: tuple[np.ndarray, ...], held: np.ndarray) -> None:  # fmt: skip
+                 limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int,
+                 num_pages: tuple[int, ...], stamp: tuple[np.ndarray, ...], held: np.ndarray) -> None:  # fmt: skip
         self._owner, self._stamp, self._held = owner, stamp, held  # held: columns before the plan reserved
         self.seq_ids, self.num_steps, self.lengths, self.limits = seq_ids, num_steps, lengths, limits
         self.metadata, self.page_size, self.num_pages = metadata, page_size, num_pages
@@ -190,7 +190,8 @@ def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.nda
             row = int(rows[changed[0]])
             raise ValueError(
                 f"sequence {row} of {plan!r} changed after the plan was made (written, rewound or claimed anew, "
-                f"or its pages or weight version: length {int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now); a plan "
+                f"or its pages or weight version: length {int(plan.lengths[changed[0]])} then, "
+                f"{int(seqs.lens[row])} now); a plan "
                 "is committed before anything else touches its sequences: plan again")
 
 

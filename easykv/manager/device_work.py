@@ -126,7 +126,8 @@ class PendingWork:
         # The cache is duck-typed: its metadata (if any) is held to the manager's below.
         meta: PagedAttentionCacheMetaData | None = getattr(cache, "metadata", None)
         if not callable(getattr(cache, "copy_pages", None)) or meta is None:
-            raise ValueError(f"{what} must be the PagedAttentionCache this manager schedules, got {type(cache).__name__}")
+            raise ValueError(f"{what} must be the PagedAttentionCache this manager schedules, "
+                             f"got {type(cache).__name__}")
         diff = [f"{k}: cache {getattr(meta, k, None)}, manager {getattr(metadata, k)}" for k in POOL_FIELDS
                 if getattr(meta, k, None) != getattr(metadata, k)]
         groups = getattr(meta, "groups", None)

@@ -34,8 +34,8 @@ import numpy as np
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.broken import Broken
 from easykv.manager.page_pool import PagePool
-from easykv.step.metadata import PAD_PAGE
 from easykv.spec.groups import known_size
+from easykv.step.metadata import PAD_PAGE
 
 if TYPE_CHECKING:
     from easykv.manager.sequences import SequenceTable
@@ -270,7 +270,8 @@ class GroupTable(abc.ABC):
             row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
             for page in self.table[row, first : last + 1].tolist():
                 if page in pending:
-                    work = "copy-on-write copy" if page in copied else "host-tier transfer" if page in moved else "scrub"
+                    work = ("copy-on-write copy" if page in copied else "host-tier transfer" if page in moved
+                            else "scrub")
                     raise ValueError(
                         f"sequence {row} commits tokens in page {page}{self.label}, whose {work} is still "
                         "pending: the device would overwrite them. Call apply_pending(cache, host=...) after "
@@ -376,7 +377,8 @@ class GroupTable(abc.ABC):
         if not caching and (pool.num_cached() or any(pool.digest_of(p) is not None for p in range(pool.num_pages))):
             raise Broken(f"{pool_field}.digests", "prefix caching is off but pages carry digests")
         if not scrub and pool.has_pending_scrubs():
-            raise Broken(f"{pool_field}.scrub", "pages are to be scrubbed but the manager does not scrub released pages")
+            raise Broken(f"{pool_field}.scrub",
+                         "pages are to be scrubbed but the manager does not scrub released pages")
         for row, col in np.argwhere(held):
             page = int(self.table[row, col])
             if pool.digest_of(page) is not None and (col + 1) * ps > seqs.lens[row]:

@@ -109,7 +109,8 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
     rep: np.ndarray = seqs.replica[rows].copy()
     avail = np.stack([gt.pool.available_per_replica() for gt in groups])
     bound = rep >= 0
-    left = avail - np.stack([np.bincount(rep[bound], weights=d[bound], minlength=n_rep) for d in demand]).astype(np.int64)
+    left = avail - np.stack([np.bincount(rep[bound], weights=d[bound], minlength=n_rep)
+                             for d in demand]).astype(np.int64)
     wants = demand.sum(axis=0) > 0
     for i in np.flatnonzero(~bound & wants):
         r = int(np.argmax(left.min(axis=0)))

@@ -404,9 +404,10 @@ class HostTierPolicy:
                 raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} holds a host page{of} "
                                                              f"outside replica {record.replica}")
             holders += pages
-        for h, (src, digest, _) in gt.offloads.items():
+        for h, (src, _digest, _) in gt.offloads.items():
             if host.replica_of(h) != pool.replica_of(src) or host.digest_of(h) is not None:
-                raise Broken("host", f"offload {src} -> host page {h}{of} crosses replicas or targets a cached host page")
+                raise Broken("host", f"offload {src} -> host page {h}{of} crosses replicas or targets a cached "
+                                     "host page")
         for dst, h in gt.onloads.items():
             if host.replica_of(h) != pool.replica_of(dst) or (pool.refcount[dst] == 0 and pool.digest_of(dst) is None):
                 raise Broken("host", f"onload host page {h} -> {dst}{of} crosses replicas or fills a free page")

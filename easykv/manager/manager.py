@@ -50,8 +50,8 @@ from easykv.manager.allocators import allocator_for
 from easykv.manager.broken import Broken
 from easykv.manager.commit import commit_tokens, parse_tokens
 from easykv.manager.consistency import check_consistency
-from easykv.manager.decode_plan import DecodePlan
 from easykv.manager.coordinator import GroupCoordinator, PerGroup, single_group  # the last: re-exported
+from easykv.manager.decode_plan import DecodePlan
 from easykv.manager.device_work import PendingWork
 from easykv.manager.host_tier import HostTierPolicy, Transfers
 from easykv.manager.metrics import GroupPoolMetrics, PageManagerMetrics, snapshot
@@ -65,7 +65,11 @@ from easykv.spec import sizing
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.checks import check_padding
 from easykv.step.loop import increment_groups
-from easykv.step.metadata import PagedAttentionMetadata, increment_cache_lengths, stack_metadata  # the last two: re-exported
+from easykv.step.metadata import (  # the last two: re-exported
+    PagedAttentionMetadata,
+    increment_cache_lengths,
+    stack_metadata,
+)
 from easykv.validation import boolean, non_negative_int, positive_int
 
 _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch x length
@@ -98,7 +102,8 @@ class PageManager:
         entries = metadata.batch_size * metadata.num_pages_per_sequence * len(groups)
         if entries > _MAX_TABLE_ENTRIES:
             raise ValueError(
-                f"batch_size={metadata.batch_size} sequences x num_pages_per_sequence={metadata.num_pages_per_sequence} "
+                f"batch_size={metadata.batch_size} sequences x "
+                f"num_pages_per_sequence={metadata.num_pages_per_sequence} "
                 f"x {len(groups)} layer group(s) is a block table of {entries} entries, more than the "
                 f"{_MAX_TABLE_ENTRIES} one host manages; lower batch_size or max_sequences")
         self.metadata = metadata
@@ -224,8 +229,8 @@ class PageManager:
         ``seq_id``."""
         row = self._seqs.row(seq_id)
         self._host.refuse_swapped(row, "fork")
-        count = 1 if n is None else positive_int("n", n, hi=self.batch_size,
-                                                  hint=f"children of one sequence, at most batch_size={self.batch_size}")
+        hint = f"children of one sequence, at most batch_size={self.batch_size}"
+        count = 1 if n is None else positive_int("n", n, hi=self.batch_size, hint=hint)
         children = growth.fork(self._seqs, self._groups, row, count,
                                what=f"fork({row}{'' if n is None else f', n={count}'})")
         return children[0] if n is None else children

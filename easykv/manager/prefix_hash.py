@@ -180,14 +180,16 @@ class SequenceHashes:
                 self.chain[row] = page_digest(self.chain[row], self.salt[row], self.partial[row])
                 sealed.append((pos // ps - 1, self.chain[row]))
         full = (tokens.size - i) // ps
-        for col, digest in enumerate(iter_page_digests(tokens[i:], ps, full, self.salt[row], self.chain[row]), pos // ps):
+        digests = iter_page_digests(tokens[i:], ps, full, self.salt[row], self.chain[row])
+        for col, digest in enumerate(digests, pos // ps):
             sealed.append((col, digest))
             self.chain[row] = digest
         i += full * ps
         self.partial[row, : tokens.size - i] = tokens[i:]
         return sealed
 
-    def extend_one(self, rows: np.ndarray, lens: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    def extend_one(self, rows: np.ndarray, lens: np.ndarray,
+                   tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """One token per row at position ``lens`` (the decode fast path, vectorized); returns
         the rows, page indices and digests of the pages completed."""
         ps = self.page_size

@@ -269,7 +269,8 @@ class SequenceTable:
             if differ:
                 own = {"columns": "pages", "salts": "salt", "weight versions": "version"}[differ]
                 raise Broken(field or f"sequences[id={row}].{own}",
-                             f"{what}: sequences {first} and {row} hold it with different {differ} (columns {col} and {c})")
+                             f"{what}: sequences {first} and {row} hold it with different {differ} "
+                             f"(columns {col} and {c})")
         if not caching:  # no row keeps its ids then
             return
         ends = {row: min(int(self.lens[row]), (col + 1) * ps) for row, _ in members}

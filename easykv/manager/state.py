@@ -42,9 +42,9 @@ import numpy as np
 from easykv.errors import ManagerStateError
 from easykv.manager.prefix_hash import DIGEST_BYTES, version_digest
 from easykv.manager.versions import LOOKUP_COUNTERS, VERSION_COUNTERS, WeightVersion
+from easykv.spec.groups import known_size
 from easykv.step.metadata import PAD_PAGE
 from easykv.validation import INT32_MAX, INT64_MAX, boolean, integer, integer_array, show
-from easykv.spec.groups import known_size
 
 if TYPE_CHECKING:
     from easykv.manager.parts import ManagerParts
@@ -346,8 +346,10 @@ def _read_label(raw: Any, field: str) -> WeightVersion:
 def _read_pool(raw: Any, field: str, n: int, replicas: int) -> dict[str, Any]:
     """One pool's fields (`PagePool.load_state`'s keywords but the reference counts)."""
     raw = _mapping(raw, field, _POOL_KEYS, optional=("versions",))
-    free = [_ints(h, f"{field}.free[{r}]", 0, n - 1, unique=True) for r, h in enumerate(_list(raw["free"], f"{field}.free"))]
-    lru = [_ints(q, f"{field}.lru[{r}]", 0, n - 1, unique=True) for r, q in enumerate(_list(raw["lru"], f"{field}.lru"))]
+    free = [_ints(h, f"{field}.free[{r}]", 0, n - 1, unique=True)
+            for r, h in enumerate(_list(raw["free"], f"{field}.free"))]
+    lru = [_ints(q, f"{field}.lru[{r}]", 0, n - 1, unique=True)
+           for r, q in enumerate(_list(raw["lru"], f"{field}.lru"))]
     for name, lists in ((f"{field}.free", free), (f"{field}.lru", lru)):
         if len(lists) != replicas:
             raise _fail(name, f"has {len(lists)} lists for {replicas} data-parallel replica(s)")

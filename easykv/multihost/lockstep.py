@@ -37,7 +37,8 @@ def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
     else:
         state = manager.state_dict() if hasattr(manager, "state_dict") else manager
     if not isinstance(state, Mapping):
-        raise ValueError(f"assert_lockstep needs an object with state_dict() or a mapping, got {type(manager).__name__}")
+        raise ValueError(f"assert_lockstep needs an object with state_dict() or a mapping, "
+                         f"got {type(manager).__name__}")
     digest = fingerprint(state)
     if jax.process_count() == 1:
         return digest

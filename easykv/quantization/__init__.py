@@ -10,9 +10,10 @@ A quantized layer stores, for K and for V separately, a ``QuantizedPages`` pytre
 Scales are compact (one per token and head, or per group of head_dim; asymmetric int4 adds a
 zero point; ``int4-ch`` one log-coded byte per channel per page, ``_channel.py``; ``int4-ol`` two
 log-coded steps, the outliers' channels and their low nibbles per token, ``_outlier.py``); they
-are never broadcast in memory. Writes quantize only the new tokens; reads dequantize only the pages they gather. A quantizer is chosen once per cache, by
-name or as an object, and recorded in the metadata by name (``register_quantizer`` makes a
-custom one nameable; ``available_quantizers`` lists the names).
+are never broadcast in memory. Writes quantize only the new tokens; reads dequantize only the
+pages they gather. A quantizer is chosen once per cache, by name or as an object, and recorded in
+the metadata by name (``register_quantizer`` makes a custom one nameable; ``available_quantizers``
+lists the names).
 
 Built in (``_builtin.py``): ``int8``, ``fp8``, ``int4``, ``int4-g<N>``, ``int4[-g<N>]-asym``;
 ``int4-ch`` (``_channel.py``) scales each channel per page instead; ``int4-ol`` (``_outlier.py``)

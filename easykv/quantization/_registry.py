@@ -36,7 +36,8 @@ def available_quantizers() -> tuple[str, ...]:
 def register_quantizer(quantizer: Quantizer) -> None:
     """Make a custom quantizer nameable (metadata records quantizers by name)."""
     if not isinstance(quantizer, Quantizer):
-        raise ValueError(f"{show(quantizer)} does not implement the Quantizer protocol (name, bytes_per_token_head, validate)")
+        raise ValueError(f"{show(quantizer)} does not implement the Quantizer protocol "
+                         "(name, bytes_per_token_head, validate)")
     known = get_quantizer_or_none(quantizer.name)
     if known is not None and known != quantizer:
         raise ValueError(f"a different quantizer is already registered as {show(quantizer.name)}: {show(known)}")

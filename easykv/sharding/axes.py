@@ -9,7 +9,6 @@ from EasyDeL keep their mental model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 # Logical axis names. Use these constants rather than string literals so a typo is a NameError,
 # not a silently replicated dimension.
@@ -23,7 +22,7 @@ PAGE_SIZE = "page_size"
 HIDDEN = "hidden"
 
 #: A mesh-axis rule: one mesh axis, several (sharded over their product, major first), or None.
-MeshAxes = Union[str, tuple[str, ...], None]
+MeshAxes = str | tuple[str, ...] | None
 
 # logical name -> PartitionAxis field holding its rule.
 _FIELD_OF: dict[str, str] = {

@@ -10,9 +10,10 @@ host. Anything we cannot read is an error that tells the user to pass
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 

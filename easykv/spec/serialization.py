@@ -12,7 +12,8 @@ import base64
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np

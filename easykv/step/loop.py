@@ -94,7 +94,8 @@ def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) ->
 
 def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...], *,
                 num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
-                eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy, key: jax.Array | None = None) -> DecodeOutput:
+                eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy,
+                key: jax.Array | None = None) -> DecodeOutput:
     """Run up to ``num_steps`` decode steps of a plan in one device loop.
 
     - ``tokens``: ``(rows,)`` each row's next token to write (the last one it sampled);
@@ -141,4 +142,5 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
     return DecodeOutput(written=written, sampled=sampled, logprobs=logprobs, num_written=count, steps=j, state=state)
 
 
-__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "log_prob", "with_temperature"]
+__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "log_prob",
+           "with_temperature"]

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 import jax
 import numpy as np
 
+from easykv.spec.serialization import Serializable
 from easykv.step import checks
 from easykv.step.checks import Array, HostChecked, check_distinct_slots, check_padding, mark_checked
-from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, integer, integer_array, optional_int
 
 if TYPE_CHECKING:

@@ -171,8 +171,9 @@ class PagedAttentionCache(EasyDeLForms):
                 f"{name} was taken from other page arrays than this cache holds now (taken before another layer "
                 "of its group was written, or rebuilt by jax from its leaves): writing it or putting it back could "
                 "undo another write; nothing was changed. Take each layer's view right before writing it: "
-                "view = cache.views[i]; view = view.write_...(...); cache.views[i] = view. A view jax returns (lax.scan over the group's "
-                "layers, a jitted function given the cache's current arrays) goes back with cache.update(view)")
+                "view = cache.views[i]; view = view.write_...(...); cache.views[i] = view. A view jax returns "
+                "(lax.scan over the group's layers, a jitted function given the cache's current arrays) goes back "
+                "with cache.update(view)")
 
     def _put_group(self, g: int, view: PagedAttentionCacheView) -> None:
         object.__setattr__(self, "key_pages", _replaced(self.key_pages, g, view.group_key_pages))

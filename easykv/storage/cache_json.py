@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Self, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import jax
 import numpy as np

@@ -198,7 +198,8 @@ def encode_tokens(new: jax.Array, pages: Any) -> Any:
         if scales_per_page(pages.quantizer):
             return new
         q = pages.quantizer.quantize(new)
-        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype), q.quantizer)
+        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype),
+                              q.quantizer)
     return to_storage(new, pages.dtype)
 
 
@@ -208,7 +209,8 @@ def encode_pages(x: jax.Array, pages: Any) -> Any:
     per page quantizes each page against its own tokens."""
     if isinstance(pages, QuantizedPages) and scales_per_page(pages.quantizer):
         q = pages.quantizer.quantize(x)
-        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype), q.quantizer)
+        return QuantizedPages(to_storage(q.values, pages.values.dtype), q.scales.astype(pages.scales.dtype),
+                              q.quantizer)
     return encode_tokens(x, pages)
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, cast, overload
+from collections.abc import Callable
+from typing import Any, cast, overload
 
 import numpy as np
 from jax.sharding import Mesh

@@ -21,9 +21,9 @@ import numpy as np
 from easykv.quantization import QuantizedPages, scales_per_page
 from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
-from easykv.storage.pages import PageLayout, encode_tokens, run_local
-from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
 from easykv.step.checks import check_slots, host_checked
+from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
+from easykv.storage.pages import PageLayout, encode_tokens, run_local
 
 
 def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData, group: int = 0) -> Any:

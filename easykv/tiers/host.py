@@ -10,9 +10,10 @@ them and moves them when the manager applies its pending work::
 The host pages of each layer group are kept per addressable shard of the cache's page arrays
 (each process holds the shards of its own devices; a shard replicated on several devices is
 kept once), as page-major numpy arrays of the storage dtype (a host page is one contiguous
-block): bit for bit what the device held, scales of quantized pages included. JAX's ``pinned_host`` memory kind would keep them in a jax array
-instead, but updating such an array in place needs host-side scatters that jaxlib 0.9 cannot
-compile over a sharded mesh, and easykv supports jaxlib 0.9.
+block): bit for bit what the device held, scales of quantized pages included. JAX's
+``pinned_host`` memory kind would keep them in a jax array instead, but updating such an array in
+place needs host-side scatters that jaxlib 0.9 cannot compile over a sharded mesh, and easykv
+supports jaxlib 0.9.
 
 One `apply` is one jitted, donating call per step for every group and all the manager's pending
 device work: it gathers the pages to offload, makes the copy-on-write copies, scatters the

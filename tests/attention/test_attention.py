@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.attention.api import (
@@ -35,11 +36,28 @@ from easykv.attention.api import (
 )
 from easykv.attention.checks import prepare
 from easykv.attention.options import AttentionKeywords, AttentionOptions, ReferenceKeywords, ViewKeywords
-from easykv.step.metadata import build_mixed
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
-from tests.support.attention import (BLOCK, COLLECTIVES, GROUP, LAYOUTS, MAKERS, PAGES, PS, WIDTH, D, decode_md,
-                                     make_pages, mixed_md, page_layout, prefill_md, real_rows, release_before_window)
+from easykv.step.metadata import build_mixed
+from tests.support.attention import (
+    BLOCK,
+    COLLECTIVES,
+    GROUP,
+    LAYOUTS,
+    MAKERS,
+    PAGES,
+    PS,
+    WIDTH,
+    D,
+    decode_md,
+    make_pages,
+    mixed_md,
+    page_layout,
+    prefill_md,
+    real_rows,
+    release_before_window,
+)
 from tests.support.tiers import tiered
+
 
 def assert_close(got, want, dtype):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -140,7 +158,8 @@ def test_fast_path_matches_reference(name, dtype, mode, options, query_block):
     md = MAKERS[mode](rng, name)
     if "sliding_window" in options:
         released = release_before_window(md, options["sliding_window"])
-        assert any((np.asarray(a) != np.asarray(b)).any() for a, b in zip(jax.tree.leaves(md), jax.tree.leaves(released)))
+        assert any((np.asarray(a) != np.asarray(b)).any()
+                   for a, b in zip(jax.tree.leaves(md), jax.tree.leaves(released)))
         md = released
     heads = LAYOUTS[name][1]
     q = rng.standard_normal((md.num_tokens, GROUP * heads, D)).astype(np.float32)
@@ -208,7 +227,9 @@ def test_head_sharded_hlo_has_no_collectives_and_dp_reduces_only_the_output():
         (_, _), (k, v) = make_pages(rng, name, "bfloat16")
         for md in (decode_md(rng, name), mixed_md(rng, name)):
             q = jnp.zeros((md.num_tokens, 32, D), jnp.bfloat16)
-            fn = jax.jit(lambda q, k, v, md: paged_attention(q, k, v, md, layout=layout, dtype="bfloat16"))
+            # B023: fn is lowered and compiled right below, in this iteration.
+            fn = jax.jit(lambda q, k, v, md: paged_attention(q, k, v, md, layout=layout,  # noqa: B023
+                                                             dtype="bfloat16"))
             hlo = fn.lower(q, k, v, jax.tree.map(jnp.asarray, md)).compile().as_text()
             found = set(COLLECTIVES.findall(hlo))
             if name == "heads":
@@ -266,11 +287,13 @@ def _bad_cases():
     t = dec.decodes_page_table
     yield (q[0], k, k, dec), {}, r"q must be \(tokens, num_q_heads, head_dim\), got shape \(8, 16\)"
     yield (q.astype(np.int32), k, k, dec), {}, r"q has dtype int32"
-    yield (q, k[0], k[0], dec), {}, r"key_pages must be \(num_kv_heads, num_pages, page_size, head_dim\), got shape \(48, 4, 16\)"
+    yield (q, k[0], k[0], dec), {}, (r"key_pages must be \(num_kv_heads, num_pages, page_size, head_dim\), "
+                                     r"got shape \(48, 4, 16\)")
     yield (q, k, k[:, :8], dec), {}, r"key_pages has shape \(2, 48, 4, 16\) but value_pages has shape \(2, 8, 4, 16\)"
     yield (q, k, k.astype(np.float16), dec), {}, r"key_pages are float32 but value_pages are float16"
     yield (q[..., :8], k, k, dec), {}, r"q has head_dim 8 but the pages have head_dim 16"
-    yield (q[:, :6], k[:1].repeat(4, 0), k[:1].repeat(4, 0), dec), {}, r"q has 6 heads, not a multiple of the 4 kv heads"
+    yield ((q[:, :6], k[:1].repeat(4, 0), k[:1].repeat(4, 0), dec), {},
+           r"q has 6 heads, not a multiple of the 4 kv heads")
     yield (q, raw, raw, dec), {}, r"pages are stored as uint16 \(raw bits\); pass dtype= .*bfloat16 or float16"
     yield (q, raw, raw, dec), {"dtype": "float32"}, r"pages stored as uint16 cannot hold float32 values"
     yield (q, k, k, dec), {"dtype": "int8"}, r"dtype=int8 is not a page dtype"
@@ -284,27 +307,40 @@ def _bad_cases():
     yield (q, k, k, PagedAttentionMetadata()), {}, r"metadata names no step: it is empty \(init_empty\)"
     # decode
     yield (q[:5], k, k, dec), {}, r"q has 5 rows but metadata.decodes_position has 6; give one query row per token"
-    yield (q, k, k, dec.replace(decodes_page_table=t[:5])), {}, r"decodes_page_table has 5 rows but decodes_position has 6"
-    yield (q, k, k, dec.replace(decodes_position=dec.decodes_position.astype(np.float32))), {}, r"decodes_position must hold integers, got dtype float32"
+    yield ((q, k, k, dec.replace(decodes_page_table=t[:5])), {},
+           r"decodes_page_table has 5 rows but decodes_position has 6")
+    yield ((q, k, k, dec.replace(decodes_position=dec.decodes_position.astype(np.float32))), {},
+           r"decodes_position must hold integers, got dtype float32")
     bad = t.copy()
     bad[4, 5] = PAGES
-    yield (q, k, k, dec.replace(decodes_page_table=bad)), {}, r"decodes_page_table\[4, 5\] = 48 is not a page of the pool \(0..47\) but row 4 reads it \(keys up to position 23\)"
+    yield ((q, k, k, dec.replace(decodes_page_table=bad)), {},
+           r"decodes_page_table\[4, 5\] = 48 is not a page of the pool \(0..47\) but row 4 reads it "
+           r"\(keys up to position 23\)")
     bad = t.copy()
     bad[2, 1] = -1
-    yield (q, k, k, dec.replace(decodes_page_table=bad)), {}, r"decodes_page_table\[2, 1\] = -1 is no page \(never assigned, or released when it left a sliding or chunked window\)"
-    yield (q, k, k, dec.replace(decodes_page_table=t[:, :5])), {}, r"row 4 of metadata.decodes_page_table must cover 24 tokens \(6 pages of 4\) but the table has only 5 columns"
-    yield (q, k, k, dec.replace(decodes_position=np.array([0, 3, -2, 1, 1, 1], np.int32))), {}, r"decodes_position\[2\] = -2"
+    yield ((q, k, k, dec.replace(decodes_page_table=bad)), {},
+           r"decodes_page_table\[2, 1\] = -1 is no page \(never assigned, or released when it left a sliding or "
+           r"chunked window\)")
+    yield ((q, k, k, dec.replace(decodes_page_table=t[:, :5])), {},
+           r"row 4 of metadata.decodes_page_table must cover 24 tokens \(6 pages of 4\) but the table has only "
+           r"5 columns")
+    yield ((q, k, k, dec.replace(decodes_position=np.array([0, 3, -2, 1, 1, 1], np.int32))), {},
+           r"decodes_position\[2\] = -2")
     # prefill
     qp = np.zeros((10, 8, D), np.float32)
     yield (qp[:9], k, k, pre), {}, r"q has 9 rows but metadata.prefill_position has 10"
     yield (qp, k, k, pre.replace(prefill_length=np.asarray(11, np.int32))), {}, r"prefill_length=11 is outside 0..10"
     # mixed
     yield (qm[:13], k, k, mix), {}, r"q has 13 rows but metadata.positions has 14"
-    yield (qm, k, k, mix.replace(query_start_loc=mix.query_start_loc[:-1])), {}, r"query_start_loc needs 7 entries and context_lens 6; got 6 and 6"
+    yield ((qm, k, k, mix.replace(query_start_loc=mix.query_start_loc[:-1])), {},
+           r"query_start_loc needs 7 entries and context_lens 6; got 6 and 6")
     yield (qm, k, k, mix.replace(num_seqs=np.asarray(7, np.int32))), {}, r"num_seqs=7 is outside 0..6"
-    yield (qm, k, k, mix.replace(query_start_loc=np.array([0, 3, 2, 10, 11, 11, 11], np.int32))), {}, r"query_start_loc \[0, 3, 2, .*\] must start at 0, never decrease"
-    yield (qm, k, k, mix.replace(context_lens=np.array([8, 6, 11, 24, 0, 0], np.int32))), {}, r"sequence 2 has a query at position 11 but context_lens\[2\] = 11"
-    yield (qm, k, k, mix.replace(page_table=np.where(np.arange(WIDTH) < 1, mix.page_table, -1))), {}, r"metadata.page_table\[0, 1\] = -1 is no page .* but row 0 reads it \(keys 4.. up to position 7\)"
+    yield ((qm, k, k, mix.replace(query_start_loc=np.array([0, 3, 2, 10, 11, 11, 11], np.int32))), {},
+           r"query_start_loc \[0, 3, 2, .*\] must start at 0, never decrease")
+    yield ((qm, k, k, mix.replace(context_lens=np.array([8, 6, 11, 24, 0, 0], np.int32))), {},
+           r"sequence 2 has a query at position 11 but context_lens\[2\] = 11")
+    yield ((qm, k, k, mix.replace(page_table=np.where(np.arange(WIDTH) < 1, mix.page_table, -1))), {},
+           r"metadata.page_table\[0, 1\] = -1 is no page .* but row 0 reads it \(keys 4.. up to position 7\)")
 
 
 @pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[2][:40])
@@ -324,10 +360,12 @@ def test_bad_layouts_and_views():
     table = md.decodes_page_table.copy()
     table[4, 5] = table[1, 0]  # row 4 (24 tokens) lives in slice 0, row 1 in slice 1
     with pytest.raises(ValueError, match=r"row 4 of metadata.decodes_page_table uses pages of two data-parallel "
-                                         r"replicas \(page \d+ in slice 0, page \d+ in slice 1; 24 pages per slice\)"):  # fmt: skip
+                                         r"replicas \(page \d+ in slice 0, page \d+ in slice 1; "
+                                         r"24 pages per slice\)"):  # fmt: skip
         paged_attention(q, k, v, md.replace(decodes_page_table=table), layout=layout)
     heads = page_layout("heads")
-    with pytest.raises(ValueError, match=r"layout splits kv heads over \('tp',\) \(8 shards\) but the pages have 2 kv heads"):
+    with pytest.raises(ValueError, match=r"layout splits kv heads over \('tp',\) \(8 shards\) "
+                                         r"but the pages have 2 kv heads"):
         paged_attention(q[:, :8], k[:2], v[:2], md, layout=heads)
     view = type("View", (), {"key_pages": k, "value_pages": v, "layout": layout, "dtype": np.dtype("float32")})()
     with pytest.raises(ValueError, match=r"view_attention takes dtype from the view; do not pass dtype="):
@@ -350,7 +388,8 @@ def test_entry_point_keywords_are_the_options():
     q, k = np.zeros((1, 2, D), np.float32), np.zeros((2, PAGES, PS, D), np.float32)
     md = PagedAttentionMetadata(decodes_position=np.zeros(1, np.int32), decodes_page_table=np.zeros((1, 1), np.int32))
     for name in ("layout", "implementation", "query_block", "scael"):
-        with pytest.raises(ValueError, match=rf"takes the options scale, sliding_window, chunk_size, value_head_dim, logit_soft_cap, dtype; got {name}"):
+        with pytest.raises(ValueError, match=r"takes the options scale, sliding_window, chunk_size, value_head_dim, "
+                                             rf"logit_soft_cap, dtype; got {name}"):
             paged_attention_reference(q, k, k, md, **{name: None})
 
 

@@ -14,13 +14,24 @@ import zlib
 import jax
 import numpy as np
 import pytest
-from tests.support.attention import (BLOCK, D, GROUP, LAYOUTS, MAKERS, PAGES, PS, numpy_attention, page_layout,
-                                     real_rows, table_rows)
 
 from easykv import PagedAttentionMetadata
 from easykv.attention.api import paged_attention, paged_attention_reference
 from easykv.attention.checks import _Fit, prepare
 from easykv.attention.options import AttentionOptions
+from tests.support.attention import (
+    BLOCK,
+    GROUP,
+    LAYOUTS,
+    MAKERS,
+    PAGES,
+    PS,
+    D,
+    numpy_attention,
+    page_layout,
+    real_rows,
+    table_rows,
+)
 from tests.support.tiers import tiered
 
 V_DIM = 24  # value head dim different from the keys' (D = 16)
@@ -158,8 +169,9 @@ LATENT_CASES = [("single", "mixed", {}), ("single", "decode", {"sinks": True}), 
                 ("heads", "mixed", {"chunk_size": 6}), ("dp", "decode", {"sliding_window": 5})]
 
 
-@pytest.mark.parametrize("name,mode,case", tiered(LATENT_CASES, fast=lambda c: c[0] in ("single", "dp") and c[1] != "decode"
-                                                    or c[0] == "dp", ids=[f"{c[0]}-{c[1]}" for c in LATENT_CASES]))
+@pytest.mark.parametrize("name,mode,case", tiered(LATENT_CASES,
+                                                  fast=lambda c: c[0] in ("single", "dp") and c[1] != "decode"
+                                                  or c[0] == "dp", ids=[f"{c[0]}-{c[1]}" for c in LATENT_CASES]))
 def test_latent_cache_values_are_the_keys_leading_dims(name, mode, case):
     """value_pages=None (DeepSeek's MLA stores one latent per token): attention equals attention
     over separate value pages holding the keys' first value_head_dim dims, and the numpy
@@ -190,10 +202,11 @@ def test_latent_cache_matches_the_definition_and_refuses_mixed_signals():
     lat = contiguous(latent, row, 12)
     np.testing.assert_allclose(np.asarray(got), numpy_attention(q, lat, lat[..., :12], np.arange(7, 12), scale=0.3),
                                atol=2e-6, rtol=2e-5)
-    for value_pages, options, match in ((None, {}, r"value_pages=None .* goes with value_head_dim=.*got value_pages=None "
-                                                   r"and value_head_dim=None"),
-                                        (latent, {"value_head_dim": 8}, r"got value_pages=ndarray and value_head_dim=8"),
-                                        (None, {"value_head_dim": D + 1}, r"value_head_dim=17 exceeds the keys' head_dim 16")):
+    for value_pages, options, match in (
+        (None, {}, r"value_pages=None .* goes with value_head_dim=.*got value_pages=None and value_head_dim=None"),
+        (latent, {"value_head_dim": 8}, r"got value_pages=ndarray and value_head_dim=8"),
+        (None, {"value_head_dim": D + 1}, r"value_head_dim=17 exceeds the keys' head_dim 16"),
+    ):
         with pytest.raises(ValueError, match=match):
             paged_attention(q, latent, value_pages, md, **options)
 

@@ -11,7 +11,6 @@ import threading
 import numpy as np
 import pytest
 
-from tests.support.checkpoints import engine_run, manager_path, qsetup
 from easykv import (
     CacheCheckpointer,
     CheckpointIntegrityError,
@@ -25,6 +24,7 @@ from easykv import (
 )
 from easykv.multihost import assert_lockstep
 from easykv.validation import integer_array
+from tests.support.checkpoints import engine_run, manager_path, qsetup
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.support.pools import HEAD_DIM, LAYERS, bits, random_tokens
-from tests.support.devices import REPO
+from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache
+from easykv.checkpoint.inspect import inspect_checkpoint
+from easykv.checkpoint.integrity import (
+    LEGACY_FINGERPRINT_ALGORITHM,
+    _cell_crcs_device,
+    _cell_crcs_host,
+    _cell_sums_device,
+    _cell_sums_host,
+    fingerprints,
+)
+from easykv.errors import (
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    NotACheckpointError,
+    StepNotFoundError,
+)
+from easykv.manager.manager import PageManager
+from easykv.quantization import get_quantizer
+from easykv.storage.cache import gather_kv
 from tests.support.checkpoints import (
     assert_same_bits,
     engine_run,
@@ -31,25 +48,8 @@ from tests.support.checkpoints import (
     write_record,
     write_step,
 )
-from easykv.quantization import get_quantizer
-from easykv.storage.cache import gather_kv
-from easykv.errors import (
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    NotACheckpointError,
-    StepNotFoundError,
-)
-from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache
-from easykv.checkpoint.integrity import (
-    LEGACY_FINGERPRINT_ALGORITHM,
-    _cell_crcs_device,
-    _cell_crcs_host,
-    _cell_sums_device,
-    _cell_sums_host,
-    fingerprints,
-)
-from easykv.checkpoint.inspect import inspect_checkpoint
-from easykv.manager.manager import PageManager
+from tests.support.devices import REPO
+from tests.support.pools import HEAD_DIM, LAYERS, bits, random_tokens
 from tests.support.tiers import tiered
 
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.
@@ -475,7 +475,8 @@ def test_fingerprint_is_layout_independent_and_sensitive():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 2**16, size=(8, 24, 4, 8), dtype=np.uint16)
     mesh, pm, meta = qsetup("dp")
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     placed = [jax.device_put(x, NamedSharding(mesh, spec)) for spec in (P("tp", "dp"), P(None, "dp"), P())]
     digests = {fingerprints([a])[0] for a in placed} | {fingerprints([x])[0]}

@@ -18,6 +18,11 @@ import shutil
 import numpy as np
 import pytest
 
+from easykv.checkpoint.checkpointer import restore_cache, save_cache
+from easykv.checkpoint.inspect import inspect_checkpoint
+from easykv.checkpoint.record import RECORD_SEAL
+from easykv.cli import main
+from easykv.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 from tests.support.checkpoints import (
     checkpoint_files,
     file_kind,
@@ -30,11 +35,6 @@ from tests.support.checkpoints import (
     write_manager,
     write_record,
 )
-from easykv.checkpoint.checkpointer import restore_cache, save_cache
-from easykv.checkpoint.record import RECORD_SEAL
-from easykv.cli import main
-from easykv.errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
-from easykv.checkpoint.inspect import inspect_checkpoint
 
 # Reading a damaged file makes orbax drop coroutines that report on garbage collection.
 pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),

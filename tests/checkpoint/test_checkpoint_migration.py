@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 import easykv
-from tests.support.checkpoints import load_record, make_legacy, manager_path, write_record
 from easykv import PagedAttentionCacheMetaData, gather_kv
 from easykv.checkpoint.inspect import inspect_checkpoint
 from easykv.cli import main
 from easykv.errors import CheckpointIntegrityError
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.checkpoints import load_record, make_legacy, manager_path, write_record
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v2_layers"
 LAYERS = 3

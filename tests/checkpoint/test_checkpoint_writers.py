@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.devices import REPO
-from tests.support.checkpoints import assert_same_bits, engine_run, qsetup
 from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache
 from easykv.checkpoint.writer import WriterLock, errno_of, lock_file_name
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
+from tests.support.checkpoints import assert_same_bits, engine_run, qsetup
+from tests.support.devices import REPO
 
 TESTS = Path(__file__).parent
 CHILD = TESTS / "writer_child.py"

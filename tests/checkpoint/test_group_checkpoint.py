@@ -18,6 +18,7 @@ from easykv import CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaD
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.groups import GROUPS, LAYERS, PS, filled, mesh_and_rule
 
+
 def tokens_of(cache, m):
     """Every sequence's K (and V) of every layer as float32 numpy, read through its pages."""
     out = {}

@@ -25,8 +25,8 @@ def empty_cache(layout, groups=GROUPS, quantizer=None, dtype="float32", batch=4)
     mesh, rule = mesh_and_rule(layout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)
-        meta = PagedAttentionCacheMetaData.create(mesh, batch, LAYERS, 32, PS, 8, 16, 0.9, dtype, partition_manager=rule,
-                                                  layer_groups=groups, quantizer=quantizer)
+        meta = PagedAttentionCacheMetaData.create(mesh, batch, LAYERS, 32, PS, 8, 16, 0.9, dtype,
+                                                  partition_manager=rule, layer_groups=groups, quantizer=quantizer)
         cache = PagedAttentionCache.init_cache(mesh, jnp.dtype(dtype), meta, rule, quantizer=quantizer)
     return cache, PageManager(cache.metadata)
 

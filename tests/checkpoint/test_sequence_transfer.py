@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from tests.support.pools import LAYERS, bits
-from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
-from easykv.storage.cache import gather_kv
+from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
-from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
+from easykv.storage.cache import gather_kv
+from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
+from tests.support.pools import LAYERS, bits
 
 PROMPT_A = list(range(10)) + [40, 41]  # what engine_run committed for sequence 0 (a)
 

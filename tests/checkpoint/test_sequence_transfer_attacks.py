@@ -20,13 +20,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.pools import HEAD_DIM, LAYERS, mesh_for
-from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
+from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
-from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
+from tests.support.pools import HEAD_DIM, LAYERS, mesh_for
 
 BF16 = np.dtype(jnp.bfloat16)
 HEADS = 8  # the "heads" and "dp" layouts

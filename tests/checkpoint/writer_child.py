@@ -23,9 +23,9 @@ from tests.support.devices import configure  # noqa: E402
 
 configure()  # 8 simulated CPU devices
 
-from tests.support.checkpoints import engine_run, flip_fixture, qsetup, raw_leaves  # noqa: E402
 from easykv.checkpoint.checkpointer import CacheCheckpointer, list_steps, restore_cache, save_cache  # noqa: E402
 from easykv.errors import CheckpointWriteError  # noqa: E402
+from tests.support.checkpoints import engine_run, flip_fixture, qsetup, raw_leaves  # noqa: E402
 
 
 def failure(run) -> dict:

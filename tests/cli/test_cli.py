@@ -174,9 +174,11 @@ def test_demo_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
 
 
 def test_plan_shows_a_host_tier(capsys):
-    assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "16GiB", "--mesh", "tp=8", "--host-memory", "64GiB"]) == 0
+    assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "16GiB", "--mesh", "tp=8",
+                 "--host-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
     # 64 GiB over 8 devices: 8 GiB each; a page of 32 layers, 1 kv head per device, 16 x 128 x 2 x 2 bytes = 256 KiB
     assert "host tier                               32768 pages per layer (524,288 tokens), 8.00 GiB" in out
-    assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "16GiB", "--mesh", "tp=8", "--host-memory", "1KB"]) == 2
+    assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "16GiB", "--mesh", "tp=8",
+                 "--host-memory", "1KB"]) == 2
     assert "holds 0 host page(s)" in capsys.readouterr().err

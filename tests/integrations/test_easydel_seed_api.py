@@ -122,7 +122,8 @@ def test_an_easydel_0_1_program_runs_unchanged(mesh_axes):
     back = PagedAttentionMetadata.from_json(runtime.to_json())
     np.testing.assert_array_equal(back.decodes_page_table, table)
     assert back.decodes_position.dtype == np.asarray(runtime.decodes_position).dtype
-    assert runtime.replace(decodes_position=jnp.asarray(positions + 1)).decodes_position.tolist() == (positions + 1).tolist()
+    moved = runtime.replace(decodes_position=jnp.asarray(positions + 1))
+    assert moved.decodes_position.tolist() == (positions + 1).tolist()
     assert PagedAttentionCache.init_empty() is None
     assert PagedAttentionMetadata.init_empty().prefill_page_table.shape == ()
     with pytest.raises(ValueError, match=r"views\[0\] must be layer 0 of this cache, but the view's layout differs"):

@@ -5,7 +5,8 @@ found."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,7 +87,8 @@ def test_manager_arguments_refuse_garbage(name, call, bounds):
         check_range(accepted, x, bounds, name)
 
 
-@pytest.mark.parametrize("name,call,bounds", [c for c in MANAGER_CALLS if c[2]], ids=[c[0] for c in MANAGER_CALLS if c[2]])
+@pytest.mark.parametrize("name,call,bounds", [c for c in MANAGER_CALLS if c[2]],
+                         ids=[c[0] for c in MANAGER_CALLS if c[2]])
 @given(x=INTS)
 def test_manager_integers_of_any_size_are_bounded_before_use(name, call, bounds, x):
     check_range(run_manager_call(call, x), x, bounds, name)

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv import CacheFullError, LayerGroup, ManagerStateError, PagedAttentionCache, PagedAttentionCacheMetaData, \
-    PageManager
+from easykv import (
+    CacheFullError,
+    LayerGroup,
+    ManagerStateError,
+    PagedAttentionCache,
+    PagedAttentionCacheMetaData,
+    PageManager,
+)
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.attention import numpy_attention
 from tests.support.tiers import tiered
@@ -162,7 +168,8 @@ def test_decode_metadata_is_one_per_group_per_step():
 
 
 @pytest.mark.parametrize("kinds", [(LayerGroup((0,), "full", num_pages=10),),
-                                   (LayerGroup((0,), "full", num_pages=10), LayerGroup((1,), "sliding", 5, num_pages=6)),
+                                   (LayerGroup((0,), "full", num_pages=10),
+                                    LayerGroup((1,), "sliding", 5, num_pages=6)),
                                    (LayerGroup((0,), "full", num_pages=10), LayerGroup((1,), "chunked", 4, num_pages=6),
                                     LayerGroup((2,), "sliding", 5, num_pages=6))],
                          ids=["one group", "two groups", "three groups"])
@@ -215,7 +222,8 @@ def test_resume_needs_every_group_windowed():
     s = m.claim(1)[0]
     with pytest.raises(ValueError, match=r"in every layer group: in layer group 0 \(full attention\)"):
         m.resume(s, 8)
-    w = PageManager(hybrid(kinds=(LayerGroup((0,), "sliding", 3, num_pages=6), LayerGroup((1,), "chunked", 8, num_pages=10))))
+    w = PageManager(hybrid(kinds=(LayerGroup((0,), "sliding", 3, num_pages=6),
+                                  LayerGroup((1,), "chunked", 8, num_pages=10))))
     s = w.claim(1)[0]
     w.resume(s, 9)
     assert rows(w, s) == [[PAD, PAD], [PAD, PAD]] and w.length(s) == 8
@@ -264,7 +272,8 @@ def test_state_round_trips_in_format_2_and_refuses_crafted_ones():
         if words:
             assert any(w in str(err.value) for w in words.split("|")), str(err.value)
     with pytest.raises(ManagerStateError, match="PageManager/1"):  # a one-group state for a grouped manager
-        PageManager.from_state_dict(m.metadata, PageManager(hybrid(kinds=(LayerGroup((0,), "full", num_pages=10),))).state_dict())
+        one_group = PageManager(hybrid(kinds=(LayerGroup((0,), "full", num_pages=10),)))
+        PageManager.from_state_dict(m.metadata, one_group.state_dict())
 
 
 def test_reshard_keeps_each_sequence_in_one_replica_of_every_group():

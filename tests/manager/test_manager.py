@@ -18,6 +18,7 @@ from easykv.manager.manager import PageManager, increment_cache_lengths
 from easykv.step.metadata import INVALID_SLOT, PAD_PAGE, PagedAttentionMetadata
 from tests.support.managers import PS, make, make_meta, prefill
 
+
 # ---- sequence slots -------------------------------------------------------------------------------
 def test_claim_contains_release_slots():
     pm = make()
@@ -460,7 +461,8 @@ def test_same_calls_give_same_pages_in_every_process():
                        env={**os.environ, "PYTHONHASHSEED": seed, "JAX_PLATFORMS": "cpu"}).stdout
         for seed in ("1", "2")
     }
-    assert len(outs) == 1 and json.loads(outs.pop()) == json.loads(json.dumps(_busy_manager(shards=2).state_dict(), sort_keys=True))
+    assert len(outs) == 1 and json.loads(outs.pop()) == json.loads(json.dumps(_busy_manager(shards=2).state_dict(),
+                                                                               sort_keys=True))
 
 
 # ---- bad input: a precise error and no change of state ----------------------------------------------------
@@ -472,7 +474,8 @@ BAD_CALLS = [
     (lambda pm: pm.reserve(0, 12), ValueError, "past max_sequences=16"),
     (lambda pm: pm.reserve([0, 0], 1), ValueError, "repeats id 0"),
     (lambda pm: pm.reserve(["a"], 1), ValueError, r"seq_ids must hold ints, got dtype <U1"),
-    (lambda pm: pm.build_step_metadata([0], [2], pad_tokens_to=1), ValueError, "pad_tokens_to=1 is below the 2 new tokens"),
+    (lambda pm: pm.build_step_metadata([0], [2], pad_tokens_to=1), ValueError,
+     "pad_tokens_to=1 is below the 2 new tokens"),
     (lambda pm: pm.build_decode_metadata([1], num_steps=0), ValueError, "num_steps must be a positive int"),
     (lambda pm: pm.step([0], [[1, 2, 3, 4]]), ValueError, "room for 3 more tokens but 4"),
     (lambda pm: pm.step([0, 1], [1]), ValueError, r"shape \(1,\)"),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.support.pools import HEAD_DIM, LAYERS, bits, new_cache, random_tokens, setup
-from easykv.storage.cache import gather_kv
 from easykv.manager.manager import PageManager
+from easykv.storage.cache import gather_kv
+from tests.support.pools import HEAD_DIM, LAYERS, bits, new_cache, random_tokens, setup
 
 
 class Engine:

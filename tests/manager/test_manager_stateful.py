@@ -26,9 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
+from easykv.manager.prefix_hash import iter_page_digests, salt_digest, version_digest, version_root
 from easykv.spec.groups import LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.manager.prefix_hash import iter_page_digests, salt_digest, version_digest, version_root
 
 PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
 BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')
@@ -191,7 +191,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if not ready:
             return
         seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
-        tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs), max_size=k * len(seqs)))).reshape(len(seqs), k)
+        tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs),
+                                             max_size=k * len(seqs)))).reshape(len(seqs), k)
         before = self._state()
         try:
             steps = self.pm.build_decode_metadata(seqs, num_steps=k)

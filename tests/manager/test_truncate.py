@@ -14,8 +14,8 @@ import pytest
 
 from easykv.errors import CacheFullError
 from easykv.manager.manager import PageManager
-from tests.support.managers import PS, cached_ids, make, prefill
 from tests.support.machines import Device, GroupedTruncateMachine, TruncateMachine
+from tests.support.managers import PS, cached_ids, make, prefill
 
 
 def test_truncate_frees_whole_pages_and_regrows_like_a_sequence_without_the_tail():

@@ -12,8 +12,8 @@ import pytest
 
 from easykv.errors import CacheFullError, ManagerStateError
 from easykv.manager.manager import PageManager
-from tests.support.managers import PS, cached_ids, make, make_meta, prefill
 from tests.support.machines import VersionMachine
+from tests.support.managers import PS, cached_ids, make, make_meta, prefill
 
 PROMPT = list(range(100, 109))  # 9 tokens: two full pages and one token
 

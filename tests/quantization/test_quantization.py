@@ -295,9 +295,9 @@ def test_quantized_values_of_their_own_head_dim_are_read_as_such(name):
     md = easykv.PagedAttentionMetadata.for_mixed([[4, 1, 3], [0, 5, 2]], [3, 0], [6, 9], cache_metadata=meta)
     qry = rng.standard_normal((15, 4, 32)).astype(np.float32)
     got = easykv.paged_attention(qry, kq, vq, md, dtype=jnp.float32)
-    want = easykv.paged_attention_reference(qry, np.asarray(kq.dequantize(np.float32)), np.asarray(vq.dequantize(np.float32)),
-                                     md)
+    want = easykv.paged_attention_reference(qry, np.asarray(kq.dequantize(np.float32)),
+                                            np.asarray(vq.dequantize(np.float32)), md)
     assert got.shape == (15, 4, 16)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="do not pair up"):
-        dataclasses.replace(vq, scales=vq.scales[:1]).head_dim
+        dataclasses.replace(vq, scales=vq.scales[:1]).head_dim  # noqa: B018  the property raises

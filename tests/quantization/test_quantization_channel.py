@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import easykv
-from tests.support.channel_model import LIMITS, ChannelPages, encode, needed, values
 from easykv.quantization import Int4ChannelQuantizer, QuantizedPages, get_quantizer, page_head_bytes
 from easykv.quantization._logstep import unpack as _unpack
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from easykv.storage import writes
 from easykv.storage.writes import scatter_page_scaled_local
-from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.channel_model import LIMITS, ChannelPages, encode, needed, values
 from tests.support.tiers import SLOW, tiered
 
 Q = Int4ChannelQuantizer()
@@ -93,8 +93,8 @@ def make(layout: str, dtype=jnp.float32):
 
 
 def assert_matches(cache, models) -> None:
-    for g, (mk, mv) in enumerate(models):
-        for pages, model in ((cache.key_pages[0], mk), (cache.value_pages[0], mv)):
+    for g, (mk, mv) in enumerate(models):  # one (keys, values) model per layer group
+        for pages, model in ((cache.key_pages[g], mk), (cache.value_pages[g], mv)):
             codes, scales = codes_of(pages)
             np.testing.assert_array_equal(scales, model.scales)
             np.testing.assert_array_equal(codes, model.codes)

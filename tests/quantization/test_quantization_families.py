@@ -230,8 +230,8 @@ ROTATED_CASES = [
 def test_rotated_pages_fast_path_matches_reference(name, quant, mode, options):
     """The fast path reads rotated pages in the rotated basis (query rotated, output rotated
     back; a latent cache's values taken from the rotated-back sum), and int4-ch pages with their
-    scales per page; the reference dequantizes every page to its true values and attends plainly. Random pages, permuted tables, GQA, every
-    layout and form, windows, chunks, sinks, a soft cap."""
+    scales per page; the reference dequantizes every page to its true values and attends plainly.
+    Random pages, permuted tables, GQA, every layout and form, windows, chunks, sinks, a soft cap."""
     from tests.support.attention import GROUP, LAYOUTS, MAKERS, PAGES, PS, D, page_layout, release_before_window
 
     rng = np.random.default_rng(sum(map(ord, name + quant + mode)))

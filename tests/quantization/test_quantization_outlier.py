@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import easykv
-from tests.support.channel_model import STEPS, needed
 from easykv.quantization import Int4OutlierQuantizer, get_quantizer, page_head_bytes
-from tests.support.quant_families import errors
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.channel_model import STEPS, needed
+from tests.support.quant_families import errors
 from tests.support.tiers import SLOW, tiered
 
 

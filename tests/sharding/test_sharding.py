@@ -1,12 +1,14 @@
 """Tests for the `sharding` package on 8 simulated CPU devices (see conftest.py)."""
 
+import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import easykv.sharding as sharding
 from easykv.sharding import (
@@ -46,7 +48,7 @@ def test_partition_axis_normalizes_lists_and_is_hashable():
     assert pa.batch_axis == ("dp", "fsdp")
     assert pa == PartitionAxis(batch_axis=("dp", "fsdp"), page_axis="dp")
     assert hash(pa) == hash(PartitionAxis(batch_axis=("dp", "fsdp"), page_axis="dp"))
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         pa.page_axis = "tp"  # frozen
 
 

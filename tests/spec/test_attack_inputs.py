@@ -4,7 +4,8 @@ every call must do): garbage of every type and integers of any size."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given

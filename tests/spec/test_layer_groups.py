@@ -157,7 +157,8 @@ def test_dp_split_groups_are_multiples_of_the_replicas(dp2tp4):
 
 
 def test_too_small_a_budget_names_the_groups(tp8):
-    with pytest.raises(ValueError, match=r"holds less than one sequence .* 466944 bytes .*: 5 pages x 10 layers x 4096 bytes"):
+    with pytest.raises(ValueError,
+                       match=r"holds less than one sequence .* 466944 bytes .*: 5 pages x 10 layers x 4096 bytes"):
         create(tp8, group_pattern(12, "SSSSSF", S=dict(attention="sliding", window=64), F={}), memory=10_000)
 
 

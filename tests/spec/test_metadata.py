@@ -186,7 +186,8 @@ def test_unknown_dtypes_rejected(tp8):
 
 
 def test_unknown_quantizer_rejected(tp8):
-    with pytest.raises(ValueError, match=r"unknown quantizer 'int3'; available: none, int8, int8-rot, fp8, fp8-rot, int4, int4-rot"):
+    with pytest.raises(ValueError, match=r"unknown quantizer 'int3'; "
+                                         r"available: none, int8, int8-rot, fp8, fp8-rot, int4, int4-rot"):
         make(tp8, quantizer="int3")
     assert make(tp8, quantizer="none").quantization == "none"
 

@@ -3,7 +3,8 @@ every call must do): garbage of every type and integers of any size."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,7 +49,8 @@ def test_runtime_arguments_refuse_garbage(name, call, bounds):
         check_refused_or_in_range(call, x, bounds, name)
 
 
-@pytest.mark.parametrize("name,call,bounds", [c for c in RUNTIME_CALLS if c[2]], ids=[c[0] for c in RUNTIME_CALLS if c[2]])
+@pytest.mark.parametrize("name,call,bounds", [c for c in RUNTIME_CALLS if c[2]],
+                         ids=[c[0] for c in RUNTIME_CALLS if c[2]])
 @given(x=INTS)
 def test_runtime_integers_of_any_size_are_bounded_before_use(name, call, bounds, x):
     check_refused_or_in_range(call, x, bounds, name)

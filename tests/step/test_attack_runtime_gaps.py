@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.pools import PAGE_SIZE, assert_unchanged, new_cache, setup, snapshot
 from easykv import PagedAttentionCacheMetaData, PagedAttentionMetadata
+from tests.support.pools import PAGE_SIZE, assert_unchanged, new_cache, setup, snapshot
 
 META = setup("heads")[2]
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from easykv import PAD_SLOT, PagedAttentionCacheMetaData, PagedAttentionMetadata
-from easykv.step.metadata import INVALID_SLOT
-from easykv.step.metadata import as_mixed
+from easykv.step.metadata import INVALID_SLOT, as_mixed
 
 META = PagedAttentionCacheMetaData(
     batch_size=4, num_hidden_layers=1, num_pages_per_layer=12, num_pages_per_sequence=4,
@@ -130,7 +129,7 @@ def test_init_empty_and_modes():
     assert all(np.shape(leaf) == () for leaf in jax.tree.leaves(md))
     assert len(jax.tree.leaves(md)) == 11
     with pytest.raises(ValueError, match=r"empty \(init_empty\)"):
-        md.num_tokens
+        md.num_tokens  # noqa: B018  the property raises
     with pytest.raises(ValueError, match=r"empty \(init_empty\)"):
         token_slots(md, page_size=4, num_pages=12)
 
@@ -153,7 +152,8 @@ def test_traced_slots_mark_bad_tokens_invalid():
     md = PagedAttentionMetadata(
         decodes_position=jnp.array([5, 3, 20, -1, 0, 4], jnp.int32),
         decodes_page_table=jnp.array(
-            [[3, 7, -1, -1, -1], [12, 0, 0, 0, 0], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [-1, 0, 0, 0, 0], [1, -2, 0, 0, 0]],
+            [[3, 7, -1, -1, -1], [12, 0, 0, 0, 0], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [-1, 0, 0, 0, 0],
+             [1, -2, 0, 0, 0]],
             jnp.int32,
         ),
     )
@@ -183,7 +183,8 @@ def test_page_ids_outside_pool(bad):
 
 def test_lengths_beyond_the_sequence_limit():
     row = [0, 1, 2, 3]
-    with pytest.raises(ValueError, match=r"length must be a non-negative int, got 17 \(valid: 0\.\.16; a sequence holds at most num_pages_per_sequence \* page_size = 16 tokens"):
+    with pytest.raises(ValueError, match=r"length must be a non-negative int, got 17 \(valid: 0\.\.16; "
+                                         r"a sequence holds at most num_pages_per_sequence \* page_size = 16 tokens"):
         PagedAttentionMetadata.for_prefill(row, 17, cache_metadata=META)
     with pytest.raises(ValueError, match=r"start \+ length = 17 reaches 17 tokens"):
         PagedAttentionMetadata.for_prefill(row, 7, start=10, cache_metadata=META)

@@ -22,9 +22,9 @@ import pytest
 from easykv import PagedAttentionCacheMetaData, PagedAttentionMetadata, PageManager
 from easykv.attention import checks as attention_checks
 from easykv.attention.api import paged_attention, paged_attention_reference
-from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, as_mixed, step_form
 from easykv.step import checks as runtime_checks
 from easykv.step.checks import host_checked
+from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, as_mixed, step_form
 from easykv.storage import writes
 from easykv.storage.writes import token_slots
 
@@ -143,7 +143,8 @@ def test_validated_metadata_is_checked_once(monkeypatch):
         assert _checks_run(calls, rt) == {"attention": 0, "write": 0}, name
         # Equal arrays built by hand, a replace, a JSON round trip: checked again.
         for copy in (rt.replace(), type(rt).from_json(rt.to_json()),
-                     dataclasses.replace(rt, **{f.name: np.array(getattr(rt, f.name)) for f in dataclasses.fields(rt)})):
+                     dataclasses.replace(rt, **{f.name: np.array(getattr(rt, f.name))
+                                                for f in dataclasses.fields(rt)})):
             assert host_checked(copy) is None
             assert _checks_run(calls, copy) == {"attention": 1, "write": 1}, name
         # Against another pool the mark proves nothing.
@@ -199,8 +200,8 @@ def test_check_values_is_the_opt_in_check_of_device_arrays():
     on_device = jax.tree.map(jnp.asarray, good)  # as a jitted step receives it: values unknown to the host
     on_device.check_values(META)  # device arrays carry no mark: every value is checked, and all are valid
     bad = on_device.replace(page_table=on_device.page_table.at[1, 0].set(12))
-    with pytest.raises(ValueError, match=r"metadata.page_table\[1, 0\] = 12 is not a page of the pool \(0..11\) but row 1 "
-                                         r"reads it \(keys up to position 10\)"):
+    with pytest.raises(ValueError, match=r"metadata.page_table\[1, 0\] = 12 is not a page of the pool \(0..11\) "
+                                         r"but row 1 reads it \(keys up to position 10\)"):
         bad.check_values(META)
     twice = on_device.replace(slot_mapping=on_device.slot_mapping.at[1].set(on_device.slot_mapping[0]))
     with pytest.raises(ValueError, match=r"two tokens of this write step write the same slot 29"):

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.pools import LAYERS, PAGE_SIZE, PAGES, bits, new_cache, random_tokens, setup, snapshot
 from easykv import PagedAttentionMetadata, gather_kv, increment_cache_lengths
 from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, slots_from_table
+from tests.support.pools import LAYERS, PAGE_SIZE, PAGES, bits, new_cache, random_tokens, setup, snapshot
 
 INT32 = np.iinfo(np.int32)
 HOSTILE_PAGES = [2**30, 2**31 - 1, 2**29 + 3, PAGES, PAGES + 1, -2, -(2**31), (2**31) // PAGE_SIZE]

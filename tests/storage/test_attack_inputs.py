@@ -4,7 +4,8 @@ was and donates nothing."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import pytest

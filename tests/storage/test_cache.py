@@ -7,16 +7,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import easykv
-from tests.support.pools import (
-    HEAD_DIM, LAYERS, PAGE_SIZE, PAGES, PoolModel, assert_unchanged, mesh_for, new_cache,
-    random_tokens, setup, snapshot,
-)  # fmt: skip
 from easykv import PagedAttentionCache, PagedAttentionCacheView, PagedAttentionMetadata, gather_kv
-from easykv.storage.pages import storage_dtype
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from easykv.storage.pages import storage_dtype
+from tests.support.pools import (
+    HEAD_DIM,
+    LAYERS,
+    PAGE_SIZE,
+    PAGES,
+    PoolModel,
+    assert_unchanged,
+    mesh_for,
+    new_cache,
+    random_tokens,
+    setup,
+    snapshot,
+)
 
 # layout -> (spec of the pages, shape of each device's shard, number of shards)
 EXPECTED = {
@@ -114,8 +124,10 @@ def test_init_cache_rejects_mismatches():
     with pytest.raises(ValueError, match=r"not registered under its name 'fp8'.*register_quantizer"):
         PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm, quantizer=Fake())
     # Sized for heads over tp=8; this mesh splits heads over tp=4 and pages over dp=2.
-    with pytest.raises(ValueError, match=r"split the pages as .*\(\('tp',\), 4, \('dp',\), 2\).*sized for .*\(\('tp',\), 8, \(\), 1\)"):
-        PagedAttentionCache.init_cache(mesh_for("dp"), jnp.bfloat16, meta, PartitionManager(PartitionAxis(page_axis="dp")))
+    with pytest.raises(ValueError, match=r"split the pages as .*\(\('tp',\), 4, \('dp',\), 2\)"
+                                         r".*sized for .*\(\('tp',\), 8, \(\), 1\)"):
+        PagedAttentionCache.init_cache(mesh_for("dp"), jnp.bfloat16, meta,
+                                       PartitionManager(PartitionAxis(page_axis="dp")))
     # Same mesh, but the partition manager replicates the heads.
     with pytest.raises(ValueError, match=r"sized for"):
         PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, PartitionManager(PartitionAxis(kv_head_axis=None)))
@@ -248,7 +260,8 @@ def test_copy_and_zero_reject_bad_ids_and_change_nothing():
     cache = _fill(new_cache("dp"), meta, model, rng)
     before = snapshot(cache)
     cases = [
-        (lambda: cache.copy_pages([24], [0]), r"src\[0\] = 24 is out of range \(valid: -1\.\.23; page ids of a pool of 24 pages, -1 for padding\)"),
+        (lambda: cache.copy_pages([24], [0]),
+         r"src\[0\] = 24 is out of range \(valid: -1\.\.23; page ids of a pool of 24 pages, -1 for padding\)"),
         (lambda: cache.copy_pages([0, 1], [2, -2]), r"dst\[1\] = -2 is out of range"),
         (lambda: cache.copy_pages([0, 1], [2]), r"src has shape \(2,\) but dst has shape \(1,\)"),
         (lambda: cache.copy_pages([[0]], [[1]]), r"src must have 1 dimension"),
@@ -284,7 +297,8 @@ def test_gather_kv_reads_only_the_pages_it_needs_and_checks_them():
     before = snapshot(cache)
     with pytest.raises(ValueError, match=r"page_table_row\[1\] = -1 is unassigned but is needed for length=6"):
         gather_kv(cache, 0, [17, -1, 3], 6)
-    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is out of range \(valid: -1\.\.23; page ids of a pool of 24 pages, -1 unassigned\)"):
+    with pytest.raises(ValueError, match=r"page_table_row\[0\] = 24 is out of range \(valid: -1\.\.23; "
+                                         r"page ids of a pool of 24 pages, -1 unassigned\)"):
         gather_kv(cache, 0, [24], 2)
     with pytest.raises(ValueError, match=r"length=9 needs 3 pages but page_table_row has 2"):
         gather_kv(cache, 0, [17, 2], 9)

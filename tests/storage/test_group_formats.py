@@ -17,14 +17,25 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv import (CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaData,
-                    QuantizedPages)
+from easykv import CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaData, QuantizedPages
 from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from easykv.sharding import ShardingAdjustedWarning
 from tests.support.attention import numpy_attention
-from tests.support.groups import (FORMAT_GROUPS, FORMATS, LAYERS, PS, create_formats, filled_formats,
-                                  mesh_and_rule, read, rows_for, same, with_header)
+from tests.support.groups import (
+    FORMAT_GROUPS,
+    FORMATS,
+    LAYERS,
+    PS,
+    create_formats,
+    filled_formats,
+    mesh_and_rule,
+    read,
+    rows_for,
+    same,
+    with_header,
+)
+
 
 def stored(meta, layer, x):
     """What the layer's group keeps of new rows ``x``: quantized and back, in float64."""
@@ -102,7 +113,8 @@ def test_a_groups_quantizer_is_checked_against_the_dims_it_takes_from_the_cache(
     """A group that leaves its head dim to the cache is checked once the dim is known; a latent
     group against its one vector (here 12 is fine, 13 is not)."""
     mesh, rule = mesh_and_rule("tp8")
-    open_dims = (LayerGroup((0, 2, 4), "sliding", 8, num_pages=24, quantization="int4"), LayerGroup((1, 3), num_pages=24))
+    open_dims = (LayerGroup((0, 2, 4), "sliding", 8, num_pages=24, quantization="int4"),
+                 LayerGroup((1, 3), num_pages=24))
     with pytest.raises(ValueError, match="int4 packs two values per byte along head_dim.*got 15"):
         PagedAttentionCacheMetaData.create(mesh, 4, LAYERS, 32, PS, 8, 15, 0.9, "float32", partition_manager=rule,
                                            layer_groups=open_dims)
@@ -137,7 +149,8 @@ def test_writes_reads_and_attention_follow_each_groups_format(layout):
         values = keys[..., : g.value_head_dim] if g.latent else np.concatenate(
             [stored(meta, i, toks[i][1]), stored(meta, i, new[i][1])])
         qq = np.asarray(jnp.asarray(q, meta.group_dtype(g)).astype(jnp.float32))
-        want = numpy_attention(qq[:1], keys, values, np.array([7]), window=g.window if g.attention == "sliding" else None)
+        want = numpy_attention(qq[:1], keys, values, np.array([7]),
+                               window=g.window if g.attention == "sliding" else None)
         tol = 2e-2 if meta.group_dtype(g) == np.dtype("bfloat16") else 2e-5
         np.testing.assert_allclose(out[:1], want, rtol=tol, atol=tol, err_msg=f"layer {i}")
 
@@ -260,7 +273,8 @@ def test_an_export_imports_into_a_cache_of_other_group_formats():
 @pytest.mark.parametrize("change, words", [
     (lambda h: h["groups"][0].update(quantization="int9"), r"'groups'\[0\].quantization: unknown quantizer 'int9'"),
     (lambda h: h["groups"][1].update(dtype="int32"), r"'groups'\[1\].dtype: dtype int32 is not a cache dtype"),
-    (lambda h: h["groups"][0].update(colour="red"), r"unknown entries \['colour'\].*may hold \['dtype', 'quantization'\]"),
+    (lambda h: h["groups"][0].update(colour="red"),
+     r"unknown entries \['colour'\].*may hold \['dtype', 'quantization'\]"),
     (lambda h: h["groups"][0].pop("quantization"), "'dtypes' is"),  # then the codes do not fit the header
     (lambda h: h["groups"][1].update(dtype="float16"), "'dtypes' is"),
 ])

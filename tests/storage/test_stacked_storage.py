@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 import easykv
-from tests.support.pools import (HEAD_DIM, PAGE_SIZE, PAGES, assert_unchanged, new_cache, random_tokens, setup,
-                                 snapshot)
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData, PagedAttentionMetadata
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.support.pools import HEAD_DIM, PAGE_SIZE, PAGES, assert_unchanged, new_cache, random_tokens, setup, snapshot
 from tests.support.tiers import SLOW
 
 

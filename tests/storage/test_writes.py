@@ -9,12 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.support.pools import (
-    HEAD_DIM, LAYERS, PAGES, SLOTS, PoolModel, assert_unchanged, new_cache,
-    random_tokens, setup, slot, snapshot,
-)  # fmt: skip
 from easykv import PagedAttentionMetadata
 from easykv.storage.cache import write_all
+from tests.support.pools import (
+    HEAD_DIM,
+    LAYERS,
+    PAGES,
+    SLOTS,
+    PoolModel,
+    assert_unchanged,
+    new_cache,
+    random_tokens,
+    setup,
+    slot,
+    snapshot,
+)
 
 T = 12  # every write in these tests uses a 12-token axis: one compile per layout and form
 LAYOUT_NAMES = ["single", "heads", "replicated", "dp"]
@@ -64,10 +73,12 @@ def test_cache_write_all_paths_round_trip(layout):
     # 3. mixed: a decodes its last token, b prefills 6, c prefills 3; padded to 12 tokens.
     k, v = kv()
     table = np.stack([rows["a"], rows["b"], rows["c"]])
-    md = PagedAttentionMetadata.for_mixed(table, [15, 0, 0], [1, 6, 3], cache_metadata=meta, pad_tokens_to=T, pad_seqs_to=4)
+    md = PagedAttentionMetadata.for_mixed(table, [15, 0, 0], [1, 6, 3], cache_metadata=meta, pad_tokens_to=T,
+                                          pad_seqs_to=4)
     cache, dropped = cache.write(k, v, md)
     assert int(dropped) == 0
-    expect_writes(model, k, v, rows, [(0, "a", 15)] + [(1 + i, "b", i) for i in range(6)] + [(7 + i, "c", i) for i in range(3)])
+    expect_writes(model, k, v, rows,
+                  [(0, "a", 15)] + [(1 + i, "b", i) for i in range(6)] + [(7 + i, "c", i) for i in range(3)])
     model.check_pool(cache)
 
     # 4. decode: b at 6, c at 3; the other 10 rows are padding with no pages.
@@ -186,7 +197,8 @@ def test_out_of_range_slots_under_jit_are_dropped_and_counted(layout):
     table[5] = [*rows["c"], 0]
     pos = np.full(T, -1)
     pos[[0, 1, 2, 3, 4, 5]] = [0, 1, 2, 16, -3, 5]
-    jmd = PagedAttentionMetadata(decodes_position=jnp.asarray(pos, jnp.int32), decodes_page_table=jnp.asarray(table, jnp.int32))
+    jmd = PagedAttentionMetadata(decodes_position=jnp.asarray(pos, jnp.int32),
+                                 decodes_page_table=jnp.asarray(table, jnp.int32))
     k, v = random_tokens(rng, k.shape), random_tokens(rng, v.shape)
     cache, dropped = cache.write(k, v, jmd)
     assert int(dropped) == 5
@@ -239,7 +251,8 @@ def test_bad_write_inputs_raise_before_writing():
     )
     bad_slots = PagedAttentionMetadata(slot_mapping=np.asarray([0] * 11 + [SLOTS], np.int32))
     cases = [
-        ((k[:, :11], v, md), r"keys has shape \(11, 8, 8\), expected \(num_tokens, num_kv_heads, head_dim\) = \(12, 8, 8\)"),
+        ((k[:, :11], v, md),
+         r"keys has shape \(11, 8, 8\), expected \(num_tokens, num_kv_heads, head_dim\) = \(12, 8, 8\)"),
         ((k[:, :, :4], v, md), r"keys has shape \(12, 4, 8\), expected .* = \(12, 8, 8\)"),
         ((k, v[:, :, :, :4], md), r"values has shape \(12, 8, 4\)"),
         ((f32, v, md), r"keys has dtype float32, but the cache stores bfloat16"),
@@ -266,7 +279,8 @@ def test_bad_write_inputs_raise_before_writing():
         (lambda: view.write_prefill_to_cache(k[0, :1], v[0, :1], decode), r"needs prefill metadata"),
         (lambda: view.write_decodes_to_cache(k[0], v[0], md), r"needs decode metadata"),
         (lambda: view.write_mixed_to_cache(k[0], v[0], md), r"needs mixed metadata"),
-        (lambda: view.write_decodes_to_cache(k[0], v[0, :1], decode), r"key has shape \(12, 8, 8\), expected .* = \(1, 8, 8\)"),
+        (lambda: view.write_decodes_to_cache(k[0], v[0, :1], decode),
+         r"key has shape \(12, 8, 8\), expected .* = \(1, 8, 8\)"),
         (lambda: view.write_decodes_to_cache(k[0, :1], f32[0, :1], decode), r"value has dtype float32"),
         (lambda: view.write_prefill_to_cache(k[0], v[0], past_limit), r"token 8 would be written to slot -2"),
         (lambda: view.write_decodes_to_cache(k[0], v[0], outside), r"token 3 would be written"),

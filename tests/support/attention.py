@@ -13,9 +13,9 @@ import ml_dtypes
 import numpy as np
 
 from easykv import PagedAttentionMetadata
+from easykv.sharding import create_mesh
 from easykv.step.metadata import build_mixed
 from easykv.storage.pages import PageLayout
-from easykv.sharding import create_mesh
 
 PAGES, PS, D, WIDTH = 48, 4, 16, 6  # pool pages, page size, head dim, page-table columns
 GROUP = 4  # q heads per kv head
@@ -34,7 +34,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def page_layout(name: str) -> PageLayout | None:
     dims, _, heads, pages = LAYOUTS[name]
     if dims is None:

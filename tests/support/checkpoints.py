@@ -13,13 +13,13 @@ import warnings
 import jax
 import numpy as np
 
-from tests.support.pools import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.manager.manager import PageManager
 from easykv.sharding import PartitionManager, ShardingAdjustedWarning
+from tests.support.pools import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def qsetup(layout: str, quantizer: str = "none", pages: int = PAGES, page_size: int = PAGE_SIZE):
     """(mesh, partition manager, metadata) for a layout and quantizer."""
     _, paxis, heads = LAYOUTS[layout]
@@ -196,8 +196,8 @@ def flip_outcome(directory, path, position: int, bit: int, mesh, pm, want_bits, 
     class name, or "SILENT" / "RAW <type>" (both bugs). With ``inspect``, (outcome, what
     `inspect_report` said of the damaged directory: "intact", "damaged" or "RAW <type>")."""
     from easykv.checkpoint.checkpointer import restore_cache
-    from easykv.errors import CheckpointError
     from easykv.checkpoint.inspect import inspect_report
+    from easykv.errors import CheckpointError
 
     data = path.read_bytes()
     damaged = bytearray(data)

@@ -117,8 +117,8 @@ def create_formats(layout, groups=FORMAT_GROUPS, quantizer=None):
     mesh, rule = mesh_and_rule(layout)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)
-        meta = PagedAttentionCacheMetaData.create(mesh, 4, LAYERS, 32, PS, 8, 16, 0.9, "float32", partition_manager=rule,
-                                                  layer_groups=groups, quantizer=quantizer)
+        meta = PagedAttentionCacheMetaData.create(mesh, 4, LAYERS, 32, PS, 8, 16, 0.9, "float32",
+                                                  partition_manager=rule, layer_groups=groups, quantizer=quantizer)
         cache = PagedAttentionCache.init_cache(mesh, jnp.float32, meta, rule, quantizer=quantizer)
     return cache, PageManager(cache.metadata)
 

@@ -103,7 +103,8 @@ _CACHE = {}
 
 
 def cache():
-    if "cache" not in _CACHE or any(leaf.is_deleted() for v in _CACHE["cache"] for leaf in (v.key_pages, v.value_pages)):
+    if "cache" not in _CACHE or any(leaf.is_deleted() for v in _CACHE["cache"]
+                                    for leaf in (v.key_pages, v.value_pages)):
         _CACHE["cache"] = new_cache("heads")
     return _CACHE["cache"]
 

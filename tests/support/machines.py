@@ -184,7 +184,7 @@ class VersionMachine(RuleBasedStateMachine):
     def set_version(self, version):
         self.pm.set_weight_version(version)
         self.version = version
-        for s, (v, tokens) in self.live.items():
+        for s, (_, tokens) in self.live.items():
             if not tokens:  # not started: takes the new version
                 self.live[s] = (version, tokens)
 
@@ -215,7 +215,8 @@ class VersionMachine(RuleBasedStateMachine):
     def decode(self, data):
         s = data.draw(st.sampled_from(sorted(s for s, (_, t) in self.live.items() if t)))
         v, tokens = self.live[s]
-        if len(tokens) >= 16 or (len(tokens) % PS == 0 and self.pm.metrics.free_pages + self.pm.metrics.cached_pages == 0):
+        if len(tokens) >= 16 or (len(tokens) % PS == 0
+                                 and self.pm.metrics.free_pages + self.pm.metrics.cached_pages == 0):
             return
         self.pm.build_step_metadata([s], [1])
         self.pm.step([s], [7])

@@ -30,14 +30,14 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh_for(name: str):
     dims = LAYOUTS[name][0]
     devices = jax.devices()[:1] if name == "single" else None
     return create_mesh(dims, devices=devices)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def setup(name: str, dtype: str = "bfloat16"):
     """(mesh, partition manager, cache metadata) for a layout."""
     _, paxis, heads = LAYOUTS[name]

@@ -15,8 +15,8 @@ from hypothesis.stateful import invariant, precondition, rule
 from easykv.errors import CacheFullError
 from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from tests.support.managers import PS, make_meta
 from tests.support.machines import Device, TruncateMachine, VersionMachine
+from tests.support.managers import PS, make_meta
 
 
 def tiered(batch=4, pages=8, host=8, max_len=16, **kw):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv.storage.cache import gather_kv
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from easykv.storage.cache import gather_kv
 from tests.support.tiers import SLOW
 
 PS = 4
@@ -202,7 +202,8 @@ def test_checkpoints_leave_the_host_tier_out_and_say_so(tmp_path):
         save_cache(tmp_path / "b", cache, manager)
     from easykv.checkpoint.inspect import inspect_checkpoint
 
-    assert "host     a host-memory tier of 16 pages per layer; its pages are not saved" in inspect_checkpoint(tmp_path / "b")
+    assert ("host     a host-memory tier of 16 pages per layer; its pages are not saved"
+            in inspect_checkpoint(tmp_path / "b"))
     restored, again = restore_cache(tmp_path / "b", mesh=create_mesh({"dp": 1, "tp": 8}),
                                     partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
     assert again.has_host_tier and again.metrics.host.cached_pages == 0

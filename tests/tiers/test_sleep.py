@@ -16,8 +16,8 @@ import pytest
 
 import easykv
 from easykv import LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
-from easykv.spec.memory import MemoryBudget
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.spec.memory import MemoryBudget
 from tests.support.groups import FORMAT_GROUPS, GROUPS, LAYERS, PS, filled_formats, mesh_and_rule, read, rows_for, same
 from tests.support.tiers import tiered
 

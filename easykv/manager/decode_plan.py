@@ -3,16 +3,16 @@ them in one device loop and returns to the host once (JetStream's and vLLM's mul
 scheduling). `plan` reserves room for ``k`` more tokens of each sequence and builds the first
 step's metadata; on the device, `DecodePlan.next_metadata` derives each next step from the one
 before. `commit` then commits what each sequence wrote (a sequence that stopped early, at its end
-of sequence or its length limit, commits fewer) and gives back the pages reserved for tokens it
-never wrote (a private copy of a shared page, made at planning for its first write, stays: its
-next write needs it). A sliding or chunked group releases the pages its window left at that commit, not
-during the loop: every step of the loop may still read them.
+of sequence or its length limit, commits fewer) and gives back the pages the plan reserved for
+tokens it never wrote (a private copy of a shared page, made at planning for its first write,
+stays: its next write needs it). A sliding or chunked group releases the pages its window left at
+that commit, not during the loop: every step of the loop may still read them.
 
 While a plan is open nothing else may reserve, commit, fork, truncate, swap out or release its
-sequences (ValueError: its device loop may be writing their pages). A plan is stamped with what it
-was planned over (each sequence's edits, length, columns, weight
-version, and its block-table rows and window starts in every group): committing it after any of
-that changed, or twice, is refused with nothing changed. Other sequences may change meanwhile.
+sequences (ValueError: its device loop may be writing their pages). A plan is also stamped with
+what it was planned over (each sequence's edits, length, columns and weight version, its
+block-table rows and window starts in every group): committing it after any of that changed, or
+twice, is refused with nothing changed. Other sequences may change meanwhile.
 
 Coordinator code over the parts it is handed, like ``growth`` and ``commit``. Imports ``step`` for
 the metadata and the manager's ``growth``, ``commit`` and ``rollback``; never ``storage``,

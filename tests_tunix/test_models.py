@@ -104,6 +104,20 @@ def test_a_finished_sample_gives_its_pages_to_the_running_ones():
     assert eng.manager.metrics.active_sequences == 0
 
 
+def test_a_failure_inside_the_decode_loop_leaves_no_sequence_or_plan_behind(monkeypatch):
+    eng = engine(make("qwen3"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device loop failed")
+
+    monkeypatch.setattr(eng, "_decode_loop", broken)
+    with pytest.raises(RuntimeError, match="the device loop failed"):
+        eng.generate([ids_of("hello"), ids_of("world")], 8)
+    m = eng.manager.metrics
+    assert (m.active_sequences, m.used_pages) == (0, 0) and not eng.manager._seqs.planned.any()
+    eng.manager.check_invariants()
+
+
 def test_models_and_options_it_cannot_serve_are_refused_by_name():
     from tunix.models.qwen3 import model as qwen3
 

@@ -224,13 +224,17 @@ class Engine:
             plan = mgr.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=self.max_seqs)
         except CacheFullError:
             return None
-        self.cache, copied = mgr.apply_pending(self.cache, host=self.host)
-        self.copies += copied
-        tokens = np.zeros(self.max_seqs, np.int32)
-        tokens[: len(batch)] = [ids[0] for _, ids in batch]
-        out = self.model.paged_decode(self.cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
-        self.cache = out.state
-        written, sampled, counts = jax.device_get((out.written, out.sampled, out.num_written))
+        try:
+            self.cache, copied = mgr.apply_pending(self.cache, host=self.host)
+            self.copies += copied
+            tokens = np.zeros(self.max_seqs, np.int32)
+            tokens[: len(batch)] = [ids[0] for _, ids in batch]
+            out = self.model.paged_decode(self.cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
+            self.cache = out.state
+            written, sampled, counts = jax.device_get((out.written, out.sampled, out.num_written))
+        except BaseException:  # the plan closes with nothing written: its sequences stay usable
+            mgr.commit_decode(plan, np.zeros((plan.padded_rows, k), np.int64), np.zeros(plan.padded_rows, np.int64))
+            raise
         mgr.commit_decode(plan, written, counts)
         for i, (r, _) in enumerate(batch):
             r.output.extend(sampled[i, : counts[i]].tolist())

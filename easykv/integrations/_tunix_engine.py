@@ -347,15 +347,20 @@ class TunixPagedEngine:
             plan = mgr.plan_decode(seqs, k, max_tokens=[min(k, r.limit - len(r.out)) for r in live], pad_seqs_to=pad)
         except CacheFullError:  # room for one more token each may still be there (same loop, one step)
             plan = mgr.plan_decode(seqs, k, max_tokens=1, pad_seqs_to=pad)
-        self.cache, _ = mgr.apply_pending(self.cache)
-        self._note_pages()
-        tokens = np.zeros(plan.padded_rows, np.int32)
-        tokens[: len(live)] = [r.out[-1] for r in live]
-        out = self._decode_loop(self._state, self.cache, jnp.asarray(tokens), plan.metadata,
-                      jnp.asarray(plan.limits), key, num_steps=k, page_size=plan.page_size, num_pages=plan.num_pages,
-                      eos_id=eos, sample=sampling)
-        self.cache = out.state
-        written, sampled, logp, counts = jax.device_get((out.written, out.sampled, out.logprobs, out.num_written))
+        try:
+            self.cache, _ = mgr.apply_pending(self.cache)
+            self._note_pages()
+            tokens = np.zeros(plan.padded_rows, np.int32)
+            tokens[: len(live)] = [r.out[-1] for r in live]
+            out = self._decode_loop(self._state, self.cache, jnp.asarray(tokens), plan.metadata,
+                                    jnp.asarray(plan.limits), key, num_steps=k, page_size=plan.page_size,
+                                    num_pages=plan.num_pages, eos_id=eos, sample=sampling)
+            self.cache = out.state
+            written, sampled, logp, counts = jax.device_get((out.written, out.sampled, out.logprobs,
+                                                             out.num_written))
+        except BaseException:  # the plan closes with nothing written, so its sequences can be released
+            mgr.commit_decode(plan, np.zeros((plan.padded_rows, k), np.int64), np.zeros(plan.padded_rows, np.int64))
+            raise
         mgr.commit_decode(plan, written, counts)
         for i, row in enumerate(live):
             row.take(sampled[i, : counts[i]].tolist(), logp[i, : counts[i]].tolist(), eos)

@@ -217,3 +217,22 @@ def test_a_row_with_nothing_to_write_leaves_the_page_it_shares_with_its_fork_unt
     assert offset == 5
     m.commit_decode(plan, out.written, out.num_written)
     assert m.length(parent) == 5 and m.length(child) == 9
+
+
+def test_a_failed_device_loop_closes_its_plan_so_the_engine_s_sequences_stay_usable(monkeypatch):
+    model = CompiledModel(DemoModel(UNIFORM))
+    cache, manager = setup(UNIFORM)
+    engine = Engine(model, cache, manager, token_budget=32, max_seqs=4, prefill_chunk=16, decode_steps=4)
+    requests = make_requests(2, 6, seed=1, fork=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device loop failed")
+
+    monkeypatch.setattr(model, "paged_decode", broken)
+    with pytest.raises(RuntimeError, match="the device loop failed"):
+        engine.run(requests)
+    assert not manager._seqs.planned.any()
+    for r in requests:  # nothing reserved for the failed loop is left, and every sequence can go
+        assert manager.capacity(r.seq) == -(-manager.length(r.seq) // 8) * 8
+        manager.release(r.seq)
+    manager.check_invariants()

@@ -14,10 +14,9 @@ per attention kind: it checks the caller's input and hands each call to the part
 (``_seqs``: `SequenceTable`; ``_groups``: `GroupCoordinator` over one allocator per layer group, its
 class chosen by the group's attention kind; ``_versions``: `VersionLog`; ``_host``:
 `HostTierPolicy`; ``_work``: `PendingWork`; the package doc lists what each owns), or to coordinator
-code handed the parts it changes (growth, commit, rollback, admit). state.py and consistency.py read
-and check the parts (`ManagerParts`). This module imports them all and none of them imports it; like
-every module of the manager it never imports ``storage``, ``attention``, ``checkpoint`` or
-``tiers``.
+code handed the parts it changes (growth, commit, rollback, admit, decode_plan). state.py and
+consistency.py read and check the parts (`ManagerParts`). None of them imports this module; it
+never imports ``storage``, ``attention``, ``checkpoint`` or ``tiers``.
 
 Life of a sequence (Modular MAX names in brackets)::
 
@@ -254,13 +253,10 @@ class PageManager:
 
     def build_decode_metadata(self, seq_ids: Sequence[int], num_steps: int = 1, *, pad_seqs_to: int | None = None,
                               stacked: bool = False) -> StepMetadata | list[StepMetadata]:
-        """Metadata for ``num_steps`` decode steps ahead, with pages reserved for all of them,
-        so a multi-step loop needs no host round trip. Step ``j`` writes position ``length + j``.
-        Returns a list, or with ``stacked=True`` one metadata whose mixed fields carry a leading
-        step axis (for `lax.scan`). On device, `increment_cache_lengths` derives step ``j + 1``
-        from step ``j``. Commit the tokens afterwards with `step` (``(n, num_steps)`` ids).
-        Each step (or the stacked metadata) is a tuple of one per layer group, as in
-        `build_step_metadata`."""
+        """Metadata of ``num_steps`` decode steps ahead (pages reserved for all; step ``j`` writes
+        position ``length + j``): a list of per-group tuples, or with ``stacked=True`` one tuple
+        whose fields carry a leading step axis (for `lax.scan`). Commit with `step` (``(n,
+        num_steps)`` ids). `plan_decode` is the form with early stops and a guarded commit."""
         seqs, groups = self._seqs, self._groups
         rows = seqs.rows(seq_ids)
         k = positive_int("num_steps", num_steps)
@@ -270,28 +266,24 @@ class PageManager:
 
     def plan_decode(self, seq_ids: Sequence[int], num_steps: int, *, max_tokens: int | Sequence[int] | None = None,
                     pad_seqs_to: int | None = None) -> DecodePlan:
-        """Plan ``num_steps`` decode steps of ``seq_ids`` at once, for one device loop: room for
-        ``max_tokens[i]`` more tokens of each (0..num_steps, default ``num_steps``) is reserved
-        (all or nothing: CacheFullError naming the pages, nothing changed) and the plan carries
-        the first step's metadata (see `DecodePlan`). Commit it once with `commit_decode`;
-        nothing else may touch its sequences meanwhile."""
+        """``num_steps`` decode steps of ``seq_ids`` for one device loop: room for ``max_tokens[i]``
+        more tokens each (0..num_steps, default all) reserved, all or nothing (CacheFullError,
+        nothing changed); the `DecodePlan` carries the first step's metadata. Commit it once with
+        `commit_decode`; until then nothing else may touch its sequences."""
         return decode_plan.plan(self._seqs, self._groups, self._host, self._work, seq_ids, num_steps, max_tokens,
                                 pad_seqs_to=pad_seqs_to, metadata=self.metadata)
 
     def commit_decode(self, plan: DecodePlan, token_ids: Any, num_tokens: Any = None) -> None:
-        """Commit what ``plan``'s loop wrote: ``token_ids`` ``(n, num_steps)`` (or the plan's padded
-        rows) the token each sequence wrote at each step, of which the first ``num_tokens[i]``
-        count (by default all it was planned for; fewer for a sequence that stopped early). Pages reserved for
-        steps a sequence did not write go back; pages that left a window are released. Refused,
-        with nothing changed, for a plan of another manager, committed already, or whose
-        sequences changed since, and for more tokens than planned."""
+        """Commit what ``plan``'s loop wrote: ``token_ids`` ``(n, num_steps)`` (or padded rows), of
+        which the first ``num_tokens[i]`` count (default: all planned). Pages the plan reserved
+        and nobody wrote go back; pages that left a window are released. Refused, nothing changed:
+        another manager's plan, one committed already or whose sequences changed, too many tokens."""
         decode_plan.commit(self._seqs, self._groups, self._host, self._work, plan, token_ids, num_tokens,
                            caching=self.enable_prefix_caching, current=self._versions.current)
 
     def increment_cache_lengths(self, metadata: StepMetadata) -> StepMetadata:
-        """The next decode step's metadata from this one (numpy or jax arrays, jit-friendly): a
-        tuple of one per layer group, as `build_decode_metadata` gives it (a cache of one group
-        also takes its one metadata bare); the manager's lengths do not change."""
+        """The next decode step's metadata from this one (numpy or jax, jit-friendly; per-group
+        tuple, or one bare metadata for one group); the manager's lengths do not change."""
         return increment_groups(metadata, page_size=self.page_size,
                                 num_pages=tuple(gt.pool.num_pages for gt in self._groups))
 

@@ -38,7 +38,7 @@ def counts(m):
             [(g.used_pages, g.cached_pages, g.free_pages) for g in mm.groups])
 
 
-def refused(m, exc, match, call, *args, **kw):
+def assert_refused(m, exc, match, call, *args, **kw):
     """``call`` raises ``exc`` matching ``match`` and leaves ``m`` exactly as it was."""
     before = m.state_dict()
     with pytest.raises(exc, match=match):
@@ -142,7 +142,8 @@ def test_a_plan_over_forks_copies_the_shared_partial_page_and_waits_for_the_copy
     assert (m.pages(a), m.pages(c)) == ([0, 2], [0, 1])  # the first writer copies, the last keeps page 1
     assert [x[0].tolist() for x in m.pending_copies()] == [[1], [2]]
     tokens = [[6, 7, 8], [16, 17, 18]]
-    refused(m, ValueError, "page 2, whose copy-on-write copy is still pending", m.commit_decode, plan, tokens, [3, 1])
+    assert_refused(m, ValueError, "page 2, whose copy-on-write copy is still pending", m.commit_decode, plan, tokens,
+                   [3, 1])
     m.take_copies()  # (the device copies page 1 into page 2 before the loop)
     m.commit_decode(plan, tokens, [3, 1])
     assert (m.length(a), m.length(c), m.pages(a), m.pages(c)) == (8, 6, [0, 2], [0, 1])
@@ -155,9 +156,10 @@ def test_max_tokens_reserves_less_for_a_sequence_near_its_end():
     m, a, b = two_sequences()
     plan = m.plan_decode([a, b], 6, max_tokens=[1, 6])
     assert plan.limits.tolist() == [1, 6] and (m.pages(a), m.pages(b)) == ([0, 1], [2, 3, 4])
-    refused(m, ValueError, r"num_tokens\[0\]=2 is more than the 1 tokens", m.commit_decode, plan,
+    assert_refused(m, ValueError, r"num_tokens\[0\]=2 is more than the 1 tokens", m.commit_decode, plan,
             np.ones((2, 6), np.int64), [2, 6])
-    refused(m, ValueError, r"max_tokens\[1\]=7 is more than num_steps=6", m.plan_decode, [a, b], 6, max_tokens=[1, 7])
+    assert_refused(m, ValueError, r"max_tokens\[1\]=7 is more than num_steps=6", m.plan_decode, [a, b], 6,
+                   max_tokens=[1, 7])
     m.commit_decode(plan, np.ones((2, 6), np.int64))  # by default each commits its limit
     assert (m.length(a), m.length(b)) == (6, 9)
     m.check_invariants()
@@ -201,7 +203,7 @@ def test_a_hybrid_plan_that_does_not_fit_the_sliding_pool_changes_neither_group(
     for s in (a, b):
         m.build_step_metadata([s], [3])
         m.step([s], [[s, s, s]])
-    refused(m, CacheFullError, r"needs 4 pages .*but only 2 are free", m.plan_decode, [a, b], 6)
+    assert_refused(m, CacheFullError, r"needs 4 pages .*but only 2 are free", m.plan_decode, [a, b], 6)
     plan = m.plan_decode([a, b], 2)
     m.commit_decode(plan, [[1, 2], [3, 4]], [1, 2])
     assert [m.pages(a, group=g) for g in (0, 1)] == [[0], [0]]
@@ -213,12 +215,12 @@ def test_a_hybrid_plan_that_does_not_fit_the_sliding_pool_changes_neither_group(
 def test_plan_refuses_bad_steps_and_a_plan_that_does_not_fit_with_nothing_changed():
     m, a, b = two_sequences()
     for k in (0, -1, True, 2**70, 33, 1.0, None):
-        refused(m, ValueError, "num_steps must be a positive int", m.plan_decode, [a], k)
-    refused(m, ValueError, r"would hold 33 tokens .*past max_sequences=32", m.plan_decode, [a], 28)
-    refused(m, CacheFullError, r"needs 10 pages but only 7 are free", m.plan_decode, [a, b], 20)
-    refused(m, ValueError, "repeats id", m.plan_decode, [a, a], 2)
-    refused(m, ValueError, "not claimed", m.plan_decode, [3], 2)
-    refused(m, ValueError, "pad_seqs_to", m.plan_decode, [a], 2, pad_seqs_to=5)
+        assert_refused(m, ValueError, "num_steps must be a positive int", m.plan_decode, [a], k)
+    assert_refused(m, ValueError, r"would hold 33 tokens .*past max_sequences=32", m.plan_decode, [a], 28)
+    assert_refused(m, CacheFullError, r"needs 10 pages but only 7 are free", m.plan_decode, [a, b], 20)
+    assert_refused(m, ValueError, "repeats id", m.plan_decode, [a, a], 2)
+    assert_refused(m, ValueError, "not claimed", m.plan_decode, [3], 2)
+    assert_refused(m, ValueError, "pad_seqs_to", m.plan_decode, [a], 2, pad_seqs_to=5)
 
 
 @pytest.mark.parametrize("tokens, num, match", [
@@ -240,7 +242,7 @@ def test_commit_refuses_bad_tokens_and_counts_with_nothing_changed(tokens, num, 
     plan = m.plan_decode([a, b], 3, pad_seqs_to=4)
     if isinstance(tokens, str):  # well-formed ids: (n, k) or (padded_rows, k)
         tokens = np.ones((2 if tokens == "ok" else 4, 3), np.int64)
-    refused(m, ValueError, match, m.commit_decode, plan, tokens, num)
+    assert_refused(m, ValueError, match, m.commit_decode, plan, tokens, num)
     m.commit_decode(plan, np.ones((2, 3), np.int64), [1, 3])  # the plan is still open and commits after
     assert (m.length(a), m.length(b)) == (6, 6)
 
@@ -249,14 +251,17 @@ def test_commit_refuses_a_plan_twice_of_another_manager_or_not_a_plan():
     m, a, b = two_sequences()
     plan = m.plan_decode([a, b], 3)
     other = m.clone()
-    refused(other, ValueError, "made by another PageManager", other.commit_decode, plan, np.ones((2, 3), np.int64))
+    assert_refused(other, ValueError, "made by another PageManager", other.commit_decode, plan,
+                   np.ones((2, 3), np.int64))
     theirs = other.plan_decode([a], 2)
-    refused(m, ValueError, "made by another PageManager", m.commit_decode, theirs, np.ones((1, 2), np.int64))
-    refused(m, TypeError, "takes the DecodePlan plan_decode returned, got dict",
+    assert_refused(m, ValueError, "made by another PageManager", m.commit_decode, theirs, np.ones((1, 2), np.int64))
+    assert_refused(m, TypeError, "takes the DecodePlan plan_decode returned, got dict",
             m.commit_decode, {"seq_ids": (a, b)}, np.ones((2, 3), np.int64))
     m.commit_decode(plan, np.ones((2, 3), np.int64), [1, 1])
-    refused(m, ValueError, "was committed already", m.commit_decode, plan, np.ones((2, 3), np.int64), [0, 0])
+    assert plan.committed and (m.length(a), m.length(b)) == (6, 4)
+    assert_refused(m, ValueError, "was committed already", m.commit_decode, plan, np.ones((2, 3), np.int64), [0, 0])
     other.commit_decode(theirs, np.ones((1, 2), np.int64))  # the clone's own plan still commits there
+    assert other.length(a) == 7 and m.length(a) == 6
 
 
 @pytest.mark.parametrize("change, what", [
@@ -277,7 +282,7 @@ def test_nothing_else_touches_a_planned_sequence_until_its_plan_is_committed(cha
             "build": lambda: m.build_step_metadata([a], [1]), "replan": lambda: m.plan_decode([b], 2),
             "fork": lambda: m.fork(a)}[change]
     seq = b if change in ("release", "reserve", "replan") else a
-    refused(m, ValueError, f"sequence {seq} has an open decode plan .* before {what}", call)
+    assert_refused(m, ValueError, f"sequence {seq} has an open decode plan .* before {what}", call)
     m.commit_decode(plan, np.ones((2, 3), np.int64), [2, 0])
     call()  # allowed once the plan is committed
     m.check_invariants()
@@ -292,7 +297,7 @@ def test_the_stamp_refuses_a_plan_whose_sequence_changed_behind_the_open_plan_gu
     m.step([a], [42])
     m.truncate(a, 5)  # written and rewound: the very same length and pages
     m._seqs.planned[[a, b]] = True
-    refused(m, ValueError, "sequence 0 .* changed after the plan .*length 5 then, 5 now", m.commit_decode, plan,
+    assert_refused(m, ValueError, "sequence 0 .* changed after the plan .*length 5 then, 5 now", m.commit_decode, plan,
             np.ones((2, 3), np.int64))
 
 
@@ -309,10 +314,10 @@ def test_a_swapped_or_full_sequence_is_not_planned_and_swap_out_waits_for_the_pl
     prefill(m, a, list(range(16)))  # at max_sequences
     prefill(m, b, [1, 2, 3])
     # a sequence with no position left cannot be planned, even for no token; nothing changes
-    refused(m, ValueError, r"sequence 0 would hold 17 tokens \(a decode step's position\)", m.plan_decode, [b, a], 4,
-            max_tokens=[4, 0])
+    assert_refused(m, ValueError, r"sequence 0 would hold 17 tokens \(a decode step's position\)", m.plan_decode,
+                   [b, a], 4, max_tokens=[4, 0])
     plan = m.plan_decode([b], 2)
-    refused(m, ValueError, "sequence 1 has an open decode plan .* before swapping it out", m.swap_out, b)
+    assert_refused(m, ValueError, "sequence 1 has an open decode plan .* before swapping it out", m.swap_out, b)
     m.commit_decode(plan, np.ones((1, 2), np.int64))
 
 

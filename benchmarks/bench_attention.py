@@ -1,7 +1,7 @@
 """Decode attention over pages vs a dense cache, and ragged vs full batches, on 8 simulated CPU
 devices.
 
-    python benchmarks/bench_attention.py            # the table for the README
+    python benchmarks/bench_attention.py            # the table for docs/benchmarks.md
     python benchmarks/bench_attention.py --quick    # tiny sizes, 3 rounds: a smoke run (CI)
 
 Setup (issue 4): 32 sequences, 8 kv heads split over tp=8, 32 q heads (GQA 4), head_dim 128,
@@ -39,7 +39,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import easykv  # noqa: E402
+from easykv.attention.api import paged_attention_implementation  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.storage.pages import PageLayout  # noqa: E402
 
 KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 8, 32, 128, 16
 
@@ -61,7 +63,7 @@ class Setup:
     meta: easykv.PagedAttentionCacheMetaData
     kp: jax.Array
     vp: jax.Array
-    layout: easykv.PageLayout
+    layout: PageLayout
     kd: jax.Array
     vd: jax.Array
     q: jax.Array
@@ -188,7 +190,7 @@ def report(s: Setup, sizes: Sizes, t: dict[str, np.ndarray], errors: tuple[float
     def ratio(a, b):
         return float(np.median(t[a] / t[b]))
 
-    impl = easykv.paged_attention_implementation(s.q, s.kp, s.vp, s.md["full"], layer=0, layout=s.layout,
+    impl = paged_attention_implementation(s.q, s.kp, s.vp, s.md["full"], layer=0, layout=s.layout,
                                                  dtype=jnp.bfloat16)
     b, n = sizes.batch, sizes.max_len
     ragged = s.lens_ragged

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import easykv  # noqa: E402
 from easykv.checkpoint.checkpointer import restore_cache, save_cache  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.tiers.sleep import device_bytes  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 4, 8, 128, 16
 
@@ -75,11 +76,11 @@ def level1_round(state: dict, directory: str, reference: list, times: dict, held
     """Sleep (level 1) and wake once, with the floor, a fresh init_cache and a restore from disk."""
     mesh, pm, cache, manager, pool = (state[k] for k in ("mesh", "pm", "cache", "manager", "pool"))
     gc.collect()
-    base = easykv.device_bytes() - pool
+    base = device_bytes() - pool
     t0 = time.perf_counter()
     sleeping = easykv.sleep(cache, manager)
     t1 = time.perf_counter()
-    held["asleep (level 1)"] = easykv.device_bytes() - base
+    held["asleep (level 1)"] = device_bytes() - base
     # the floor: the same pinned_host arrays back to device memory, plainly
     host = jax.tree.leaves((sleeping.key_pages, sleeping.value_pages))
     t2 = time.perf_counter()
@@ -92,7 +93,7 @@ def level1_round(state: dict, directory: str, reference: list, times: dict, held
     t3 = time.perf_counter()
     state["cache"], state["manager"] = cache, manager
     gc.collect()
-    held["awake"] = easykv.device_bytes() - base
+    held["awake"] = device_bytes() - base
     assert all(np.array_equal(np.asarray(a), b) for a, b in zip(jax.tree.leaves(cache), reference))
     times["sleep1"].append(t1 - t0)
     times["wake1"].append(t3 - t2)
@@ -113,11 +114,11 @@ def level2_round(state: dict, times: dict, held: dict) -> None:
     for s in manager.active_ids:
         manager.release(s)
     gc.collect()
-    base = easykv.device_bytes() - state["pool"]
+    base = device_bytes() - state["pool"]
     t0 = time.perf_counter()
     sleeping = easykv.sleep(state["cache"], manager, level=2)
     t1 = time.perf_counter()
-    held["asleep (level 2)"] = easykv.device_bytes() - base
+    held["asleep (level 2)"] = device_bytes() - base
     state["cache"], state["manager"] = easykv.wake(sleeping)
     jax.block_until_ready(jax.tree.leaves(state["cache"]))
     t2 = time.perf_counter()
@@ -164,7 +165,7 @@ def main() -> None:
                              else "/tmp/easykv-bench-sleep")
     warnings.simplefilter("ignore")
     mesh, pm, cache, manager = build(args.mib or (16 if args.quick else 256), 64 if args.quick else 512)
-    state = dict(mesh=mesh, pm=pm, cache=cache, manager=manager, pool=easykv.device_bytes(cache))
+    state = dict(mesh=mesh, pm=pm, cache=cache, manager=manager, pool=device_bytes(cache))
     del cache, manager  # state holds the live ones: sleeping must free the only reference
     times = {k: [] for k in ("sleep1", "wake1", "sleep2", "wake2", "init", "restore", "device_put")}
     held = {}

@@ -1,154 +1,118 @@
-"""easykv: a distributed, sharded, paged key/value cache for LLM inference in JAX."""
+"""easykv: a distributed, sharded, paged key/value cache for LLM inference and RL rollouts in JAX.
 
+The top level holds what an engine touches on every path: the metadata, the cache and its
+views, the page manager, the step metadata, attention, quantizers, checkpoints and sequence
+transfer, sleep / wake and the host tier, and the two errors a serving loop handles
+(`CacheFullError`, `CheckpointIntegrityError`; every other one is in `easykv.errors`).
+Everything else lives in its package (`easykv.spec`, `easykv.manager`, `easykv.storage`, ...);
+the names that used to be here too still import for one release, with a DeprecationWarning
+that names their home.
+"""
+
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from easykv.attention.api import (
-    paged_attention,
-    paged_attention_implementation,
-    paged_attention_reference,
-    view_attention,
-)
-from easykv.errors import (
-    CacheFullError,
-    CheckpointError,
-    CheckpointIntegrityError,
-    CheckpointLockedError,
-    CheckpointMismatchError,
-    CheckpointWriteError,
-    InvariantError,
-    LockstepError,
-    ManagerStateError,
-    MemoryUnavailableError,
-    MultiProcessError,
-    NotACheckpointError,
-    SerializationError,
-    StepNotFoundError,
-    UnknownSequenceError,
-)
-from easykv.manager.host_tier import HostTierMetrics
-from easykv.manager.manager import GroupPoolMetrics, PageManager, PageManagerMetrics, VersionMetrics, single_group
-from easykv.quantization import (
-    QuantizedPages,
-    Quantizer,
-    available_quantizers,
-    get_quantizer,
-    register_quantizer,
-)
-from easykv.spec.groups import ATTENTION_KINDS, AttentionKind, LayerGroup, group_pattern
-from easykv.spec.memory import MemoryBudget, device_memory_budget
-from easykv.spec.metadata import SUPPORTED_DTYPES, PagedAttentionCacheMetaData
-from easykv.spec.presets import PRESETS, ModelPreset
-from easykv.spec.sizing import tokens_per_gib
-from easykv.step.metadata import PAD_PAGE, PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
+from easykv import errors
+from easykv.attention.api import paged_attention, paged_attention_reference, view_attention
+from easykv.errors import CacheFullError, CheckpointIntegrityError
+from easykv.manager.manager import PageManager
+from easykv.quantization import Quantizer, available_quantizers, get_quantizer, register_quantizer
+from easykv.spec.groups import LayerGroup, group_pattern
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata
 from easykv.storage.cache import PagedAttentionCache, PagedAttentionCacheView, gather_kv
-from easykv.storage.pages import PageLayout, storage_dtype
 
 __version__ = "0.1.0"
 
 # Checkpointing brings orbax (about 0.35 s to import): load it on first use only.
 _LAZY = {
-    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer", "RestoredCache", "list_steps"),
-                    "easykv.checkpoint.checkpointer"),
-    **dict.fromkeys(("export_sequence", "import_sequence", "SequenceExport"), "easykv.checkpoint.transfer"),
-    **dict.fromkeys(("GroupedSequenceExport", "ExportedGroup"), "easykv.checkpoint.grouped_export"),
+    **dict.fromkeys(("save_cache", "restore_cache", "CacheCheckpointer"), "easykv.checkpoint.checkpointer"),
+    **dict.fromkeys(("export_sequence", "import_sequence"), "easykv.checkpoint.transfer"),
     "inspect_checkpoint": "easykv.checkpoint.inspect",
-    **dict.fromkeys(("sleep", "wake", "SleepingCache", "device_bytes"), "easykv.tiers.sleep"),
+    **dict.fromkeys(("sleep", "wake"), "easykv.tiers.sleep"),
     "HostTier": "easykv.tiers.host",
 }
 
+# Names that were top-level in 0.1 and now live only in their package: still importable from
+# here, with a DeprecationWarning naming the new import, until 0.2.
+_MOVED = {
+    **dict.fromkeys(("ATTENTION_KINDS", "AttentionKind"), "easykv.spec.groups"),
+    **dict.fromkeys(("CheckpointError", "CheckpointLockedError", "CheckpointMismatchError", "CheckpointWriteError",
+                     "InvariantError", "LockstepError", "ManagerStateError", "MemoryUnavailableError",
+                     "MultiProcessError", "NotACheckpointError", "SerializationError", "StepNotFoundError",
+                     "UnknownSequenceError"), "easykv.errors"),
+    **dict.fromkeys(("ExportedGroup", "GroupedSequenceExport"), "easykv.checkpoint.grouped_export"),
+    **dict.fromkeys(("GroupPoolMetrics", "PageManagerMetrics", "VersionMetrics", "single_group"),
+                    "easykv.manager.manager"),
+    "HostTierMetrics": "easykv.manager.host_tier",
+    **dict.fromkeys(("MemoryBudget", "device_memory_budget"), "easykv.spec.memory"),
+    **dict.fromkeys(("ModelPreset", "PRESETS"), "easykv.spec.presets"),
+    **dict.fromkeys(("PAD_PAGE", "increment_cache_lengths"), "easykv.step.metadata"),
+    **dict.fromkeys(("PageLayout", "storage_dtype"), "easykv.storage.pages"),
+    "QuantizedPages": "easykv.quantization",
+    **dict.fromkeys(("RestoredCache", "list_steps"), "easykv.checkpoint.checkpointer"),
+    "SUPPORTED_DTYPES": "easykv.spec.metadata",
+    "SequenceExport": "easykv.checkpoint.transfer",
+    **dict.fromkeys(("SleepingCache", "device_bytes"), "easykv.tiers.sleep"),
+    "paged_attention_implementation": "easykv.attention.api",
+    "tokens_per_gib": "easykv.spec.sizing",
+}
+
 if TYPE_CHECKING:  # the lazy names' types, for type checkers only (never imported here at run time)
-    from easykv.checkpoint.checkpointer import (
-        CacheCheckpointer,
-        RestoredCache,
-        list_steps,
-        restore_cache,
-        save_cache,
-    )
-    from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
+    from easykv.checkpoint.checkpointer import CacheCheckpointer, restore_cache, save_cache
     from easykv.checkpoint.inspect import inspect_checkpoint
-    from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
+    from easykv.checkpoint.transfer import export_sequence, import_sequence
     from easykv.tiers.host import HostTier
-    from easykv.tiers.sleep import SleepingCache, device_bytes, sleep, wake
+    from easykv.tiers.sleep import sleep, wake
 
 
 def __dir__() -> list[str]:
-    """The module's names and the lazily loaded ones (``dir(easykv)`` and completion see them all)."""
+    """The module's names and the lazily loaded ones (``dir(easykv)`` and completion see them all;
+    the deprecated names are left out, so nothing new is written against them)."""
     return sorted({*globals(), *_LAZY})
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'easykv' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _MOVED:
+        home = _MOVED[name]
+        warnings.warn(f"easykv.{name} is deprecated: import it from its package instead "
+                      f"(from {home} import {name}); the top-level name goes away in easykv 0.2",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
+    raise AttributeError(f"module 'easykv' has no attribute {name!r}")
 
 
 __all__ = [
-    "ATTENTION_KINDS",
-    "AttentionKind",
     "CacheCheckpointer",
     "CacheFullError",
-    "CheckpointError",
     "CheckpointIntegrityError",
-    "CheckpointLockedError",
-    "CheckpointMismatchError",
-    "CheckpointWriteError",
-    "ExportedGroup",
-    "GroupPoolMetrics",
-    "GroupedSequenceExport",
     "HostTier",
-    "HostTierMetrics",
-    "InvariantError",
     "LayerGroup",
-    "LockstepError",
-    "ManagerStateError",
-    "MemoryBudget",
-    "MemoryUnavailableError",
-    "ModelPreset",
-    "MultiProcessError",
-    "NotACheckpointError",
-    "PAD_PAGE",
     "PAD_SLOT",
-    "PRESETS",
-    "PageLayout",
     "PageManager",
-    "PageManagerMetrics",
     "PagedAttentionCache",
     "PagedAttentionCacheMetaData",
     "PagedAttentionCacheView",
     "PagedAttentionMetadata",
-    "QuantizedPages",
     "Quantizer",
-    "RestoredCache",
-    "SUPPORTED_DTYPES",
-    "SequenceExport",
-    "SerializationError",
-    "SleepingCache",
-    "StepNotFoundError",
-    "UnknownSequenceError",
-    "VersionMetrics",
     "available_quantizers",
-    "device_bytes",
-    "device_memory_budget",
+    "errors",
     "export_sequence",
     "gather_kv",
     "get_quantizer",
     "group_pattern",
     "import_sequence",
-    "increment_cache_lengths",
     "inspect_checkpoint",
-    "list_steps",
     "paged_attention",
-    "paged_attention_implementation",
     "paged_attention_reference",
     "register_quantizer",
     "restore_cache",
     "save_cache",
-    "single_group",
     "sleep",
-    "storage_dtype",
-    "tokens_per_gib",
     "view_attention",
     "wake",
 ]

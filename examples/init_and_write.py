@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 
 import easykv  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.step.metadata import PAD_PAGE  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     cache, dropped = cache.write(prompt, prompt * 2, step)
 
     new = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
-    table = np.full((1, meta.num_pages_per_sequence), easykv.PAD_PAGE, np.int32)
+    table = np.full((1, meta.num_pages_per_sequence), PAD_PAGE, np.int32)
     table[0, :3] = pages
     step = easykv.PagedAttentionMetadata.for_decode(table, [40], cache_metadata=meta)
     cache, dropped = cache.write(new, new * 2, step)

@@ -23,6 +23,7 @@ import easykv  # noqa: E402
 from easykv.demo.engine import Engine, Request, reference_generate  # noqa: E402
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.tiers.sleep import device_bytes  # noqa: E402
 
 SYSTEM = list(range(1, 25))
 PROMPTS = [SYSTEM + [100 + i] * 5 for i in range(3)]
@@ -62,9 +63,9 @@ def main() -> None:
     manager.set_weight_version(0)
     cache, first = rollouts(CompiledModel(policy), cache, manager)
 
-    pool, held = easykv.device_bytes(cache), easykv.device_bytes()
+    pool, held = device_bytes(cache), device_bytes()
     sleeping = easykv.sleep(cache, manager)  # the trainer takes the accelerators
-    freed = held - easykv.device_bytes()
+    freed = held - device_bytes()
     assert freed == pool
     print(f"asleep: the pool's {pool} device bytes are free ({sleeping.host_bytes} bytes in host memory)")
     policy = perturbed(policy, 0.3, seed=1)  # the weight update

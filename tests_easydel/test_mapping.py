@@ -38,6 +38,7 @@ from easykv.integrations.easydel import (  # noqa: E402
     runtime_from_easydel,
     use_easykv,
 )
+from easykv.quantization import QuantizedPages  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager  # noqa: E402
 
 
@@ -184,7 +185,7 @@ def test_quantized_cache_from_the_model_config():
     quantizer = EasyQuantizer(quantization_config=model.config.kv_cache_quantization_config)  # as eSurge builds it
     cache = model.init_operations_cache(2, 64, page_size=16, quantizer=quantizer)
     meta = cache.easykv_metadata
-    assert meta.quantization == "int8" and isinstance(cache.views[0].k_pages, easykv.QuantizedPages)
+    assert meta.quantization == "int8" and isinstance(cache.views[0].k_pages, QuantizedPages)
     engine = GreedyEngine(model, cache, "v3")
     (out,) = run_greedy([engine], [[5, 6, 7], [9, 10, 11, 12, 13, 14]], 4, meta=meta, tokens_per_step=16)
     assert all(len(seq) == 4 for seq in out)

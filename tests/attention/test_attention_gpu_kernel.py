@@ -8,6 +8,7 @@ import pytest
 
 import easykv
 from easykv.attention import checks
+from easykv.attention.api import paged_attention_implementation
 from easykv.attention.checks import gpu_blocks
 from easykv.quantization import get_quantizer
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
@@ -55,9 +56,9 @@ def test_fitting_decode_goes_to_the_gpu_kernel(on_gpu, quant):
     md = decode(rng, [9, 30, 0])
     q = jnp.zeros((3, 4 * HEADS, DIM), jnp.bfloat16)
     on_gpu()
-    assert easykv.paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16) == "pallas_gpu"
-    assert easykv.paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16, implementation="xla") == "xla"
-    assert easykv.paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16, logit_soft_cap=30.0) == "pallas_gpu"
+    assert paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16) == "pallas_gpu"
+    assert paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16, implementation="xla") == "xla"
+    assert paged_attention_implementation(q, k, v, md, dtype=jnp.bfloat16, logit_soft_cap=30.0) == "pallas_gpu"
 
 
 def _unfit_cases(rng):
@@ -84,7 +85,7 @@ def test_calls_it_cannot_take_go_to_xla_and_forcing_them_says_why(on_gpu):
     on_gpu()
     for what, args, options, message in _unfit_cases(np.random.default_rng(1)):
         sinks = options.pop("sinks", None)
-        assert easykv.paged_attention_implementation(*args, sinks=sinks, **options) == "xla", what
+        assert paged_attention_implementation(*args, sinks=sinks, **options) == "xla", what
         with pytest.raises(ValueError, match=r"implementation='pallas_gpu' cannot run this call: .*" + message):
             easykv.paged_attention(*args, sinks=sinks, implementation="pallas_gpu", **options)
 
@@ -95,13 +96,13 @@ def test_tpu_kernel_first_on_tpu_and_no_kernel_on_cpu(on_gpu):
     md = decode(rng, [9, 30])
     q = jnp.zeros((2, 4 * HEADS, 128), jnp.bfloat16)
     on_gpu("tpu")
-    assert easykv.paged_attention_implementation(q, k, v, md) == "pallas_tpu"
+    assert paged_attention_implementation(q, k, v, md) == "pallas_tpu"
     with pytest.raises(ValueError, match=r"'pallas_gpu' cannot run this call: it runs on GPU only and the pages "
                                          r"are on tpu \('pallas_gpu_interpret' runs it"):
         easykv.paged_attention(q, k, v, md, implementation="pallas_gpu")
     on_gpu("cpu")
-    assert easykv.paged_attention_implementation(q, k, v, md) == "xla"
-    assert easykv.paged_attention_implementation(q, k, v, md, implementation="pallas_gpu_interpret") == \
+    assert paged_attention_implementation(q, k, v, md) == "xla"
+    assert paged_attention_implementation(q, k, v, md, implementation="pallas_gpu_interpret") == \
         "pallas_gpu_interpret"
 
 

@@ -1,5 +1,5 @@
-"""Regressions of an outside attack on the reliability promise (see the README's Reliability
-section): each test is one way in which a call used to escape with the wrong error, change
+"""Regressions of an outside attack on the reliability promise (docs/reliability.md):
+each test is one way in which a call used to escape with the wrong error, change
 something silently, hang, or allocate far more than its input.
 """
 
@@ -16,13 +16,13 @@ from easykv import (
     CheckpointIntegrityError,
     PagedAttentionCacheMetaData,
     PageManager,
-    increment_cache_lengths,
     inspect_checkpoint,
-    list_steps,
     restore_cache,
     save_cache,
 )
+from easykv.checkpoint.checkpointer import list_steps
 from easykv.multihost import assert_lockstep
+from easykv.step.metadata import increment_cache_lengths
 from easykv.validation import integer_array
 from tests.support.checkpoints import engine_run, manager_path, qsetup
 

@@ -20,6 +20,7 @@ from easykv import PagedAttentionCacheMetaData, gather_kv
 from easykv.checkpoint.inspect import inspect_checkpoint
 from easykv.cli import main
 from easykv.errors import CheckpointIntegrityError
+from easykv.quantization import QuantizedPages
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from tests.support.checkpoints import load_record, make_legacy, manager_path, write_record
 
@@ -66,9 +67,9 @@ def test_format_2_restores_stacked_and_saves_as_format_3(name, want, tmp_path):
     assert manager.state_dict() == json.loads(str(want[f"{name}/manager_state_json"]))
     # The layers are now one stack per K and V, the stored bits those of the per-layer arrays.
     k = cache.key_pages[0]
-    leaf = k.values if isinstance(k, easykv.QuantizedPages) else k
+    leaf = k.values if isinstance(k, QuantizedPages) else k
     assert len(cache.key_pages) == 1 and leaf.shape[:3] == (LAYERS, 2, meta.num_pages_per_layer)
-    part = "values" if isinstance(k, easykv.QuantizedPages) else "pages"
+    part = "values" if isinstance(k, QuantizedPages) else "pages"
     for layer in range(LAYERS):
         raw = np.asarray(leaf[layer])
         assert np.array_equal(raw.view(f"u{raw.dtype.itemsize}"), want[f"{name}/raw/{layer}/key_{part}"])

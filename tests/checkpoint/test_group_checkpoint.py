@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv import CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaData
+from easykv import LayerGroup, PagedAttentionCacheMetaData
+from easykv.errors import CheckpointMismatchError
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.groups import GROUPS, LAYERS, PS, filled, mesh_and_rule
 

@@ -14,14 +14,9 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv import (
-    CacheFullError,
-    LayerGroup,
-    ManagerStateError,
-    PagedAttentionCache,
-    PagedAttentionCacheMetaData,
-    PageManager,
-)
+from easykv import CacheFullError, LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
+from easykv.errors import ManagerStateError
+from easykv.manager.manager import single_group
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from tests.support.attention import numpy_attention
 from tests.support.tiers import tiered
@@ -201,17 +196,17 @@ def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
     for m in (one, two):
         m.claim(1)
     (rt,) = answer = one.build_step_metadata([0], [3])
-    assert easykv.single_group(answer) is rt and rt.slot_mapping.tolist() == [0, 1, 2]
+    assert single_group(answer) is rt and rt.slot_mapping.tolist() == [0, 1, 2]
     one.step([0], [[7, 8, 9]])
     [(dec,)] = one.build_decode_metadata([0])
     assert one.increment_cache_lengths(dec)[0].positions.tolist() == [4]  # one group: bare metadata too
     with pytest.raises(ValueError, match=r"one item for each of 2 layer groups; index it by group \(answer\[g\]\)"):
-        easykv.single_group(two.build_step_metadata([0], [3]))
+        single_group(two.build_step_metadata([0], [3]))
     with pytest.raises(ValueError, match=r"pending_copies / take_copies give two, \(src_per_group, dst_per_group\): "
                                          r"unpack each"):
-        easykv.single_group(one.pending_copies())
+        single_group(one.pending_copies())
     with pytest.raises(ValueError, match=r"takes a per-group answer .* got PagedAttentionMetadata"):
-        easykv.single_group(rt)
+        single_group(rt)
     with pytest.raises(ValueError, match=r"this manager has 1 layer group\(s\): pass a tuple of 1 step metadata.*"
                                          r"got a tuple of 2"):
         one.increment_cache_lengths((rt, rt))

@@ -4,7 +4,8 @@ window: exact page ids on a 10-page pool, forks, release, and the state with its
 import numpy as np
 import pytest
 
-from easykv import InvariantError, LayerGroup, ManagerStateError, PagedAttentionCacheMetaData, PageManager
+from easykv import LayerGroup, PagedAttentionCacheMetaData, PageManager
+from easykv.errors import InvariantError, ManagerStateError
 
 PAD = -1
 
@@ -452,7 +453,7 @@ def test_a_crafted_window_export_header_is_refused_by_name():
     import io
     import json
 
-    from easykv import SequenceExport
+    from easykv.checkpoint.transfer import SequenceExport
 
     exp = SequenceExport(length=6, num_hidden_layers=1, num_kv_heads=1, kv_head_dim_size=2, dtype="float32",
                          quantization="none", raw=False, keys=np.ones((1, 2, 1, 2), np.float32),

@@ -33,6 +33,7 @@ import easykv  # noqa: E402
 from easykv.errors import LockstepError  # noqa: E402
 from easykv.multihost import assert_lockstep  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
+from easykv.tiers.sleep import device_bytes  # noqa: E402
 
 assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
 
@@ -184,9 +185,9 @@ def grouped_mode(directory: str) -> None:
     assert manager.first_kept_position(b, group=0) == 18  # length 23, window 6: the rest was released
     check(cache, manager)
     # sleep (each process keeps its own shards in host memory) and wake where it slept
-    pool = easykv.device_bytes(cache)
+    pool = device_bytes(cache)
     sleeping = easykv.sleep(cache, manager)
-    assert sleeping.host_bytes == pool and easykv.device_bytes(sleeping.key_pages) == 0
+    assert sleeping.host_bytes == pool and device_bytes(sleeping.key_pages) == 0
     cache, manager = easykv.wake(sleeping)
     check(cache, manager)
     save_cache(directory, cache, manager, step=1)

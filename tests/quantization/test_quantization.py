@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import easykv
+from easykv.attention.api import paged_attention_implementation
 from easykv.quantization import (
     Fp8Quantizer,
     Int4Quantizer,
@@ -259,7 +260,7 @@ def test_attention_over_quantized_pages(quant, layout):
         np.testing.assert_allclose(np.asarray(fast, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
         outs[name] = np.asarray(fast, np.float32)
     assert isinstance(view.key_pages, QuantizedPages)
-    assert easykv.paged_attention_implementation(q, view.key_pages, view.value_pages, decode, dtype=view.dtype,
+    assert paged_attention_implementation(q, view.key_pages, view.value_pages, decode, dtype=view.dtype,
                                                  layout=view.layout) == "xla"  # fmt: skip
     assert rel_error(outs[quant], outs["none"]) < BOUNDS[quant]
 

@@ -7,10 +7,12 @@ import math
 import numpy as np
 import pytest
 
-import easykv
-from easykv import LayerGroup, PagedAttentionCacheMetaData, SerializationError, group_pattern, tokens_per_gib
+from easykv import LayerGroup, PagedAttentionCacheMetaData, group_pattern
 from easykv.cli import main
+from easykv.errors import SerializationError
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
+from easykv.spec.presets import PRESETS
+from easykv.spec.sizing import tokens_per_gib
 
 HEADS_TP = PartitionManager(PartitionAxis(kv_head_axis="tp"))
 PAGES_DP = PartitionManager(PartitionAxis(kv_head_axis="tp", page_axis="dp"))
@@ -163,7 +165,7 @@ def test_too_small_a_budget_names_the_groups(tp8):
 
 
 def test_gemma3_pattern_holds_over_4x_the_tokens_per_gib(tp8):
-    preset = easykv.PRESETS["gemma-3-27b"]
+    preset = PRESETS["gemma-3-27b"]
     meta = PagedAttentionCacheMetaData.create(
         tp8, 8, preset.layers, 32768, 16, preset.num_kv_heads, preset.head_dim, 0.9, "bfloat16",
         partition_manager=HEADS_TP, memory_bytes_per_device=16 * GiB, layer_groups=preset.layer_groups())
@@ -212,7 +214,7 @@ def test_crafted_grouped_json_is_refused(tp8, edit, words):
 
 # ---- presets and plan --------------------------------------------------------------------------
 def test_presets_have_their_published_patterns():
-    p = easykv.PRESETS
+    p = PRESETS
     g3 = p["gemma-3-27b"].layer_groups()
     assert [g.attention for g in g3] == ["sliding", "full"] and g3[1].layers == tuple(range(5, 62, 6))
     assert g3[0].window == 1024

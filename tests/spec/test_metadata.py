@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from easykv import PagedAttentionCacheMetaData, SerializationError
+from easykv import PagedAttentionCacheMetaData
+from easykv.errors import SerializationError
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 
 MiB = 2**20

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from easykv import PagedAttentionMetadata, increment_cache_lengths
+from easykv import PagedAttentionMetadata
+from easykv.step.metadata import increment_cache_lengths
 from easykv.validation import INT32_MAX, INT64_MAX
 from tests.support.hostile import DECODE, GARBAGE, INTS, META, check_refused_or_in_range
 from tests.support.pools import MAX_LEN, PAGES

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from easykv import PagedAttentionMetadata, gather_kv, increment_cache_lengths
-from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, slots_from_table
+from easykv import PagedAttentionMetadata, gather_kv
+from easykv.step.metadata import INVALID_SLOT, PAD_SLOT, increment_cache_lengths, slots_from_table
 from tests.support.pools import LAYERS, PAGE_SIZE, PAGES, bits, new_cache, random_tokens, setup, snapshot
 
 INT32 = np.iinfo(np.int32)

@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 
 import easykv
-from easykv import CheckpointMismatchError, LayerGroup, PagedAttentionCacheMetaData, QuantizedPages
+from easykv import LayerGroup, PagedAttentionCacheMetaData
 from easykv.checkpoint.grouped_export import GroupedSequenceExport
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
+from easykv.errors import CheckpointMismatchError
+from easykv.quantization import QuantizedPages
 from easykv.sharding import ShardingAdjustedWarning
 from tests.support.attention import numpy_attention
 from tests.support.groups import (

@@ -18,6 +18,7 @@ import easykv
 from easykv import LayerGroup, PagedAttentionCache, PagedAttentionCacheMetaData, PageManager
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
 from easykv.spec.memory import MemoryBudget
+from easykv.tiers.sleep import device_bytes
 from tests.support.groups import FORMAT_GROUPS, GROUPS, LAYERS, PS, filled_formats, mesh_and_rule, read, rows_for, same
 from tests.support.tiers import tiered
 
@@ -29,15 +30,15 @@ def _live(cache):
 def test_level_1_frees_the_device_and_wakes_bit_exact_on_the_same_mesh():
     cache, m, s, _ = filled_formats("tp8")  # int8, bf16 and fp8 layer groups
     want, state = read(cache, m, s), m.state_dict()
-    pool = easykv.device_bytes(cache)
+    pool = device_bytes(cache)
     assert pool == cache.metadata.bytes_per_device * 8  # every device's shards, as sized
-    before = easykv.device_bytes()
+    before = device_bytes()
     sleeping = easykv.sleep(cache, m)
     assert not _live(cache) and sleeping.level == 1 and sleeping.host_bytes == pool
-    assert before - easykv.device_bytes() >= 0.99 * pool
+    assert before - device_bytes() >= 0.99 * pool
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(sleeping.key_pages)} == {"pinned_host"}
     woken, wm = easykv.wake(sleeping)
-    assert wm is m and m.state_dict() == state and easykv.device_bytes(woken) == pool
+    assert wm is m and m.state_dict() == state and device_bytes(woken) == pool
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(woken)} == {"device"}
     assert [leaf.sharding for leaf in jax.tree.leaves(woken)] == [
         leaf.sharding for leaf in jax.tree.leaves(filled_formats("tp8")[0])]
@@ -76,13 +77,13 @@ def test_level_2_needs_no_running_sequence_and_starts_again_from_zeros():
     assert _live(cache)
     m.release(s)
     assert m.metrics.cached_pages > 0
-    pool = easykv.device_bytes(cache)
-    before = easykv.device_bytes()
+    pool = device_bytes(cache)
+    before = device_bytes()
     sleeping = easykv.sleep(cache, m, level=2)
-    assert sleeping.host_bytes == 0 and before - easykv.device_bytes() >= 0.99 * pool
+    assert sleeping.host_bytes == 0 and before - device_bytes() >= 0.99 * pool
     assert m.metrics.cached_pages == 0 and m.weight_version == "rollout-3"
     woken, wm = easykv.wake(sleeping)
-    assert easykv.device_bytes(woken) == pool
+    assert device_bytes(woken) == pool
     assert all(not np.asarray(leaf).any() for leaf in jax.tree.leaves(woken))
     [t] = wm.claim(1)
     assert wm.match_prefix(t, list(range(7))) == 0  # nothing cached survives level 2
@@ -191,12 +192,12 @@ def test_level_1_wakes_replicated_heads_anywhere_bit_exact_and_usable(src, dst, 
     pages, want = _bits(cache), read(cache, m, s)
     sleeping = easykv.sleep(cache, m)
     gc.collect()
-    before = easykv.device_bytes()
+    before = device_bytes()
     woken, wm = _wake_moved(sleeping, dst)
     gc.collect()
     # every page back bit for bit, laid out on the target, and no staged copy left behind
     assert sleeping.host_bytes == 0 and not any(a.is_deleted() for a in jax.tree.leaves(woken))
-    assert easykv.device_bytes() - before == easykv.device_bytes(woken) == woken.metadata.bytes_per_device * (
+    assert device_bytes() - before == device_bytes(woken) == woken.metadata.bytes_per_device * (
         woken.layout.mesh.devices.size)
     assert {a.sharding.mesh for a in jax.tree.leaves(woken)} == {_mesh(dst or src)[0]}
     for got, had in zip(_bits(woken), pages, strict=True):

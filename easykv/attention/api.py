@@ -90,11 +90,12 @@ def paged_attention(
     Args:
       q: decode ``(batch, num_q_heads, head_dim)``; prefill ``(padded_len, num_q_heads,
         head_dim)``; mixed ``(num_tokens, num_q_heads, head_dim)``. float32/bfloat16/float16.
-      key_pages, value_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical
-        dtype or its storage dtype (raw uint bits on CPU). Plain value pages may have another
-        head dim than the keys, ``v_head_dim``; the output then has it. ``value_pages=None``: a
-        latent cache (DeepSeek's MLA stores one vector per token, no separate values): the values
-        are the first ``value_head_dim`` dims of each key, read with it, never stored twice.
+      key_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` in the logical dtype or its
+        storage dtype (raw uint bits on CPU), or `QuantizedPages` of a quantizer.
+      value_pages: as ``key_pages``; plain value pages may have another head dim than the keys,
+        ``v_head_dim``; the output then has it. ``None``: a latent cache (DeepSeek's MLA stores
+        one vector per token, no separate values): the values are the first ``value_head_dim``
+        dims of each key, read with it, never stored twice.
       metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
         are checked against the pool before anything runs.
       layer: the pages are a layer group's stack ``(layers, num_kv_heads, num_pages, page_size,
@@ -137,9 +138,23 @@ def view_attention(q: Array, view: PagedAttentionCacheView,
                    metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata],
                    **options: Unpack[ViewKeywords]) -> jax.Array:
     """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
-    its group's stacked pages read at its layer, its layout and its logical dtype (``options``
-    are paged_attention's keywords but ``layer``, ``layout`` and ``dtype``). ``metadata``: one
-    step, or one per layer group of the view's cache."""
+    its group's stacked pages read at its layer, its layout and its logical dtype. The view's
+    layer group decides how the layer attends: a sliding or chunked group's window and a latent
+    group's ``value_head_dim`` are passed on, and an option that says otherwise is refused.
+
+    Args:
+      q: ``(num_tokens, num_q_heads, head_dim)`` float32 / bfloat16 / float16, as in
+        `paged_attention` (decode ``(batch, ...)``, prefill ``(padded_len, ...)``).
+      view: the layer's `PagedAttentionCacheView` (``cache[i]``, or ``view.at_layer(i)`` in a
+        scan over a group's layers).
+      metadata: one decode, prefill or mixed `PagedAttentionMetadata` for every layer group, or
+        a sequence of one per layer group of the view's cache (the view's group's is used).
+      **options: `paged_attention`'s keywords but ``layer``, ``layout`` and ``dtype`` (taken from
+        the view; passing one is a ValueError).
+
+    Returns:
+      ``(num_tokens, num_q_heads, v_head_dim)`` in ``q.dtype``; padding rows are zeros.
+    """
     for key in ("layer", "layout", "dtype"):
         if key in options:
             raise ValueError(f"view_attention takes {key} from the view; do not pass {key}=")
@@ -185,7 +200,15 @@ def paged_attention_implementation(
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
     one of the Pallas kernels (``"pallas_tpu"``, ``"pallas_gpu"``, ``"pallas_gpu_interpret"``).
-    Raises what ``paged_attention`` would raise for bad input."""
+    Raises what ``paged_attention`` would raise for bad input.
+
+    Args:
+      q: as in `paged_attention`.
+      key_pages: as in `paged_attention`.
+      value_pages: as in `paged_attention` (``None``: a latent cache).
+      metadata: as in `paged_attention`.
+      **options: `paged_attention`'s keywords, ``sinks`` and ``layer`` included.
+    """
     given: dict[str, Any] = dict(options)  # the options, checked as AttentionOptions builds them
     sinks, layer = given.pop("sinks", None), given.pop("layer", None)
     return prepare(q, key_pages, value_pages, metadata, AttentionOptions(**given), sinks=sinks,
@@ -200,9 +223,22 @@ def paged_attention_reference(
     values, then masked softmax attention in float32 for every query row. Memory and time grow
     with ``num_tokens x pages_per_sequence x page_size``: for tests, not for serving.
 
-    ``value_pages``, ``sinks``, ``layer`` and ``options``: :func:`paged_attention`'s (``options``: ``scale``,
-    ``sliding_window``, ``chunk_size``, ``value_head_dim``, ``logit_soft_cap``, ``dtype``). The reference runs
-    unsplit and unblocked, with no kernel choice, so the other options are refused."""
+    Args:
+      q: ``(num_tokens, num_q_heads, head_dim)`` float32 / bfloat16 / float16, as in
+        `paged_attention`.
+      key_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` (or a layer group's stack
+        ``(layers, ...)`` with ``layer``), as in `paged_attention`.
+      value_pages: as ``key_pages``; ``None`` for a latent cache (with ``value_head_dim``).
+      metadata: a decode, prefill or mixed `PagedAttentionMetadata`.
+      sinks: ``(num_q_heads,)`` float sink logits, or ``None``; as in `paged_attention`.
+      layer: the layer of stacked pages to read (``None``: one layer's pages).
+      **options: ``scale``, ``sliding_window``, ``chunk_size``, ``value_head_dim``,
+        ``logit_soft_cap`` and ``dtype``, as in `paged_attention`. The reference runs unsplit and
+        unblocked, with no kernel choice, so the other options are refused (ValueError).
+
+    Returns:
+      ``(num_tokens, num_q_heads, v_head_dim)`` in ``q.dtype``; padding rows are zeros.
+    """
     unknown = sorted(set(options) - set(REFERENCE_OPTIONS))
     if unknown:
         raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "

@@ -26,11 +26,21 @@ class Quantizer(Protocol):
     def bytes_per_token_head(self, head_dim: int, dtype: np.dtype) -> int:
         """Stored bytes of one token of one kv head, values and per-token scales together. A
         quantizer with scales per page also has ``bytes_per_page_head(page_size, head_dim,
-        dtype)``, which sizing uses instead (``page_head_bytes``)."""
+        dtype)``, which sizing uses instead (``page_head_bytes``).
+
+        Args:
+          head_dim: values per token and head.
+          dtype: the cache's logical dtype (a numpy dtype).
+        """
         ...
 
     def validate(self, head_dim: int, dtype: np.dtype) -> None:
-        """Raise ValueError if this quantizer cannot store ``head_dim`` values of ``dtype``."""
+        """Raise ValueError if this quantizer cannot store ``head_dim`` values of ``dtype``.
+
+        Args:
+          head_dim: values per token and head.
+          dtype: the cache's logical dtype (a numpy dtype).
+        """
         ...
 
 
@@ -85,16 +95,31 @@ def rotation_of(quantizer: Any, head_dim: int) -> Rotation | None:
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["quantizer"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedPages:
-    """Stored values plus compact scales, for pages or for a batch of new tokens."""
+    """Stored values plus compact scales, for pages or for a batch of new tokens. A pytree: the
+    arrays are its leaves, the quantizer static.
+
+    Attributes:
+      values: the codes, ``(*lead, packed)``: pages ``(num_kv_heads, num_pages, page_size, packed)``
+        (a layer group's stack leads with ``layers``), new tokens ``(num_tokens, num_kv_heads,
+        packed)``; shape and dtype of the quantizer's ``value_shape(head_dim)``.
+      scales: ``(*lead, *scale_shape)``, one set per token in the quantizer's scale dtype (float32
+        unless it says otherwise); a quantizer with scales per page (``int4-ch``) has no
+        ``page_size`` axis: ``(..., num_pages, *scale_shape)``.
+      quantizer: the compressing quantizer that made them (and dequantizes them).
+    """
 
     values: Any
     scales: Any
     quantizer: Any
 
     def dequantize(self, dtype: Any, *, rotated: bool = False) -> jax.Array:
-        """The values these codes stand for, in ``dtype``. ``rotated=True``: a rotating
-        quantizer's values are left in its rotated basis (attention rotates the query instead);
-        for any other quantizer it changes nothing."""
+        """The values these codes stand for, ``(*lead, head_dim)`` in ``dtype``.
+
+        Args:
+          dtype: the dtype of the result (the cache's logical dtype).
+          rotated: a rotating quantizer's values are left in its rotated basis (attention rotates
+            the query instead); for any other quantizer it changes nothing. Default False.
+        """
         # ``quantizer`` is any compressing quantizer (duck-typed: a rotating one takes ``rotated``).
         values: jax.Array
         if rotated and self.rotation is not None:
@@ -105,6 +130,7 @@ class QuantizedPages:
 
     @property
     def rotation(self) -> Rotation | None:
+        """The rotation the quantizer applied to these values (None: none)."""
         return rotation_of(self.quantizer, self.head_dim)
 
     @property

@@ -34,11 +34,27 @@ def available_quantizers() -> tuple[str, ...]:
 
 
 def register_quantizer(quantizer: Quantizer) -> None:
-    """Make a custom quantizer nameable (metadata records quantizers by name)."""
+    """Make a custom quantizer nameable (metadata records quantizers by name).
+
+    Args:
+      quantizer: an object of the `Quantizer` protocol (``name``, ``bytes_per_token_head``,
+        ``validate``); registering it again is a no-op.
+
+    Raises:
+      ValueError: ``quantizer`` is no `Quantizer`, its name is not a lower-case string, or the
+        name already names a different one.
+    """
     if not isinstance(quantizer, Quantizer):
         raise ValueError(f"{show(quantizer)} does not implement the Quantizer protocol "
                          "(name, bytes_per_token_head, validate)")
-    known = get_quantizer_or_none(quantizer.name)
+    name = quantizer.name
+    if not isinstance(name, str) or not name or name != name.lower() or name.strip() != name:
+        # get_quantizer looks names up in lower case: a name with capitals could be registered
+        # and listed but never found again
+        fix = name.strip().lower() if isinstance(name, str) and name.strip() else "my-quant"
+        raise ValueError(f"a quantizer's name must be a non-empty lower-case string without surrounding spaces "
+                         f"(names are looked up in lower case); got {show(name)}: name it {fix!r}")
+    known = get_quantizer_or_none(name)
     if known is not None and known != quantizer:
         raise ValueError(f"a different quantizer is already registered as {show(quantizer.name)}: {show(known)}")
     _REGISTRY[quantizer.name] = quantizer
@@ -61,7 +77,15 @@ def _built_in(key: str) -> Quantizer | None:
 
 def get_quantizer(quantizer: str | Quantizer | None) -> Quantizer:
     """Resolve ``None``, a name (see ``available_quantizers``) or a quantizer object to a
-    quantizer object."""
+    quantizer object.
+
+    Args:
+      quantizer: None (``"none"``: pages hold the cache dtype), a name (looked up in lower
+        case), or a quantizer object registered under its name.
+
+    Raises:
+      ValueError: an unknown name, an unregistered object, or anything else.
+    """
     if quantizer is None:
         return _REGISTRY["none"]
     if isinstance(quantizer, str):

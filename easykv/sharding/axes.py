@@ -86,7 +86,19 @@ class PartitionAxis:
     Each field is a mesh axis name, a tuple of names (the dimension is split over their product),
     or None (never sharded). Whether a rule can actually be applied to a given array depends on
     the mesh and the array's shape; `PartitionManager.resolve` decides that and reports any
-    adjustment.
+    adjustment. Lists are accepted and stored as tuples (the rules stay hashable); an empty name,
+    an empty sequence or a repeated axis is a ValueError.
+
+    Attributes:
+      batch_axis: the batch axis (default ``("fsdp", "dp")``).
+      sequence_axis: the sequence axis (default None).
+      head_axis: the query heads (default ``"tp"``).
+      kv_head_axis: the kv heads, of the pages too (default ``"tp"``).
+      head_dim_axis: the head dim (default None).
+      page_axis: the page pool (default None); set e.g. ``"dp"`` to give each data-parallel
+        replica its own slice of the pool.
+      page_size_axis: the tokens of a page (default None).
+      hidden_axis: the model's hidden dim (default None).
     """
 
     batch_axis: MeshAxes = ("fsdp", "dp")
@@ -104,7 +116,13 @@ class PartitionAxis:
             object.__setattr__(self, f.name, _normalize(f.name, getattr(self, f.name)))
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
-        """Mesh axes for a logical axis name, as a tuple (empty for None or unsharded axes)."""
+        """Mesh axes for a logical axis name, as a tuple (empty for None or unsharded axes).
+
+        Args:
+          logical: a logical axis name (``"batch"``, ``"sequence"``, ``"head"``, ``"kv_head"``,
+            ``"head_dim"``, ``"page"``, ``"page_size"``, ``"hidden"``) or None; any other is a
+            ValueError.
+        """
         if logical is None:
             return ()
         field_name = _FIELD_OF.get(logical) if isinstance(logical, str) else None

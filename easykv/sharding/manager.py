@@ -64,6 +64,10 @@ class PartitionManager:
 
     Frozen and hashable so it can be stored in other frozen dataclasses and passed to jit as a
     static argument.
+
+    Attributes:
+      paxis: the `PartitionAxis` rules; None (the default) is replaced by ``PartitionAxis()`` at
+        construction; anything else is a ValueError.
     """
 
     paxis: PartitionAxis | None = None
@@ -92,6 +96,18 @@ class PartitionManager:
 
         This is the single implementation; `resolve` only adds warnings on top, so a planner
         that prints the report sees exactly what `resolve` would have warned about.
+
+        Args:
+          axes: one logical axis name (or None: never sharded) per dimension, e.g.
+            ``("kv_head", "page", None, None)``.
+          shape: the array's shape, as many non-negative ints as ``axes``.
+          mesh: the `Mesh` to shard over.
+
+        Returns:
+          The ``PartitionSpec`` and a tuple of messages, one per mesh axis dropped.
+
+        Raises:
+          ValueError: malformed ``axes`` or ``shape``, or one mesh axis requested by two dims.
         """
         axes, shape = _check_inputs(axes, shape)
         mesh_sizes = dict(mesh.shape)
@@ -149,17 +165,36 @@ class PartitionManager:
         A mesh axis is dropped from a dimension when the mesh lacks it or when it (times the axes
         kept before it on that dimension) does not divide the dimension; the dimension is then
         replicated along that axis, and a `ShardingAdjustedWarning` says so.
+
+        Args:
+          axes: one logical axis name (or None: never sharded) per dimension, e.g.
+            ``("kv_head", "page", None, None)``.
+          shape: the array's shape, as many non-negative ints as ``axes``.
+          mesh: the `Mesh` to shard over.
         """
         return self._resolve(axes, shape, mesh, stacklevel=2)
 
     def named_sharding(
         self, axes: Sequence[str | None], shape: Sequence[int], *, mesh: Mesh
     ) -> NamedSharding:
-        """A NamedSharding for `shape` on `mesh`, resolved (and reported) like `resolve`."""
+        """A NamedSharding for `shape` on `mesh`, resolved (and reported) like `resolve`.
+
+        Args:
+          axes: one logical axis name (or None: never sharded) per dimension, e.g.
+            ``("kv_head", "page", None, None)``.
+          shape: the array's shape, as many non-negative ints as ``axes``.
+          mesh: the `Mesh` to shard over.
+        """
         return NamedSharding(mesh, self._resolve(axes, shape, mesh, stacklevel=2))
 
     def constrain(self, x: jax.Array, axes: Sequence[str | None], *, mesh: Mesh) -> jax.Array:
-        """`jax.lax.with_sharding_constraint` with the resolved spec; usable inside jit."""
+        """`jax.lax.with_sharding_constraint` with the resolved spec; usable inside jit.
+
+        Args:
+          x: the array to constrain; its shape is resolved as in `resolve`.
+          axes: one logical axis name (or None: never sharded) per dimension of ``x``.
+          mesh: the `Mesh` to shard over.
+        """
         sharding = NamedSharding(mesh, self._resolve(axes, x.shape, mesh, stacklevel=2))
         constrained: jax.Array = jax.lax.with_sharding_constraint(x, sharding)  # typed Any by jax
         return constrained

@@ -73,11 +73,18 @@ def _parse_axis_dims(axis_dims: AxisDims) -> list[tuple[str, int]]:
 def create_mesh(axis_dims: AxisDims, *, devices: Sequence[Any] | None = None) -> Mesh:
     """Build a `Mesh` with `Auto` axis types over all devices (or the ones given).
 
-    `axis_dims` is ordered (major axis first), e.g. {"dp": 1, "tp": 8}; one size may be -1 for
-    "all remaining devices". Without `devices`, `jax.make_mesh` chooses a device order that keeps
-    fast-interconnect neighbours on minor axes and spans every process in multi-host runs. With
-    `devices`, they are laid out in the order given, row-major, which is what callers who pass an
-    explicit order expect.
+    Args:
+      axis_dims: the axes in order (major axis first), a mapping name -> size or a sequence of
+        ``(name, size)`` pairs, e.g. ``{"dp": 1, "tp": 8}``; one size may be -1 for "all
+        remaining devices". The sizes must multiply to the number of devices.
+      devices: the devices to use, each once (None: all of ``jax.devices()``). Without them,
+        `jax.make_mesh` chooses a device order that keeps fast-interconnect neighbours on minor
+        axes and spans every process in multi-host runs; given, they are laid out in the order
+        given, row-major, which is what callers who pass an explicit order expect.
+
+    Raises:
+      ValueError: a malformed ``axis_dims``, sizes that do not fit the devices, or a device
+        listed twice.
     """
     pairs = _parse_axis_dims(axis_dims)
     if devices is not None:

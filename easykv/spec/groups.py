@@ -97,11 +97,27 @@ ATTENTION_KINDS: tuple[str, ...] = tuple(kind.value for kind in AttentionKind)
 
 @dataclasses.dataclass(frozen=True)
 class LayerGroup(Serializable):
-    """One group of layers (see the module doc). ``num_pages`` is the group's pool (pages per
-    layer, over all data-parallel replicas); ``None`` until ``PagedAttentionCacheMetaData.create``
-    sizes it. ``kv_head_mesh_axes`` / ``kv_head_shards``: how this group's heads are split over
-    the mesh (None: left to ``create`` / ``init_cache``, as the cache-wide fields).
-    ``dtype`` / ``quantization``: the group's own page format (None: the cache's)."""
+    """One group of layers (see the module doc).
+
+    Attributes:
+      layers: the model layers of the group, distinct ints ``>= 0`` (kept sorted).
+      attention: ``"full"`` (default), ``"sliding"`` or ``"chunked"`` (an `AttentionKind`).
+      window: a sliding group's window or a chunked group's chunk size, in tokens (None for
+        full attention).
+      num_kv_heads: kv heads per layer (None: the cache's ``num_kv_heads``).
+      key_head_dim: head dim of the keys, or of the latent (None: the cache's
+        ``kv_head_dim_size``).
+      value_head_dim: head dim of the values (None: ``key_head_dim``); of a latent group, the
+        leading dims of the latent read as the value (at most ``key_head_dim``).
+      latent: one vector per token and head, no value pages (DeepSeek's MLA).
+      num_pages: the group's pool (pages per layer, over all data-parallel replicas); ``None``
+        until ``PagedAttentionCacheMetaData.create`` sizes it.
+      kv_head_mesh_axes: mesh axes this group's heads are split over (None: left to ``create``
+        / ``init_cache``, as the cache-wide fields).
+      kv_head_shards: slices of this group's heads (given with ``kv_head_mesh_axes``, or neither).
+      dtype: the group's own page dtype (None: the cache's).
+      quantization: the group's own quantizer name (None: the cache's).
+    """
 
     SCHEMA: ClassVar[str] = "easykv.LayerGroup"
     SCHEMA_VERSION: ClassVar[int] = 2  # 2: dtype and quantization
@@ -189,6 +205,7 @@ class LayerGroup(Serializable):
 
     @property
     def num_layers(self) -> int:
+        """How many layers the group holds."""
         return len(self.layers)
 
     @property
@@ -197,22 +214,38 @@ class LayerGroup(Serializable):
         return not self.latent
 
     def filled(self, *, num_kv_heads: int, head_dim: int) -> LayerGroup:
-        """This group with the cache-wide head count and head dim where it leaves them open."""
+        """This group with the cache-wide head count and head dim where it leaves them open.
+
+        Args:
+          num_kv_heads: the cache's kv heads per layer.
+          head_dim: the cache's head dim, for ``key_head_dim`` (and ``value_head_dim``, which
+            otherwise takes the key head dim).
+        """
         k = self.key_head_dim if self.key_head_dim is not None else head_dim
         return dataclasses.replace(
             self, num_kv_heads=self.num_kv_heads if self.num_kv_heads is not None else num_kv_heads,
             key_head_dim=k, value_head_dim=self.value_head_dim if self.value_head_dim is not None else k)
 
     def own_format(self, *, dtype: np.dtype | None, quantization: str) -> LayerGroup:
-        """This group with None for a dtype or quantizer equal to the cache's (``dtype``,
-        ``quantization``): the one form of "the cache's format"."""
+        """This group with None for a dtype or quantizer equal to the cache's: the one form of
+        "the cache's format".
+
+        Args:
+          dtype: the cache's dtype (None while it is left to ``init_cache``).
+          quantization: the cache's quantizer name.
+        """
         return dataclasses.replace(self, dtype=None if self.dtype == dtype else self.dtype,
                                    quantization=None if self.quantization == quantization else self.quantization)
 
     def pages_per_sequence(self, max_tokens: int, page_size: int) -> int:
         """Pages one sequence of up to ``max_tokens`` keeps at once in one layer of this group
         once the pages that left its window are released (the sizing unit of the group;
-        `AttentionKind.pages_kept`)."""
+        `AttentionKind.pages_kept`).
+
+        Args:
+          max_tokens: the sequence's most tokens.
+          page_size: tokens per page.
+        """
         return self.attention.pages_kept(math.ceil(max_tokens / page_size), self.window, page_size)
 
     @overload
@@ -221,8 +254,11 @@ class LayerGroup(Serializable):
     def first_needed_position(self, next_position: np.ndarray) -> np.ndarray: ...
 
     def first_needed_position(self, next_position: int | np.ndarray) -> int | np.ndarray:
-        """The first token position a query at ``next_position`` or later can still read (an
-        int, or elementwise for a numpy array of positions)."""
+        """The first token position a query at ``next_position`` or later can still read.
+
+        Args:
+          next_position: an int position, or a numpy array of positions (then elementwise).
+        """
         return self.attention.first_needed_position(next_position, self.window)
 
     @property
@@ -261,7 +297,17 @@ def check_groups(groups: tuple[LayerGroup, ...], *, num_layers: int, page_size: 
 def group_pattern(num_layers: int, pattern: Any, **kinds: dict[str, Any]) -> tuple[LayerGroup, ...]:
     """Groups from a repeating per-layer pattern: ``group_pattern(62, "SSSSSF", S=dict(attention=
     "sliding", window=1024), F=dict(attention="full"))`` puts layer i in the group of letter
-    ``pattern[i % len(pattern)]`` (groups in order of first appearance)."""
+    ``pattern[i % len(pattern)]`` (groups in order of first appearance).
+
+    Args:
+      num_layers: the model's layers, a positive int.
+      pattern: a non-empty string, one group letter per layer, repeated over the layers.
+      **kinds: for each letter of ``pattern``, the `LayerGroup` keywords of its group (all but
+        ``layers``); a letter with none is a ValueError.
+
+    Returns:
+      One `LayerGroup` per letter that occurs in the first ``num_layers`` layers.
+    """
     num_layers = positive_int("num_layers", num_layers)
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"pattern must be a non-empty string of group letters, got {show(pattern)}")

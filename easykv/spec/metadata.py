@@ -54,6 +54,27 @@ class PagedAttentionCacheMetaData(Serializable):
     the head layout of its mesh and partition manager, and the cache's views carry the
     completed metadata (per-device figures of an incomplete one assume bfloat16 and
     unsharded heads, an upper bound).
+
+    Attributes:
+      batch_size: the most sequences one step holds.
+      num_hidden_layers: the model's layers.
+      num_pages_per_layer: pages of one layer's pool, over all replicas (grouped: the largest pool).
+      num_pages_per_sequence: ``ceil(max_sequences / page_size)``, a page table row's width.
+      max_sequences: the most tokens one sequence holds (EasyDeL's name).
+      page_size: tokens per page.
+      num_kv_heads: kv heads per layer (grouped: the most of any group).
+      kv_head_dim_size: head dim of keys and values (grouped: the largest key head dim).
+      hbm_utilization: the fraction of device memory the pool was sized for, in ``(0, 1]``.
+      dtype: the pages' logical dtype, float32 / bfloat16 / float16; None: left to ``init_cache``.
+      quantization: the quantizer's name (default ``"none"``).
+      kv_head_mesh_axes: mesh axes the kv heads are split over; None: left to ``init_cache``.
+      kv_head_shards: slices of the kv heads (None with ``kv_head_mesh_axes``).
+      page_mesh_axes: mesh axes the page axis is split over (default none).
+      page_shards: slices of the page axis, one per data-parallel replica (default 1).
+      memory_bytes_per_device: the budget the pool was sized from (None: not recorded).
+      layer_groups: the `LayerGroup`s; None: one full-attention group of every layer.
+      host_pages_per_layer: pages per layer of the host-memory tier, over all replicas (None: no
+        tier).
     """
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionCacheMetaData"
@@ -215,7 +236,10 @@ class PagedAttentionCacheMetaData(Serializable):
     def group_host_pages(self, group: LayerGroup) -> int:
         """Host-tier pages of ``group`` (0 without a tier): ``host_pages_per_layer`` scaled by
         the group's share of the largest pool, rounded down to whole replica slices, so every
-        group keeps as many sequences' worth of pages on the host as the largest."""
+        group keeps as many sequences' worth of pages on the host as the largest.
+
+        Args:
+          group: one of ``metadata.groups``."""
         if self.host_pages_per_layer is None:
             return 0
         scaled = known_size(group.num_pages) * self.host_pages_per_layer // self.num_pages_per_layer
@@ -230,7 +254,11 @@ class PagedAttentionCacheMetaData(Serializable):
     def with_host_memory(self, host_memory_bytes: int, devices_per_host: int) -> PagedAttentionCacheMetaData:
         """This metadata with a host tier of as many pages as ``host_memory_bytes`` of each
         host's memory holds for its ``devices_per_host`` devices (each stores the host pages of
-        its own shard). ValueError when that is not one page per replica in every group."""
+        its own shard). ValueError when that is not one page per replica in every group.
+
+        Args:
+          host_memory_bytes: bytes of each host's memory for the tier, a positive int.
+          devices_per_host: mesh devices on each host, a positive int."""
         budget = positive_int("host_memory_bytes", host_memory_bytes, hi=INT64_MAX,
                               hint="bytes of host memory per host for the tier (leave it None for no tier)")
         local = positive_int("devices_per_host", devices_per_host)
@@ -251,6 +279,7 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def quantizer(self) -> Quantizer:
+        """The cache's quantizer object (of ``quantization``)."""
         return get_quantizer(self.quantization)
 
     @property
@@ -266,6 +295,7 @@ class PagedAttentionCacheMetaData(Serializable):
 
     @property
     def kv_heads_per_device(self) -> int:
+        """``num_kv_heads // head_shards``: kv heads one device stores."""
         return self.num_kv_heads // self.head_shards
 
     @property
@@ -313,8 +343,12 @@ class PagedAttentionCacheMetaData(Serializable):
                                                                    self.kv_head_dim_size)
 
     def require_uniform(self, what: str, *, windows: bool = False) -> None:
-        """Refuse a grouped description where ``what`` handles one group only (``windows``:
-        of any attention kind; else full attention only)."""
+        """Refuse (NotImplementedError) a grouped description where ``what`` handles one group only.
+
+        Args:
+          what: the caller, named in the message.
+          windows: also accept one group of any attention kind in the cache-wide geometry and
+            format (`is_single_geometry`); default: full attention only."""
         if not (self.is_uniform or (windows and self.is_single_geometry)):
             kinds = ", ".join(f"layers {g.span}: {g.attention}" for g in self.groups)
             raise NotImplementedError(
@@ -322,7 +356,10 @@ class PagedAttentionCacheMetaData(Serializable):
                 f"but this metadata has layer groups ({kinds})")
 
     def group_of(self, layer: int) -> tuple[int, int]:
-        """``(group, index in the group)`` of model layer ``layer`` (an int in range)."""
+        """``(group, index in the group)`` of a model layer.
+
+        Args:
+          layer: the model layer, an int in ``0 .. num_hidden_layers - 1``."""
         for g, group in enumerate(self.groups):
             if layer in group.layers:
                 return g, group.layers.index(layer)
@@ -337,7 +374,11 @@ class PagedAttentionCacheMetaData(Serializable):
     def group_pages_shape(self, group: LayerGroup, *, values: bool = False) -> PagesShape | None:
         """Logical shape of ``group``'s stacked key (or value) pages, ``(layers_in_group,
         num_kv_heads, num_pages, page_size, head_dim)``; None for the values of a latent group,
-        which stores none."""
+        which stores none.
+
+        Args:
+          group: one of ``metadata.groups``.
+          values: the value pages' shape (their head dim) instead of the keys'."""
         if values and not group.has_values:
             return None
         dim = group.value_head_dim if values else group.key_head_dim
@@ -349,15 +390,24 @@ class PagedAttentionCacheMetaData(Serializable):
 
     def group_dtype(self, group: LayerGroup) -> np.dtype | None:
         """The logical dtype of ``group``'s pages: its own, else the cache's (None while the
-        cache's is left to ``init_cache``)."""
+        cache's is left to ``init_cache``).
+
+        Args:
+          group: one of ``metadata.groups``."""
         return self.dtype if group.dtype is None else group.dtype
 
     def group_sizing_dtype(self, group: LayerGroup) -> np.dtype:
-        """`group_dtype`, or bfloat16 while it is left open (as `sizing_dtype`)."""
+        """`group_dtype`, or bfloat16 while it is left open (as `sizing_dtype`).
+
+        Args:
+          group: one of ``metadata.groups``."""
         return self.sizing_dtype if group.dtype is None else group.dtype
 
     def group_quantizer(self, group: LayerGroup) -> Quantizer:
-        """The quantizer of ``group``'s pages: its own, else the cache's."""
+        """The quantizer of ``group``'s pages: its own, else the cache's.
+
+        Args:
+          group: one of ``metadata.groups``."""
         return get_quantizer(self.quantization if group.quantization is None else group.quantization)
 
     @property
@@ -372,9 +422,14 @@ class PagedAttentionCacheMetaData(Serializable):
 
     def with_formats(self, formats: Sequence[tuple[Any, Any]], *, dtype: Any,
                      quantization: Any) -> PagedAttentionCacheMetaData:
-        """This metadata with group i storing ``formats[i] = (dtype, quantizer)``, and the cache's
-        own (the format of groups that do not choose theirs) ``dtype`` / ``quantization``. A
-        uniform cache has one group: its format is the cache's."""
+        """This metadata with group ``i`` storing ``formats[i]``, and the cache's own format (that
+        of groups that do not choose theirs). A uniform cache has one group: its format is the
+        cache's (``dtype`` / ``quantization`` are then unused).
+
+        Args:
+          formats: one ``(dtype, quantizer)`` per group, in group order (ValueError otherwise).
+          dtype: the cache's dtype.
+          quantization: the cache's quantizer name or object."""
         if len(formats) != len(self.groups):
             raise ValueError(f"formats gives {len(formats)} (dtype, quantizer) pairs for {len(self.groups)} groups")
         if self.layer_groups is None:
@@ -386,7 +441,10 @@ class PagedAttentionCacheMetaData(Serializable):
 
     def group_page_head_bytes(self, group: LayerGroup) -> int:
         """Stored bytes of one page of one kv head of ``group``: K and V, or the latent, with
-        their scales (per token or per page)."""
+        their scales (per token or per page).
+
+        Args:
+          group: one of ``metadata.groups``."""
         quantizer, dtype = self.group_quantizer(group), self.group_sizing_dtype(group)
         per_head = page_head_bytes(quantizer, self.page_size, known_size(group.key_head_dim), dtype)
         if group.has_values:
@@ -394,7 +452,10 @@ class PagedAttentionCacheMetaData(Serializable):
         return per_head
 
     def group_page_bytes(self, group: LayerGroup) -> int:
-        """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent)."""
+        """Bytes one device stores for one page of one layer of ``group`` (K and V, or the latent).
+
+        Args:
+          group: one of ``metadata.groups``."""
         return known_size(group.num_kv_heads) // self._group_head_shards(group) * self.group_page_head_bytes(group)
 
     def _cost_detail(self) -> str:
@@ -417,13 +478,17 @@ class PagedAttentionCacheMetaData(Serializable):
 
     def bytes_per_sequence(self, tokens: int) -> int:
         """Bytes per device one sequence of ``tokens`` tokens holds once the pages that left
-        its windows are released (whole pages, every group)."""
+        its windows are released (whole pages, every group).
+
+        Args:
+          tokens: the sequence's length, a positive int."""
         tokens = positive_int("tokens", tokens, hi=None)
         return sum(self.group_page_bytes(g) * g.pages_per_sequence(tokens, self.page_size) * g.num_layers
                    for g in self.groups)
 
     @property
     def tokens_per_layer(self) -> int:
+        """Slots of one layer's pool: ``num_pages_per_layer * page_size``."""
         return self.num_pages_per_layer * self.page_size
 
     @property
@@ -460,19 +525,31 @@ class PagedAttentionCacheMetaData(Serializable):
         all layers: K and V, the kv heads it really stores after sharding or replication, the
         storage dtype and the quantizer's scales. With the page axis sharded over a
         data-parallel mesh axis every replica holds that many pages, so the pool grows with it.
-        ``num_pages_per_layer`` fixes the pool size instead (memory is then not consulted).
 
-        ``layer_groups``: the model's groups (`LayerGroup`; heads and head dims they leave open are
-        ``num_kv_heads`` / ``kv_head_dim_size``). Each group gets its own pool, sized so that
-        all groups hold the same number of ``max_sequences``-token sequences once pages that left
-        a window are released: a sliding or chunked group needs only its window's pages per
-        sequence. Groups that all give ``num_pages`` fix the pool instead. One full-attention
-        group of the default geometry is the uniform cache (``layer_groups`` None).
-
-        ``host_memory_bytes``: bytes of each host's memory for a host-memory tier (evicted
-        prefix pages and swapped-out sequences; see `PageManager`), shared by the mesh devices
-        of that host; None (the default): no tier. Too little for one page is an error.
-        """
+        Args:
+          mesh: the `Mesh` of the pages (an ``AbstractMesh`` will do when memory is not read);
+            with ``partition_manager`` it decides the kv-head and page splits.
+          batch_size: the most sequences one step holds.
+          num_hidden_layers: the model's layers.
+          max_sequences: the most tokens one sequence holds (EasyDeL's name).
+          page_size: tokens per page.
+          num_kv_heads: kv heads per layer.
+          kv_head_dim_size: head dim of keys and values.
+          hbm_utilization: the fraction of each device's memory the pool may take, in ``(0, 1]``.
+          dtype: the pages' logical dtype: float32, bfloat16 (default) or float16.
+          partition_manager: the `PartitionManager` (None: the default rules); adjustments to
+            the mesh warn `ShardingAdjustedWarning`.
+          quantizer: a quantizer name or object (None: ``"none"``).
+          memory_bytes_per_device: the budget per device itself (``hbm_utilization`` not applied).
+          num_pages_per_layer: fixes the pool size instead (memory is then not consulted).
+          layer_groups: the model's `LayerGroup`s (heads and head dims they leave open are
+            ``num_kv_heads`` / ``kv_head_dim_size``). Each group gets its own pool, sized so that
+            all groups hold the same number of ``max_sequences``-token sequences once pages that
+            left a window are released; groups that all give ``num_pages`` fix the pools instead.
+            One full-attention group of the default geometry is the uniform cache (None).
+          host_memory_bytes: bytes of each host's memory for a host-memory tier (evicted prefix
+            pages and swapped-out sequences; see `PageManager`), shared by the mesh devices of
+            that host; None (the default): no tier. Too little for one page is an error."""
         meta: PagedAttentionCacheMetaData = create_metadata(
             cls, mesh, batch_size=batch_size, num_hidden_layers=num_hidden_layers, max_sequences=max_sequences,
             page_size=page_size, num_kv_heads=num_kv_heads, kv_head_dim_size=kv_head_dim_size,

@@ -154,7 +154,8 @@ def page_table(name: str, value: object, meta: PagedAttentionCacheMetaData, *, n
 def check_padding(meta: PagedAttentionCacheMetaData, tokens: int, seqs: int, pad_tokens_to: object,
                   pad_seqs_to: object) -> tuple[int | None, int | None]:
     """Padded token and sequence counts of a step: at least its real ones, at most what one
-    step of this cache can hold (``batch_size`` sequences of ``max_sequences`` tokens)."""
+    step of this cache can hold (``batch_size`` sequences of ``num_pages_per_sequence * page_size``
+    tokens: ``max_sequences`` rounded up to whole pages)."""
     most_seqs = max(meta.batch_size, seqs)
     most_tokens = max(meta.batch_size * max_tokens(meta), tokens)
     out = []

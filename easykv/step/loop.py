@@ -42,20 +42,41 @@ class DecodeOutput(NamedTuple):
 
 
 def log_prob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """``log_softmax(logits)`` at ``tokens``: ``(rows, vocab)``, ``(rows,)`` -> ``(rows,)`` float32."""
+    """``log_softmax(logits)`` at ``tokens``, in float32.
+
+    Args:
+      logits: ``(rows, vocab)`` float logits.
+      tokens: ``(rows,)`` int token ids, one per row.
+
+    Returns:
+      ``(rows,)`` float32 log-probabilities.
+    """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 def greedy(logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The most likely token of each row (``key`` unused) and its log-probability."""
+    """The most likely token of each row and its log-probability (a `SampleFn`).
+
+    Args:
+      logits: ``(rows, vocab)`` float logits.
+      key: a PRNG key, unused.
+
+    Returns:
+      ``(rows,)`` int32 token ids and their ``(rows,)`` float32 log-probabilities.
+    """
     del key
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return tokens, log_prob(logits, tokens)
 
 
 def with_temperature(temperature: float) -> SampleFn:
-    """Sampling from ``softmax(logits / temperature)`` with the loop's key (``temperature > 0``)."""
+    """A `SampleFn` sampling from ``softmax(logits / temperature)`` with the loop's key; the
+    log-probabilities it returns are those of the scaled logits.
+
+    Args:
+      temperature: a number ``> 0`` (ValueError otherwise; use `greedy` for temperature 0).
+    """
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         raise ValueError(f"temperature={temperature!r} must be a number > 0; use greedy for temperature 0")
 
@@ -98,14 +119,27 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
                 key: jax.Array | None = None) -> DecodeOutput:
     """Run up to ``num_steps`` decode steps of a plan in one device loop.
 
-    - ``tokens``: ``(rows,)`` each row's next token to write (the last one it sampled);
-    - ``metadata``: the plan's first step, a tuple of one per layer group (``plan.metadata``);
-    - ``num_steps``, ``page_size``, ``num_pages``: the plan's (``plan.num_steps``,
-      ``plan.page_size``, ``plan.num_pages``), static;
-    - ``limits``: ``(rows,)`` the most tokens each row may still sample (0 for padding rows and
-      rows that must not run), at most ``num_steps`` each;
-    - ``eos_id``: an end-of-sequence id (or a tuple of them): a row stops after sampling one (it
-      is kept in ``sampled``, never written).
+    Args:
+      step: the model step, ``step(state, tokens, metadata) -> (logits, state)``: writes
+        ``tokens`` ``(rows,)`` int32 with ``metadata`` (one per layer group) and returns
+        ``(rows, vocab)`` logits (any rows beyond ``rows`` are ignored) and the new state.
+      state: the step function's state (the cache), carried through the loop.
+      tokens: ``(rows,)`` int each row's next token to write (the last one it sampled).
+      metadata: the plan's first step, a tuple of one `PagedAttentionMetadata` per layer group
+        (``plan.metadata``), in the mixed decode form.
+      num_steps: the plan's ``plan.num_steps``, a static int ``>= 1``.
+      page_size: the plan's ``plan.page_size``, static.
+      num_pages: the plan's ``plan.num_pages``, each group's pool, static.
+      limits: ``(rows,)`` int the most tokens each row may still sample (0 for padding rows and
+        rows that must not run), at most ``num_steps`` each (more is cut to it).
+      eos_id: an end-of-sequence id (or a tuple of them): a row stops after sampling one (it is
+        kept in ``sampled``, never written). None (default): rows stop at their limits only.
+      sample: the `SampleFn`, ``sample(logits, key) -> (tokens, logprobs)`` (default `greedy`).
+      key: the PRNG key split once per step for ``sample`` (default ``jax.random.key(0)``).
+
+    Returns:
+      A `DecodeOutput`: per row and step the tokens written and sampled, their
+      log-probabilities, the steps each row ran and the final state.
     """
     if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (the plan's num_steps)")

@@ -74,33 +74,32 @@ def _array_field() -> Any:  # a dataclasses.field, typed Any by dataclasses itse
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionMetadata(Serializable):
-    """The device-side description of one engine step.
-
-    EasyDeL fields (absent parts are shape-() arrays):
-      prefill_length:     () real tokens in the prefill chunk.
-      prefill_position:   (padded_prefill_len,) position of each chunk token; -1 for padding.
-      prefill_page_table: (num_pages_for_prefill,) physical pages of the prefill sequence.
-      decodes_position:   (batch,) position of the new token of each sequence; -1 for padding.
-      decodes_page_table: (batch, num_pages_per_sequence) physical pages per sequence.
-
-    Mixed form (continuous batching; absent parts are shape-() arrays):
-      slot_mapping:    (num_tokens,) slot of each new token; -1 for padding.
-      positions:       (num_tokens,) position of each new token in its sequence; -1 for padding.
-      query_start_loc: (num_seqs + 1,) offsets of each sequence's new tokens in the token axis.
-      page_table:      (num_seqs, num_pages_per_sequence) physical pages per sequence.
-      context_lens:    (num_seqs,) tokens cached per sequence after this step's writes.
-      num_seqs:        () real sequences (the rest of the padded batch has no tokens).
+    """The device-side description of one engine step: EasyDeL's prefill (``prefill_*``) or decode
+    (``decodes_*``) form, or the mixed form (continuous batching). Absent parts are shape-() arrays.
 
     ``to_dict`` / ``to_json`` write every array exactly (dtype, shape, bytes); ``from_dict`` /
     ``from_json`` give numpy arrays back.
 
-    ``proof``: what the host checks proved of these arrays (a `HostChecked`, read back as
-    ``checked``; the write and attention skip what it covers), issued for them by a validated
-    constructor or the page manager (`mark_checked`); ``proof=`` carries one only over the very
-    arrays it was issued for (ValueError otherwise). An init-only value, not a field: no pytree
-    leaf, not in JSON; ``replace``, JSON, ``jax.tree.map`` and jit build the metadata without it.
-    Its arrays are read-only and the metadata's own (a caller's writable array is copied).
-    """
+    Attributes:
+      prefill_length: ``()`` real tokens in the prefill chunk.
+      prefill_position: ``(padded_prefill_len,)`` position of each chunk token; -1 for padding.
+      prefill_page_table: ``(num_pages_for_prefill,)`` physical pages of the prefill sequence.
+      decodes_position: ``(batch,)`` position of the new token of each sequence; -1 for padding.
+      decodes_page_table: ``(batch, num_pages_per_sequence)`` physical pages per sequence.
+      slot_mapping: ``(num_tokens,)`` slot of each new token; -1 for padding.
+      positions: ``(num_tokens,)`` position of each new token in its sequence; -1 for padding.
+      query_start_loc: ``(seqs + 1,)`` offsets of each sequence's new tokens in the token axis.
+      page_table: ``(seqs, num_pages_per_sequence)`` physical pages per sequence.
+      context_lens: ``(seqs,)`` tokens cached per sequence after this step's writes.
+      num_seqs: ``()`` real sequences, the first of the ``seqs`` rows (the rest have no tokens).
+
+    Args:
+      proof: what the host checks proved of these arrays (a `HostChecked`, read back as ``checked``; the
+        write and attention skip what it covers), issued for them by a validated constructor or the page
+        manager (`mark_checked`); ``proof=`` carries one only over the very arrays it was issued for
+        (ValueError otherwise). An init-only value, not a field: no pytree leaf, not in JSON; ``replace``,
+        JSON, ``jax.tree.map`` and jit build the metadata without it. Its arrays are read-only and the
+        metadata's own (a caller's writable array is copied)."""
 
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionMetadata"
     SCHEMA_VERSION: ClassVar[int] = 1
@@ -159,6 +158,7 @@ class PagedAttentionMetadata(Serializable):
         return cls()
 
     def is_prefill_mode(self) -> bool:
+        """Whether this is EasyDeL's prefill form (a prefill page table, no decodes, no slots)."""
         return (
             _present(self.prefill_page_table)
             and not _present(self.decodes_page_table)
@@ -166,6 +166,7 @@ class PagedAttentionMetadata(Serializable):
         )
 
     def is_decode_mode(self) -> bool:
+        """Whether this is EasyDeL's decode form (a decodes page table, no prefill, no slots)."""
         return (
             _present(self.decodes_page_table)
             and not _present(self.prefill_page_table)
@@ -173,6 +174,7 @@ class PagedAttentionMetadata(Serializable):
         )
 
     def is_mixed_mode(self) -> bool:
+        """Whether this is the mixed form (``slot_mapping`` present)."""
         return _present(self.slot_mapping)
 
     @property
@@ -190,7 +192,12 @@ class PagedAttentionMetadata(Serializable):
 
         Device values are pulled to the host, a sync: for debugging and tests, not for a step
         (as JAX's ``dynamic_validate_inputs``). Inside jit the write drops and counts a bad slot
-        and attention reads nothing of a page outside the pool; this says which value it was."""
+        and attention reads nothing of a page outside the pool; this says which value it was.
+
+        Args:
+          cache_metadata: the `PagedAttentionCacheMetaData` of the pool the step is for.
+          sliding_window: check only the pages a query with this window reads (None: no window).
+          chunk_size: as ``sliding_window``, for chunked-local attention of this chunk size."""
         meta = cache_metadata
         window = optional_int("sliding_window", sliding_window, lo=1)
         chunk = optional_int("chunk_size", chunk_size, lo=1)
@@ -219,10 +226,15 @@ class PagedAttentionMetadata(Serializable):
     ) -> PagedAttentionMetadata:
         """One sequence's prefill chunk: tokens ``start .. start + length - 1``.
 
-        ``padded_length`` (default ``length``) fixes the token axis so that jit sees few shapes.
-        ``group``: the layer group whose pool the page ids name (default: any pool; the write
-        checks them against its group's then).
-        """
+        Args:
+          page_table_row: ``(pages_per_row,)`` int page ids (-1: unassigned, but not for a page the chunk
+            writes), at most ``num_pages_per_sequence`` of them, no page twice.
+          length: real tokens of the chunk.
+          cache_metadata: the cache's `PagedAttentionCacheMetaData`.
+          start: the chunk's first position: tokens of the sequence already cached (default 0).
+          padded_length: the token axis' length, ``>= length`` (default ``length``), so that jit sees few shapes.
+          group: the layer group whose pool the page ids name (default: any pool; the write checks them
+            against its group's then)."""
         pool = _group_pool(cache_metadata, group)
         row = checks.page_table("page_table_row", page_table_row, cache_metadata, ndim=1, num_pages=pool)
         limit = checks.max_tokens(cache_metadata)
@@ -251,8 +263,13 @@ class PagedAttentionMetadata(Serializable):
         cache_metadata: PagedAttentionCacheMetaData,
         group: int | None = None,
     ) -> PagedAttentionMetadata:
-        """A batch of decodes: sequence ``b`` writes one token at ``positions[b]`` (-1: padding).
-        ``group``: as in `for_prefill`."""
+        """A batch of decodes: sequence ``b`` writes one token at ``positions[b]``.
+
+        Args:
+          page_table: ``(batch, pages_per_row)`` int page ids per sequence, each row as in `for_prefill`.
+          positions: ``(batch,)`` position of each sequence's new token; -1 for a padding row.
+          cache_metadata: the cache's `PagedAttentionCacheMetaData`.
+          group: as in `for_prefill`."""
         pool = _group_pool(cache_metadata, group)
         table = checks.page_table("page_table", page_table, cache_metadata, ndim=2, num_pages=pool)
         pos = integer_array("positions", positions, ndim=1, lo=PAD_POSITION, hi=checks.max_tokens(cache_metadata) - 1,
@@ -280,8 +297,16 @@ class PagedAttentionMetadata(Serializable):
         group: int | None = None,
     ) -> PagedAttentionMetadata:
         """A ragged batch: sequence ``b`` has ``cached_lens[b]`` tokens cached and appends
-        ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1). ``group``: as in
-        `for_prefill`."""
+        ``new_lens[b]`` (a prefill chunk when > 1, a decode when 1).
+
+        Args:
+          page_table: ``(num_seqs, pages_per_row)`` int page ids per sequence, each row as in `for_prefill`.
+          cached_lens: ``(num_seqs,)`` tokens each sequence has cached.
+          new_lens: ``(num_seqs,)`` tokens each sequence appends in this step.
+          cache_metadata: the cache's `PagedAttentionCacheMetaData`.
+          pad_tokens_to: the token axis' length, at least the new tokens (default: their number).
+          pad_seqs_to: the sequence rows, at least ``num_seqs`` (default ``num_seqs``).
+          group: as in `for_prefill`."""
         pool = _group_pool(cache_metadata, group)
         table = checks.page_table("page_table", page_table, cache_metadata, ndim=2, num_pages=pool)
         limit = checks.max_tokens(cache_metadata)

@@ -50,12 +50,18 @@ from easykv.validation import integer, page_ids
 class PagedAttentionCache(EasyDeLForms):
     """Every layer's pages, stacked per layer group.
 
-    key_pages, value_pages: one array per layer group ``g`` of ``metadata.groups``,
-    ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)`` in the group's geometry
-    and the storage dtype (``QuantizedPages`` when quantized); a latent group's value entry is
-    None. ``layout`` is the cache-wide placement; ``layout_of(g)`` is group ``g``'s (its kv heads
-    may be split over other mesh axes). ``cache[i]`` / ``cache.views[i]`` is layer ``i``'s view;
-    ``cache[i] = view`` puts a written view back.
+    ``cache[i]`` / ``cache.views[i]`` is layer ``i``'s view; ``cache[i] = view`` puts a written
+    view back. Made by `init_cache`; the constructor checks one stack per group, of the group's
+    leading shape (ValueError otherwise).
+
+    Attributes:
+      metadata: the cache's `PagedAttentionCacheMetaData`.
+      key_pages: one stack per layer group ``g`` of ``metadata.groups``, ``(layers_in_group,
+        num_kv_heads, num_pages, page_size, head_dim)`` in the group's geometry and storage
+        dtype (`QuantizedPages` when quantized).
+      value_pages: as ``key_pages``, with the group's value head dim; None for a latent group.
+      layout: the cache-wide placement (`PageLayout`; None: one device); ``layout_of(g)`` is
+        group ``g``'s (its kv heads may be split over other mesh axes).
     """
 
     metadata: PagedAttentionCacheMetaData
@@ -90,6 +96,7 @@ class PagedAttentionCache(EasyDeLForms):
 
     @property
     def views(self) -> CacheViews:
+        """EasyDeL's list of per-layer views (`CacheViews`), each made on access."""
         return CacheViews(self)
 
     def __len__(self) -> int:
@@ -97,7 +104,14 @@ class PagedAttentionCache(EasyDeLForms):
 
     def layout_of(self, group: int) -> PageLayout | None:
         """Placement of layer group ``group``'s pages: the cache's mesh and page split, the
-        group's own kv-head split."""
+        group's own kv-head split.
+
+        Args:
+          group: index of the layer group in ``metadata.groups``.
+
+        Returns:
+          The group's `PageLayout`; None for a cache on one device.
+        """
         return group_layouts(self.metadata, self.layout)[group]
 
     def _locate(self, layer: Any) -> tuple[int, int, int]:
@@ -136,7 +150,12 @@ class PagedAttentionCache(EasyDeLForms):
     def group_view(self, group: int = 0) -> PagedAttentionCacheView:
         """A view of layer group ``group``'s stacks for a scan over its layers: ``layer_index``
         None (the layer is given per iteration by ``at_layer``), so it is the same pytree
-        before and after every iteration."""
+        before and after every iteration.
+
+        Args:
+          group: index of the layer group in ``metadata.groups`` (default 0); ValueError when out
+            of range.
+        """
         n = len(self.key_pages)
         g = integer("group", group, lo=0, hi=n - 1, hint=f"the cache has {n} layer group(s)")
         view = PagedAttentionCacheView(self.metadata, None, self.key_pages[g], self.value_pages[g], 0,
@@ -149,7 +168,15 @@ class PagedAttentionCache(EasyDeLForms):
         are the group's latest: the view a ``lax.scan`` over the group's layers returns, or one a
         jitted function returns for the cache's current arrays. Unlike ``cache[i] = view`` this
         cannot tell whether another layer of the group was written meanwhile (jax rebuilds the
-        view it returns): put back only what was computed from this cache's arrays."""
+        view it returns): put back only what was computed from this cache's arrays.
+
+        Args:
+          view: a `PagedAttentionCacheView` of this cache's metadata and group layout that holds
+            its group's whole stack (``cache.group_view(g)`` or ``cache[i]``, written).
+
+        Raises:
+          ValueError: ``view`` is no view of this cache, or holds another number of layers.
+        """
         if not isinstance(view, PagedAttentionCacheView):
             raise ValueError(f"update takes a PagedAttentionCacheView, got {type(view).__name__}")
         g = view.group
@@ -183,18 +210,31 @@ class PagedAttentionCache(EasyDeLForms):
         return (self[i] for i in range(len(self)))
 
     def to_dict(self) -> dict[str, Any]:
+        """EasyDeL's dict form (JSON is this dict): the dict of each layer's view."""
         return cache_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any, *, mesh: Mesh | None = None,
                   partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
-        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one.
+
+        Args:
+          data: the dict `to_dict` wrote (``SerializationError`` for anything else).
+          mesh: the `Mesh` to place the pages on; None: the first of ``jax.devices()``.
+          partition_manager: the `PartitionManager` that lays the pages out on ``mesh`` (None:
+            the default rules; unused without a mesh).
+        """
         return cls.from_views([PagedAttentionCacheView.from_dict(v, mesh=mesh, partition_manager=partition_manager)
                                for v in cache_view_dicts(data)])
 
     @classmethod
     def init_empty(cls, *args: Any, **kwargs: Any) -> None:
-        """EasyDeL's placeholder: a paged cache is only made by init_cache."""
+        """EasyDeL's placeholder: a paged cache is only made by init_cache. Returns None.
+
+        Args:
+          *args: ignored.
+          **kwargs: ignored.
+        """
         return None
 
     @classmethod
@@ -207,8 +247,24 @@ class PagedAttentionCache(EasyDeLForms):
         quantizer: str | Quantizer | None = None,
     ) -> PagedAttentionCache:
         """Allocate every layer group's stacked pages in one call; each device creates only its
-        own shard. ``dtype`` and ``quantizer`` are the metadata's (the cache's); a layer group
-        with a format of its own (`LayerGroup.dtype` / ``quantization``) is allocated in it."""
+        own shard. A layer group with a format of its own (`LayerGroup.dtype` /
+        ``quantization``) is allocated in it.
+
+        Args:
+          mesh: the `Mesh` whose devices hold the pages.
+          dtype: the cache's logical dtype (float32, bfloat16 or float16); must equal
+            ``metadata.dtype`` when the metadata sets one.
+          metadata: the `PagedAttentionCacheMetaData` (from `create`, or EasyDeL's nine fields);
+            its dtype and kv-head layout are completed for ``mesh`` where it leaves them open.
+          partition_manager: the `PartitionManager` whose rules split kv heads and pages over
+            ``mesh`` (None: the defaults); must split them as the metadata was sized for.
+          quantizer: a quantizer name or object (None: ``"none"``); must be
+            ``metadata.quantization``.
+
+        Raises:
+          ValueError: a dtype, quantizer or split other than the metadata's, or pages that do
+            not fit the devices' free memory.
+        """
         metadata, layout, templates = checked_layout(mesh, dtype, metadata, partition_manager, quantizer)
         check_fits(mesh, metadata, metadata.bytes_per_device, f"{metadata.num_hidden_layers} layers")
         layouts = group_layouts(metadata, layout)
@@ -219,7 +275,12 @@ class PagedAttentionCache(EasyDeLForms):
     def from_views(cls, views: Any) -> PagedAttentionCache:
         """A cache of per-layer views (layers 0..n-1 of one metadata and layout, each its own
         one-layer group, as ``PagedAttentionCacheView.init`` or the JSON form makes them),
-        stacked into the cache's groups: a copy of every page. For small caches and tests."""
+        stacked into the cache's groups: a copy of every page. For small caches and tests.
+
+        Args:
+          views: an iterable of one `PagedAttentionCacheView` per layer, layers ``0 .. n-1`` in
+            order (ValueError otherwise).
+        """
         views = list(views)
         if not views or not all(isinstance(v, PagedAttentionCacheView) for v in views):
             raise ValueError("from_views takes a non-empty list of PagedAttentionCacheView")
@@ -250,13 +311,20 @@ class PagedAttentionCache(EasyDeLForms):
         """Write every layer's new tokens in one jitted, donating call: one scatter per device
         and layer group.
 
-        keys, values: (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of
-        per-layer (num_tokens, num_kv_heads, head_dim) in each layer's group geometry (None for
-        a latent layer's values). ``metadata``: one for every group, or a tuple of one per group.
-        Returns the updated cache (this cache's buffers are donated: do not use it afterwards)
-        and the number of real tokens dropped because their slot lay outside the pool (of a
-        grouped cache, the most in any one group; 0 when metadata came from the validated
-        constructors).
+        Args:
+          keys: ``(num_layers, num_tokens, num_kv_heads, head_dim)``, or a sequence of one
+            ``(num_tokens, num_kv_heads, head_dim)`` per layer in its group's geometry; in the
+            layer's logical dtype.
+          values: as ``keys`` with the value head dim; None in a latent layer's place (None for
+            all when every group is latent).
+          metadata: the step's `PagedAttentionMetadata`, one for every group or a tuple of one
+            per group; its slots give ``num_tokens``.
+
+        Returns:
+          The updated cache (this cache's buffers are donated: do not use it afterwards) and the
+          number of real tokens dropped because their slot lay outside the pool (of a grouped
+          cache, the most in any one group; 0 when metadata came from the validated
+          constructors), an int32 scalar.
         """
         meta = self.metadata
         n = len(meta.groups)
@@ -273,7 +341,17 @@ class PagedAttentionCache(EasyDeLForms):
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
-        One jitted, donating call; sources are read before destinations are written."""
+        One jitted, donating call; sources are read before destinations are written.
+
+        Args:
+          src: ``(num_copies,)`` int page ids, one array for every layer group or a tuple of one
+            per group (groups have their own pools); host ids are checked against the pool.
+          dst: as ``src``, the same shape; with a sharded page axis a copy may not cross
+            data-parallel replicas' slices (ValueError).
+
+        Returns:
+          The updated cache (this cache's buffers are donated).
+        """
         meta = self.metadata
         srcs, dsts = _group_page_ids(src, "src", meta), _group_page_ids(dst, "dst", meta)
         for g, (src, dst) in enumerate(zip(srcs, dsts)):
@@ -295,8 +373,14 @@ class PagedAttentionCache(EasyDeLForms):
 
     def zero_pages(self, pages: Any) -> PagedAttentionCache:
         """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding.
-        ``pages`` (and ``copy_pages``' ``src`` / ``dst``): one array of ids for every layer group,
-        or a tuple of one per group (groups have their own pools)."""
+
+        Args:
+          pages: ``(num_pages_to_zero,)`` int page ids, one array for every layer group or a
+            tuple of one per group (groups have their own pools).
+
+        Returns:
+          The updated cache (this cache's buffers are donated).
+        """
         zeroed: PagedAttentionCache = _zero_all(self, _group_page_ids(pages, "pages", self.metadata))  # jit: typed here
         return zeroed
 
@@ -376,9 +460,22 @@ def gather_kv(
     page_table_row: Any,
     length: int,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """The contiguous keys and values of one sequence, each (length, num_kv_heads, head_dim)
-    of the layer's group in the logical dtype (values None for a latent group). Reads only the
-    ``ceil(length / page_size)`` pages it needs."""
+    """The contiguous keys and values of one sequence. Reads only the ``ceil(length /
+    page_size)`` pages it needs.
+
+    Args:
+      cache: a `PagedAttentionCache`, or one layer's `PagedAttentionCacheView` (then ``layer`` is
+        not read: the view's layer is).
+      layer: the model layer to read from a cache.
+      page_table_row: ``(pages_per_sequence,)`` int page ids of the sequence in its layer
+        group's pool; host ids are checked (the first ``ceil(length / page_size)`` assigned),
+        device ids are bounded in the read (a page outside the pool reads zeros).
+      length: tokens to read, a static int in ``0 .. num_pages_per_sequence * page_size``.
+
+    Returns:
+      keys and values, each ``(length, num_kv_heads, head_dim)`` of the layer's group in the
+      logical dtype; values None for a latent group.
+    """
     if isinstance(cache, PagedAttentionCacheView):
         view = cache
     elif isinstance(cache, PagedAttentionCache):

@@ -61,16 +61,22 @@ class _Cache(Protocol):
 class PagedAttentionCacheView(EasyDeLForms):
     """One layer of a layer group's stacked pages.
 
-    group_key_pages, group_value_pages: the group's pages, ``(layers_in_group, num_kv_heads,
-    num_pages_per_layer, page_size, kv_head_dim_size)`` in the storage dtype of the platform;
-    ``layer`` is this layer's index in the group (an int, or a traced index when a model scans
-    over the group's layers: see :meth:`at_layer`); ``layer_index`` the layer's index in the
-    model (None for a view whose ``layer`` is traced); ``group`` the layer group's index in the
-    metadata (its geometry: ``metadata.groups[group]``). ``key_pages`` / ``value_pages`` are the
-    layer's slice ``(num_kv_heads, num_pages, page_size, head_dim)``, as in EasyDeL (a latent
-    group's ``value_pages`` are None); writes and attention index the stack instead, so they
-    never copy a layer's pool. ``layout`` says how the pages are split over the mesh (None: one
-    device, no shard_map).
+    ``key_pages`` / ``value_pages`` are the layer's slice ``(num_kv_heads, num_pages, page_size,
+    head_dim)``, as in EasyDeL (a latent group's ``value_pages`` are None); writes and attention
+    index the stack instead, so they never copy a layer's pool.
+
+    Attributes:
+      metadata: the cache's `PagedAttentionCacheMetaData`.
+      layer_index: the layer's index in the model (None for a view whose ``layer`` is traced).
+      group_key_pages: the group's key pages, ``(layers_in_group, num_kv_heads, num_pages,
+        page_size, head_dim)`` in the storage dtype of the platform (`QuantizedPages` when
+        quantized).
+      group_value_pages: as ``group_key_pages``, with the value head dim; None for a latent group.
+      layer: this layer's index in the group: an int, or a traced index when a model scans over
+        the group's layers (see :meth:`at_layer`).
+      layout: how the pages are split over the mesh (`PageLayout`; None: one device, no
+        shard_map).
+      group: the layer group's index in the metadata (its geometry: ``metadata.groups[group]``).
 
     As in EasyDeL, the ``write_*`` methods update this view and return it, and the cache the
     view was taken from (``cache.views[i]`` / ``cache[i]``) sees the write: the group's new
@@ -126,7 +132,11 @@ class PagedAttentionCacheView(EasyDeLForms):
         """The view of layer ``layer`` (index in the group) of the same group arrays: an int, or
         a traced index for a model that runs the group's layers under ``lax.scan`` (carry
         ``cache.group_view(g)``, call ``view.at_layer(i)`` each iteration, write and attend,
-        then ``cache.update(view)``; see the README)."""
+        then ``cache.update(view)``; see docs/pages.md, "Scanned models").
+
+        Args:
+          layer: the layer's index in the group: an int in range, or a traced integer scalar.
+        """
         if isinstance(layer, jax.core.Tracer):
             if np.shape(layer) != () or not jnp.issubdtype(layer.dtype, jnp.integer):
                 raise ValueError(f"layer must be an integer scalar, got {layer.dtype} of shape {np.shape(layer)}")
@@ -144,7 +154,18 @@ class PagedAttentionCacheView(EasyDeLForms):
              partition_manager: PartitionManager | None = None,
              quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
         """Allocate one layer's pages (a stack of one layer, in its group's geometry) directly on
-        the devices of ``mesh``."""
+        the devices of ``mesh``.
+
+        Args:
+          mesh: the `Mesh` whose devices hold the pages.
+          dtype: the cache's logical dtype, as in `PagedAttentionCache.init_cache`.
+          metadata: the cache's `PagedAttentionCacheMetaData`, completed for ``mesh`` as in
+            `PagedAttentionCache.init_cache`.
+          layer_index: the layer's index in the model, ``0 .. num_hidden_layers - 1``.
+          partition_manager: the `PartitionManager` for ``mesh`` (None: the default rules).
+          quantizer: a quantizer name or object (None: ``"none"``); must be
+            ``metadata.quantization``.
+        """
         if not isinstance(metadata, PagedAttentionCacheMetaData):
             raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
         layer_index = integer("layer_index", layer_index, lo=0, hi=metadata.num_hidden_layers - 1)
@@ -159,16 +180,32 @@ class PagedAttentionCacheView(EasyDeLForms):
                    layer=0, layout=layouts[g], group=g)
 
     def to_dict(self) -> dict[str, Any]:
+        """EasyDeL's dict form (JSON is this dict): the metadata, the layer index and this
+        layer's pages."""
         return view_to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Any, *, mesh: Mesh | None = None,
                   partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
-        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one."""
+        """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one.
+
+        Args:
+          data: the dict `to_dict` wrote (``SerializationError`` for anything else).
+          mesh: the `Mesh` to place the pages on; None: the first of ``jax.devices()``.
+          partition_manager: the `PartitionManager` that lays the pages out on ``mesh`` (None:
+            the default rules; unused without a mesh).
+        """
         view: PagedAttentionCacheView = view_from_dict(cls, data, mesh, partition_manager)
         return view
 
     def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
+        """EasyDeL's contiguous-cache write: always raises NotImplementedError (a paged cache has
+        no contiguous buffer); use the ``write_*`` methods.
+
+        Args:
+          *args: ignored.
+          **kwargs: ignored.
+        """
         raise NotImplementedError(
             "a paged cache has no contiguous buffer to concatenate into; use "
             "write_prefill_to_cache / write_decodes_to_cache / write_tokens"
@@ -176,21 +213,51 @@ class PagedAttentionCacheView(EasyDeLForms):
 
     # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
     def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
-        """Write token rows (num_tokens, num_kv_heads, head_dim) at ``slots`` (-1: padding)."""
+        """Write token rows at ``slots`` into this layer; returns this view, updated.
+
+        Args:
+          key: ``(num_tokens, num_kv_heads, head_dim)`` of the group, in its logical dtype.
+          value: as ``key`` with the value head dim; None for a latent group.
+          slots: ``(num_tokens,)`` int slots ``page_id * page_size + offset`` of the group's pool
+            (-1: padding); host slots are checked, device slots bounded in the scatter.
+        """
         capacity = known_size(self.layer_group.num_pages) * self.metadata.page_size
         return self._write(key, value, check_slots_on_host(slots, capacity))
 
     def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (padded_prefill_len, num_kv_heads, head_dim) at metadata.prefill_position.
-        ``metadata`` may also be one runtime metadata per layer group (a tuple): this view's is used."""
+        """Write a prefill chunk into this layer; returns this view, updated.
+
+        Args:
+          key: ``(padded_prefill_len, num_kv_heads, head_dim)`` of the group, in its logical
+            dtype, written at ``metadata.prefill_position``.
+          value: as ``key`` with the value head dim; None for a latent group.
+          metadata: prefill `PagedAttentionMetadata` (`PagedAttentionMetadata.for_prefill`), or a
+            tuple of one per layer group (this view's is used).
+        """
         return self._write_mode(key, value, metadata, "prefill", "for_prefill")
 
     def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (batch, num_kv_heads, head_dim), one token per sequence at decodes_position."""
+        """Write one token per sequence into this layer; returns this view, updated.
+
+        Args:
+          key: ``(batch, num_kv_heads, head_dim)`` of the group, in its logical dtype, written at
+            ``metadata.decodes_position``.
+          value: as ``key`` with the value head dim; None for a latent group.
+          metadata: decode `PagedAttentionMetadata` (`PagedAttentionMetadata.for_decode`), or a
+            tuple of one per layer group (this view's is used).
+        """
         return self._write_mode(key, value, metadata, "decode", "for_decode")
 
     def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
-        """key, value: (num_tokens, num_kv_heads, head_dim) at metadata.slot_mapping."""
+        """Write a mixed step's new tokens into this layer; returns this view, updated.
+
+        Args:
+          key: ``(num_tokens, num_kv_heads, head_dim)`` of the group, in its logical dtype,
+            written at ``metadata.slot_mapping``.
+          value: as ``key`` with the value head dim; None for a latent group.
+          metadata: mixed `PagedAttentionMetadata` (`PagedAttentionMetadata.for_mixed`), or a
+            tuple of one per layer group (this view's is used).
+        """
         return self._write_mode(key, value, metadata, "mixed", "for_mixed")
 
     def _write_mode(self, key: Any, value: Any, metadata: Any, mode: str, maker: str) -> PagedAttentionCacheView:

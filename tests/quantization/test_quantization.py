@@ -2,6 +2,7 @@
 pages through init_cache / write / gather_kv / copy / zero on sharded layouts."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from easykv.quantization import (
     Int4Quantizer,
     Int8Quantizer,
     QuantizedPages,
+    available_quantizers,
     get_quantizer,
     register_quantizer,
 )
@@ -129,6 +131,19 @@ def test_custom_quantizer_must_be_registered():
     with pytest.raises(ValueError, match=r"a different quantizer is already registered as 'int8'"):
         register_quantizer(Halves(name="int8"))
     assert get_quantizer("int8") == Int8Quantizer()
+
+
+@pytest.mark.parametrize(("name", "fix"), [("Halves-Upper", "'halves-upper'"), (" halves ", "'halves'"),
+                                           ("", "'my-quant'"), (7, "'my-quant'")])
+def test_a_quantizer_name_that_could_never_be_looked_up_is_refused(name, fix):
+    @dataclasses.dataclass(frozen=True)
+    class Named(Int8Quantizer):
+        name: object = "x"
+
+    before = available_quantizers()
+    with pytest.raises(ValueError, match=rf"lower-case string.*got {re.escape(repr(name))}: name it {fix}"):
+        register_quantizer(Named(name=name))
+    assert available_quantizers() == before
 
 
 # ---- quantized pages in the cache ----------------------------------------------------------

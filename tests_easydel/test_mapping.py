@@ -206,6 +206,11 @@ def test_runtime_conversion_is_exact_and_traceable():
         for field in ("slot_mapping", "positions", "query_start_loc", "page_table", "context_lens", "num_seqs"):
             np.testing.assert_array_equal(np.asarray(getattr(back, field)), np.asarray(getattr(rt, field)), field)
     v2 = easydel_metadata_from_easykv(rt, page_size=16, version="v2")
+    # The page manager's answer (a tuple, one item per layer group) is taken as its one item.
+    from_tuple = easydel_metadata_from_easykv((rt,), page_size=16, version="v2")
+    assert np.array_equal(np.asarray(from_tuple.slot_mapping), np.asarray(v2.slot_mapping))
+    with pytest.raises(ValueError, match="2"):
+        easydel_metadata_from_easykv((rt, rt), page_size=16)  # 2 layer groups: index it by group
     n = int(v2.num_kv_update_slices[0])  # positions 14..18 of seq 0 cross from page 3 to 7; seq 1 fills page 4
     assert np.asarray(v2.slot_mapping)[:, :n].tolist() == [[62, 112, 64, 80, 238], [0, 2, 5, 21, 22], [2, 3, 16, 1, 1]]
     # A page id outside the pool gives an invalid slot (dropped by the write), never a clipped one.

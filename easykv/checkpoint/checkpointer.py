@@ -221,14 +221,22 @@ except (AttributeError, RuntimeError):  # pragma: no cover  other Pythons
 
 
 class CacheCheckpointer:
-    """Saves a cache (+ its PageManager) into numbered steps of ``directory``, keeping the last
-    ``max_to_keep`` (None: all). ``async_save``: `save` returns once the data are snapshotted
-    and the write finishes in the background (`wait_until_finished`, `close`, or a clean exit).
-    ``integrity=False`` skips the array fingerprints (restore cannot then verify the pages).
+    """Saves a cache (+ its PageManager) into numbered steps of ``directory``.
 
     The checkpointer is the directory's one writer from construction to `close` (or until it is
     garbage collected, or its process ends): another writer gets `CheckpointLockedError`.
-    A failed write raises `CheckpointWriteError` (see the module doc)."""
+    A failed write raises `CheckpointWriteError` (see the module doc).
+
+    Args:
+      directory: the checkpoint directory: a str, an ``os.PathLike``, or an epath for object
+        stores; created when missing. A file, or a directory of other orbax steps, is refused
+        (`NotACheckpointError`).
+      max_to_keep: keep the last this many steps (>= 1), deleting older ones; None (default): all.
+      async_save: `save` returns once the data are snapshotted and the write finishes in the
+        background (`wait_until_finished`, `close`, or a clean exit); default True.
+      integrity: fingerprint every array (default True); False skips the fingerprints, and
+        restore cannot then verify the pages.
+    """
 
     def __init__(self, directory: str | Any, *, max_to_keep: int | None = None, async_save: bool = True,
                  integrity: bool = True):
@@ -269,9 +277,22 @@ class CacheCheckpointer:
     @_one_call_at_a_time
     def save(self, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
              extra_metadata: Mapping[str, Any] | None = None) -> int:
-        """Save ``cache`` (and ``manager``'s state) as ``step`` (default: latest + 1, or 0).
-        Returns the step. Nothing is written when an argument is bad; a failed write (this
-        one when synchronous, else the previous one) raises `CheckpointWriteError`."""
+        """Save ``cache`` (and ``manager``'s state) as ``step``.
+
+        Nothing is written when an argument is bad; a failed write (this one when synchronous,
+        else the previous one) raises `CheckpointWriteError`.
+
+        Args:
+          cache: the `PagedAttentionCache` to save: the one the last write returned (a donated one is refused).
+          manager: the `PageManager` that schedules ``cache`` (its state is saved; its host tier's
+            cached pages are not); None (default): the pages only.
+          step: a step number >= 0 not yet in the directory; None (default): the latest + 1, or 0.
+          extra_metadata: a JSON-safe dict (str keys, lists, finite numbers) that reads back
+            unchanged; restore returns it as ``extra_metadata``. None: ``{}``.
+
+        Returns:
+          the step saved.
+        """
         self._check_open()
         if not isinstance(cache, PagedAttentionCache):
             raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
@@ -377,12 +398,24 @@ class CacheCheckpointer:
         return sorted(int(s) for s in self._mngr.all_steps())
 
     def latest_step(self) -> int | None:
+        """The newest complete step, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def restore(self, *, mesh: Any, partition_manager: Any = None, step: int | None = None,
                 **kwargs: Any) -> RestoredCache:
-        """`restore_cache` from this directory (waits for pending saves first)."""
+        """`restore_cache` from this directory (waits for pending saves first).
+
+        Args:
+          mesh: the `jax.sharding.Mesh` to restore onto.
+          partition_manager: the target's `PartitionManager` (None: the default rules).
+          step: the step to restore; None (default): the latest complete one.
+          **kwargs: `restore_cache`'s other keywords (``metadata``, ``dtype``, ``quantizer``,
+            ``convert``, ``verify``, ``restore_manager``, ``storage_platform``).
+
+        Returns:
+          the `RestoredCache`.
+        """
         self.wait_until_finished()
         return restore_cache(self.directory, mesh=mesh, partition_manager=partition_manager, step=step, **kwargs)
 
@@ -425,8 +458,21 @@ def _easykv_version() -> str:
 def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
                extra_metadata: Mapping[str, Any] | None = None, integrity: bool = True) -> int:
     """Save ``cache`` (and the PageManager ``manager``) as ``step`` of ``directory`` and wait
-    until it is committed. ``step`` defaults to the latest step + 1 (0 in a new directory).
-    ``extra_metadata``: a JSON-safe dict returned by restore. Returns the step."""
+    until it is committed (a `CacheCheckpointer` with ``async_save=False``, closed on return).
+
+    Args:
+      directory: the checkpoint directory (a str, an ``os.PathLike`` or an epath), created when
+        missing; nothing is created when ``cache``, ``manager`` or ``extra_metadata`` is bad.
+      cache: the `PagedAttentionCache` to save.
+      manager: the `PageManager` that schedules ``cache``; None (default): the pages only.
+      step: a step number >= 0 not yet in the directory; None (default): the latest step + 1
+        (0 in a new directory).
+      extra_metadata: a JSON-safe dict returned by restore (`CacheCheckpointer.save`'s).
+      integrity: fingerprint every array (default True); False: restore cannot verify the pages.
+
+    Returns:
+      the step saved.
+    """
     if not isinstance(cache, PagedAttentionCache):  # checked before the directory is created
         raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
     _check_extra(extra_metadata)

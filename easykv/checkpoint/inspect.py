@@ -176,7 +176,20 @@ def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
 
 
 def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
-    """The report `easykv inspect DIR` prints (see the module doc)."""
+    """The report `easykv inspect DIR` prints (see the module doc): the steps (and interrupted
+    saves), and per step the cache shape and format, sizes, mesh, page-manager summary and extra
+    metadata. Damage is reported in the text, not raised.
+
+    Args:
+      directory: the checkpoint directory (a str, an ``os.PathLike`` or an epath);
+        `NotACheckpointError` when it is not an easykv checkpoint.
+      verify: re-read every array and check its fingerprint, and check the saved page-manager
+        state against the record (default True); False skips both (the record itself is always
+        verified).
+
+    Returns:
+      the report, lines joined by newlines.
+    """
     return inspect_report(directory, verify=verify)[0]
 
 

@@ -79,16 +79,34 @@ def restore_cache(
 ) -> RestoredCache:
     """Restore ``step`` (default: the latest complete one) of ``directory`` onto ``mesh``.
 
-    ``partition_manager`` gives the target's sharding rule (kv heads over ``tp``, pages
-    optionally over ``dp``); the metadata's layout fields are rebuilt for it and the pool keeps
-    its size. ``metadata``: the target's metadata, checked against the saved model and pool
-    shape (layers, kv heads, head_dim, page_size, pages, ...). ``dtype`` / ``quantizer``: the
-    target format of every layer group (None: each group's in ``metadata``, else as saved;
-    ``quantizer="none"`` asks for unquantized pages); a change needs ``convert=True``. ``verify``: check every array's
-    fingerprint. ``restore_manager``: rebuild the PageManager when one was saved (re-split for
-    another number of data-parallel page slices; a sequence whose pages would straddle two
-    slices is refused). ``storage_platform``: whose storage dtypes the pages use (default the
-    mesh's; e.g. ``"gpu"`` to hold bf16 natively).
+    The metadata's layout fields are rebuilt for the target mesh and partition rule and the pool
+    keeps its size.
+
+    Args:
+      directory: the checkpoint directory (a str, an ``os.PathLike`` or an epath).
+      mesh: the `jax.sharding.Mesh` to restore onto (e.g. `easykv.sharding.create_mesh`).
+      partition_manager: the target's sharding rule (kv heads over ``tp``, pages optionally over
+        ``dp``); None (default): the default rules (kv heads over ``tp``, pages unsplit).
+      step: the step to restore; None (default): the latest complete one.
+      metadata: the target's metadata, checked against the saved model and pool shape (layers,
+        kv heads, head_dim, page_size, pages, ...); None (default): the saved one.
+      dtype: the target dtype of every layer group (None: each group's in ``metadata``, else as
+        saved); a change needs ``convert=True``.
+      quantizer: the target quantizer of every layer group, a name or object (None: as for
+        ``dtype``; ``"none"`` asks for unquantized pages); a change needs ``convert=True``.
+      convert: dequantize and re-encode every page into the target format (lossy when the target
+        is coarser); default False: another format is refused (`CheckpointMismatchError`).
+      verify: check every array's fingerprint (default True).
+      restore_manager: rebuild the PageManager when one was saved (default True), re-split for
+        another number of data-parallel page slices (a sequence whose pages would straddle two
+        slices is refused); False: ``manager`` is None.
+      storage_platform: whose storage dtypes the pages use, one of ``"cpu"``, ``"gpu"``,
+        ``"cuda"``, ``"rocm"``, ``"tpu"`` (default: the mesh's; e.g. ``"gpu"`` to hold bf16
+        natively).
+
+    Returns:
+      a `RestoredCache`: ``cache, manager = restored``, also its ``metadata``, ``step``,
+      ``saved_metadata``, ``saved_mesh`` and ``extra_metadata``.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh (e.g. easykv.sharding.create_mesh), "

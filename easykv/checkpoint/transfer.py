@@ -107,10 +107,24 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     window still reads (from ``manager.first_kept_position``; ``first_position`` of the
     export). A cache of several layer groups (other geometries or windows) gives a
     `GroupedSequenceExport`: each group's part in its own geometry, from its own window.
-    ``dequantize=False`` keeps a quantized cache's values and scales as stored (bit-exact into a
-    cache with the same quantizer). Reads only: the cache and the manager are unchanged. The
-    manager's pending copies and scrubs of the sequence's pages must have been applied
-    (``cache, _ = manager.apply_pending(cache)``)."""
+    Reads only: the cache and the manager are unchanged. The manager's pending copies and
+    scrubs of the sequence's pages must have been applied
+    (``cache, _ = manager.apply_pending(cache)``).
+
+    Args:
+      cache: the `PagedAttentionCache` holding the sequence.
+      manager: the cache's `PageManager`.
+      seq_id: a claimed sequence with committed tokens, not swapped out.
+      token_ids: its committed tokens' ids, ``(length,)`` ints, kept with the export for the
+        importer's prefix cache; None (default): ``manager.token_ids(seq_id)`` where the
+        manager has that method, else none.
+      dequantize: dense K/V in the cache's logical dtype (default True); False keeps a quantized
+        cache's values and scales as stored (bit-exact into a cache with the same quantizer).
+
+    Returns:
+      a `SequenceExport` (K/V token-major, dense ones ``(layers, length - first_position,
+      kv_heads, head_dim)``), or a `GroupedSequenceExport` for a cache of several layer groups.
+    """
     meta = _check_pair(cache, manager)
     dequantize = boolean("dequantize", dequantize)
     seq = integer("seq_id", seq_id, lo=0, hi=meta.batch_size - 1,
@@ -368,14 +382,12 @@ def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 def import_sequence(cache: PagedAttentionCache, manager: PageManager,
                     exported: SequenceExport | GroupedSequenceExport, *, seq_id: int | None = None, salt: Any = None,
                     reuse_prefix: bool = True, host: Any = None) -> tuple[PagedAttentionCache, int]:
-    """Give ``exported`` a sequence id in ``manager`` (``seq_id``, or the lowest free one), pages in
-    ``cache``, and write its K/V. Returns ``(cache, seq_id)``; like ``cache.write`` the cache
-    passed in is donated. With token ids and ``reuse_prefix``, pages already cached for the
-    same prefix (same ``salt``) are shared instead of written; the written pages enter the
-    prefix cache under ``salt`` (with ``reuse_prefix=False`` and a salt they stay out of it).
-    The manager's pending copy-on-write copies and scrubs are applied first (they must precede
-    any write); with a host-memory tier, so are its transfers, through ``host`` (the cache's
-    `HostTier`, required then).
+    """Give ``exported`` a sequence id in ``manager``, pages in ``cache``, and write its K/V.
+    With token ids and ``reuse_prefix``, pages already cached for the same prefix (same
+    ``salt``) are shared instead of written; the written pages enter the prefix cache under
+    ``salt`` (with ``reuse_prefix=False`` and a salt they stay out of it). The manager's pending
+    copy-on-write copies and scrubs are applied first (they must precede any write); with a
+    host-memory tier, so are its transfers, through ``host``.
 
     Into a sliding or chunked cache, the sequence gets pages only from its window's first page
     on (`PageManager.resume`): it never holds more than its window, however long it is. An
@@ -386,7 +398,22 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager,
     Everything is checked before anything changes: on ValueError (bad export, arguments, or a
     manager that is not the cache's) or CacheFullError (no sequence slot, or too few pages in
     the pool or in the data-parallel replica the sequence would live in), the manager is as
-    before (``state_dict()`` equal) and the cache is neither donated nor written."""
+    before (``state_dict()`` equal) and the cache is neither donated nor written.
+
+    Args:
+      cache: the target `PagedAttentionCache`; donated, like ``cache.write``'s.
+      manager: the target cache's `PageManager`.
+      exported: a `SequenceExport` or `GroupedSequenceExport` (`export_sequence`, or
+        ``SequenceExport.load``), checked again here.
+      seq_id: a free sequence id to claim; None (default): the lowest free one.
+      salt: the prefix namespace the pages are matched and cached under (a str, bytes or
+        64-bit int; None: the default).
+      reuse_prefix: share pages already cached for the export's token ids (default True).
+      host: the cache's `HostTier`, required when the manager has a host-memory tier; else None.
+
+    Returns:
+      ``(cache, seq_id)``: the written cache and the sequence's id.
+    """
     meta, exported, needed, reuse_prefix, seq_id = _checked_import(cache, manager, exported, seq_id, salt,
                                                                    reuse_prefix, host)
     # A sliding or chunked target keeps the pages from its window's first page on: the sequence

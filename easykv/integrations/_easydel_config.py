@@ -310,7 +310,19 @@ _ATTN_DP = "__ATTN_DP__"  # easydel.axis.ATTN_DP: the KV-page data-parallel axis
 
 
 def partition_manager_from_easydel(value: Any, *, mesh: Any = None) -> PartitionManager:
-    """See ``easykv.integrations.easydel.partition_manager_from_easydel``."""
+    """An eformer/EasyDeL ``PartitionManager`` or ``PartitionAxis`` as easykv's `PartitionManager`.
+
+    Each rule is resolved in prefill mode, as EasyDeL's ragged cache resolves its page layout:
+    kv heads from ``KV_HEAD``, pages from EasyDeL's ``ATTN_DP`` (its ``data_parallel_axis`` when
+    unregistered), and batch, sequence, head, head_dim and hidden likewise. easykv's own are
+    taken as they are. Works without EasyDeL installed.
+
+    Args:
+      value: an easykv `PartitionManager` (returned as it is) or `PartitionAxis` (wrapped), or an
+        eformer/EasyDeL ``PartitionManager`` or ``PartitionAxis``; ValueError for anything else.
+      mesh: mesh axes of size 1 on it are dropped from every rule (they split nothing); None
+        (default): every axis kept.
+    """
     if isinstance(value, PartitionManager):
         return value
     if isinstance(value, PartitionAxis):
@@ -355,7 +367,21 @@ def _mesh_rule(rule: Any, field: str, mesh: Any) -> Any:
 
 # ---- quantizers -------------------------------------------------------------------------------------
 def quantizer_from_easydel(value: Any, *, head_dim: int | None = None) -> str:
-    """See ``easykv.integrations.easydel.quantizer_from_easydel``."""
+    """easykv's quantizer name for an EasyDeL quantizer: INT8 (and AFFINE bits=8) -> ``int8``;
+    NVFP8, MXFP8 -> ``fp8``; AFFINE bits=4 (scale + bias per group) -> ``int4-g<group_size>-asym``
+    (EasyDeL's default group 64; ``int4-asym`` when the group covers head_dim). easykv's ``int8``
+    / ``fp8`` keep one scale per token and kv head: an explicit smaller ``group_size`` is refused,
+    as are the kinds easykv has no counterpart for (module doc of ``easykv.integrations.easydel``).
+
+    Args:
+      value: EasyDeL's ``EasyQuantizer``, ``QuantizationConfig`` or ``QuantizationType``; an
+        easykv quantizer (a name or a `Quantizer`, returned by name); None: ``"none"``.
+      head_dim: the cache's head dim, needed for 4-bit affine (its group must fit) and to accept
+        an int8/fp8 ``group_size`` equal to it; None (default): unknown.
+
+    Returns:
+      the quantizer's name, e.g. ``"int8"``.
+    """
     name = type(value).__name__
     if value is None:
         return "none"

@@ -48,6 +48,22 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     ones cannot be, so such a step is all padding (``num_seqs`` 0, nothing written) rather than
     tokens written at positions or into pages that the metadata gives to other tokens.
     ``slot_mapping`` and ``request_distribution`` of v2/v3 are not needed: both are derivable.
+
+    Args:
+      metadata: EasyDeL's ``RaggedPagesMetadata`` (v2 or v3), or an ``OperationsMetadata``
+        holding it, numpy or jax: ``pages_tables`` ``(seqs, pages_per_row)`` int (v3 may pass it
+        flattened), ``context_lens`` ``(seqs,)``, ``query_start_loc`` ``(seqs + 1,)``,
+        ``num_seqs`` ``(1,)`` or a scalar.
+      num_tokens: the step's token axis, a static int: the length of the result's per-token
+        fields.
+      page_size: tokens per page.
+      num_pages: pages in the pool; a page id outside ``0 .. num_pages - 1`` gives an invalid slot.
+      pages_per_sequence: logical pages a sequence may use; None (default): the table's width.
+
+    Returns:
+      the mixed-form `PagedAttentionMetadata`: ``slot_mapping`` and ``positions``
+      ``(num_tokens,)`` int32, ``query_start_loc`` ``(seqs + 1,)``, ``page_table``
+      ``(seqs, pages_per_row)``, ``context_lens`` ``(seqs,)`` and ``num_seqs``.
     """
     md = ragged_fields(metadata)
     i32 = jnp.int32

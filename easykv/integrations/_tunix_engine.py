@@ -33,8 +33,14 @@ from easykv.validation import integer, integer_array, positive_int
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """How a token is drawn, as Tunix's ``Sampler`` draws it: greedy while ``top_p`` is None, else
-    from ``softmax(logits / temperature)`` cut to the ``top_k`` most likely (None or 0: all) and to
-    the smallest set whose probability reaches ``top_p``. Hashable: the device loop's static."""
+    from ``softmax(logits / temperature)`` cut to the ``top_k`` most likely and to the smallest set
+    whose probability reaches ``top_p``. Hashable: the device loop's static.
+
+    Attributes:
+      temperature: divides the logits when sampling, > 0 (default 1.0).
+      top_p: the probability mass kept, in ``(0, 1]``; None (default): greedy.
+      top_k: keep the ``top_k`` most likely tokens, an int >= 0; None (default) or 0: all.
+    """
 
     temperature: float = 1.0
     top_p: float | None = None
@@ -130,14 +136,23 @@ class _Row:
 class TunixPagedEngine:
     """A Tunix model generating over an easykv cache it owns (see the module doc).
 
-    ``model``: a Tunix Qwen3, Llama3 or Gemma3 (it is not changed: the engine runs a paged copy,
-    `model`, whose parameters are the caller's own; new parameters, set by `update_params` or by
-    a trainer in the shared model, start a new weight version of the cache). The cache:
-    ``batch_size`` sequences of up to ``max_length`` tokens in pages of ``page_size``;
-    ``num_pages`` per layer (per layer group), or sized from ``hbm_utilization`` of device memory;
-    ``dtype`` (default: the parameters'), an optional ``quantizer``; on ``mesh`` (default: one
-    device), kv heads over its ``tp`` axis.
-    ``decode_steps``: decode steps per device loop; ``prefill_tokens``: tokens per prefill step.
+    Args:
+      model: a Tunix Qwen3, Llama3 or Gemma3 (it is not changed: the engine runs a paged copy,
+        `model`, whose parameters are the caller's own; new parameters, set by `update_params` or
+        by a trainer in the shared model, start a new weight version of the cache).
+      mesh: the cache's mesh, kv heads over its ``tp`` axis when it has one; None (default): one
+        device.
+      max_length: tokens a sequence may hold, prompt included (default 1024).
+      batch_size: sequences the cache holds at once (default 64); prompts per `generate` at most.
+      page_size: tokens per page (default 16).
+      num_pages: pages per layer (per layer group); None (default): sized from
+        ``hbm_utilization`` of device memory.
+      hbm_utilization: the fraction of device memory the pool is sized from when ``num_pages`` is
+        None (default 0.5).
+      dtype: the cache's dtype; None (default): the model parameters'.
+      quantizer: an easykv quantizer (name or object) for the pages; None (default): unquantized.
+      decode_steps: decode steps per device loop, ``1 .. max_length`` (default 16).
+      prefill_tokens: tokens per prefill step, ``1 .. 2**20`` (default 256).
     """
 
     def __init__(self, model: Any, *, mesh: Any = None, max_length: int = 1024, batch_size: int = 64,
@@ -183,9 +198,13 @@ class TunixPagedEngine:
 
     # ---- weights and memory ------------------------------------------------------------------------
     def update_params(self, params: Any) -> None:
-        """New weights (an ``nnx.State`` of the model's parameters, whole or in part, as Tunix's
-        trainer hands them); the cache's next weight version, so no prefix cached under the old
-        weights is found again."""
+        """New weights; the cache's next weight version, so no prefix cached under the old weights
+        is found again.
+
+        Args:
+          params: an ``nnx.State`` of the model's parameters, whole or in part, as Tunix's trainer
+            hands them.
+        """
         nnx.update(self.model, params)
         self._new_version()
 
@@ -207,13 +226,18 @@ class TunixPagedEngine:
             self._new_version()
 
     def sleep(self, level: int = 1) -> None:
-        """Free the cache's device memory (`easykv.sleep`: level 1 keeps its pages in host memory,
-        level 2 discards them); the next `generate` wakes it. Nothing runs meanwhile."""
+        """Free the cache's device memory (`easykv.sleep`); the next `generate` wakes it. Nothing
+        runs meanwhile; a call while asleep does nothing.
+
+        Args:
+          level: 1 (default) keeps its pages in host memory, 2 discards them.
+        """
         if self._sleeping is None:
             assert self.cache is not None
             self._sleeping, self.cache = sleep(self.cache, self.manager, level=level), None
 
     def wake(self) -> None:
+        """Put the cache back in device memory (`easykv.wake`); a no-op while awake."""
         if self._sleeping is not None:
             self.cache, self.manager = wake(self._sleeping)
             self._sleeping = None
@@ -221,17 +245,31 @@ class TunixPagedEngine:
 
     @property
     def asleep(self) -> bool:
+        """Whether the cache is asleep (`sleep`)."""
         return self._sleeping is not None
 
     # ---- generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
                  eos_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: Any = 0
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
-        """Continue each prompt (token ids) by up to ``max_new_tokens`` tokens (one int, or one per
-        prompt), stopping at any of ``eos_ids`` (not returned, as Tunix's ``Sampler`` does).
-        Identical prompts are prefilled once and forked. Returns each prompt's tokens and their
-        log-probabilities under ``sampling``; every sequence is released at the end (its full
-        pages stay findable by later prompts until the weights change)."""
+        """Continue each prompt by up to ``max_new_tokens`` tokens, stopping at any of ``eos_ids``
+        (not returned, as Tunix's ``Sampler`` does). Identical prompts are prefilled once and
+        forked. Every sequence is released at the end (its full pages stay findable by later
+        prompts until the weights change).
+
+        Args:
+          prompts: ``batch`` prompts (at most ``batch_size``), each a non-empty list of token ids
+            in the model's vocabulary.
+          max_new_tokens: new tokens per prompt, one int for all or ``batch`` ints, each >= 1 and
+            at most ``max_length`` with its prompt.
+          eos_ids: token ids that end a sequence (default none).
+          sampling: how tokens are drawn (default `Sampling()`: greedy).
+          seed: an int >= 0 or a ``jax.random`` key (default 0).
+
+        Returns:
+          ``(tokens, logprobs)``: per prompt, its new tokens ``(generated,)`` int32 and their
+          log-probabilities under ``sampling`` ``(generated,)`` float32.
+        """
         rows = self._rows(prompts, max_new_tokens)
         eos = tuple(integer("eos id", e, lo=0) for e in eos_ids)
         key = seed if isinstance(seed, jax.Array) else jax.random.key(integer("seed", seed, lo=0, hi=None))

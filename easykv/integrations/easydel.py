@@ -104,6 +104,7 @@ from easykv.integrations._easydel_config import (
     quantizer_from_easydel,
 )
 from easykv.integrations._easydel_runtime import runtime_from_easydel
+from easykv.manager.coordinator import single_group
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 _INSTALL = "pip install 'easykv[easydel]'"
@@ -198,47 +199,93 @@ def _attention_modules(model: Any) -> Any:
 
 def metadata_from_easydel_config(config: Any, *, mesh: Any = None, partition_manager: Any = None,
                                  batch_size: int | None = None, quantizer: Any = None) -> PagedAttentionCacheMetaData:
-    """easykv metadata for an EasyDeL ``RaggedPagesCacheConfig`` (object, dict of its fields, or
-    its ``to_json()``; v2 or v3).
+    """easykv metadata for an EasyDeL ``RaggedPagesCacheConfig`` (v2 or v3).
 
-    EasyDeL's config keeps shard counts, not mesh axes: the axes come from ``partition_manager``
-    (easykv's or EasyDeL's; default ``tp`` for kv heads and ``dp`` for pages) and are checked
-    against ``mesh`` when given. ``batch_size`` is needed only when ``max_num_reqs`` is -1
-    (default: EasyDeL's own ``get_max_num_seqs`` figure). ``quantizer`` (easykv's or EasyDeL's)
-    sets ``quantization``: EasyDeL keeps KV quantization outside the cache config.
+    EasyDeL's config keeps shard counts, not mesh axes: the axes come from ``partition_manager``.
+
+    Args:
+      config: the config: the object, a dict of its fields, or its ``to_json()``; a config never
+        sized (``num_pages=-1``) or with fields easykv cannot keep is refused (module doc).
+      mesh: the mesh the axes are checked against (each shard count must be the product of its
+        axes' sizes); None (default): not checked.
+      partition_manager: easykv's or EasyDeL's; None (default): ``tp`` for kv heads, ``dp`` for
+        pages.
+      batch_size: sequences of the cache, needed only when ``max_num_reqs`` is -1 (None: EasyDeL's
+        own ``get_max_num_seqs`` figure); must equal ``max_num_reqs`` otherwise.
+      quantizer: easykv's or EasyDeL's, sets ``quantization`` (EasyDeL keeps KV quantization
+        outside the cache config); None (default): unquantized.
+
+    Returns:
+      the `PagedAttentionCacheMetaData`.
     """
     return metadata_from_config(config, mesh=mesh, partition_manager=partition_manager, batch_size=batch_size,
                                 quantizer=quantizer)
 
 
 def easydel_config_json(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> str:
-    """The JSON of the EasyDeL 0.3 ``RaggedPagesCacheConfig`` (``version`` 'v2' or 'v3') describing
-    the same pool, byte for byte what that config's ``to_json()`` writes. Refuses quantized
-    metadata (convert ``dataclasses.replace(meta, quantization='none')`` and set the quantizer on
-    the model) and, for v3, kv-head splits EasyDeL's packed layout cannot make."""
+    """The JSON of the EasyDeL 0.3 ``RaggedPagesCacheConfig`` describing the same pool, byte for
+    byte what that config's ``to_json()`` writes. Refuses quantized metadata (convert
+    ``dataclasses.replace(meta, quantization='none')`` and set the quantizer on the model) and,
+    for v3, kv-head splits EasyDeL's packed layout cannot make.
+
+    Args:
+      meta: the `PagedAttentionCacheMetaData`, unquantized, with its dtype and kv-head layout set;
+        layer groups only of the cache-wide geometry, format and pool.
+      version: ``"v3"`` (default) or ``"v2"``, the config's cache version.
+    """
     return config_json_from_metadata(meta, version=version)
 
 
 def easydel_config_dict(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> dict[str, Any]:
-    """:func:`easydel_config_json` as a dict."""
+    """:func:`easydel_config_json` as a dict.
+
+    Args:
+      meta: the `PagedAttentionCacheMetaData` (as `easydel_config_json`'s).
+      version: ``"v3"`` (default) or ``"v2"``.
+    """
     return config_dict_from_metadata(meta, version=version)
 
 
 def easydel_config_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> Any:
-    """:func:`easydel_config_json` as EasyDeL's ``RaggedPagesCacheConfig`` object."""
+    """:func:`easydel_config_json` as EasyDeL's ``RaggedPagesCacheConfig`` object (needs EasyDeL).
+
+    Args:
+      meta: the `PagedAttentionCacheMetaData` (as `easydel_config_json`'s).
+      version: ``"v3"`` (default) or ``"v2"``.
+    """
     return _model_module().easydel_config_from_metadata(meta, version=version)
 
 
 def easydel_metadata_from_easykv(metadata: Any, *, page_size: int, version: str = "v3",
                                  padded_num_slices: int | None = None) -> Any:
-    """EasyDeL's ``RaggedPagesMetadata`` for a host-side easykv mixed-form step (e.g. from
-    ``PageManager.build_step_metadata``), to run an EasyDeL model forward on either cache."""
+    """EasyDeL's ``RaggedPagesMetadata`` for a host-side easykv mixed-form step, to run an EasyDeL
+    model forward on either cache (needs EasyDeL).
+
+    Unassigned page-table entries (-1) and padding positions become 0, as EasyDeL's engine leaves
+    them. v3 gets ``request_distribution`` (decodes, decodes + prefills, sequences); v2 gets
+    ``slot_mapping`` as EasyDeL's page-contiguous slices and ``num_kv_update_slices``.
+
+    Args:
+      metadata: one mixed-form `PagedAttentionMetadata` with numpy values (e.g.
+        ``PagedAttentionMetadata.for_mixed``), or `PageManager.build_step_metadata`'s tuple of a
+        cache of one layer group (EasyDeL hands every layer one page table; several are refused).
+      page_size: tokens per page of the cache.
+      version: ``"v3"`` (default) or ``"v2"``.
+      padded_num_slices: v2 only: the slices ``slot_mapping`` is padded to, ``(3,
+        padded_num_slices)``; None (default): one per token.
+    """
+    if isinstance(metadata, (tuple, list)):  # the manager's per-group answer: its one item, or a refusal
+        metadata = single_group(tuple(metadata))
     return _model_module().easydel_metadata_from_easykv(metadata, page_size=page_size, version=version,
                                                         padded_num_slices=padded_num_slices)
 
 
 def unquantized(meta: PagedAttentionCacheMetaData) -> PagedAttentionCacheMetaData:
-    """``meta`` without its quantizer (what EasyDeL's cache config can describe)."""
+    """``meta`` without its quantizer (what EasyDeL's cache config can describe).
+
+    Args:
+      meta: a `PagedAttentionCacheMetaData`; its ``quantization`` becomes ``"none"``.
+    """
     return dataclasses.replace(meta, quantization="none")
 
 

@@ -51,9 +51,18 @@ class EasyKVRollout(base_rollout.BaseRollout):
     """A Tunix rollout engine over easykv pages (module doc). Tunix's RL cluster builds it as
     ``EasyKVRollout(rollout_actor=model, tokenizer=..., mesh=..., rollout_config=...)``: pass it
     as ``ClusterConfig.rollout_engine``, with engine options bound by ``functools.partial``.
-    ``engine_options`` are `TunixPagedEngine`'s (``num_pages``, ``page_size``, ``batch_size``,
-    ``decode_steps``, ``dtype``, ``quantizer``, ...); ``max_length`` defaults to the rollout
-    config's ``kv_cache_size``."""
+
+    Args:
+      rollout_actor: the Tunix model (Qwen3, Llama3 or Gemma3) to generate with; required.
+      tokenizer: its tokenizer, or Tunix's ``TokenizerAdapter`` of it; required.
+      mesh: the mesh of the engine's cache (None: one device).
+      rollout_config: Tunix's ``RolloutConfig``; its ``kv_cache_size`` is the default
+        ``max_length`` (1024 without one).
+      sleep_level: free the cache's device memory after each `generate` (`TunixPagedEngine.sleep`):
+        1 keeps the pages in host memory, 2 discards them; None (default): stay awake.
+      **engine_options: `TunixPagedEngine`'s keywords (``num_pages``, ``page_size``,
+        ``batch_size``, ``decode_steps``, ``dtype``, ``quantizer``, ``max_length``, ...).
+    """
 
     def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Any = None,
                  rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_level: int | None = None,
@@ -71,10 +80,12 @@ class EasyKVRollout(base_rollout.BaseRollout):
 
     @property
     def engine(self) -> TunixPagedEngine:
+        """The `TunixPagedEngine` that generates."""
         return self._engine
 
     @property
     def mesh(self) -> Any:
+        """The mesh it was built with (None: one device)."""
         return self._mesh
 
     def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
@@ -82,7 +93,19 @@ class EasyKVRollout(base_rollout.BaseRollout):
         """Tunix's ``generate``: ``prompts`` as strings (tokenized as Tunix's ``Sampler`` does),
         up to ``max_tokens_to_generate`` tokens each; the output as ``VanillaRollout`` gives it
         (completion tokens without the end token, prompts left-padded to ``max_prompt_length``
-        or the next power of two of the longest)."""
+        or the next power of two of the longest).
+
+        Args:
+          prompts: the prompts, ``batch`` strings (at most the engine's ``batch_size``).
+          rollout_config: Tunix's ``RolloutConfig``: ``max_tokens_to_generate``, ``eos_tokens``
+            (default: the tokenizer's eos), ``temperature``, ``top_p``, ``top_k``, ``seed``
+            (None: the call's number), ``max_prompt_length``, ``return_logprobs``.
+          **kwargs: accepted for Tunix's interface; unused.
+
+        Returns:
+          Tunix's ``RolloutOutput``: ``tokens`` (one int32 array per prompt), ``text``,
+          ``left_padded_prompt_tokens`` ``(batch, padded_prompt_len)``, and ``logprobs`` when asked.
+        """
         tok = self._tokenizer
         ids = [self._tokenize(p) for p in prompts]
         eos = tuple(rollout_config.eos_tokens or [tok.eos_id()])
@@ -106,23 +129,40 @@ class EasyKVRollout(base_rollout.BaseRollout):
 
     def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array, **kwargs: Any) -> jax.Array:
         """Tunix's log-probabilities of the completion tokens under the current weights (Tunix's
-        own forward, no cache)."""
+        own forward, no cache).
+
+        Args:
+          prompt_tokens: ``(batch, prompt_len)`` int token ids, padding the pad id.
+          completion_tokens: ``(batch, completion_len)`` int token ids.
+          **kwargs: accepted for Tunix's interface; unused.
+
+        Returns:
+          ``(batch, completion_len)`` log-probabilities (gradient stopped).
+        """
         graphdef, state = nnx.split(self._engine.model)
         return common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_tokens,
                                               completion_tokens=completion_tokens, pad_id=self.pad_id(),
                                               eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
-        """New weights from the trainer (laid out as the rollout model's when ``filter_types`` is
-        given, as Tunix's own rollout does); the cache starts a new weight version."""
+        """New weights from the trainer; the cache starts a new weight version.
+
+        Args:
+          params: an ``nnx.State`` of the model's parameters, whole or in part.
+          filter_types: nnx variable types: when given, ``params`` are first laid out as the
+            rollout model's state of those types (as Tunix's own rollout does); None (default):
+            used as they are.
+        """
         if filter_types is not None:
             params = reshard.reshard_pytree(params, nnx.state(self._engine.model, filter_types))
         self._engine.update_params(params)
 
     def pad_id(self) -> int:
+        """The tokenizer's pad id."""
         return int(self._tokenizer.pad_id())
 
     def eos_id(self) -> int:
+        """The tokenizer's end-of-sequence id."""
         return int(self._tokenizer.eos_id())
 
     def model(self) -> Any:

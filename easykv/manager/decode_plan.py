@@ -46,14 +46,25 @@ if TYPE_CHECKING:
 class DecodePlan:
     """``num_steps`` decode steps of ``seq_ids``, pages reserved for all of them
     (`PageManager.plan_decode`; commit it once with `PageManager.commit_decode`).
+    `next_metadata` gives step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
 
-    - ``metadata``: the first step's metadata, a tuple of one per layer group, ``padded_rows``
-      rows each (``pad_seqs_to``; row ``i < len(seq_ids)`` is ``seq_ids[i]``);
-    - ``lengths``: ``(len(seq_ids),)`` each sequence's committed length when planned; step ``j``
-      writes position ``lengths + j``;
-    - ``limits``: ``(padded_rows,)`` int32, the most tokens each row may write (room is reserved
-      for that many; 0 for padding rows): the device loop's limits;
-    - `next_metadata`: step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
+    Attributes:
+      seq_ids: the planned sequences, ``n`` ints (row ``i < n`` of every step is ``seq_ids[i]``).
+      num_steps: decode steps of the loop.
+      lengths: ``(n,)`` each sequence's committed length when planned; step ``j`` writes position
+        ``lengths + j``.
+      limits: ``(padded_rows,)`` int32, the most tokens each row may write (room is reserved for
+        that many; 0 for padding rows): the device loop's limits.
+      metadata: the first step's metadata, a tuple of one `PagedAttentionMetadata` per layer
+        group, ``padded_rows`` rows each (``pad_seqs_to``).
+      page_size: tokens per page.
+      num_pages: each layer group's pool size, one int per group.
+      committed: whether `PageManager.commit_decode` has taken the plan.
+
+    Other Parameters:
+      owner: the manager's sequence table (a plan commits only on the manager that made it).
+      stamp: what the plan was planned over, compared at commit.
+      held: ``(n,)`` pages each sequence held before the plan reserved more.
     """
 
     __slots__ = ("_held", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps",
@@ -74,7 +85,14 @@ class DecodePlan:
 
     def next_metadata(self, metadata: PerGroup[PagedAttentionMetadata]) -> PerGroup[PagedAttentionMetadata]:
         """The next step's metadata from this one (one per layer group): each sequence's token moves
-        one position on, into the pages this plan reserved."""
+        one position on, into the pages this plan reserved.
+
+        Args:
+          metadata: a step's metadata, a tuple of one per layer group (first: ``self.metadata``).
+
+        Returns:
+          the next step's, a tuple of one `PagedAttentionMetadata` per layer group.
+        """
         return increment_groups(metadata, page_size=self.page_size, num_pages=self.num_pages)
 
     def __repr__(self) -> str:

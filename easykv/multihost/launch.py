@@ -60,14 +60,27 @@ def launch_local(
     """Run ``argv`` as ``num_processes`` workers on 127.0.0.1 forming one JAX runtime.
 
     Each worker calls ``initialize_from_env()``, which makes it fail fast (the module docstring)
-    unless it passes ``fail_fast=False``. Output goes to ``log_dir/process-<i>.log``.
-    Returns every worker's output once all exited with 0. Otherwise raises ``MultiProcessError``
-    naming the first worker to fail (its exit code or signal and the end of its log; first by when
-    it began to fail, not by exit order: see the module docstring), or at
-    ``timeout`` seconds the workers still running. Every worker runs in its own session; whatever
-    happens, each worker's whole process group is killed before this returns or raises, also when
-    SIGTERM or SIGINT stops the launcher (its handlers are restored and the signal passed on to
-    them afterwards). On Linux a worker is also killed when the launcher dies by SIGKILL.
+    unless it passes ``fail_fast=False``. Returns every worker's output once all exited with 0.
+    Otherwise raises ``MultiProcessError`` naming the first worker to fail (its exit code or
+    signal and the end of its log; first by when it began to fail, not by exit order: see the
+    module docstring), or at ``timeout`` seconds the workers still running. Every worker runs in
+    its own session; whatever happens, each worker's whole process group is killed before this
+    returns or raises, also when SIGTERM or SIGINT stops the launcher (its handlers are restored
+    and the signal passed on to them afterwards). On Linux a worker is also killed when the
+    launcher dies by SIGKILL.
+
+    Args:
+      argv: the worker's command line, a non-empty list of strings (e.g.
+        ``[sys.executable, "worker.py"]``), the same for every worker.
+      num_processes: workers to start, ``1 .. 256`` (default 2).
+      cpu_devices_per_process: CPU devices each worker simulates (default 4); the workers run
+        with ``JAX_PLATFORMS=cpu``.
+      timeout: seconds the whole run may take (default 180), > 0.
+      log_dir: the directory (created when missing) for each worker's output,
+        ``log_dir/process-<i>.log``.
+
+    Returns:
+      every worker's output, in process order.
     """
     argv = _command(argv)
     num_processes = positive_int("num_processes", num_processes, hi=_MAX_LOCAL_PROCESSES,

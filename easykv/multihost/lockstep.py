@@ -17,7 +17,14 @@ from easykv.errors import LockstepError
 
 
 def fingerprint(state: Mapping[str, Any]) -> bytes:
-    """sha256 of a JSON-safe state in canonical form (sorted keys, no whitespace)."""
+    """sha256 of a JSON-safe state in canonical form (sorted keys, no whitespace).
+
+    Args:
+      state: a mapping of str keys to JSON values (no NaN); ValueError otherwise.
+
+    Returns:
+      the 32-byte digest.
+    """
     try:
         text = json.dumps(state, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError, RecursionError) as err:  # objects, mixed key types, NaN, cycles
@@ -29,8 +36,15 @@ def fingerprint(state: Mapping[str, Any]) -> bytes:
 def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
     """Raise ``LockstepError`` unless every process holds the same state.
 
-    ``manager`` is anything with ``state_dict()`` (the PageManager) or a JSON-safe mapping.
-    Returns this process's fingerprint. Every process must call it at the same point.
+    Every process must call it at the same point.
+
+    Args:
+      manager: the `PageManager` (its ``lockstep_state()``, host tier included), anything else
+        with ``state_dict()``, or a JSON-safe mapping.
+      what: how the error message names the state (default ``"page manager"``).
+
+    Returns:
+      this process's fingerprint (`fingerprint`).
     """
     if hasattr(manager, "lockstep_state"):  # the PageManager: its host tier included
         state = manager.lockstep_state()

@@ -30,13 +30,27 @@ def initialize(
 ) -> None:
     """``jax.distributed.initialize`` with what a CPU run needs as well.
 
-    On TPU pods and GPU clusters the arguments may be left out (JAX detects the cluster).
-    ``cpu_devices_per_process`` simulates that many CPU devices in this process and selects the
-    gloo collectives, which is how the tests run several hosts on one machine. ``fail_fast=True``
-    (off unless asked) makes a failing exit of this process end it at once, skipping JAX's
-    shutdown barrier, and replaces ``sys.exit`` with a wrapper that records the status
-    (``easykv.multihost.fail_fast`` says why, and with which exit status). Call it before any
-    other JAX work.
+    On TPU pods and GPU clusters the arguments may be left out (JAX detects the cluster). Call it
+    before any other JAX work.
+
+    Args:
+      coordinator_address: ``ip:port`` where process 0 runs the coordinator service; None only
+        where JAX detects the cluster.
+      num_processes: processes in the run (None: detected).
+      process_id: this process's id, ``0 .. num_processes - 1`` (None: detected).
+      cpu_devices_per_process: simulate that many CPU devices in this process (>= 1) and select
+        the gloo collectives, which is how the tests run several hosts on one machine; None
+        (default): leave JAX's devices as they are.
+      initialization_timeout: seconds the connection is retried before initialization fails
+        (default 300).
+      heartbeat_timeout_seconds: seconds without a heartbeat after which a process counts as dead
+        (default 100).
+      shutdown_timeout_seconds: seconds a terminating process waits for the others to terminate
+        (default 300).
+      fail_fast: make a failing exit of this process end it at once, skipping JAX's shutdown
+        barrier, and replace ``sys.exit`` with a wrapper that records the status
+        (``easykv.multihost.fail_fast`` says why, and with which exit status); off (default)
+        unless asked.
     """
     if boolean("fail_fast", fail_fast):
         install_fail_fast()  # first: a failure inside jax.distributed.initialize is covered too
@@ -57,9 +71,14 @@ def initialize(
 def initialize_from_env(*, fail_fast: bool | None = None, **timeouts: int) -> int:
     """In a worker started by ``launch_local``: join the run; returns this process's id.
 
-    ``fail_fast`` None does what the launcher asks in ``EASYKV_FAIL_FAST`` ("1": on, which
-    ``launch_local`` always sets, so a failing worker ends at once and the launcher hears of it;
-    "0" or unset: off); True or False decides here. ``timeouts`` go to ``initialize``.
+    RuntimeError when the launcher's environment variables are missing.
+
+    Args:
+      fail_fast: None (default) does what the launcher asks in ``EASYKV_FAIL_FAST`` ("1": on,
+        which ``launch_local`` always sets, so a failing worker ends at once and the launcher
+        hears of it; "0" or unset: off); True or False decides here.
+      **timeouts: `initialize`'s ``initialization_timeout``, ``heartbeat_timeout_seconds`` and
+        ``shutdown_timeout_seconds``, in seconds.
     """
     missing = [k for k in JOIN_ENV if k not in os.environ]
     if missing:

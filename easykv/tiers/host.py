@@ -49,7 +49,13 @@ class HostTier:
     """The host pages of ``cache``'s host-memory tier (see the module doc). Made for one
     cache's metadata and placement: the cache `apply` takes must have both (a cache returned
     by a write or an earlier `apply` of it does). It serves one `PageManager` for its life:
-    the first whose `apply_pending` takes it (`bind`); another manager's is refused."""
+    the first whose `apply_pending` takes it (`bind`); another manager's is refused.
+
+    Args:
+      cache: the `PagedAttentionCache` whose tier this is; its metadata must have a host-memory
+        tier (``host_memory_bytes=`` at creation), else ValueError. Zeroed host pages are
+        allocated for every layer group, per addressable shard.
+    """
 
     def __init__(self, cache: PagedAttentionCache):
         if not isinstance(cache, PagedAttentionCache):
@@ -83,7 +89,11 @@ class HostTier:
     def bind(self, owner: object) -> None:
         """Serve the manager holding the token ``owner`` from now on (`PageManager.apply_pending`
         calls it); binding again with the same token is a no-op. ValueError when the tier serves
-        another manager: its pages hold that manager's sequences."""
+        another manager: its pages hold that manager's sequences.
+
+        Args:
+          owner: the manager's token, any object but None, compared by identity.
+        """
         if owner is None:
             raise ValueError("bind takes the token of the PageManager this tier serves, got None")
         if self._owner is not None and self._owner is not owner:
@@ -92,9 +102,14 @@ class HostTier:
         self._owner = owner
 
     def scrub(self, pages: Any) -> None:
-        """Zero host pages now, per layer group (``pages[g]``: global host page ids), and drop any
-        offload still in flight into them: the pages hold nothing anyone reads again (released
-        after `apply` read them, or forgotten), so no later landing may refill them."""
+        """Zero host pages now, per layer group, and drop any offload still in flight into them:
+        the pages hold nothing anyone reads again (released after `apply` read them, or
+        forgotten), so no later landing may refill them.
+
+        Args:
+          pages: per layer group, a ``(host_scrubs,)`` int array of global host page ids in
+            ``0 .. group host pages - 1``.
+        """
         if len(pages) != len(self._groups):
             raise ValueError(f"scrub takes one array of host pages per layer group ({len(self._groups)}), got "
                              f"{len(pages)}")
@@ -118,7 +133,13 @@ class HostTier:
 
     def check(self, cache: Any, manager_metadata: Any = None) -> None:
         """ValueError unless ``cache`` is this tier's cache (its metadata and placement) and
-        ``manager_metadata`` (if given) has its pools."""
+        ``manager_metadata`` (if given) has its pools.
+
+        Args:
+          cache: the cache to check.
+          manager_metadata: a manager's `PagedAttentionCacheMetaData`, whose device and host
+            pages per group must be the tier's; None (default): not checked.
+        """
         meta = self.metadata
         if not isinstance(cache, PagedAttentionCache) or cache.metadata != meta or tuple(
                 cache.layout_of(g) for g in range(len(meta.groups))) != self._layouts:
@@ -133,17 +154,30 @@ class HostTier:
 
     def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
               manager_metadata: Any = None) -> PagedAttentionCache:
-        """Run a manager's pending work on ``cache`` (donated) and these host pages, in one
-        program per call: per layer group, ``transfers`` (`PageManager.pending_transfers`),
-        ``copies`` (``(src, dst)`` copy-on-write pairs) and ``scrubs`` (pages to zero). Returns the
-        new cache (the one given when only host pages are zeroed). Called by
-        `PageManager.apply_pending` (which checks the tier is the manager's: `bind`); everything
-        here is checked before anything moves.
+        """Run a manager's pending work on ``cache`` and these host pages, in one program per
+        call. Called by `PageManager.apply_pending` (which checks the tier is the manager's:
+        `bind`); everything here is checked before anything moves.
 
         The order is what the manager's bookkeeping relies on: offloads read the device pages
         first (an evicted page may be any later step's destination), then copies (a copy's
         source may be freed and filled by an onload of the same call), then onloads, then scrubs
-        (pages released since)."""
+        (pages released since).
+
+        Args:
+          cache: this tier's `PagedAttentionCache` (`check`); donated.
+          transfers: per layer group ``(offload_src, offload_dst, onload_src, onload_dst,
+            host_scrubs)`` int page ids, shaped ``(offloads,)``, ``(offloads,)``, ``(onloads,)``,
+            ``(onloads,)``, ``(host_scrubs,)`` (`PageManager.pending_transfers`).
+          copies: per layer group a ``(src, dst)`` pair of ``(copies,)`` int32 device page ids
+            (copy-on-write; -1: padding); None (default): none.
+          scrubs: per layer group ``(scrubs,)`` int32 device pages to zero (-1: padding); None
+            (default): none.
+          manager_metadata: the manager's metadata, checked against the tier's pools (`check`);
+            None (default): not checked.
+
+        Returns:
+          the new cache (the one given when only host pages are zeroed).
+        """
         self.check(cache, manager_metadata)
         meta = self.metadata
         n = len(meta.groups)

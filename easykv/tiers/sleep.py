@@ -34,9 +34,19 @@ HOST_KIND = "pinned_host"
 
 @dataclasses.dataclass(eq=False)
 class SleepingCache:
-    """A cache put to sleep (see the module doc): ``level``, the ``metadata`` and ``layout`` it
-    had, its ``manager``, and at level 1 its pages in host memory (``key_pages`` /
-    ``value_pages``, one entry per layer group, as the cache held them); None at level 2."""
+    """A cache put to sleep (see the module doc); `wake` takes it, once.
+
+    Attributes:
+      level: 1 (pages kept in host memory) or 2 (pages discarded).
+      metadata: the `PagedAttentionCacheMetaData` the cache had.
+      layout: the `PageLayout` it had (None: one device).
+      manager: its `PageManager`, state kept.
+      key_pages: level 1: the key pages in host memory (``pinned_host``), one entry per layer
+        group as the cache held them, ``(layers_in_group, num_kv_heads, num_pages, page_size, head_dim)``
+        stacks (or `QuantizedPages`); None at level 2 and once woken.
+      value_pages: the value pages, likewise (an entry is None for a latent group).
+      woken: whether `wake` has taken it (default False).
+    """
 
     level: int
     metadata: PagedAttentionCacheMetaData
@@ -112,7 +122,18 @@ def _free_unshared(arrays: Any, kept: Any) -> None:
 
 def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -> SleepingCache:
     """Free ``cache``'s device memory (see the module doc); ``cache`` is consumed. Level 2 needs
-    every sequence released first (ValueError naming them, nothing changed)."""
+    every sequence released first (ValueError naming them, nothing changed).
+
+    Args:
+      cache: the `PagedAttentionCache` to put to sleep, with no host-tier transfers pending.
+      manager: the cache's `PageManager`; kept in the `SleepingCache` (at level 2 its prefix
+        cache is emptied).
+      level: 1 (default) keeps the pages in host memory; 2 discards them (a cache laid out on a
+        mesh only).
+
+    Returns:
+      the `SleepingCache` to `wake`.
+    """
     if not isinstance(cache, PagedAttentionCache):
         raise ValueError(f"sleep takes a PagedAttentionCache, got {type(cache).__name__}")
     if not isinstance(manager, PageManager):
@@ -149,7 +170,20 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
     ``mesh`` laid out by ``partition_manager`` (kv heads re-split, the pool re-sliced over the
     target's data-parallel replicas with the manager following). Level 1 restores every page
     bit for bit; level 2 allocates zeroed pages. ValueError, with the sleeping cache unchanged,
-    when ``mesh`` cannot hold the pages or a sequence's pages would straddle two slices."""
+    when ``mesh`` cannot hold the pages or a sequence's pages would straddle two slices.
+
+    Args:
+      sleeping: the `SleepingCache` `sleep` returned, not woken yet.
+      mesh: a `jax.sharding.Mesh` of the platform it slept on; None (default): the mesh it
+        slept on. Given one, the manager forgets its host tier's cached prefixes (swapped-out
+        sequences are refused).
+      partition_manager: the rules that lay the pages out on ``mesh`` (None: the default rules,
+        kv heads over ``tp``); only with ``mesh``.
+
+    Returns:
+      ``(cache, manager)``: the cache in device memory and its manager (resharded when the pool
+      is re-sliced).
+    """
     if not isinstance(sleeping, SleepingCache):
         raise ValueError(f"wake takes the SleepingCache sleep returned, got {type(sleeping).__name__}")
     if sleeping.woken:

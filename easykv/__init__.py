@@ -9,7 +9,6 @@ the names that used to be here too still import for one release, with a Deprecat
 that names their home.
 """
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from easykv import errors
@@ -67,13 +66,15 @@ if TYPE_CHECKING:  # the lazy names' types, for type checkers only (never import
 
 
 def __dir__() -> list[str]:
-    """The module's names and the lazily loaded ones (``dir(easykv)`` and completion see them all;
-    the deprecated names are left out, so nothing new is written against them)."""
-    return sorted({*globals(), *_LAZY})
+    """The public names, the lazily loaded ones among them (``dir(easykv)`` and completion see
+    them all without loading them), and ``__version__``; the deprecated names are left out, so
+    nothing new is written against them."""
+    return sorted({*__all__, "__version__"})
 
 
 def __getattr__(name: str) -> Any:
     import importlib
+    import warnings
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)

@@ -22,7 +22,7 @@ from easykv.step.metadata import (  # the public names of the module before the 
 )
 
 warnings.warn("easykv.runtime moved to easykv.step.metadata and will be removed in easykv 0.3; "
-              "import from easykv.step.metadata (or easykv) instead", DeprecationWarning, stacklevel=2)
+              "import from easykv.step.metadata instead", DeprecationWarning, stacklevel=2)
 
 __all__ = ["INVALID_SLOT", "MixedStep", "PAD_PAGE", "PAD_POSITION", "PAD_SLOT", "PagedAttentionMetadata",
            "array_module", "as_mixed", "build_mixed", "group_runtime", "increment_cache_lengths", "slots_from_table",

@@ -336,7 +336,15 @@ def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, direc
 
 
 def list_steps(directory: str | Any) -> list[int]:
-    """Complete steps of an easykv checkpoint directory, ascending."""
+    """Complete steps of an easykv checkpoint directory, ascending.
+
+    Args:
+      directory: the checkpoint directory (a str, an ``os.PathLike`` or an epath).
+
+    Raises:
+      NotACheckpointError: ``directory`` is missing, a file, or no easykv checkpoint.
+      StepNotFoundError: it holds no complete step.
+    """
     return resolve_step(checkpoint_path(directory), None)[1]
 
 

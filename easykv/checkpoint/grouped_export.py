@@ -57,7 +57,25 @@ class ExportedGroup:
     """One layer group's part of a `GroupedSequenceExport` (see the module doc): the model
     layers it holds (in the group's order), its geometry, the first position it holds, its keys
     and values (values None for a latent group), and its own ``dtype`` / ``quantization`` (None:
-    the export's). Checked by the export that holds it."""
+    the export's). Checked by the export that holds it.
+
+    Attributes:
+      layers: the model layers the group holds, in the group's order.
+      num_kv_heads: kv heads per layer.
+      key_head_dim: head dim of the keys (of the latent, for a latent group).
+      value_head_dim: head dim of the values; of a latent group, the leading dims of the latent
+        read as the value.
+      latent: whether the group stores one latent per token and head and no values (MLA).
+      first_position: the first position the group holds (> 0: a sliding or chunked group
+        exported from its window), below the export's ``length``.
+      keys: dense ``(len(layers), length - first_position, num_kv_heads, key_head_dim)`` in the
+        group's dtype, or, where `GroupedSequenceExport.group_raw`, a dict ``{"values": (len(layers),
+        length - first_position, num_kv_heads, packed), "scales": (len(layers), length -
+        first_position, num_kv_heads[, groups])}`` of the group's quantizer.
+      values: as ``keys`` with ``value_head_dim``; None for a latent group.
+      dtype: the group's own dtype (None: the export's).
+      quantization: the group's own quantizer name (None: the export's).
+    """
 
     layers: tuple[int, ...]
     num_kv_heads: int
@@ -71,6 +89,8 @@ class ExportedGroup:
     quantization: str | None = None
 
     def geometry(self) -> tuple[Any, ...]:
+        """``(layers, num_kv_heads, key_head_dim, value_head_dim, latent)``: what the importing
+        cache's group must equal."""
         return (self.layers, self.num_kv_heads, self.key_head_dim, self.value_head_dim, self.latent)
 
 
@@ -80,7 +100,20 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
 
     ``groups``: one `ExportedGroup` per layer group, together every model layer once. Every
     field is checked when the export is built (ValueError naming the field); ints and names are
-    normalized. Two exports are equal when every field is, arrays bit for bit."""
+    normalized. Two exports are equal when every field is, arrays bit for bit.
+
+    Attributes:
+      length: the sequence's committed tokens.
+      groups: one `ExportedGroup` per layer group of the source; together they hold every model
+        layer once.
+      dtype: the source cache's dtype, that of every group without its own.
+      quantization: the source cache's quantizer name, that of every group without its own.
+      raw: whether groups with a compressing quantizer hold codes and scales (`group_raw`);
+        True needs at least one such group.
+      token_ids: the sequence's token ids, ``(length,)`` int32, or None.
+      source_page_size: page size of the source cache, in tokens (None: not recorded); the
+        import does not read it.
+    """
 
     length: int
     groups: tuple[ExportedGroup, ...]
@@ -125,11 +158,19 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
         return sum(len(g.layers) for g in self.groups)
 
     def group_format(self, i: int) -> tuple[np.dtype, Any]:
-        """(dtype, quantizer) of group ``i``'s tokens: its own, else the export's."""
+        """(dtype, quantizer) of group ``i``'s tokens: its own, else the export's.
+
+        Args:
+          i: the group's index in ``groups``.
+        """
         return _format(self.groups[i], self.dtype, get_quantizer(self.quantization))
 
     def group_raw(self, i: int) -> bool:
-        """Whether group ``i`` holds raw codes and scales (else dense values in its dtype)."""
+        """Whether group ``i`` holds raw codes and scales (else dense values in its dtype).
+
+        Args:
+          i: the group's index in ``groups``.
+        """
         return self.raw and is_compressing(self.group_format(i)[1])
 
     @property

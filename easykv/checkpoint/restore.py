@@ -48,7 +48,19 @@ from easykv.validation import boolean, show
 # ---- restoring -----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RestoredCache:
-    """What `restore_cache` returns; unpacks as ``cache, manager = restored``."""
+    """What `restore_cache` returns; unpacks as ``cache, manager = restored``.
+
+    Attributes:
+      cache: the restored `PagedAttentionCache`, on the target mesh.
+      manager: the restored `PageManager`; None when none was saved or ``restore_manager=False``.
+      metadata: the restored cache's metadata, laid out for the target mesh.
+      step: the step restored.
+      saved_metadata: the metadata the step was saved with.
+      saved_mesh: the saving cache's devices as recorded: ``platform``, ``device_kind``,
+        ``num_devices``, ``process_count``, and with a layout ``axis_names``, ``shape``,
+        ``kv_head_mesh_axes`` and ``page_mesh_axes``.
+      extra_metadata: the JSON-safe dict passed to the save (``{}`` when none was).
+    """
 
     cache: PagedAttentionCache
     manager: Any  # PageManager, or None when none was saved (or restore_manager=False)

@@ -66,6 +66,22 @@ class SequenceExport(ExportFile["SequenceExport | GroupedSequenceExport"]):
     export is built (ValueError naming the field); ints and names are normalized (``dtype`` a
     numpy dtype, ``quantization`` the quantizer's name, ``token_ids`` int32). Two exports are
     equal when every field is, arrays bit for bit.
+
+    Attributes:
+      length: the sequence's committed tokens.
+      num_hidden_layers: the model's layers.
+      num_kv_heads: kv heads per layer.
+      kv_head_dim_size: head dim of the keys and the values.
+      dtype: the source cache's logical dtype (that of dense ``keys`` / ``values``).
+      quantization: the source cache's quantizer name.
+      raw: whether ``keys`` / ``values`` are codes and scales (needs a compressing quantizer).
+      keys: ``(num_hidden_layers, length - first_position, num_kv_heads, kv_head_dim_size)``, or
+        the dict of a raw export (above).
+      values: as ``keys``.
+      token_ids: the sequence's token ids, ``(length,)`` int32, or None.
+      source_page_size: page size of the source cache, in tokens (None: not recorded); the
+        import does not read it.
+      first_position: the first position whose K/V the export holds (default 0).
     """
 
     length: int

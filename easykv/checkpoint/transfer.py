@@ -8,9 +8,10 @@ A cache of several layer groups exports a `GroupedSequenceExport` instead: one p
 each in the group's own geometry and from the group's own window, imported into a cache of the
 same groups (windows there may be narrower).
 
-The export holds the sequence's K/V token-major, ``(layers, length, kv_heads, head_dim)``, either
-dense in the source's logical dtype (``dequantize=True``) or raw (quantized values in their value
-dtype plus compact scales, per token and head: independent of the page layout). The importing
+The export holds the sequence's K/V token-major, ``(layers, length - first_position, kv_heads,
+head_dim)`` (a windowed cache exports only what its window still reads), either dense in the
+source's logical dtype (``dequantize=True``) or raw (quantized values in their value dtype plus
+compact scales, per token and head: independent of the page layout). The importing
 cache may have another mesh, page size, pool size or batch size; the manager there allocates
 the pages (reusing cached prefix pages when the token ids are known) and one jitted, donating
 write fills them. A raw export imported into a cache with the same quantizer is bit-exact;

@@ -32,7 +32,11 @@ PerGroup: TypeAlias = tuple[T, ...]
 def single_group(answer: tuple[T, ...]) -> T:
     """The one item of a per-group answer of a cache with one layer group (``meta =
     single_group(manager.build_step_metadata(...))``); ValueError for an answer of several
-    groups, which are used per group (``answer[g]``) or as a whole (the cache's ``write``)."""
+    groups, which are used per group (``answer[g]``) or as a whole (the cache's ``write``).
+
+    Args:
+      answer: a per-group answer of the manager, a tuple of one item per layer group.
+    """
     if not isinstance(answer, tuple):
         raise ValueError(f"single_group takes a per-group answer (a tuple of one item per layer group, what "
                          f"build_step_metadata returns), got {type(answer).__name__}")

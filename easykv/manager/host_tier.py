@@ -90,7 +90,24 @@ class HostTierMetrics:
     """A snapshot of the host tier (page counts over every layer group's host pool; counters are
     totals since creation): ``used_pages`` are held by swapped-out sequences and pending
     transfers; ``host_hits`` / ``host_hit_tokens`` count the prefix lookups that brought pages
-    back from the host and their tokens (also counted in the manager's ``prefix_hits``)."""
+    back from the host and their tokens (also counted in the manager's ``prefix_hits``).
+
+    Attributes:
+      total_pages: host pages.
+      free_pages: host pages unreferenced and holding no cached prefix.
+      cached_pages: unreferenced host pages kept for prefix reuse.
+      used_pages: host pages referenced by swapped-out sequences or pending transfers.
+      swapped_sequences: sequences swapped out now.
+      host_hits: prefix lookups that brought pages back from the host.
+      host_hit_tokens: tokens of those pages.
+      offloaded_pages: applied device -> host copies (evicted prefix pages and swap-outs).
+      onloaded_pages: applied host -> device copies (prefix hits and swap-ins).
+      dropped_pages: evicted prefix pages not offloaded because no host page was free or
+        evictable.
+      evictions: host pages evicted from the host prefix cache.
+      swap_outs: sequences swapped out (`swap_out`).
+      swap_ins: sequences swapped back in (`swap_in`).
+    """
 
     total_pages: int
     free_pages: int

@@ -19,7 +19,15 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class GroupPoolMetrics:
-    """A snapshot of one layer group's pool (its own page ids)."""
+    """A snapshot of one layer group's pool (its own page ids).
+
+    Attributes:
+      total_pages: pages of the pool.
+      free_pages: pages unreferenced and holding no cached prefix.
+      cached_pages: unreferenced pages kept for prefix reuse.
+      used_pages: pages referenced by at least one sequence.
+      evictions: cached pages evicted from the prefix cache to be allocated, since creation.
+    """
 
     total_pages: int
     free_pages: int
@@ -31,7 +39,26 @@ class GroupPoolMetrics:
 @dataclasses.dataclass(frozen=True)
 class PageManagerMetrics:
     """A snapshot of the pools and the prefix cache (counters are totals since creation).
-    Page counts add up every layer group's pool; ``groups`` has each pool on its own."""
+    Page counts add up every layer group's pool; ``groups`` has each pool on its own.
+
+    Attributes:
+      total_pages: pages of the pools.
+      free_pages: pages unreferenced and holding no cached prefix.
+      cached_pages: unreferenced pages kept for prefix reuse.
+      used_pages: pages referenced by at least one sequence.
+      active_sequences: claimed sequence ids (swapped-out ones included).
+      prefix_queries: `match_prefix` lookups (with ``enable_prefix_caching``).
+      prefix_hits: lookups that found at least one cached page.
+      prefix_query_tokens: prompt tokens looked up.
+      prefix_hit_tokens: prompt tokens found cached (whole pages), which need no prefill.
+      evictions: cached pages evicted from the prefix cache to be allocated.
+      copies: copy-on-write page copies recorded.
+      scrubs: released pages marked for zeroing (``scrub_released`` only).
+      groups: one `GroupPoolMetrics` per layer group.
+      versions: one `VersionMetrics` per weight version (`set_weight_version`); empty while
+        none was ever set.
+      host: the host-memory tier's `HostTierMetrics` (None without one).
+    """
 
     total_pages: int
     free_pages: int

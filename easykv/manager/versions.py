@@ -42,7 +42,18 @@ class VersionMetrics:
     """One weight version's share of the manager: ``version`` as it was set (None: before any
     was set), whether it is the current one, the pages its running sequences hold and the
     cached pages it wrote (over every layer group's pool; ``host_cached_pages``: those in the
-    host-memory tier), and its prefix lookups."""
+    host-memory tier), and its prefix lookups.
+
+    Attributes:
+      version: the version as it was set (None: before any was set).
+      current: whether it is the current version.
+      live_pages: distinct pages held by its running sequences, summed over the groups.
+      cached_pages: unreferenced pages of the prefix cache it wrote.
+      prefix_queries: prefix lookups run under it.
+      prefix_hits: those that found at least one cached page.
+      prefix_hit_tokens: prompt tokens they found cached.
+      host_cached_pages: its pages in the host tier's prefix cache (0 without a host tier).
+    """
 
     version: Any
     current: bool

@@ -72,7 +72,12 @@ class AttentionKind(enum.StrEnum):
 
     def first_needed_position(self, next_position: int | np.ndarray, window: int | None) -> int | np.ndarray:
         """The first position a query at ``next_position`` or later reads (an int, or
-        elementwise for a numpy array of positions)."""
+        elementwise for a numpy array of positions).
+
+        Args:
+          next_position: the position of the sequence's next query, an int or a numpy array.
+          window: the sliding window or chunk size, in tokens (unused for full attention).
+        """
         if self is AttentionKind.FULL:
             return 0 if isinstance(next_position, int) else np.zeros_like(next_position)
         size = cast(int, window)  # a sliding or chunked group always has one (LayerGroup checks it)
@@ -84,7 +89,13 @@ class AttentionKind(enum.StrEnum):
     def pages_kept(self, full_pages: int, window: int | None, page_size: int) -> int:
         """Pages a sequence of ``full_pages`` pages keeps at once: a window of W consecutive
         tokens touches at most ``ceil((W - 1) / page_size) + 1`` pages, a page-aligned chunk of C
-        tokens exactly ``C / page_size``."""
+        tokens exactly ``C / page_size``.
+
+        Args:
+          full_pages: the pages the sequence holds under full attention (the most it keeps).
+          window: the sliding window or chunk size, in tokens (unused for full attention).
+          page_size: tokens per page.
+        """
         if self is AttentionKind.SLIDING:
             return min(full_pages, math.ceil((known_size(window) - 1) / page_size) + 1)
         if self is AttentionKind.CHUNKED:

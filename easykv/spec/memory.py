@@ -26,7 +26,14 @@ _CGROUP_V1_UNLIMITED = 2**60  # v1 reports "no limit" as a huge page-rounded num
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """Bytes per device the cache may use (utilization applied, bytes in use subtracted)."""
+    """Bytes per device the cache may use (utilization applied, bytes in use subtracted).
+
+    Attributes:
+      per_device_bytes: bytes each device can give the cache, positive.
+      source: ``"memory_stats"`` (the devices' allocator limits), ``"host"`` (host memory, for
+        devices without stats) or ``"override"`` (``memory_bytes_per_device`` given).
+      detail: one line with the figures, for `easykv plan` and error messages.
+    """
 
     per_device_bytes: int
     source: str  # "memory_stats", "host" or "override"
@@ -195,6 +202,14 @@ def device_memory_budget(
 
     Raises ValueError for bad arguments, a non-positive budget or mixed device kinds, and
     MemoryUnavailableError when the memory cannot be read.
+
+    Args:
+      devices: the cache's devices (e.g. ``mesh.devices.flat``); only this process's are read.
+      hbm_utilization: the share of each device's memory limit (or of the host's available
+        memory) the cache may take, in ``(0, 1]``.
+      memory_bytes_per_device: the budget itself, in bytes per device (None: read it).
+      host_memory_reader: called for the host's `HostMemory` when the devices have no stats
+        (None: `read_host_memory`).
     """
     util = _check_utilization(hbm_utilization)
     if memory_bytes_per_device is not None:

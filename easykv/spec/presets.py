@@ -17,7 +17,17 @@ from easykv.spec.groups import AttentionKind, LayerGroup, group_pattern
 @dataclasses.dataclass(frozen=True)
 class ModelPreset:
     """``num_kv_heads`` heads of ``head_dim`` (a latent preset: one head of ``head_dim`` dims,
-    of which the first ``value_head_dim`` are the value)."""
+    of which the first ``value_head_dim`` are the value).
+
+    Attributes:
+      layers: the model's layers.
+      num_kv_heads: kv heads per layer.
+      head_dim: head dim of the keys and values (of the latent, for ``L``).
+      pattern: one letter per layer, repeating (module doc); ``"F"``: every layer full.
+      window: the sliding window or chunk size of ``S`` / ``C`` layers, in tokens.
+      value_head_dim: the latent's leading dims read as the value (``L`` only).
+      source: a note on the config the shape comes from.
+    """
 
     layers: int
     num_kv_heads: int
@@ -32,6 +42,8 @@ class ModelPreset:
         return self.pattern == "F"
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """One `LayerGroup` per letter of ``pattern`` (`group_pattern`), ``num_kv_heads`` and
+        ``key_head_dim`` left None (the cache's)."""
         kinds: dict[str, dict[str, Any]] = {
             "F": dict(attention=AttentionKind.FULL),
             "S": dict(attention=AttentionKind.SLIDING, window=self.window),

@@ -34,7 +34,13 @@ def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_
 def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> float:
     """Tokens of ``context``-token sequences one GiB of a device holds, once the pages that
     left a window are released; ``uniform``: the same model with every layer full attention
-    (its groups' geometry kept), the baseline a grouped cache is measured against."""
+    (its groups' geometry kept), the baseline a grouped cache is measured against.
+
+    Args:
+      metadata: the cache's `PagedAttentionCacheMetaData`.
+      context: tokens per sequence, a positive int.
+      uniform: every layer keeps all ``ceil(context / page_size)`` pages (default False).
+    """
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")
     context = positive_int("context", context, hi=None)

@@ -566,11 +566,17 @@ def slots_from_table(table: Array, positions: Array, *, page_size: int, num_page
 def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int,
                             num_pages: int | None = None) -> PagedAttentionMetadata:
     """The next decode step from a decode-only mixed-form step: every real token moves one
-    position on, its slot is read from the (already reserved) page table, context lengths grow
-    by one. Works on numpy and jax arrays alike, inside jit too, so a multi-step loop runs
+    position on, its slot is read from the (already reserved) page table, context lengths above 0 grow
+    by one (padding rows stay 0). Works on numpy and jax arrays alike, inside jit too, so a multi-step loop runs
     without a host round trip [MAX: increment_cache_lengths]. A token whose next page the
     table lacks, or names outside the pool (``num_pages``), gets ``INVALID_SLOT``: the write
-    drops and counts it, never writes another sequence's page."""
+    drops and counts it, never writes another sequence's page.
+
+    Args:
+      metadata: mixed-form decode metadata, one token per sequence (``build_decode_metadata``).
+      page_size: tokens per page.
+      num_pages: the pool's pages (None: only slots past int32 are invalid).
+    """
     if not isinstance(metadata, PagedAttentionMetadata) or not metadata.is_mixed_mode():
         raise ValueError(f"increment_cache_lengths takes mixed-form decode metadata (build_decode_metadata, "
                          f"for_mixed), got {type(metadata).__name__}")

@@ -65,7 +65,11 @@ class SleepingCache:
 def device_bytes(tree: Any = None) -> int:
     """Bytes of device memory held by the arrays of ``tree`` (default: every live array of this
     process), counted from the arrays themselves: their addressable shards in the ``device``
-    memory kind (a replicated shard counts once per device holding it)."""
+    memory kind (a replicated shard counts once per device holding it).
+
+    Args:
+      tree: a pytree of `jax.Array` leaves; deleted arrays count nothing (None: every live array).
+    """
     return _held_bytes(jax.live_arrays() if tree is None else jax.tree.leaves(tree), "device")
 
 

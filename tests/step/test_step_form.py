@@ -250,4 +250,4 @@ import easykv.step.metadata as moved
 assert PagedAttentionMetadata is moved.PagedAttentionMetadata and as_mixed is moved.as_mixed""")
     assert [message for category, message, _ in seen if category == "DeprecationWarning"] == [
         "easykv.runtime moved to easykv.step.metadata and will be removed in easykv 0.3; import from "
-        "easykv.step.metadata (or easykv) instead"]
+        "easykv.step.metadata instead"]

@@ -9,7 +9,7 @@ of a step also scans the pages the step's proof vouches for (once per step).
 
 Each round times every case once, in turn (interleaved), and the table shows medians.
 
-    python benchmarks/bench_host.py            # the table for the README
+    python benchmarks/bench_host.py            # the table for docs/benchmarks.md
     python benchmarks/bench_host.py --quick    # 60 rounds: a smoke run (CI)
 """
 

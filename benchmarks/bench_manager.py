@@ -5,7 +5,7 @@ page-boundary allocations included, under 0.5 ms median; a prefix lookup for a 4
 prompt under 1 ms; a shared-prefix workload (64 requests, 90% common prefix) needing at least
 80% fewer prefill tokens with prefix caching than without.
 
-    python benchmarks/bench_manager.py            # the table for the README
+    python benchmarks/bench_manager.py            # the table for docs/benchmarks.md
     python benchmarks/bench_manager.py --quick    # a tenth of the repetitions: a smoke run (CI)
 """
 

@@ -1,7 +1,7 @@
 """Compile time and step time of a model whose layers run under ``lax.scan`` over a layer
 group's stacked pages, against the same model unrolled, on 8 simulated CPU devices.
 
-    python benchmarks/bench_scan.py            # the table for the README
+    python benchmarks/bench_scan.py            # the table for docs/benchmarks.md
     python benchmarks/bench_scan.py --quick    # 2 and 4 layers, one compile, 3 steps: a smoke run (CI)
 
 The model (issue 12): per layer, project K, V and Q from the hidden state, write the new K/V

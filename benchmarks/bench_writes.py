@@ -1,6 +1,6 @@
 """Write cost vs pool size, and init_cache memory, on 8 simulated CPU devices.
 
-    python benchmarks/bench_writes.py            # the table for the README
+    python benchmarks/bench_writes.py            # the table for docs/benchmarks.md
     python benchmarks/bench_writes.py --quick    # pools of 128 and 256 pages, 5 calls, a 32 MiB init (CI)
 
 Setup (issue 2): bf16, 4 layers, 8 kv heads (split over tp=8), head_dim 128, page_size 16.

@@ -18,7 +18,7 @@ CACHE_DIR = REPO / ".jax_cache"
 NUM_DEVICES = 8
 # The tests check values, never speed. XLA:CPU's newer fusion emitters (MLIR) and LLVM's
 # optimisation passes are most of a typical test's compile time and buy nothing here: without
-# them a typical test file compiles in half the time (README, "Test suite": 62 s -> 30 s).
+# them a typical test file compiles in half the time (docs/benchmarks.md, "Test suite": 62 s -> 30 s).
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
 
 

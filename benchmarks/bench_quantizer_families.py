@@ -2,11 +2,19 @@
 
     python benchmarks/bench_quantizer_families.py
     python benchmarks/bench_quantizer_families.py --quick    # 1 draw of 64 tokens, tiny decode, 2 rounds (CI)
+    python benchmarks/bench_quantizer_families.py --bounds-only --head-dims 64,576    # the bound tables alone
 
 Families and errors are defined in tests/support/quant_families.py (the tests' bounds use the same
-code): Gaussian, outlier channels (4 of 64 x50; 1 of 128 x100), Student-t with 3 degrees of
-freedom. Each cell is "all channels / ordinary channels / attention", the mean of five draws
-(512 tokens x 8 kv heads, 32 Gaussian queries per head, K and V from the family).
+code): Gaussian, outlier channels (1 of 16 channels x50; 1 channel x100), Student-t with 3 degrees
+of freedom. Each cell is "all channels / ordinary channels / attention" (512 tokens x 8 kv heads,
+32 Gaussian queries per head, K and V from the family).
+
+The first table is the mean of five draws on the families as they were first defined (head_dim
+128, the x50 family at head_dim 64: 4 of 64 channels), with bytes and decode times. Then one table
+per head_dim of --head-dims (default 64,128,256,512,576; with --quick 128) of the error bounds
+docs/quantization.md states and tests/quantization/test_quantization_families.py asserts: the
+largest of the draws plus 15%, rounded up to two significant digits (int4-ol only up to head_dim
+256: it stores a channel index in one byte).
 
 Decode time: attention of 32 sequences x 512 tokens (8 kv heads on tp=8, 32 q heads, head_dim
 128, page_size 16) over each quantizer's pages, timed interleaved (one call per quantizer per
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import sys
 import time
@@ -37,13 +47,16 @@ from bench_quantization import Sizes as DecodeSizes  # noqa: E402
 
 import easykv  # noqa: E402
 from easykv.quantization import page_head_bytes  # noqa: E402
+from easykv.quantization._outlier import MAX_HEAD_DIM as OUTLIER_MAX_HEAD_DIM  # noqa: E402
 from easykv.storage.cache import write_all  # noqa: E402
 from easykv.storage.writes import token_slots  # noqa: E402
-from tests.support.quant_families import FAMILIES, errors  # noqa: E402
+from tests.support.quant_families import DEFAULT_DIM, FAMILIES, errors  # noqa: E402
 
 # "int4-ch:decode": int4-ch pages filled one token per write (their scales grow as they fill).
 QUANTS = ("int8", "int8-rot", "fp8", "fp8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-g32",
           "int4-g32-rot", "int4-g32-asym-rot", "int4-ch", "int4-ch:decode", "int4-ol", "int4-ol8")
+HEAD_DIMS = (64, 128, 256, 512, 576)
+MARGIN = 1.15  # a bound is the largest draw plus 15%
 TIMED = ("none", "int8", "int8-rot", "int4", "int4-rot", "int4-asym", "int4-asym-rot", "int4-ch", "int4-ol")
 
 
@@ -59,15 +72,59 @@ FULL_SIZES = Sizes(FULL, rounds=30, draws=5, tokens=512)
 QUICK_SIZES = Sizes(QUICK, rounds=2, draws=1, tokens=64)
 
 
-def error_cells(name: str, sizes: Sizes) -> list[str]:
+@functools.cache
+def draws(name: str, fam: str, head_dim: int, draws: int, tokens: int) -> tuple[dict, ...]:
+    """The errors of ``draws`` draws (seeds 0, 1, ...) of quantizer ``name`` (``int4-ch:decode``:
+    int4-ch filled one token per write) on family ``fam`` at ``head_dim``."""
     quant, _, mode = name.partition(":")
+    return tuple(errors(easykv.get_quantizer(quant), fam, tokens=tokens, seed=seed, decode=mode == "decode",
+                        head_dim=head_dim) for seed in range(draws))
+
+
+KINDS = ("all", "ordinary", "attention")
+
+
+def error_cells(name: str, sizes: Sizes) -> list[str]:
     cells = []
     for fam in FAMILIES:
-        runs = [errors(easykv.get_quantizer(quant), fam, tokens=sizes.tokens, seed=seed, decode=mode == "decode")
-                for seed in range(sizes.draws)]
-        mean = {k: float(np.mean([r[k] for r in runs])) for k in ("all", "ordinary", "attention")}
+        runs = draws(name, fam, DEFAULT_DIM[fam], sizes.draws, sizes.tokens)  # shared with the bound tables
+        mean = {k: float(np.mean([r[k] for r in runs])) for k in KINDS}
         cells.append(f"{mean['all']:.3f} / {mean['ordinary']:.3f} / {mean['attention']:.3f}")
     return cells
+
+
+def defined(name: str, head_dim: int) -> bool:
+    """Whether quantizer ``name`` takes ``head_dim`` (int4-ol: a channel index is one byte)."""
+    return not name.startswith("int4-ol") or head_dim <= OUTLIER_MAX_HEAD_DIM
+
+
+def bound(x: float) -> float:
+    """``x`` plus the margin, rounded up to two significant digits."""
+    x *= MARGIN
+    unit = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.ceil(round(x / unit, 9)) * unit:.3g}")
+
+
+def bound_cells(name: str, head_dim: int, sizes: Sizes) -> list[tuple[float, float, float]]:
+    """Per family in FAMILIES order: the (all, ordinary, attention) bounds of ``name`` at ``head_dim``."""
+    runs = [draws(name, fam, head_dim, sizes.draws, sizes.tokens) for fam in FAMILIES]
+    return [tuple(bound(max(r[k] for r in fam_runs)) for k in KINDS) for fam_runs in runs]
+
+
+def bound_table(head_dim: int, sizes: Sizes) -> None:
+    """The bound table of ``head_dim`` as docs/quantization.md shows it."""
+    print(f"head_dim {head_dim}: largest of {sizes.draws} draws of {sizes.tokens} tokens plus 15% "
+          f"(x50 family: {head_dim // 16} of {head_dim} channels)\n")
+    print("| quantizer | Gaussian | outliers 1/16 x50 | outliers 1 x100 | Student-t3 |")
+    print("|---|---|---|---|---|")
+    for name in QUANTS:
+        if defined(name, head_dim):
+            cells = [" / ".join(f"{b:g}" for b in cell) for cell in bound_cells(name, head_dim, sizes)]
+            print(f"| {LABELS.get(name, f'`{name}`')} | " + " | ".join(cells) + " |")
+    print()
+
+
+LABELS = {"int4-ch": "`int4-ch`, pages written whole", "int4-ch:decode": "`int4-ch`, one token per write"}
 
 
 def timed_calls(name: str, workload: tuple, d: DecodeSizes) -> tuple:
@@ -121,7 +178,22 @@ def decode_times(sizes: Sizes) -> tuple[dict[str, float], dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
-    sizes = QUICK_SIZES if parser.parse_args().quick else FULL_SIZES
+    parser.add_argument("--head-dims", type=lambda s: [int(d) for d in s.split(",")],
+                        help=f"head_dims of the bound tables, comma-separated (default "
+                             f"{','.join(map(str, HEAD_DIMS))}; with --quick 128)")
+    parser.add_argument("--bounds-only", action="store_true",
+                        help="only the bound tables (no bytes, decode times or mean table)")
+    args = parser.parse_args()
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    head_dims = args.head_dims or ((128,) if args.quick else HEAD_DIMS)
+    if not args.bounds_only:
+        main_table(sizes)
+        print()
+    for head_dim in head_dims:
+        bound_table(head_dim, sizes)
+
+
+def main_table(sizes: Sizes) -> None:
     times, write_times = decode_times(sizes)
     d = sizes.decode
     print(f"errors: all / ordinary / attention, mean of {sizes.draws} draws of {sizes.tokens} tokens; decode: "

@@ -79,7 +79,10 @@ class Int4OutlierQuantizer:
 
     def quantize(self, x: jax.Array) -> QuantizedPages:
         """Tokens ``(..., head_dim)`` -> values ``(..., head_dim // 2)`` and side bytes ``(...,
-        2 + k + k // 2)``. Ties in magnitude go to the lower channel."""
+        2 + k + k // 2)``. Ties in magnitude go to the lower channel. The shape is checked as
+        `validate` checks a cache's (a static check: a direct call with head_dim 512 would store
+        channel indices that wrap around a byte)."""
+        self.validate(x.shape[-1], np.dtype(np.float32))
         k = self.outliers
         x = x.astype(jnp.float32)
         magnitude = jnp.abs(x)

@@ -152,6 +152,8 @@ def test_names_bytes_and_refusals():
                           (63, 2, r"head_dim must be even; got 63")):
         with pytest.raises(ValueError, match=match):
             Int4OutlierQuantizer(k).validate(dim, np.dtype("bfloat16"))
+        with pytest.raises(ValueError, match=match):  # a direct call too, not only a cache's creation
+            Int4OutlierQuantizer(k).quantize(jnp.zeros((2, dim)))
 
 
 def test_metadata_refuses_a_head_dim_it_cannot_hold():

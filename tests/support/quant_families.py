@@ -1,15 +1,19 @@
 """Data families for quantizer error bounds, and the errors measured on them (float64 numpy).
 
 Shared by tests/quantization/test_quantization_families.py (the documented bounds) and
-benchmarks/bench_quantizer_families.py (the README table), so both measure the same thing.
+benchmarks/bench_quantizer_families.py (the tables of docs/quantization.md), so both measure the same
+thing.
 
-Families (tokens x kv heads x head_dim, float32):
-  * ``gaussian``: N(0, 1), head_dim 128.
-  * ``outliers-4x50``: N(0, 1) with 4 of 64 channels 50x larger, the same channels for every
-    token of a head (as real keys: a few fixed channels tens of times larger).
-  * ``outliers-1x100``: one of 128 channels 100x larger.
-  * ``student-t3``: Student's t with 3 degrees of freedom, head_dim 128 (heavy tails, no fixed
-    channel).
+Families (tokens x kv heads x head_dim, float32), at any head_dim (a multiple of 16 for the x50
+family); without one, at the head_dim each was first defined at (DEFAULT_DIM), draw for draw as
+then:
+  * ``gaussian``: N(0, 1), first at head_dim 128.
+  * ``outliers-4x50``: N(0, 1) with 1 of 16 channels 50x larger, the same channels for every
+    token of a head (as real keys: a few fixed channels tens of times larger); first at head_dim
+    64, 4 of 64 channels (hence the name).
+  * ``outliers-1x100``: one channel 100x larger, fixed per head; first at head_dim 128.
+  * ``student-t3``: Student's t with 3 degrees of freedom (heavy tails, no fixed channel); first
+    at head_dim 128.
 
 Errors (relative, ``|approx - exact| / |exact|`` over every token and head):
   * ``all``: the whole round trip; ``ordinary``: the channels that are not outliers only (the
@@ -31,16 +35,20 @@ from easykv.quantization import scales_per_page
 from easykv.storage.writes import scatter_page_scaled_local
 
 FAMILIES = ("gaussian", "outliers-4x50", "outliers-1x100", "student-t3")
+# The head_dim each family had before it took one (the tests that do not name a head_dim).
+DEFAULT_DIM = {"gaussian": 128, "outliers-4x50": 64, "outliers-1x100": 128, "student-t3": 128}
 
 
-def family(name: str, tokens: int, heads: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def family(name: str, tokens: int, heads: int, seed: int, head_dim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(x, ordinary)``: x ``(tokens, heads, head_dim)`` float32 and, per head, a boolean mask of
-    its ordinary (not outlier) channels ``(heads, head_dim)``."""
+    its ordinary (not outlier) channels ``(heads, head_dim)``. ``head_dim`` None: the family's
+    original dim (DEFAULT_DIM)."""
+    dim = DEFAULT_DIM[name] if head_dim is None else head_dim
     rng = np.random.default_rng(seed)
     if name == "student-t3":
-        x = rng.standard_t(3, size=(tokens, heads, 128))
-        return x.astype(np.float32), np.ones((heads, 128), bool)
-    dim, count, factor = {"gaussian": (128, 0, 1), "outliers-4x50": (64, 4, 50), "outliers-1x100": (128, 1, 100)}[name]
+        x = rng.standard_t(3, size=(tokens, heads, dim))
+        return x.astype(np.float32), np.ones((heads, dim), bool)
+    count, factor = outlier_channels(name, dim)
     x = rng.standard_normal((tokens, heads, dim))
     ordinary = np.ones((heads, dim), bool)
     for h in range(heads):
@@ -48,6 +56,16 @@ def family(name: str, tokens: int, heads: int, seed: int) -> tuple[np.ndarray, n
         x[:, h, channels] *= factor
         ordinary[h, channels] = False
     return x.astype(np.float32), ordinary
+
+
+def outlier_channels(name: str, head_dim: int) -> tuple[int, float]:
+    """``(count, factor)``: how many channels of each head family ``name`` makes ``factor`` times
+    larger at ``head_dim``."""
+    if name == "outliers-4x50":
+        if head_dim % 16:
+            raise ValueError(f"outliers-4x50 makes 1 of 16 channels outliers; head_dim {head_dim} is no multiple of 16")
+        return head_dim // 16, 50.0
+    return {"gaussian": (0, 1.0), "outliers-1x100": (1, 100.0), "student-t3": (0, 1.0)}[name]
 
 
 def rel(approx: np.ndarray, exact: np.ndarray) -> float:
@@ -92,11 +110,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray) ->
 
 
 def errors(quantizer, name: str, *, tokens: int = 512, heads: int = 8, queries: int = 32, seed: int = 0,
-           decode: bool = False) -> dict:
-    """``{"all", "ordinary", "attention"}`` of ``quantizer`` on family ``name`` (K and V drawn
-    independently from it; the round-trip errors are the keys'). ``decode``: see `round_trip`."""
-    k, ordinary = family(name, tokens, heads, seed)
-    v, _ = family(name, tokens, heads, seed + 1)
+           decode: bool = False, head_dim: int | None = None) -> dict:
+    """``{"all", "ordinary", "attention"}`` of ``quantizer`` on family ``name`` at ``head_dim``
+    (None: the family's DEFAULT_DIM; K and V drawn independently from it; the round-trip errors
+    are the keys'). ``decode``: see `round_trip`."""
+    k, ordinary = family(name, tokens, heads, seed, head_dim)
+    v, _ = family(name, tokens, heads, seed + 1, head_dim)
     q = np.random.default_rng(seed + 2).standard_normal((queries, heads, k.shape[-1]))
     k64, v64 = k.astype(np.float64), v.astype(np.float64)
     scale = 1.0 / np.einsum("qhd,thd->hqt", q, k64).reshape(heads, -1).std(axis=-1)

@@ -3,7 +3,8 @@
     python benchmarks/bench_demo.py
     python benchmarks/bench_demo.py --quick    # 4 requests of 4 tokens, a 1-layer model (CI)
 
-Throughput: the demo model (4 layers, 16 q / 8 kv heads, head_dim 32, f32) serves the same
+Throughput: a model of the demo's architecture at DemoConfig's default sizes (4 layers, 16 q / 8 kv heads,
+head_dim 32, f32, random weights; larger than `easykv demo`'s trained model) serves the same
 24 requests (shared system prompt, lengths up to 256 tokens) with the same scheduler (token
 budget 64 per step, up to 16 sequences), on 8 simulated CPU devices. Paged: kv heads split over
 tp=8, pages read through the page tables, prefix caching on (its default) and off. Dense: every

@@ -74,6 +74,9 @@ def _format_bytes(n: float) -> str:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="easykv", description="A sharded, paged KV cache for JAX.")
+    from easykv import __version__
+
+    parser.add_argument("--version", action="version", version=f"easykv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print how a cache is sharded and sized")
     plan.add_argument("--preset", choices=sorted(PRESETS), help="take layers / kv heads / head dim from a model")
@@ -83,8 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-seq", type=int, default=8192, help="longest sequence in tokens (max_sequences)")
     plan.add_argument("--uniform", action="store_true",
                       help="plan a grouped preset as if every layer were full attention")
-    plan.add_argument("--page-size", type=int, default=16)
-    plan.add_argument("--batch-size", type=int, default=32)
+    plan.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    plan.add_argument("--batch-size", type=int, default=32, help="sequences one step may hold (default 32)")
     plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     plan.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
     plan.add_argument("--group-quant", action="append", default=[], metavar="KIND=NAME",
@@ -117,7 +120,11 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint-dir", default=None, help="where the midway checkpoint goes (default: a temp dir)")
     demo.add_argument("--decode-steps", type=int, default=8,
                       help="decode steps per device loop, sampling on the device (1: one host round trip per token)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--weights", default="trained",
+                      help="trained: the model's weights shipped with easykv (trained on its docs: the sample "
+                           "reads as English); random: seeded random weights; or the path of an .npz written by "
+                           "tools/train_demo_model.py")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the requests' generation lengths")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
     insp.add_argument("directory")
@@ -152,9 +159,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not low <= value <= high:
             raise UsageError(f"{flag} {value} is out of range; use {low}..{high}")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from easykv.demo.run import DemoOptions, demo_quantizer, run_demo
+    from easykv.demo.run import DemoOptions, check_weights, demo_quantizer, run_demo
 
     demo_quantizer(args.quant)  # a bad name fails here, before any device work
+    check_weights(args.model, args.weights)  # so does a weights file that does not fit the model
 
     n = jax.device_count()
     mesh = parse_mesh(args.mesh) if args.mesh else {"tp": n}
@@ -167,7 +175,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant,
                           dtype=args.dtype, mesh=mesh, restore_mesh=restore, seed=args.seed,
                           checkpoint_dir=args.checkpoint_dir,
-                          progress=not args.no_progress, model=args.model, decode_steps=args.decode_steps)  # fmt: skip
+                          progress=not args.no_progress, model=args.model, decode_steps=args.decode_steps,
+                          weights=args.weights)  # fmt: skip
     from easykv.errors import CheckpointError
 
     try:

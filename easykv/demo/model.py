@@ -1,10 +1,12 @@
 """A small Llama-style decoder (flax nnx) and its two attention back ends.
 
-The model has RoPE, grouped-query attention, RMSNorm and a SwiGLU MLP, with random weights from
-a fixed seed and a byte-level vocabulary, so it needs no download. ``pattern`` makes it hybrid
-the way Gemma and gpt-oss are: layer ``i`` is a sliding-window layer (``S``, window ``window``)
-or a full-attention one (``F``) after ``pattern[i % len(pattern)]``; each kind is one layer group
-of the cache. One block is written once (`_block`) and run three ways:
+The model has RoPE, grouped-query attention, RMSNorm and a SwiGLU MLP and a byte-level
+vocabulary; its weights are random from a fixed seed, or the trained ones shipped with the
+package (weights.py loads them; tools/train_demo_model.py trains them), so it needs no
+download. ``pattern`` makes it hybrid the way Gemma and gpt-oss are: layer ``i`` is a
+sliding-window layer (``S``, window ``window``) or a full-attention one (``F``) after
+``pattern[i % len(pattern)]``; each kind is one layer group of the cache. One block is written
+once (`_block`) and run three ways:
 
 * `paged_step`: a ragged batch of prefill chunks and decodes; each layer writes its new K/V
   into the paged cache and attends through the page tables (the easykv path), the layers

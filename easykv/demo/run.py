@@ -9,15 +9,21 @@ The run: size and shard a cache on the mesh, serve the requests with continuous 
 (chunked prefill mixed with decodes, prefix caching across the shared system prompt, one forked
 request), checkpoint cache + manager midway, restore both onto another mesh, finish there, then
 generate every request again with a plain dense per-request cache and require identical greedy
-tokens. Prints a progress bar while it runs and a report at the end.
+tokens. Prints a progress bar while it runs and a report at the end, with a sample of the text.
+
+The weights are the trained ones shipped in easykv/demo/weights/ by default (a byte-level model
+trained on the project's docs by tools/train_demo_model.py, so the sample reads as English), or
+seeded random ones (``weights="random"``: the same checks of the cache, on bytes that read as noise).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import string
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 import jax.numpy as jnp
@@ -26,6 +32,7 @@ import numpy as np
 from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import NEAR_TIE, Engine, Request, reference_disagreements
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
+from easykv.demo.weights import load_model, read_weights, shipped_weights
 from easykv.demo.workload import decode, make_requests
 from easykv.manager.manager import PageManager
 from easykv.quantization import get_quantizer, is_compressing, scales_per_page
@@ -54,15 +61,23 @@ class DemoOptions:
     progress: bool = True
     model: str = "hybrid"  # or "uniform"
     decode_steps: int = 8  # decode steps per device loop (1: back to the host after every token)
+    # "trained": the model's shipped weights; "random": seeded random ones; or the path of an
+    # .npz that tools/train_demo_model.py wrote for this model.
+    weights: str = "trained"
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        if not isinstance(self.weights, str) or not self.weights:
+            raise ValueError(f"weights must be 'trained', 'random' or the path of an .npz, got {self.weights!r}")
 
 
 # The demo's models: a hybrid (sliding window 32 + full attention, alternating, scanned) and a
-# plain full-attention one.
-MODELS = {"hybrid": DemoConfig(pattern="SF", window=32, scan=True), "uniform": DemoConfig()}
+# plain full-attention one, unrolled. Small enough that each trains on 2 CPU cores in minutes
+# and ships as float16 in a few MB (tools/train_demo_model.py); 8 kv heads so that tp=8 and
+# dp=2 x tp=4 meshes each hold whole heads.
+_UNIFORM = DemoConfig(layers=4, hidden=128, q_heads=8, kv_heads=8, head_dim=16, mlp=384)
+MODELS = {"hybrid": dataclasses.replace(_UNIFORM, pattern="SF", window=32, scan=True), "uniform": _UNIFORM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +93,40 @@ class DemoReport:
     prefix_hit_rate: float
     copies: int
     text: str
+    sample: str  # request 1's generated text
+    readable: float  # the fraction of the sample's characters that are letters, spaces or punctuation
+
+
+_READABLE = frozenset(string.ascii_letters + string.punctuation + " \n")
+
+
+def readable_fraction(text: str) -> float:
+    """The fraction of ``text``'s characters that are ASCII letters, spaces (a newline counts as
+    one) or punctuation: what a person reads as text, unlike digits runs, control bytes or the
+    replacement character of a broken UTF-8 sequence. 0.0 for no text."""
+    return sum(c in _READABLE for c in text) / len(text) if text else 0.0
+
+
+def _weights_file(name: str, weights: str) -> Path | None:
+    """The .npz that ``weights`` names for demo model ``name``; None for random weights."""
+    if weights == "random":
+        return None
+    return shipped_weights(name) if weights == "trained" else Path(weights)
+
+
+def check_weights(name: str, weights: str) -> None:
+    """ValueError if ``weights`` names a file that does not fit demo model ``name`` (see
+    `demo_model`); builds nothing, so the CLI can refuse it before any device work."""
+    path = _weights_file(name, weights)
+    if path is not None:
+        read_weights(path, MODELS[name])
+
+
+def demo_model(name: str, weights: str = "trained") -> DemoModel:
+    """Demo model ``name`` (`MODELS`) with ``weights``: "trained" (its shipped .npz), "random"
+    (seeded) or the path of an .npz; a file that does not fit the model is a ValueError."""
+    path = _weights_file(name, weights)
+    return DemoModel(MODELS[name]) if path is None else load_model(MODELS[name], path)
 
 
 def _sparkline(values: list[int], top: int, width: int = 60) -> str:
@@ -111,7 +160,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     cfg = MODELS[options.model]
-    model = CompiledModel(DemoModel(cfg))
+    model = CompiledModel(demo_model(options.model, options.weights))  # a bad weights file fails first
     dtype = jnp.dtype(options.dtype)
     quantizer = demo_quantizer(options.quant)
     mesh = create_mesh(options.mesh)
@@ -133,7 +182,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
             m = eng.manager.metrics
             _progress(err, sum(len(r.output) for r in reqs), total, eng.step_index, m.used_pages, m.total_pages)
 
-    _print_plan(out, cfg, meta, mesh, len(requests), dtype, quantizer)
+    _print_plan(out, cfg, meta, mesh, len(requests), dtype, quantizer, options.weights)
 
     t0 = time.perf_counter()
     # First half of the run on the first mesh.
@@ -157,6 +206,8 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         if reference_disagreements(model, r, max_len=max_len, dtype=dtype, quantizer=round_trip)
     )  # fmt: skip
     generated = sum(len(r.output) for r in requests)
+    sample = decode(requests[min(1, len(requests) - 1)].output)
+    readable = readable_fraction(sample)
     m = engine.manager.metrics
     lines = [
         f"  requests: {len(requests)} (one forked), steps: {engine.step_index}, tokens generated: {generated}",
@@ -173,7 +224,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         f"  copy-on-write page copies: {engine.copies}",
         f"  checkpoint: step {step} saved at mesh {dict(mesh.shape)}, restored onto {dict(mesh2.shape)} "
         f"({restored.metadata.kv_heads_per_device} kv heads per device), generation finished there",
-        f"  sample (request 1): {decode(requests[min(1, len(requests) - 1)].output)!r}",
+        f"  sample (request 1): {sample!r} ({readable:.0%} letters, spaces, punctuation)",
     ]
     if mismatches:
         lines.append(f"  CHECK FAILED: requests {list(mismatches)} differ from the dense-cache reference")
@@ -185,7 +236,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     return DemoReport(
         requests=len(requests), generated=generated, seconds=seconds, tokens_per_second=generated / seconds,
         steps=engine.step_index, checkpoint_step=step, matched=not mismatches, mismatches=mismatches,
-        prefix_hit_rate=m.token_hit_rate, copies=engine.copies, text=text,
+        prefix_hit_rate=m.token_hit_rate, copies=engine.copies, text=text, sample=sample, readable=readable,
     )  # fmt: skip
 
 
@@ -205,12 +256,14 @@ def _metadata(options: DemoOptions, cfg: DemoConfig, mesh: Any, pm: PartitionMan
 
 
 def _print_plan(out: TextIO, cfg: DemoConfig, meta: PagedAttentionCacheMetaData, mesh: Any, requests: int, dtype: Any,
-                quantizer: Any) -> None:
+                quantizer: Any, weights: str) -> None:
     kind = (f"hybrid {cfg.layers}-layer model (sliding window {cfg.window} and full attention, pattern "
             f"{cfg.pattern!r}, layers {'scanned' if cfg.scan else 'unrolled'})" if cfg.layer_groups() is not None
             else f"{cfg.layers}-layer model")
+    source = {"trained": "trained on easykv's docs", "random": "random"}.get(weights, f"from {weights}")
     print(f"easykv demo: {requests} requests, {kind} ({cfg.q_heads} q / {cfg.kv_heads} kv heads, "
-          f"head_dim {cfg.head_dim}), {dtype.name} cache, quantizer {quantizer.name}", file=out)  # fmt: skip
+          f"head_dim {cfg.head_dim}, weights {source}), {dtype.name} cache, quantizer {quantizer.name}",
+          file=out)  # fmt: skip
     pools = ", ".join(f"layers {g.span} ({g.attention}{f' {g.window}' if g.window else ''}): {g.num_pages}"
                       for g in meta.groups)
     print(f"  plan: pages of {meta.page_size} tokens per layer [{pools}] on mesh "

@@ -1,4 +1,4 @@
-"""The demo's requests: byte-level prompts sharing a system prompt, arriving over time, one forked."""
+"""The demo's requests: byte-level prompts sharing a first sentence, arriving over time, one forked."""
 
 from __future__ import annotations
 
@@ -6,11 +6,18 @@ import numpy as np
 
 from easykv.demo.engine import Request
 
-SYSTEM_PROMPT = "System: you are a small model serving from a paged KV cache. Answer briefly.\n"
-QUESTIONS = (
-    "What is a page table?", "Why share a prefix?", "How big is a page?", "Who owns page 7?",
-    "What does copy-on-write copy?", "When is a page evicted?", "Why raw bits on CPU?",
-    "What is continuous batching?", "How many heads per device?", "What does a fork share?",
+# The trained demo model (easykv/demo/weights/) learned English from the project's own docs, so
+# the prompts are openings of such sentences: a shared first sentence (the "system prompt" every
+# request starts with: whole pages of it hit the prefix cache) and a sentence for the model to
+# finish. About 120 bytes each, as before (tests size page pools and preemption for that).
+SYSTEM_PROMPT = "easykv holds the attention keys and values of many sequences in fixed-size pages. "
+OPENINGS = (
+    "The page manager hands out pages to each ", "A sliding window layer keeps only the ",
+    "Prefix caching lets a new request reuse the ", "A forked sequence shares its pages with the ",
+    "Each device holds the kv heads of its ", "The quantizer compresses every page of the ",
+    "Continuous batching mixes prefill chunks with ", "A checkpoint saves the cache and the ",
+    "The host tier keeps evicted pages in host ", "Copy-on-write copies a shared page when ",
+    "Paged attention reads the keys and values ", "The page pool is sized from the memory of ",
 )  # fmt: skip
 
 
@@ -24,15 +31,14 @@ def decode(tokens: list[int]) -> str:
 
 
 def make_requests(num_requests: int, max_new_tokens: int, *, seed: int, fork: bool = True) -> list[Request]:
-    """``num_requests`` prompts (system prompt + a question) arriving two per step, generation
+    """``num_requests`` prompts (system prompt + an opening) arriving two per step, generation
     lengths between half and all of ``max_new_tokens``; with ``fork`` the last request is a
     parallel sample of the first."""
     rng = np.random.default_rng(seed)
     plain = num_requests - 1 if fork and num_requests > 1 else num_requests
     requests = []
     for i in range(plain):
-        question = QUESTIONS[i % len(QUESTIONS)]
-        prompt = encode(f"{SYSTEM_PROMPT}User {i}: {question}\nAssistant:")
+        prompt = encode(SYSTEM_PROMPT + OPENINGS[i % len(OPENINGS)])
         n = int(rng.integers(max(2, max_new_tokens // 2), max_new_tokens + 1))
         requests.append(Request(rid=i, prompt=prompt, max_new_tokens=n, arrival=i // 2))
     if plain < num_requests:

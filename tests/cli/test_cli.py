@@ -165,6 +165,7 @@ def test_inspect_of_a_plain_directory_is_a_one_line_error(capsys, tmp_path):
         (["--quant", "int3"], "unknown quantizer"),
         (["--dtype", "float64"], "invalid choice"),
         (["--mesh", "tp8"], "is not NAME=SIZE"),
+        (["--weights", "/nonexistent/w.npz"], "cannot read demo weights"),
     ],
 )
 def test_demo_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
@@ -182,3 +183,11 @@ def test_plan_shows_a_host_tier(capsys):
     assert main(["plan", "--preset", "llama-3.1-8b", "--memory", "16GiB", "--mesh", "tp=8",
                  "--host-memory", "1KB"]) == 2
     assert "holds 0 host page(s)" in capsys.readouterr().err
+
+
+def test_version_prints_the_package_version(capsys):
+    import easykv
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"easykv {easykv.__version__}\n"

@@ -1,0 +1,153 @@
+"""The demo models' trained weights: one ``.npz`` per model in ``easykv/demo/weights/``.
+
+tools/train_demo_model.py trains a `DemoModel` on the project's own documentation and writes
+the file with `save_weights`; `load_model` reads it back for `easykv demo`. The file is data
+read by this module only: `np.load` without pickles, every key, shape and dtype checked against
+the model's config before a value is used, and the config the weights were trained with stored
+inside (a JSON string) and compared, so a stale, truncated or crafted file is refused with a
+ValueError naming what is wrong, never half-loaded into a model that then prints garbage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from easykv.demo.model import DemoConfig, DemoModel
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+# float16: half the bytes of float32 for a file shipped in the package, and enough precision
+# for weights of this size (bfloat16 would round them 8x coarser; numpy stores it as raw void).
+STORED_DTYPE = np.dtype(np.float16)
+_ACCEPTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+_INFO_KEYS = ("config", "training")  # JSON strings beside the parameters
+# Fields that do not change what the weights compute: the seed only draws random weights, and
+# scan runs the same layers under a lax.scan (test_scanned_and_unrolled_steps_... checks it).
+_IGNORED_FIELDS = ("seed", "scan")
+_RERUN = "rerun tools/train_demo_model.py to write a file for this config"
+
+
+def shipped_weights(name: str) -> Path:
+    """The trained weights shipped for demo model ``name`` (`easykv.demo.run.MODELS`)."""
+    return WEIGHTS_DIR / f"{name}.npz"
+
+
+def param_arrays(model: DemoModel) -> dict[str, np.ndarray]:
+    """The model's parameters by dotted path (``blocks.0.q.kernel``), as numpy arrays."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return {".".join(str(p) for p in path): np.asarray(var.get_value()) for path, var in flat}
+
+
+def param_shapes(cfg: DemoConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of a model of ``cfg`` (nothing computed)."""
+    flat = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: DemoModel(cfg)), nnx.Param))
+    return {".".join(str(p) for p in path): tuple(var.get_value().shape) for path, var in flat}
+
+
+def _config_fields(cfg: DemoConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _IGNORED_FIELDS}
+
+
+def save_weights(path: str | Path, model: DemoModel, training: dict[str, Any]) -> None:
+    """Write ``model``'s parameters (as float16) with its config and ``training`` (what it was
+    trained on and how: JSON-able) to ``path``, an ``.npz`` that `load_model` accepts."""
+    arrays: dict[str, np.ndarray] = {k: v.astype(STORED_DTYPE) for k, v in param_arrays(model).items()}
+    if any(not np.all(np.isfinite(v)) for v in arrays.values()):
+        raise ValueError("a parameter does not fit in float16 (inf or nan after the cast); not saving")
+    arrays["config"] = np.array(json.dumps(_config_fields(model.cfg), sort_keys=True))
+    arrays["training"] = np.array(json.dumps(training, sort_keys=True))
+    with open(path, "wb") as f:  # a path, not np.savez's habit of appending .npz to any name
+        np.savez(f, **arrays)  # type: ignore[arg-type]
+
+
+def _header(npz: Any, path: Path, key: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    """(shape, dtype) of entry ``key`` from its .npy header, its data not read: a crafted
+    entry of the wrong size is refused before it takes any memory."""
+    with npz.zip.open(f"{key}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):  # what np.savez writes
+            raise ValueError(f"{path}: entry {key!r} has .npy format version {version}; {_RERUN}")
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+    return tuple(shape), np.dtype(dtype)
+
+
+def _entry(npz: Any, path: Path, key: str, shape: tuple[int, ...], dtypes: tuple[np.dtype[Any], ...],
+           need: str) -> np.ndarray:  # fmt: skip
+    """Entry ``key`` once its header shows ``shape`` and one of ``dtypes`` (``need`` says which)."""
+    try:
+        got_shape, got_dtype = _header(npz, path, key)
+        if got_shape != shape or got_dtype not in dtypes:
+            raise ValueError(f"{path}: entry {key!r} is {got_dtype} of shape {got_shape}, the model needs {need}; "
+                             f"{_RERUN}")
+        value: np.ndarray = npz[key]
+    except (OSError, EOFError, zipfile.BadZipFile) as err:  # a member cut short or corrupt
+        raise ValueError(f"{path}: cannot read entry {key!r} ({err}); {_RERUN}") from err
+    if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+        raise ValueError(f"{path}: entry {key!r} holds inf or nan; {_RERUN}")
+    return value
+
+
+def _json_entry(npz: Any, path: Path, key: str) -> Any:
+    """Entry ``key``: one JSON string (at most 64 KiB, so a crafted one cannot be huge)."""
+    try:
+        shape, dtype = _header(npz, path, key)
+    except (OSError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{path}: cannot read entry {key!r} ({err}); {_RERUN}") from err
+    if dtype.kind != "U" or shape != () or dtype.itemsize > 4 * 2**16:
+        raise ValueError(f"{path}: entry {key!r} must be a JSON string, got {dtype} of shape {shape}; {_RERUN}")
+    try:
+        return json.loads(str(npz[key]))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: entry {key!r} is not JSON ({err}); {_RERUN}") from err
+
+
+def read_weights(path: str | Path, cfg: DemoConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The parameters in ``path`` (float32, by dotted path) for a model of ``cfg``, and the
+    file's training record. ValueError, naming the entry, for anything but a file
+    `save_weights` wrote for this config: not an npz, a missing or extra key, another config,
+    a wrong shape or dtype (read from each entry's header, before its data), a non-finite value."""
+    path = Path(path)
+    expected = param_shapes(cfg)
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise ValueError(f"{path}: cannot read demo weights ({err}); {_RERUN}") from err
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: not an .npz of demo weights (a single array); {_RERUN}")
+    with npz:
+        missing = sorted((set(expected) | set(_INFO_KEYS)) - set(npz.files))
+        extra = sorted(set(npz.files) - set(expected) - set(_INFO_KEYS))
+        if missing or extra:
+            raise ValueError(f"{path}: " + "; ".join(
+                ([f"missing key(s) {missing}"] if missing else []) + ([f"unexpected key(s) {extra}"] if extra else [])
+            ) + f"; {_RERUN}")  # fmt: skip
+        stored, training = (_json_entry(npz, path, k) for k in _INFO_KEYS)
+        want = _config_fields(cfg)
+        if not isinstance(stored, dict) or not isinstance(training, dict):
+            raise ValueError(f"{path}: entries 'config' and 'training' must be JSON objects; {_RERUN}")
+        if stored != want:
+            differ = sorted(k for k in set(want) | set(stored) if stored.get(k) != want.get(k))
+            raise ValueError(f"{path}: entry 'config' was trained for another model (fields {differ} differ: "
+                             f"file {({k: stored.get(k) for k in differ})}, model "
+                             f"{({k: want.get(k) for k in differ})}); {_RERUN}")  # fmt: skip
+        params = {key: _entry(npz, path, key, shape, _ACCEPTED_DTYPES, f"float16 (or float32) of shape {shape}")
+                  .astype(np.float32) for key, shape in sorted(expected.items())}  # fmt: skip
+    return params, training
+
+
+def load_model(cfg: DemoConfig, path: str | Path) -> DemoModel:
+    """A `DemoModel` of ``cfg`` with the weights in ``path`` (checked by `read_weights`)."""
+    params, _ = read_weights(path, cfg)
+    model = DemoModel(cfg)
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    loaded = [(p, var.replace(jnp.asarray(params[".".join(str(x) for x in p)]))) for p, var in flat]
+    nnx.update(model, nnx.from_flat_state(loaded))
+    return model

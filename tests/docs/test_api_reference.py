@@ -58,7 +58,7 @@ def _shown(obj):
             if name.startswith("_") or (obj.is_module and member.is_alias):
                 continue
             member = _target(member)
-            if member.is_function or member.is_class or (obj.is_module and member.is_class):
+            if member.is_function or member.is_class:
                 yield member
 
 
@@ -86,7 +86,7 @@ def test_every_top_level_name_has_an_api_entry(package):
     for name in easykv.__all__:
         obj = package[f"easykv.{name}"]
         obj = _target(obj)
-        if name not in ("errors",) and obj.path not in shown and not obj.is_attribute:
+        if name != "errors" and obj.path not in shown and not obj.is_attribute:  # a module; constants
             missing.append(name)
     assert not missing, f"names of easykv.__all__ with no entry in docs/api/*.md: {missing}"
 

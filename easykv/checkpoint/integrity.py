@@ -27,24 +27,30 @@ mod 2**32 written by easykv before 0.2, missed two flips of one bit position in 
 directions and words permuted inside a page; checkpoints that use it are still verified
 with it.)
 
-Cost: one read of the data. On CPU, ``zlib.crc32`` over zero-copy views of the device
-buffers (about 3.5 GiB/s per core, run on a thread pool, in the background of an async save);
-on GPU/TPU, and for arrays with shards on other processes, a jitted table-driven CRC on the
-devices (four bytes per step), so nothing of pool size crosses to the host.
+Cost: one read of the data. On the host, each cell's CRC comes from ISA-L's CRC-32 (the
+``isal`` package, Intel's storage acceleration library, folding with the CPU's carry-less
+multiply), the same checksum as ``zlib.crc32`` at 4-5x its speed: 14 GB/s on 4 KiB cells on
+one core of this project's 2-core CPU, against 3.4 GB/s for zlib, 11 GB/s for CRC32C (the
+``crc32c`` package) and 6 GB/s for ``google-crc32c`` (which takes only ``bytes``, so a copy).
+Keeping CRC-32 keeps every checkpoint ever written verifiable by the same definition. A save's
+fingerprints start on a background thread when the save is called, over zero-copy views of the
+device buffers (CPU), and run while orbax writes; a restore checksums each shard as it is read
+(`easykv.checkpoint.reader`). On GPU/TPU, and for arrays with shards on other processes, a
+jitted table-driven CRC runs on the devices (four bytes per step), so nothing of pool size
+crosses to the host.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from isal import isal_zlib
 from jax.sharding import NamedSharding, PartitionSpec
 
 FINGERPRINT_ALGORITHM = "cellcrc32-sha256/1"
@@ -84,7 +90,7 @@ def _cell_crcs_host(block: np.ndarray) -> np.ndarray:
     """(h, n, *tail) numpy block -> (h, n) uint32 CRC-32 of each cell (see the module doc)."""
     h, n = block.shape[:2]
     cells = _cells_host(block)
-    return np.fromiter((zlib.crc32(c) for c in cells), np.uint32, h * n).reshape(h, n)
+    return np.fromiter(map(isal_zlib.crc32, cells), np.uint32, h * n).reshape(h, n)
 
 
 def _cell_crcs_device(x: jax.Array) -> jax.Array:
@@ -137,11 +143,29 @@ _CELLS = {FINGERPRINT_ALGORITHM: (_cell_crcs_host, _cell_crcs_device),
           LEGACY_FINGERPRINT_ALGORITHM: (_cell_sums_host, _cell_sums_device)}
 
 
-def _digest(sums: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(sums, dtype="<u4").tobytes()).hexdigest()[:32]
+def digest(cells: np.ndarray) -> str:
+    """The fingerprint of an array from its grid of cell checksums (any algorithm)."""
+    return hashlib.sha256(np.ascontiguousarray(cells, dtype="<u4").tobytes()).hexdigest()[:32]
 
 
-def _host_path_ok(x: jax.Array) -> bool:
+def check_algorithm(algorithm: str, grid: int) -> None:
+    if algorithm not in _CELLS:
+        raise ValueError(f"unknown fingerprint algorithm {algorithm!r}; known: {list(_CELLS)}")
+    if grid not in (2, 3):
+        raise ValueError(f"grid must be 2 (one layer's pages) or 3 (stacked pages), got {grid!r}")
+
+
+def host_cells(block: np.ndarray, algorithm: str, grid: int) -> np.ndarray:
+    """The cell checksums of a numpy block whose first ``grid`` axes are (part of) the cell grid,
+    shape ``block.shape[:grid]`` (the leading axes merged: a contiguous reshape, the same cells
+    in the same order)."""
+    lead = block.shape[:grid]
+    out: np.ndarray = _CELLS[algorithm][0](block.reshape((-1,) + block.shape[grid - 1:])).reshape(lead)
+    return out
+
+
+def host_path_ok(x: jax.Array) -> bool:
+    """Whether ``x``'s cells can be checksummed on this host: every shard here, on CPU devices."""
     # The ignore: jaxlib's stub of Device (an extension type) does not declare its platform.
     return x.is_fully_addressable and all(
         d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
@@ -164,68 +188,60 @@ def _device_cells(x: jax.Array, algorithm: str, grid: int) -> jax.Array:
     return digests
 
 
-def _host_grid_cells(cells: Any, block: np.ndarray, grid: int) -> np.ndarray:
-    """``cells`` of a block whose first ``grid`` axes are the cell grid (the leading ones merged:
-    a contiguous reshape, the same cells in the same order)."""
-    lead = block.shape[:grid]
-    out: np.ndarray = cells(block.reshape((-1,) + block.shape[grid - 1:])).reshape(lead)
-    return out
-
-
 class PendingFingerprints:
     """Fingerprints of a list of arrays, started now and finished by `result()`.
 
     Starting takes what is needed so that the arrays may be donated or deleted right after:
     on CPU, zero-copy views of the device buffers (JAX then copies instead of reusing a
-    donated buffer a view still points at); elsewhere, the jitted reductions are dispatched
-    (JAX orders them before any later donation). `result()` may run on another thread.
+    donated buffer a view still points at), checksummed on a background thread from this call
+    on, so that a save's write and its fingerprints overlap; elsewhere, the jitted reductions
+    are dispatched (JAX orders them before any later donation). `result()` may run on another
+    thread.
     """
 
     def __init__(self, arrays: Sequence[jax.Array], *, on_device: bool = False,
                  algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2):
-        if algorithm not in _CELLS:
-            raise ValueError(f"unknown fingerprint algorithm {algorithm!r}; known: {list(_CELLS)}")
-        if grid not in (2, 3):
-            raise ValueError(f"grid must be 2 (one layer's pages) or 3 (stacked pages), got {grid!r}")
-        self._host_cells = _CELLS[algorithm][0]
-        self._grid = grid
-        self._jobs: list[Any] = []
+        check_algorithm(algorithm, grid)
+        self._jobs: list[tuple[str, Any]] = []
+        host: list[tuple[np.ndarray, list[tuple[tuple[slice, ...], np.ndarray]]]] = []
         for x in arrays:
             if np.ndim(x) < grid:
                 raise ValueError(f"fingerprints with grid={grid} cover arrays of rank >= {grid}, got shape "
                                  f"{np.shape(x)}")
-            if not on_device and isinstance(x, jax.Array) and _host_path_ok(x):
-                blocks = [(s.index, np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
-                self._jobs.append(("host", x.shape[:grid], blocks))
+            if not on_device and isinstance(x, jax.Array) and host_path_ok(x):
+                blocks = [(s.index[:grid], np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
             elif isinstance(x, np.ndarray):
-                self._jobs.append(("host", x.shape[:grid], [((slice(None),) * grid, x)]))
+                blocks = [((slice(None),) * grid, x)]
             else:
                 self._jobs.append(("device", _device_cells(x, algorithm, grid)))
+                continue
+            cells = np.zeros(x.shape[:grid], np.uint32)
+            self._jobs.append(("host", cells))
+            host.append((cells, blocks))
+        self._work: Future[None] | None = None
+        if host:
+            # One worker: a cell's CRC is short and holds the GIL, so a second thread would not
+            # add speed; the thread's gain is running beside orbax's writer, which releases it.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="easykv-fingerprints")
+            self._work = self._pool.submit(_fill, host, algorithm, grid)
+            self._pool.shutdown(wait=False)
 
     def result(self) -> list[str]:
         """The fingerprint of each array, in order (blocks on the work; releases the views)."""
-        tasks: list[tuple[np.ndarray, tuple[slice, slice], np.ndarray]] = []
-        grids: list[np.ndarray] = []
-        for job in self._jobs:
-            if job[0] == "device":
-                grids.append(np.asarray(jax.device_get(job[1]), np.uint32))
-                continue
-            grid = np.zeros(job[1], np.uint32)
-            grids.append(grid)
-            tasks.extend((grid, idx[:self._grid], block) for idx, block in job[2])
-
-        def run(task: tuple[np.ndarray, tuple[slice, ...], np.ndarray]) -> None:
-            grid, idx, block = task
-            grid[idx] = _host_grid_cells(self._host_cells, block, self._grid)
-
-        if len(tasks) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(tasks), os.cpu_count() or 1)) as pool:
-                list(pool.map(run, tasks))
-        else:
-            for task in tasks:
-                run(task)
+        if self._work is not None:
+            self._work.result()
+            self._work = None
+        out = [digest(np.asarray(jax.device_get(job)) if kind == "device" else job) for kind, job in self._jobs]
         self._jobs = []
-        return [_digest(g) for g in grids]
+        return out
+
+
+def _fill(host: list[tuple[np.ndarray, list[tuple[tuple[slice, ...], np.ndarray]]]], algorithm: str,
+          grid: int) -> None:
+    for cells, blocks in host:
+        while blocks:
+            idx, block = blocks.pop()  # dropped as soon as done: the view no longer pins the buffer
+            cells[idx] = host_cells(block, algorithm, grid)
 
 
 def fingerprints(arrays: Sequence[Any], *, on_device: bool = False,
@@ -239,5 +255,9 @@ __all__ = [
     "KNOWN_FINGERPRINT_ALGORITHMS",
     "LEGACY_FINGERPRINT_ALGORITHM",
     "PendingFingerprints",
+    "check_algorithm",
+    "digest",
     "fingerprints",
+    "host_cells",
+    "host_path_ok",
 ]

@@ -331,7 +331,9 @@ class CacheCheckpointer:
             "extra_metadata": extra,
             # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
         }
-        pending = PendingFingerprints([arr for _, _, arr, _ in leaves], grid=3) if self.integrity else None
+        # Async: the checksums start once orbax has taken its snapshot (below), so the call returns at once.
+        pending = (PendingFingerprints([arr for _, _, arr, _ in leaves], grid=3, start=not self.async_save)
+                   if self.integrity else None)
         try:
             self._write_marker()
         except OSError as err:
@@ -349,6 +351,8 @@ class CacheCheckpointer:
             self._in_flight = None
             drain_pages(self._mngr)
             raise write_error(err, step=step, directory=self.directory) from err
+        if pending is not None:
+            pending.start()
         if not self.async_save:
             self._wait()
         return step

@@ -47,11 +47,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from easykv.checkpoint.integrity import PendingFingerprints, fingerprints
+from easykv.checkpoint.integrity import PendingFingerprints
 from easykv.checkpoint.orbax_types import EPath, OrbaxManager, OrbaxPyTreeHandler
 from easykv.checkpoint.record import (
     FORMAT,
@@ -62,7 +61,6 @@ from easykv.checkpoint.record import (
     expected_leaves,
     is_stacked,
     layer_key,
-    nest,
     read_manager_state,
     read_record,
     saved_metadata,
@@ -233,98 +231,10 @@ def resolve_step(directory: EPath, step: int | None) -> tuple[int, list[int]]:
     return step, complete
 
 
-def _leaf(tree: Any, path: list[str]) -> Any:
-    for p in path:
-        if not isinstance(tree, Mapping) or p not in tree:
-            return None
-        tree = tree[p]
-    return tree
-
-
-def _check_leaf(leaf: Any, sds: jax.ShapeDtypeStruct) -> str | None:
-    """Why what orbax returned is not the array asked for (None when it is)."""
-    if not isinstance(leaf, jax.Array):
-        # partial_restore hands back the request itself for a key its _METADATA lacks
-        return f"orbax returned a {type(leaf).__name__} instead of the array (its metadata lacks it)"
-    if tuple(leaf.shape) != tuple(sds.shape) or np.dtype(leaf.dtype) != np.dtype(sds.dtype):
-        return (f"orbax returned {tuple(leaf.shape)} {np.dtype(leaf.dtype).name}, expected {tuple(sds.shape)} "
-                f"{np.dtype(sds.dtype).name}")
-    if not leaf.sharding.is_equivalent_to(sds.sharding, leaf.ndim):
-        return f"orbax returned it with sharding {leaf.sharding}, expected {sds.sharding}"
-    return None
-
-
-def open_reader(directory: Any, step: int) -> OrbaxManager:
-    """A read-only orbax manager (it never deletes anything); orbax's failures to open the
-    directory become CheckpointIntegrityError."""
-    try:
-        return orbax_manager(epath.Path(directory), read_only=True)
-    except Exception as err:  # noqa: BLE001  orbax raises many types on damaged metadata
-        raise CheckpointIntegrityError(
-            f"orbax cannot open {directory} ({type(err).__name__}: {_short(err)}); restore another step or "
-            "check the directory", step=step, directory=str(directory)) from err
-
-
-def restore_arrays(mngr: OrbaxManager, step: int, entries: list[tuple[dict[str, Any], Any]],
-                   directory: Any) -> list[jax.Array]:
-    """Read every array with its target sharding; each must come back as a jax.Array of exactly
-    the requested shape, dtype and sharding. An unreadable or wrong one is named."""
-    def run(subset: list[tuple[dict[str, Any], Any]]) -> list[jax.Array]:
-        tree = nest((entry["path"], sds) for entry, sds in subset)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(tree)
-        out = mngr.restore(step, args=ocp.args.Composite(**{
-            PAGES_ITEM: ocp.args.PyTreeRestore(item=tree, restore_args=restore_args, partial_restore=True)}))
-        pages = out[PAGES_ITEM]
-        leaves = [_leaf(pages, e["path"]) for e, _ in subset]
-        for (entry, sds), leaf in zip(subset, leaves):
-            problem = _check_leaf(leaf, sds)
-            if problem is not None:
-                raise CheckpointIntegrityError(
-                    f"array {entry['name']} of step {step} in {directory} cannot be read: {problem}; orbax's "
-                    f"metadata of the step is damaged — restore another step", array=entry["name"], step=step,
-                    directory=str(directory))
-        ready: list[jax.Array] = jax.block_until_ready(leaves)  # every leaf checked to be an array above
-        return ready
-
-    try:
-        return run(entries)
-    except CheckpointIntegrityError:
-        raise
-    except Exception as err:  # noqa: BLE001  tensorstore/orbax raise many types; find the array
-        bulk = err
-    if len(entries) == 1:
-        entry = entries[0][0]
-        raise CheckpointIntegrityError(
-            f"array {entry['name']} of step {step} in {directory} cannot be read ({type(bulk).__name__}: "
-            f"{_short(bulk)}); its data or metadata files are missing, truncated or corrupted — restore another "
-            "step", array=entry["name"], step=step, directory=str(directory)) from bulk
-    for entry, sds in entries:
-        try:
-            run([(entry, sds)])
-        except CheckpointIntegrityError:
-            raise
-        except Exception as err:  # noqa: BLE001
-            raise CheckpointIntegrityError(
-                f"array {entry['name']} of step {step} in {directory} cannot be read ({type(err).__name__}: "
-                f"{_short(err)}); its data or metadata files are missing, truncated or corrupted — restore "
-                "another step", array=entry["name"], step=step, directory=str(directory)) from err
-    raise CheckpointIntegrityError(
-        f"the pages of step {step} in {directory} cannot be read ({type(bulk).__name__}: {_short(bulk)})",
-        step=step, directory=str(directory)) from bulk
-
-
-def _short(err: BaseException, n: int = 300) -> str:
-    text = str(err).strip().replace("\n", " ")
-    return text if len(text) <= n else text[:n] + "..."
-
-
-def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, directory: Any) -> None:
-    """Compare each array's fingerprint with the (schema-checked) record;
-    CheckpointIntegrityError names the first damaged array (and counts the others)."""
-    if record["fingerprint_algorithm"] is None:
-        return
-    grid = 3 if is_stacked(record["format_version"]) else 2  # a stack's cells are (layer, head, page)
-    got = fingerprints(arrays, algorithm=record["fingerprint_algorithm"], grid=grid)  # check_record knows it
+def check_fingerprints(record: Mapping[str, Any], got: list[str], step: int, directory: Any) -> None:
+    """Compare each array's fingerprint as read (``got``, in the record's order) with the
+    (schema-checked) record; CheckpointIntegrityError names the first damaged array (and
+    counts the others)."""
     bad = [(e, g) for e, g in zip(record["arrays"], got) if e["fingerprint"] != g]
     if bad:
         entry, digest = bad[0]
@@ -333,6 +243,11 @@ def verify_arrays(record: Mapping[str, Any], arrays: list[Any], step: int, direc
             f"array {entry['name']} of step {step} in {directory} does not match the fingerprint recorded at save "
             f"time (saved {entry['fingerprint']}, read {digest}){more}: its data file is damaged — restore "
             "another step", array=entry["name"], step=step, directory=str(directory))
+
+
+def fingerprint_grid(record: Mapping[str, Any]) -> int:
+    """The cell grid of a step's arrays: (layer, head, page) for stacked ones, (head, page) before."""
+    return 3 if is_stacked(record["format_version"]) else 2
 
 
 def list_steps(directory: str | Any) -> list[int]:
@@ -351,7 +266,6 @@ def list_steps(directory: str | Any) -> list[int]:
 __all__ = [
     "STORAGE_PLATFORMS", "checkpoint_path",
     "FORMAT", "FORMAT_VERSION", "MANAGER_FILE", "MARKER_FILE", "PAGES_ITEM", "RECORD_FILE", "STATE_ITEM",
-    "check_not_foreign", "check_step", "expected_leaves", "layer_key", "list_steps", "open_reader",
-    "orbax_manager", "read_manager_state", "read_record", "resolve_step", "restore_arrays", "saved_metadata",
-    "verify_arrays",
+    "check_fingerprints", "check_not_foreign", "check_step", "expected_leaves", "fingerprint_grid", "layer_key",
+    "list_steps", "orbax_manager", "read_manager_state", "read_record", "resolve_step", "saved_metadata",
 ]

@@ -22,6 +22,7 @@ import numpy as np
 
 from easykv.checkpoint import format as fmt
 from easykv.checkpoint.orbax_types import EPath
+from easykv.checkpoint.reader import read_arrays
 from easykv.checkpoint.record import is_legacy, legacy_note
 from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
 from easykv.spec.metadata import known_dtype
@@ -56,17 +57,13 @@ def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None)
     record = fmt.read_record(directory, step) if record is None else record
     if record["fingerprint_algorithm"] is None:
         return 0
-    device = jax.local_devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    mngr = fmt.open_reader(directory, step)
-    try:
-        for entry in record["arrays"]:
-            sds = jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]), sharding=sharding)
-            [arr] = fmt.restore_arrays(mngr, step, [(entry, sds)], directory)
-            fmt.verify_arrays({**record, "arrays": [entry]}, [arr], step, directory)
-            del arr
-    finally:
-        mngr.close()
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    for entry in record["arrays"]:
+        sds = jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]), sharding=sharding)
+        arrays, digests = read_arrays(directory, step, [(entry, sds)], algorithm=record["fingerprint_algorithm"],
+                                      grid=fmt.fingerprint_grid(record))
+        del arrays
+        fmt.check_fingerprints({**record, "arrays": [entry]}, digests or [], step, directory)
     return len(record["arrays"])
 
 

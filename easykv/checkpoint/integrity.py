@@ -43,6 +43,7 @@ crosses to the host.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -200,7 +201,7 @@ class PendingFingerprints:
     """
 
     def __init__(self, arrays: Sequence[jax.Array], *, on_device: bool = False,
-                 algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2):
+                 algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2, start: bool = True):
         check_algorithm(algorithm, grid)
         self._jobs: list[tuple[str, Any]] = []
         host: list[tuple[np.ndarray, list[tuple[tuple[slice, ...], np.ndarray]]]] = []
@@ -218,16 +219,29 @@ class PendingFingerprints:
             cells = np.zeros(x.shape[:grid], np.uint32)
             self._jobs.append(("host", cells))
             host.append((cells, blocks))
+        self._host: tuple[Any, ...] | None = (host, algorithm, grid) if host else None
         self._work: Future[None] | None = None
-        if host:
+        self._lock = threading.Lock()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the host checksums on their thread, if not yet started (``start=False`` lets an
+        async save start them once its own call is done: the thread holds the GIL between cells,
+        and would slow the call that should return at once)."""
+        with self._lock:
+            if self._host is None:
+                return
+            host, self._host = self._host, None
             # One worker: a cell's CRC is short and holds the GIL, so a second thread would not
             # add speed; the thread's gain is running beside orbax's writer, which releases it.
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="easykv-fingerprints")
-            self._work = self._pool.submit(_fill, host, algorithm, grid)
-            self._pool.shutdown(wait=False)
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="easykv-fingerprints")
+            self._work = pool.submit(_fill, *host)
+            pool.shutdown(wait=False)
 
     def result(self) -> list[str]:
         """The fingerprint of each array, in order (blocks on the work; releases the views)."""
+        self.start()
         if self._work is not None:
             self._work.result()
             self._work = None

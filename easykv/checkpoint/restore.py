@@ -21,17 +21,17 @@ from jax.sharding import Mesh
 
 from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
+    check_fingerprints,
     checkpoint_path,
     expected_leaves,
-    open_reader,
+    fingerprint_grid,
     read_manager_state,
     read_record,
     resolve_step,
-    restore_arrays,
     saved_metadata,
-    verify_arrays,
 )
 from easykv.checkpoint.orbax_types import EPath
+from easykv.checkpoint.reader import read_arrays
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import check_format, check_same_cache
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
@@ -146,17 +146,14 @@ def restore_cache(
             "PageManager: whoever schedules this cache must keep each sequence's pages inside one slice of "
             f"{target.pages_per_shard} pages", stacklevel=2)
 
-    # Read the saved arrays as stored, each shard straight onto its target device; check them.
+    # Read the saved arrays as stored, each shard straight onto its target device, checked as read.
     layout = cache_layout(mesh, target)
     version = record["format_version"]
     abstract = _saved_arrays(record, group_layouts(target, layout), layout, is_stacked(version))
-    mngr = open_reader(directory, step)
-    try:
-        arrays = restore_arrays(mngr, step, abstract, directory)
-    finally:
-        mngr.close()
-    if verify:
-        verify_arrays(record, arrays, step, directory)
+    algorithm = record["fingerprint_algorithm"] if verify else None
+    arrays, digests = read_arrays(directory, step, abstract, algorithm=algorithm, grid=fingerprint_grid(record))
+    if digests is not None:
+        check_fingerprints(record, digests, step, directory)
     cache = _build_cache(arrays, saved, target, layout, platform, version)
     return RestoredCache(cache=cache, manager=manager, metadata=target, step=step, saved_metadata=saved,
                          saved_mesh=dict(record["mesh"]), extra_metadata=dict(record["extra_metadata"]))

@@ -1,0 +1,206 @@
+"""Reading a step's page arrays: every shard straight into the buffer that becomes its device
+array, its fingerprint cells checksummed while its bytes are in host memory.
+
+orbax's reader stages each shard in a host buffer of its own and copies it again to the device,
+and the fingerprints then read every array once more. Here each addressable shard of the target
+sharding (a shard replicated on several devices of this process: once) is read by tensorstore,
+orbax's own engine, into a 64-byte-aligned numpy buffer; on CPU, XLA adopts such a buffer as the
+device buffer without a copy (on GPU/TPU it is the staging copy of the transfer). The chunk
+files are memory-mapped (tensorstore's ``file_io_mode: memmap``), so a shard's bytes are copied
+once, from the page cache into that buffer. Two shards are in flight: while tensorstore reads one
+on its own threads, this thread checksums the one before. Host memory beyond the restored arrays
+is the pages of the chunk files being mapped, about the size of the shards in flight.
+
+The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
+(v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
+per saved shard. The ``.zarray`` must describe the array the record names (shape, stored dtype,
+no compressor or filter, C order) and every chunk file must be a regular file of exactly one
+chunk's bytes, so a crafted file can neither block the read (a FIFO), make it allocate (a huge
+sparse file), nor be read in another layout. orbax's tree metadata (``_METADATA``) must still
+list every array, so that orbax itself can restore the step.
+
+Fingerprints are checked only where this host holds every shard of an array on CPU devices;
+otherwise (GPU/TPU, several processes) the restored array's cells are computed on the devices
+(`easykv.checkpoint.integrity`), as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from easykv.checkpoint.format import PAGES_ITEM
+from easykv.checkpoint.integrity import digest, fingerprints, host_cells
+from easykv.checkpoint.orbax_types import EPath
+from easykv.errors import CheckpointIntegrityError
+
+_ALIGN = 64  # XLA:CPU adopts a host buffer aligned to 64 bytes as a device buffer, without a copy
+_IN_FLIGHT = 2
+
+
+def array_dir(directory: EPath, step: int, entry: Mapping[str, Any]) -> EPath:
+    """Where orbax wrote the array of a record entry: its PyTree path joined by dots."""
+    return directory / str(step) / PAGES_ITEM / ".".join(entry["path"])
+
+
+def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any], jax.ShapeDtypeStruct]], *,
+                algorithm: str | None, grid: int) -> tuple[list[jax.Array], list[str] | None]:
+    """Every array of ``entries`` (record entry, stored shape/dtype with its target sharding),
+    read shard by shard; with an ``algorithm``, also each array's fingerprint as read (None
+    without one). An array whose files are missing, malformed or unreadable is named in a
+    `CheckpointIntegrityError`."""
+    _check_tree_metadata(directory, step, [e for e, _ in entries])
+    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_mode": {"mode": "memmap"}})
+    stores = [_open(directory, step, entry, sds, context) for entry, sds in entries]
+    cells: list[np.ndarray | None] = [
+        np.zeros(sds.shape[:grid], np.uint32) if algorithm is not None and _host_checked(sds) else None
+        for _, sds in entries]
+    placed: list[dict[Any, jax.Array]] = [{} for _ in entries]
+    in_flight: list[tuple[int, tuple[slice, ...], list[Any], np.ndarray, Any]] = []
+
+    def land(i: int, index: tuple[slice, ...], devices: list[Any], buf: np.ndarray, read: Any) -> None:
+        try:
+            read.result()
+        except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
+            raise _unreadable(entries[i][0], step, directory, err) from err
+        if cells[i] is not None and algorithm is not None:
+            cells[i][index[:grid]] = host_cells(buf, algorithm, grid)  # type: ignore[index]
+        for device in devices:
+            placed[i][device] = jax.device_put(buf, device)
+
+    for i, (store, (_, sds)) in enumerate(zip(stores, entries)):
+        for index, devices in _regions(sds):
+            buf = _aligned_empty(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype))
+            read = ts.array(buf, copy=False, write=True).write(store[index])
+            in_flight.append((i, index, devices, buf, read))
+            if len(in_flight) > _IN_FLIGHT:
+                land(*in_flight.pop(0))
+    while in_flight:
+        land(*in_flight.pop(0))
+    arrays = [jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
+              for shards, (_, sds) in zip(placed, entries)]
+    if algorithm is None:
+        return arrays, None
+    digests = [digest(c) if c is not None else fingerprints([a], algorithm=algorithm, grid=grid)[0]
+               for c, a in zip(cells, arrays)]
+    return arrays, digests
+
+
+def _host_checked(sds: jax.ShapeDtypeStruct) -> bool:
+    """Whether this host reads every shard of the array, onto CPU devices (then its cells are
+    checksummed as read)."""
+    sharding = sds.sharding
+    # The ignore: jaxlib's stub of Device (an extension type) does not declare its platform.
+    return sharding.is_fully_addressable and all(
+        d.platform == "cpu" for d in sharding.device_set)  # type: ignore[attr-defined]
+
+
+def _regions(sds: jax.ShapeDtypeStruct) -> list[tuple[tuple[slice, ...], list[Any]]]:
+    """The distinct shards of ``sds``'s sharding held on this process's devices, each with the
+    devices that hold it."""
+    out: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in sds.sharding.addressable_devices_indices_map(sds.shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, sds.shape))
+        out.setdefault(key, []).append(device)
+    return [(tuple(slice(a, b) for a, b in key), devices) for key, devices in out.items()]
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    out: np.ndarray = raw[start:start + nbytes].view(dtype).reshape(shape)
+    return out
+
+
+# ---- what is opened ---------------------------------------------------------------------------------
+def _kvstore(path: EPath) -> Any:
+    text = os.fspath(path)
+    return text if "://" in text else {"driver": "file", "path": text}
+
+
+def _open(directory: EPath, step: int, entry: dict[str, Any], sds: jax.ShapeDtypeStruct, context: Any) -> Any:
+    """The array's zarr store, once its metadata and chunk files are what easykv writes."""
+    path = array_dir(directory, step, entry)
+    try:
+        store = ts.open({"driver": "zarr", "kvstore": _kvstore(path)}, open=True, read=True,
+                        context=context).result()
+        meta = store.spec().to_json().get("metadata", {})
+    except Exception as err:  # noqa: BLE001  missing or malformed .zarray: tensorstore's many types
+        raise _unreadable(entry, step, directory, err) from err
+    stored = np.dtype(sds.dtype)
+    problem = None
+    if tuple(store.shape) != tuple(sds.shape) or np.dtype(store.dtype.numpy_dtype) != stored:
+        problem = (f"its .zarray describes {tuple(store.shape)} {np.dtype(store.dtype.numpy_dtype).name}, the "
+                   f"record {tuple(sds.shape)} {stored.name}")
+    elif meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C":
+        problem = (f"its .zarray asks for compressor {meta.get('compressor')!r:.60}, filters "
+                   f"{meta.get('filters')!r:.60}, order {meta.get('order')!r}; easykv writes none, none, C")
+    else:
+        problem = _chunk_files_problem(path, meta, stored)
+    if problem is not None:
+        raise CheckpointIntegrityError(
+            f"array {entry['name']} of step {step} in {directory} cannot be read: {problem}; its files are "
+            "damaged — restore another step", array=entry["name"], step=step, directory=str(directory))
+    return store
+
+
+def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) -> str | None:
+    """Why a chunk file of a local array is not one chunk's bytes in a regular file (None: all are)."""
+    local = os.fspath(path)
+    if "://" in local:
+        return None  # an object store: its objects are not files that could block a read
+    chunk_bytes = math.prod(int(c) for c in meta.get("chunks", [])) * dtype.itemsize
+    with os.scandir(local) as it:
+        for item in it:
+            if item.name.startswith("."):
+                continue  # .zarray (read above), .zattrs
+            info = item.stat(follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                return f"its chunk {item.name!r} is not a regular file"
+            if info.st_size != chunk_bytes:
+                return f"its chunk {item.name!r} holds {info.st_size} bytes, not one chunk's {chunk_bytes}"
+    return None
+
+
+def _check_tree_metadata(directory: EPath, step: int, entries: list[dict[str, Any]]) -> None:
+    """orbax's ``_METADATA`` of the pages lists every array of the record (orbax restores the
+    step by it; easykv reads the arrays by the record)."""
+    path = directory / str(step) / PAGES_ITEM / "_METADATA"
+    try:
+        tree = json.loads(path.read_text())["tree_metadata"]
+        keys = set(tree)
+    except Exception as err:  # noqa: BLE001  missing, not JSON, not orbax's shape
+        raise CheckpointIntegrityError(
+            f"orbax's metadata of the pages of step {step} in {directory} is unreadable ({type(err).__name__}: "
+            f"{short(err)}); restore another step", step=step, directory=str(directory)) from err
+    for entry in entries:
+        if str(tuple(entry["path"])) not in keys:
+            raise CheckpointIntegrityError(
+                f"array {entry['name']} of step {step} in {directory} is missing from orbax's metadata of the "
+                "step (pages/_METADATA), which is damaged — restore another step", array=entry["name"],
+                step=step, directory=str(directory))
+
+
+def _unreadable(entry: Mapping[str, Any], step: int, directory: EPath, err: BaseException) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(
+        f"array {entry['name']} of step {step} in {directory} cannot be read ({type(err).__name__}: {short(err)}); "
+        "its data or metadata files are missing, truncated or corrupted — restore another step",
+        array=entry["name"], step=step, directory=str(directory))
+
+
+def short(err: BaseException, n: int = 300) -> str:
+    """An exception's text on one line, cut to ``n`` characters."""
+    text = str(err).strip().replace("\n", " ")
+    return text if len(text) <= n else text[:n] + "..."
+
+
+__all__ = ["array_dir", "read_arrays", "short"]

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -45,16 +46,17 @@ from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWar
 LAYERS, HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
 
 
-def build_cache(gib: float):
-    mesh = create_mesh({"dp": 1, "tp": 8})
-    pm = PartitionManager(PartitionAxis())
+def build_cache(gib: float, dims=None, axis=None):
+    mesh = create_mesh(dims or {"dp": 1, "tp": 8})
+    pm = PartitionManager(axis or PartitionAxis())
     page_bytes = 2 * HEADS * PAGE_SIZE * HEAD_DIM * 2  # K and V, bf16, one layer
     pages = max(8, int(gib * 2**30 / (page_bytes * LAYERS)) // 8 * 8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingAdjustedWarning)
-        # max length capped at the pool: create refuses a pool that cannot hold one sequence
+        # max length capped at a data-parallel slice: create refuses a pool that cannot hold one sequence
+        longest = min(4096, pages // mesh.shape.get("dp", 1) * PAGE_SIZE)
         meta = PagedAttentionCacheMetaData.create(
-            mesh, 32, LAYERS, min(4096, pages * PAGE_SIZE), PAGE_SIZE, HEADS, HEAD_DIM, 0.9, "bfloat16",
+            mesh, 32, LAYERS, longest, PAGE_SIZE, HEADS, HEAD_DIM, 0.9, "bfloat16",
             partition_manager=pm, num_pages_per_layer=pages,
         )  # fmt: skip
         cache = PagedAttentionCache.init_cache(mesh, meta.dtype, meta, pm)
@@ -122,6 +124,66 @@ def one_repeat(root: str, r: int, mesh, pm, cache, rows: dict[str, list[float]])
         shutil.rmtree(f"{root}/{d}/{r}", ignore_errors=True)
 
 
+# ---- host memory of a restore onto another mesh ---------------------------------------------------
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def restore_child(directory: str) -> None:
+    """In a fresh process: restore ``directory`` onto tp=8 and print its host memory as JSON."""
+    import json
+
+    mesh, pm = create_mesh({"tp": 8}), PartitionManager(PartitionAxis())
+    jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # the runtime up before the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = _status_mib("VmRSS")
+    t0 = time.perf_counter()
+    restored = restore_cache(directory, mesh=mesh, partition_manager=pm)
+    leaves = jax.block_until_ready(jax.tree.leaves(restored.cache))
+    seconds = time.perf_counter() - t0
+    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards) / 2**20
+    shard = max(s.data.nbytes for x in leaves for s in x.addressable_shards) / 2**20
+    print(json.dumps({"base": base, "peak": _status_mib("VmHWM"), "final": _status_mib("VmRSS"), "held": held,
+                      "shard": shard, "seconds": seconds}))
+
+
+def reshard_memory(root: str, gib: float) -> dict:
+    """Save a ``gib`` pool from dp=2 x tp=4 (pages over dp), then restore it onto tp=8 in a fresh
+    process; the child's host memory (MiB) and the largest chunk file of the step."""
+    import json
+    import subprocess
+
+    _, _, cache = build_cache(gib, {"dp": 2, "tp": 4}, PartitionAxis(page_axis="dp"))
+    save_cache(f"{root}/reshard", cache, step=0)
+    del cache
+    chunks = [p for p in Path(f"{root}/reshard/0/pages").rglob("*") if p.is_file() and p.name[0].isdigit()]
+    out = subprocess.run([sys.executable, __file__, "--restore-child", f"{root}/reshard"], check=True,
+                         capture_output=True, text=True).stdout
+    mem = json.loads(out.strip().splitlines()[-1])
+    mem["chunk"] = max(p.stat().st_size for p in chunks) / 2**20
+    shutil.rmtree(f"{root}/reshard", ignore_errors=True)
+    return mem
+
+
+def report_memory(mem: dict, gib: float) -> None:
+    staging = mem["peak"] - mem["base"] - mem["held"]
+    largest = max(mem["shard"], mem["chunk"])
+    print(f"\n### Restore of a {gib:.2f} GiB pool saved on dp=2 x tp=4 onto tp=8 (a fresh process)\n")
+    print("| measure | MiB |")
+    print("|---|---:|")
+    print(f"| restored pages held (on CPU the devices' memory is the host's) | {mem['held']:.0f} |")
+    print(f"| largest shard read: target shard / saved chunk file | {mem['shard']:.0f} / {mem['chunk']:.0f} |")
+    print(f"| peak RSS growth during the restore | {mem['peak'] - mem['base']:.0f} |")
+    print(f"| of it beyond the restored pages (staging) | {staging:.0f} ({staging / largest:.2f}x the largest "
+          f"shard; target <= 1.2x) |")
+    print(f"| restore time | {mem['seconds']:.2f} s |")
+
+
 def report(rows: dict[str, list[float]], nbytes: int, repeats: int) -> None:
     med = {k: statistics.median(v) for k, v in rows.items()}
     gb = nbytes / 1e9
@@ -157,9 +219,17 @@ def main(argv=None) -> None:
                          "meaningless")
     ap.add_argument("--gib", type=float, default=None, help="pool size (default 1.0; --quick: 1/64)")
     ap.add_argument("--repeats", type=int, default=None, help="default 5; --quick: 2")
+    ap.add_argument("--reshard-gib", type=float, default=None,
+                    help="pool saved on dp=2 x tp=4 and restored onto tp=8 in a fresh process, its host memory "
+                         "measured (default 4.0; --quick: 1/64; 0 skips)")
+    ap.add_argument("--restore-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help="scratch directory, removed afterwards (default "
                                                 "/tmp/easykv-bench-checkpoint; --quick: a temporary one)")
     args = ap.parse_args(argv)
+    if args.restore_child:
+        restore_child(args.restore_child)
+        return
+    reshard_gib = args.reshard_gib if args.reshard_gib is not None else (1 / 64 if args.quick else 4.0)
     gib = args.gib or (1 / 64 if args.quick else 1.0)
     repeats = args.repeats or (2 if args.quick else 5)
     root = args.dir or (tempfile.mkdtemp(prefix="easykv-bench-checkpoint-") if args.quick
@@ -175,6 +245,9 @@ def main(argv=None) -> None:
         for r in range(repeats):
             one_repeat(root, r, mesh, pm, cache, rows)
         report(rows, nbytes, repeats)
+        del cache, leaves
+        if reshard_gib > 0:
+            report_memory(reshard_memory(root, reshard_gib), reshard_gib)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

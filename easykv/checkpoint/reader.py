@@ -85,7 +85,7 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
                 land(*in_flight.pop(0))
     while in_flight:
         land(*in_flight.pop(0))
-    arrays = [jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
+    arrays: list[jax.Array] = [jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
               for shards, (_, sds) in zip(placed, entries)]
     if algorithm is None:
         return arrays, None
@@ -98,9 +98,7 @@ def _host_checked(sds: jax.ShapeDtypeStruct) -> bool:
     """Whether this host reads every shard of the array, onto CPU devices (then its cells are
     checksummed as read)."""
     sharding = sds.sharding
-    # The ignore: jaxlib's stub of Device (an extension type) does not declare its platform.
-    return sharding.is_fully_addressable and all(
-        d.platform == "cpu" for d in sharding.device_set)  # type: ignore[attr-defined]
+    return sharding.is_fully_addressable and all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def _regions(sds: jax.ShapeDtypeStruct) -> list[tuple[tuple[slice, ...], list[Any]]]:

@@ -1,6 +1,7 @@
 """Caches on disk and between hosts: ``checkpointer`` (``save_cache``, ``restore_cache``,
 ``CacheCheckpointer``, ``list_steps``), ``restore`` (restoring a step), ``format`` (the on-disk
-layout and reading it back), ``integrity`` (fingerprints of every persisted byte), ``record``
+layout and reading it back), ``reader`` (a step's page arrays read shard by shard with
+tensorstore, checksummed as read), ``integrity`` (fingerprints of every persisted byte), ``record``
 (the sealed JSON record and the saved manager state), ``reshard`` (what a restore may change:
 the target's model and pools must be the saved ones, its format only on request), ``writer``
 (the one-writer lock and write errors), ``transfer`` (one sequence's pages and page-manager

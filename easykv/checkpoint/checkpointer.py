@@ -37,9 +37,9 @@ target platform's storage, so the bits are identical across backends.
 
 Restore (`easykv.checkpoint.restore`, re-exported here) may target another mesh or partition
 rule: the layout fields of the metadata are rebuilt for the target mesh, the pool size stays,
-and orbax reads each device's shard straight onto that device. Another dtype or quantizer is
-refused unless ``convert=True`` (dequantize and re-encode every page; lossy when the target is
-coarser). Errors: `NotACheckpointError`,
+and each device's shard is read straight into its device buffer (`easykv.checkpoint.reader`).
+Another dtype or quantizer is refused unless ``convert=True`` (dequantize and re-encode every
+page; lossy when the target is coarser). Errors: `NotACheckpointError`,
 `StepNotFoundError`, `CheckpointMismatchError` (ValueError), `CheckpointIntegrityError`,
 `CheckpointLockedError`, `CheckpointWriteError` (all `CheckpointError`); nothing is restored (and
 no live cache is touched) when one is raised.

@@ -23,10 +23,11 @@ restore.py and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
 Every persisted byte that a restore uses is verified: page arrays by their fingerprints
 (`checkpoint_integrity`), the two JSON files by their sha256 and a strict schema
-(`checkpoint_record`), and what orbax hands back (each leaf a jax.Array of exactly the expected
-shape, dtype and sharding) by `restore_arrays`. orbax's own metadata files need no hash of
-their own: damage there either makes the read fail or yields arrays that the fingerprints
-check. Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
+(`checkpoint_record`), and each array's zarr metadata and chunk files by the reader
+(`easykv.checkpoint.reader`: the layout easykv writes, regular files of one chunk each). orbax's
+own metadata files need no hash of their own: the reader does not use them (``_METADATA`` must
+only still list every array), and damage elsewhere either makes the read fail or yields arrays
+that the fingerprints check. Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
 
 Array names (and PyTree paths): ``group_000.key_pages`` for the plain stacked pages of layer
 group 0 (``(layers, heads, pages, page_size, head_dim)``), ``group_000.key_pages.values`` /

@@ -14,8 +14,8 @@ is the pages of the chunk files being mapped, about the size of the shards in fl
 The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
 (v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
 per saved shard. The ``.zarray`` must describe the array the record names (shape, stored dtype,
-no compressor or filter, C order) and every chunk file must be a regular file of exactly one
-chunk's bytes, so a crafted file can neither block the read (a FIFO), make it allocate (a huge
+no compressor or filter, C order) and every chunk file must be present, a regular file of exactly
+one chunk's bytes, so a crafted file can neither block the read (a FIFO), make it allocate (a huge
 sparse file), nor be read in another layout. orbax's tree metadata (``_METADATA``) must still
 list every array, so that orbax itself can restore the step.
 
@@ -156,7 +156,9 @@ def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) 
     local = os.fspath(path)
     if "://" in local:
         return None  # an object store: its objects are not files that could block a read
-    chunk_bytes = math.prod(int(c) for c in meta.get("chunks", [])) * dtype.itemsize
+    chunks = [int(c) for c in meta.get("chunks", [])]
+    chunk_bytes = math.prod(chunks) * dtype.itemsize
+    found = 0
     with os.scandir(local) as it:
         for item in it:
             if item.name.startswith("."):
@@ -166,6 +168,11 @@ def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) 
                 return f"its chunk {item.name!r} is not a regular file"
             if info.st_size != chunk_bytes:
                 return f"its chunk {item.name!r} holds {info.st_size} bytes, not one chunk's {chunk_bytes}"
+            found += 1
+    # A missing chunk would read as zeros (easykv writes every chunk, zeros included).
+    want = math.prod(-(-int(n) // c) for n, c in zip(meta.get("shape", []), chunks))
+    if found != want:
+        return f"it has {found} chunk files where its shape and chunks imply {want}"
     return None
 
 

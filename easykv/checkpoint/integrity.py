@@ -165,11 +165,12 @@ def host_cells(block: np.ndarray, algorithm: str, grid: int) -> np.ndarray:
     return out
 
 
-def host_path_ok(x: jax.Array) -> bool:
-    """Whether ``x``'s cells can be checksummed on this host: every shard here, on CPU devices."""
+def host_path_ok(sharding: jax.sharding.Sharding) -> bool:
+    """Whether the cells of an array placed by ``sharding`` can be checksummed on this host:
+    every shard here, on CPU devices."""
     # The ignore: jaxlib's stub of Device (an extension type) does not declare its platform.
-    return x.is_fully_addressable and all(
-        d.platform == "cpu" for d in x.sharding.device_set)  # type: ignore[attr-defined]
+    return sharding.is_fully_addressable and all(
+        d.platform == "cpu" for d in sharding.device_set)  # type: ignore[attr-defined]
 
 
 _DEVICE_CELLS: dict[Any, Callable[[jax.Array], jax.Array]] = {}
@@ -209,7 +210,7 @@ class PendingFingerprints:
             if np.ndim(x) < grid:
                 raise ValueError(f"fingerprints with grid={grid} cover arrays of rank >= {grid}, got shape "
                                  f"{np.shape(x)}")
-            if not on_device and isinstance(x, jax.Array) and host_path_ok(x):
+            if not on_device and isinstance(x, jax.Array) and host_path_ok(x.sharding):
                 blocks = [(s.index[:grid], np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0]
             elif isinstance(x, np.ndarray):
                 blocks = [((slice(None),) * grid, x)]

@@ -38,7 +38,7 @@ import numpy as np
 import tensorstore as ts
 
 from easykv.checkpoint.format import PAGES_ITEM
-from easykv.checkpoint.integrity import digest, fingerprints, host_cells
+from easykv.checkpoint.integrity import digest, fingerprints, host_cells, host_path_ok
 from easykv.checkpoint.orbax_types import EPath
 from easykv.errors import CheckpointIntegrityError
 
@@ -60,8 +60,9 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
     _check_tree_metadata(directory, step, [e for e, _ in entries])
     context = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_mode": {"mode": "memmap"}})
     stores = [_open(directory, step, entry, sds, context) for entry, sds in entries]
+    # Cells are checksummed as read where this host reads every shard onto CPU devices.
     cells: list[np.ndarray | None] = [
-        np.zeros(sds.shape[:grid], np.uint32) if algorithm is not None and _host_checked(sds) else None
+        np.zeros(sds.shape[:grid], np.uint32) if algorithm is not None and host_path_ok(sds.sharding) else None
         for _, sds in entries]
     placed: list[dict[Any, jax.Array]] = [{} for _ in entries]
     in_flight: list[tuple[int, tuple[slice, ...], list[Any], np.ndarray, Any]] = []
@@ -71,8 +72,9 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
             read.result()
         except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
             raise _unreadable(entries[i][0], step, directory, err) from err
-        if cells[i] is not None and algorithm is not None:
-            cells[i][index[:grid]] = host_cells(buf, algorithm, grid)  # type: ignore[index]
+        grid_cells = cells[i]
+        if grid_cells is not None and algorithm is not None:
+            grid_cells[index[:grid]] = host_cells(buf, algorithm, grid)
         for device in devices:
             placed[i][device] = jax.device_put(buf, device)
 
@@ -85,20 +87,14 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
                 land(*in_flight.pop(0))
     while in_flight:
         land(*in_flight.pop(0))
-    arrays: list[jax.Array] = [jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
-              for shards, (_, sds) in zip(placed, entries)]
+    arrays: list[jax.Array] = [
+        jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
+        for shards, (_, sds) in zip(placed, entries)]
     if algorithm is None:
         return arrays, None
     digests = [digest(c) if c is not None else fingerprints([a], algorithm=algorithm, grid=grid)[0]
                for c, a in zip(cells, arrays)]
     return arrays, digests
-
-
-def _host_checked(sds: jax.ShapeDtypeStruct) -> bool:
-    """Whether this host reads every shard of the array, onto CPU devices (then its cells are
-    checksummed as read)."""
-    sharding = sds.sharding
-    return sharding.is_fully_addressable and all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def _regions(sds: jax.ShapeDtypeStruct) -> list[tuple[tuple[slice, ...], list[Any]]]:
@@ -155,7 +151,7 @@ def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) 
     """Why a chunk file of a local array is not one chunk's bytes in a regular file (None: all are)."""
     local = os.fspath(path)
     if "://" in local:
-        return None  # an object store: its objects are not files that could block a read
+        return None  # an object store: no FIFOs or sparse files; a missing object is left to the fingerprints
     chunks = [int(c) for c in meta.get("chunks", [])]
     chunk_bytes = math.prod(chunks) * dtype.itemsize
     found = 0

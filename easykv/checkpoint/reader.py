@@ -7,9 +7,11 @@ sharding (a shard replicated on several devices of this process: once) is read b
 orbax's own engine, into a 64-byte-aligned numpy buffer; on CPU, XLA adopts such a buffer as the
 device buffer without a copy (on GPU/TPU it is the staging copy of the transfer). The chunk
 files are memory-mapped (tensorstore's ``file_io_mode: memmap``), so a shard's bytes are copied
-once, from the page cache into that buffer. Two shards are in flight: while tensorstore reads one
-on its own threads, this thread checksums the one before. Host memory beyond the restored arrays
-is the pages of the chunk files being mapped, about the size of the shards in flight.
+once, from the page cache into that buffer. While tensorstore reads one shard on its own threads,
+this thread checksums the one before, and the next read starts only when that is done: host
+memory beyond the restored arrays is the mapped pages of the chunk files one shard reads (the
+page cache, counted in the process's RSS while mapped), not the pool (with more reads in flight
+the mapped pages of several shards at once were seen in RSS, and no faster restore).
 
 The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
 (v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
@@ -43,7 +45,7 @@ from easykv.checkpoint.orbax_types import EPath
 from easykv.errors import CheckpointIntegrityError
 
 _ALIGN = 64  # XLA:CPU adopts a host buffer aligned to 64 bytes as a device buffer, without a copy
-_IN_FLIGHT = 2
+_AHEAD = 1  # shards being read while one is checksummed (see the module doc)
 
 
 def array_dir(directory: EPath, step: int, entry: Mapping[str, Any]) -> EPath:
@@ -83,7 +85,7 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
             buf = _aligned_empty(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype))
             read = ts.array(buf, copy=False, write=True).write(store[index])
             in_flight.append((i, index, devices, buf, read))
-            if len(in_flight) > _IN_FLIGHT:
+            if len(in_flight) > _AHEAD:
                 land(*in_flight.pop(0))
     while in_flight:
         land(*in_flight.pop(0))

@@ -1,6 +1,6 @@
 """Checkpoint throughput: easykv's orbax save/restore of a paged pool vs plain numpy.
 
-    python benchmarks/bench_checkpoint.py [--gib 1.0] [--repeats 15] [--dir /tmp/easykv-bench-checkpoint]
+    python benchmarks/bench_checkpoint.py [--gib 1.0] [--repeats 24] [--dir /tmp/easykv-bench-checkpoint]
     python benchmarks/bench_checkpoint.py --quick    # a 16 MiB pool, 2 repeats, a temporary directory (CI)
 
 A bf16 pool of ``--gib`` GiB (8 layers, 8 kv heads, head_dim 128, page_size 16) on 8 simulated
@@ -100,21 +100,28 @@ ROWS = ("np_save", "save", "save_noint", "async_return", "async_total", "np_load
 
 def one_repeat(root: str, r: int, mesh, pm, cache, rows: dict[str, list[float]]) -> None:
     """Every operation once, appending its seconds to ``rows``; saves and loads rotate so that no
-    row always follows the same one."""
+    row always follows the same one (this machine's disk is throttled: a 1 GiB write right after
+    others can take 4x as long, so a fixed order would bill one row for the writes before it)."""
     leaves = jax.tree.leaves(cache)
+
+    def async_save() -> float:  # the call's seconds recorded here; returns those until committed
+        ckpt = CacheCheckpointer(f"{root}/ck_async")
+        t0 = time.perf_counter()
+        ckpt.save(cache, step=r)
+        rows["async_return"].append(time.perf_counter() - t0)
+        ckpt.wait_until_finished()
+        total = time.perf_counter() - t0
+        ckpt.close()
+        return total
+
     saves = [
         ("np_save", lambda: numpy_save(f"{root}/np", leaves)),
         ("save", lambda: save_cache(f"{root}/ck", cache, step=r)),
         ("save_noint", lambda: save_cache(f"{root}/ck_noint", cache, step=r, integrity=False)),
+        ("async_total", None),
     ]
-    for name, fn in saves[r % 3:] + saves[: r % 3]:
-        rows[name].append(timed(fn)[0])
-    ckpt = CacheCheckpointer(f"{root}/ck_async")
-    rows["async_return"].append(timed(lambda: ckpt.save(cache, step=r))[0])
-    t0 = time.perf_counter() - rows["async_return"][-1]
-    ckpt.wait_until_finished()
-    rows["async_total"].append(time.perf_counter() - t0)
-    ckpt.close()
+    for name, fn in saves[r % 4:] + saves[: r % 4]:
+        rows[name].append(async_save() if fn is None else timed(fn)[0])
     rows["fingerprint"].append(timed(lambda: fingerprints(leaves))[0])
     loads = [
         ("np_load", lambda: numpy_load(f"{root}/np", leaves)),
@@ -240,7 +247,9 @@ def main(argv=None) -> None:
                     help="a 16 MiB pool, 2 repeats, a temporary directory: checks the script runs (CI); numbers "
                          "meaningless")
     ap.add_argument("--gib", type=float, default=None, help="pool size (default 1.0; --quick: 1/64)")
-    ap.add_argument("--repeats", type=int, default=None, help="counted repeats (default 15; --quick: 2)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="counted repeats (default 24: each save and load as often in every position of the "
+                         "rotation; --quick: 2)")
     ap.add_argument("--reshard-gib", type=float, default=None,
                     help="pool saved on dp=2 x tp=4 and restored onto tp=8 in a fresh process, its host memory "
                          "measured (default 4.0; --quick: 1/64; 0 skips)")
@@ -253,7 +262,7 @@ def main(argv=None) -> None:
         return
     reshard_gib = args.reshard_gib if args.reshard_gib is not None else (1 / 64 if args.quick else 4.0)
     gib = args.gib or (1 / 64 if args.quick else 1.0)
-    repeats = args.repeats or (2 if args.quick else 15)
+    repeats = args.repeats or (2 if args.quick else 24)
     root = args.dir or (tempfile.mkdtemp(prefix="easykv-bench-checkpoint-") if args.quick
                         else "/tmp/easykv-bench-checkpoint")
     shutil.rmtree(root, ignore_errors=True)

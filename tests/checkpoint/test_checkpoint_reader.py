@@ -3,7 +3,8 @@ buffer and checksummed as read. Checked against checkpoints written by the code 
 (``fixtures/checkpoint_v3``, saved by 3d8cc3c through orbax with ``zlib.crc32`` fingerprints):
 every stored bit comes back on the saving mesh and on another, and damage is still named. Then
 crafted chunk files that must be refused before they are read (a FIFO would block, a sparse file
-make the read allocate), chunk files swapped between shards, and ISA-L's CRC against zlib's."""
+make the read allocate), chunk files swapped between shards, ISA-L's CRC against zlib's, and
+orbax's own restore of a step saved today against what easykv reads back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import warnings
 import zlib
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ from easykv.checkpoint.inspect import inspect_checkpoint
 from easykv.checkpoint.integrity import FINGERPRINT_ALGORITHM, fingerprints, host_cells
 from easykv.errors import CheckpointIntegrityError
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
-from tests.support.checkpoints import raw_leaves
+from tests.support.checkpoints import new_qcache, qsetup, raw_leaves
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "checkpoint_v3"
 ARRAYS = {  # cache -> its arrays (expected.npz holds them in jax.tree.leaves order, the record by group)
@@ -171,3 +173,32 @@ def test_host_cells_are_zlib_crc32_of_each_cell(cell_bytes):
         assert int(cells[idx]) == zlib.crc32(block[idx].tobytes())
     # the device kernel (GPU/TPU, other processes' shards) computes the same cells
     assert fingerprints([block], grid=3) == fingerprints([jnp.asarray(block)], grid=3, on_device=True)
+
+
+@pytest.mark.parametrize("quantizer", ["none", "int8"])
+def test_orbax_itself_reads_the_bits_easykv_writes_and_reads(quantizer, tmp_path):
+    """The reference nobody here wrote: orbax's own restore of a step easykv saved today returns,
+    array by array, the bits that easykv's reader returns and that were saved."""
+    import orbax.checkpoint as ocp
+
+    rng = np.random.default_rng(7)
+    cache = new_qcache("dp", quantizer)  # pages over dp, heads over tp: shards on both axes
+    leaves = [jax.device_put(rng.integers(0, 256, size=x.nbytes, dtype=np.uint8).view(x.dtype).reshape(x.shape),
+                             x.sharding) for x in jax.tree.leaves(cache)]
+    cache = jax.tree.unflatten(jax.tree.structure(cache), leaves)
+    easykv.save_cache(tmp_path / "ck", cache)
+    record = json.loads((tmp_path / "ck" / "0" / "easykv" / "checkpoint.json").read_text())
+    pages = (tmp_path / "ck" / "0" / "pages").resolve()
+    meta = ocp.PyTreeCheckpointer().metadata(pages).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    theirs = ocp.PyTreeCheckpointer().restore(pages, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+    mesh, pm, _ = qsetup("dp", quantizer)
+    ours = raw_leaves(easykv.restore_cache(tmp_path / "ck", mesh=mesh, partition_manager=pm).cache)
+    saved = raw_leaves(cache)
+    assert len(record["arrays"]) == len(ours) == len(saved) >= 2
+    for i, entry in enumerate(record["arrays"]):  # the record lists arrays in jax.tree.leaves order
+        node = theirs
+        for key in entry["path"]:
+            node = node[key]
+        bits = np.asarray(node).view(saved[i].dtype)
+        assert np.array_equal(bits, saved[i]) and np.array_equal(ours[i], saved[i]), entry["name"]

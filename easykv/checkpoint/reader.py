@@ -11,7 +11,10 @@ once, from the page cache into that buffer. While tensorstore reads one shard on
 this thread checksums the one before, and the next read starts only when that is done: host
 memory beyond the restored arrays is the mapped pages of the chunk files one shard reads (the
 page cache, counted in the process's RSS while mapped), not the pool (with more reads in flight
-the mapped pages of several shards at once were seen in RSS, and no faster restore).
+the mapped pages of several shards at once were seen in RSS, and no faster restore). A chunk file
+truncated in place while mapped would end the process with SIGBUS; no easykv or orbax writer
+rewrites a committed step. XLA:CPU cannot donate a buffer it adopted, so the first donated write
+after a restore copies what it donates once (docs/checkpoints.md).
 
 The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
 (v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
@@ -42,6 +45,7 @@ import tensorstore as ts
 from easykv.checkpoint.format import PAGES_ITEM
 from easykv.checkpoint.integrity import digest, fingerprints, host_cells, host_path_ok
 from easykv.checkpoint.orbax_types import EPath
+from easykv.checkpoint.record import RECORD_MAX_BYTES, read_small_file
 from easykv.errors import CheckpointIntegrityError
 
 _ALIGN = 64  # XLA:CPU adopts a host buffer aligned to 64 bytes as a device buffer, without a copy
@@ -126,21 +130,15 @@ def _kvstore(path: EPath) -> Any:
 def _open(directory: EPath, step: int, entry: dict[str, Any], sds: jax.ShapeDtypeStruct, context: Any) -> Any:
     """The array's zarr store, once its metadata and chunk files are what easykv writes."""
     path = array_dir(directory, step, entry)
-    try:
-        store = ts.open({"driver": "zarr", "kvstore": _kvstore(path)}, open=True, read=True,
-                        context=context).result()
-        meta = store.spec().to_json().get("metadata", {})
-    except Exception as err:  # noqa: BLE001  missing or malformed .zarray: tensorstore's many types
-        raise _unreadable(entry, step, directory, err) from err
     stored = np.dtype(sds.dtype)
-    problem = None
-    if tuple(store.shape) != tuple(sds.shape) or np.dtype(store.dtype.numpy_dtype) != stored:
-        problem = (f"its .zarray describes {tuple(store.shape)} {np.dtype(store.dtype.numpy_dtype).name}, the "
-                   f"record {tuple(sds.shape)} {stored.name}")
-    elif meta.get("compressor") is not None or meta.get("filters") or meta.get("order", "C") != "C":
-        problem = (f"its .zarray asks for compressor {meta.get('compressor')!r:.60}, filters "
-                   f"{meta.get('filters')!r:.60}, order {meta.get('order')!r}; easykv writes none, none, C")
-    else:
+    problem = _zarray_problem(path, step, directory, sds.shape, stored)
+    if problem is None:
+        try:
+            store = ts.open({"driver": "zarr", "kvstore": _kvstore(path)}, open=True, read=True,
+                            context=context).result()
+            meta = store.spec().to_json().get("metadata", {})
+        except Exception as err:  # noqa: BLE001  malformed .zarray: tensorstore's many types
+            raise _unreadable(entry, step, directory, err) from err
         problem = _chunk_files_problem(path, meta, stored)
     if problem is not None:
         raise CheckpointIntegrityError(
@@ -149,28 +147,57 @@ def _open(directory: EPath, step: int, entry: dict[str, Any], sds: jax.ShapeDtyp
     return store
 
 
+def _zarray_problem(path: EPath, step: int, directory: EPath, shape: tuple[int, ...], stored: np.dtype) -> str | None:
+    """Why the array's ``.zarray`` (read as a small regular file: a FIFO would block tensorstore,
+    a huge file fill memory) does not describe what easykv writes (None: it does). The dtype is
+    compared as written: ``>f4`` would be read as byte-swapped ``<f4`` values."""
+    data = read_small_file(path / ".zarray", RECORD_MAX_BYTES, step, directory)
+    if data is None:
+        return "its .zarray is missing"
+    try:
+        meta = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        return f"its .zarray is not JSON ({short(err, 100)})"
+    if not isinstance(meta, dict):
+        return "its .zarray is not a JSON object"
+    want = (list(shape), {stored.str, stored.name}, None, None, "C", ".")
+    got = (meta.get("shape"), meta.get("dtype"), meta.get("compressor"), meta.get("filters") or None,
+           meta.get("order"), meta.get("dimension_separator", "."))
+    if got[0] != want[0] or got[1] not in want[1]:
+        return f"its .zarray describes {got[0]!r:.80} {got[1]!r:.40}, the record {want[0]} {stored.str}"
+    if got[2:] != want[2:]:
+        return (f"its .zarray asks for compressor {got[2]!r:.60}, filters {got[3]!r:.60}, order {got[4]!r:.10}, "
+                f"dimension separator {got[5]!r:.10}; easykv writes none, none, 'C', '.'")
+    return None
+
+
 def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) -> str | None:
-    """Why a chunk file of a local array is not one chunk's bytes in a regular file (None: all are)."""
+    """Why the chunk files of a local array are not exactly its chunk grid's names, each a regular
+    file of one chunk's bytes (None: they are)."""
     local = os.fspath(path)
     if "://" in local:
         return None  # an object store: no FIFOs or sparse files; a missing object is left to the fingerprints
     chunks = [int(c) for c in meta.get("chunks", [])]
     chunk_bytes = math.prod(chunks) * dtype.itemsize
-    found = 0
+    found = set()
     with os.scandir(local) as it:
         for item in it:
             if item.name.startswith("."):
                 continue  # .zarray (read above), .zattrs
-            info = item.stat(follow_symlinks=False)
+            info = item.stat(follow_symlinks=False)  # a link is refused too: easykv writes none
             if not stat.S_ISREG(info.st_mode):
-                return f"its chunk {item.name!r} is not a regular file"
+                return f"its chunk {item.name!r} is not a regular file (a link, a directory or a device)"
             if info.st_size != chunk_bytes:
                 return f"its chunk {item.name!r} holds {info.st_size} bytes, not one chunk's {chunk_bytes}"
-            found += 1
-    # A missing chunk would read as zeros (easykv writes every chunk, zeros included).
-    want = math.prod(-(-int(n) // c) for n, c in zip(meta.get("shape", []), chunks))
+            found.add(item.name)
+    # A missing chunk would read as zeros (easykv writes every chunk, zeros included); a misnamed
+    # one would be left unread.
+    grid = [-(-int(n) // c) for n, c in zip(meta.get("shape", []), chunks)]
+    want = {".".join(map(str, index)) for index in np.ndindex(*grid)}
     if found != want:
-        return f"it has {found} chunk files where its shape and chunks imply {want}"
+        odd = sorted(found - want)[:3] or sorted(want - found)[:3]
+        return (f"its chunk files are not the {len(want)} that its shape and chunks imply (named by grid "
+                f"position): {odd} {'are not among them' if found - want else 'are missing'}")
     return None
 
 
@@ -178,8 +205,11 @@ def _check_tree_metadata(directory: EPath, step: int, entries: list[dict[str, An
     """orbax's ``_METADATA`` of the pages lists every array of the record (orbax restores the
     step by it; easykv reads the arrays by the record)."""
     path = directory / str(step) / PAGES_ITEM / "_METADATA"
+    data = read_small_file(path, RECORD_MAX_BYTES, step, directory)  # a FIFO or a huge file is refused
     try:
-        tree = json.loads(path.read_text())["tree_metadata"]
+        if data is None:
+            raise FileNotFoundError(f"{path} is missing")
+        tree = json.loads(data)["tree_metadata"]
         keys = set(tree)
     except Exception as err:  # noqa: BLE001  missing, not JSON, not orbax's shape
         raise CheckpointIntegrityError(

@@ -102,7 +102,8 @@ def test_chunk_files_swapped_between_shards_are_named(tmp_path, want):
         _restore(directory)
 
 
-CRAFTED = ["fifo", "dev-zero", "sparse-huge", "one-byte-more", "one-byte-less", "directory", "missing"]
+CRAFTED = ["fifo", "dev-zero", "sparse-huge", "one-byte-more", "one-byte-less", "directory", "missing", "renamed",
+           "link-to-a-copy"]
 
 
 @pytest.mark.parametrize("verify", [True, False])
@@ -125,13 +126,19 @@ def test_a_chunk_that_is_not_one_chunk_in_a_regular_file_is_refused_before_readi
         chunk.mkdir()
     elif kind == "missing":
         pass  # it would read as zeros
+    elif kind == "renamed":
+        chunk.with_name("zzz").write_bytes(data)  # left unread, its place read as zeros
+    elif kind == "link-to-a-copy":
+        (tmp_path / "elsewhere").write_bytes(data)
+        chunk.symlink_to(tmp_path / "elsewhere")  # easykv writes no links: refused, not followed
     else:
         chunk.write_bytes(data + b"\0" if kind == "one-byte-more" else data[:-1])
     with pytest.raises(CheckpointIntegrityError, match=array.replace(".", r"\.")) as err:
         _restore(directory, verify=verify)
     assert err.value.array == array
     why = {"fifo": "not a regular file", "dev-zero": "not a regular file", "directory": "not a regular file",
-           "missing": "chunk files where its shape and chunks imply"}.get(kind, f"not one chunk's {size}")
+           "link-to-a-copy": "not a regular file (a link", "missing": f"['{chunk.name}'] are missing",
+           "renamed": "['zzz'] are not among them"}.get(kind, f"not one chunk's {size}")
     assert why in str(err.value)
 
 
@@ -141,6 +148,9 @@ ZARRAY_EDITS = {  # each a .zarray that tensorstore opens, but that easykv never
     "shape": {"shape": [2, 4, 8, 4, 9], "chunks": [2, 4, 8, 4, 9]},
     "dtype": {"dtype": "<i2"},
     "filters": {"filters": [{"id": "delta", "dtype": "<u2"}]},
+    "byte order": {"dtype": ">u2"},  # tensorstore would byte-swap every value
+    "separator": {"dimension_separator": "/"},  # chunks looked up as 0/0/0/0/0: zeros
+    "chunks regridded": {"chunks": [2, 1, 8, 2, 8]},  # same bytes and count per chunk, other places
 }
 
 
@@ -152,6 +162,23 @@ def test_a_zarray_that_is_not_what_easykv_writes_is_refused(edit, tmp_path):
     with pytest.raises(CheckpointIntegrityError, match=r"group_001\.key_pages") as err:
         _restore(directory, verify=False)
     assert err.value.array == "group_001.key_pages"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "sparse-huge"])
+@pytest.mark.parametrize("name", ["_METADATA", "group_000.key_pages.values/.zarray"])
+def test_a_metadata_file_that_is_not_a_small_regular_file_is_refused(name, kind, tmp_path):
+    """A FIFO would block the read forever, a sparse 8 GiB file fill memory."""
+    directory = _copy("int8", tmp_path)
+    path = directory / "0" / "pages" / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(1 << 33)
+    for verify in (True, False):
+        with pytest.raises(CheckpointIntegrityError, match="not a regular file" if kind == "fifo" else "more than"):
+            _restore(directory, verify=verify)
 
 
 def test_orbax_tree_metadata_must_stay_readable(tmp_path):

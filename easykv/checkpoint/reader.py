@@ -3,9 +3,11 @@ array, its fingerprint cells checksummed while its bytes are in host memory.
 
 orbax's reader stages each shard in a host buffer of its own and copies it again to the device,
 and the fingerprints then read every array once more. Here each addressable shard of the target
-sharding (a shard replicated on several devices of this process: once) is read by tensorstore,
-orbax's own engine, into a 64-byte-aligned numpy buffer; on CPU, XLA adopts such a buffer as the
-device buffer without a copy (on GPU/TPU it is the staging copy of the transfer). The chunk
+sharding (a shard replicated on several devices of this process: once, then copied to the
+others) is read by tensorstore, orbax's own engine, into its device buffer: on CPU a buffer XLA
+allocated (zeroed, then written through a numpy view of its bytes before anything reads it; a
+numpy buffer XLA merely adopted could not be donated, and the first donated write would copy the
+pool), on GPU/TPU an aligned host buffer, the staging copy of the transfer. The chunk
 files are memory-mapped (tensorstore's ``file_io_mode: memmap``), so a shard's bytes are copied
 once, from the page cache into that buffer. While tensorstore reads one shard on its own threads,
 this thread checksums the one before, and the next read starts only when that is done: host
@@ -13,8 +15,7 @@ memory beyond the restored arrays is the mapped pages of the chunk files one sha
 page cache, counted in the process's RSS while mapped), not the pool (with more reads in flight
 the mapped pages of several shards at once were seen in RSS, and no faster restore). A chunk file
 truncated in place while mapped would end the process with SIGBUS; no easykv or orbax writer
-rewrites a committed step. XLA:CPU cannot donate a buffer it adopted, so the first donated write
-after a restore copies what it donates once (docs/checkpoints.md).
+rewrites a committed step.
 
 The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
 (v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
@@ -31,14 +32,17 @@ otherwise (GPU/TPU, several processes) the restored array's cells are computed o
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -48,7 +52,7 @@ from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import RECORD_MAX_BYTES, read_small_file
 from easykv.errors import CheckpointIntegrityError
 
-_ALIGN = 64  # XLA:CPU adopts a host buffer aligned to 64 bytes as a device buffer, without a copy
+_ALIGN = 64  # the host staging buffers of GPU/TPU reads: aligned for the transfer
 _AHEAD = 1  # shards being read while one is checksummed (see the module doc)
 
 
@@ -71,9 +75,10 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
         np.zeros(sds.shape[:grid], np.uint32) if algorithm is not None and host_path_ok(sds.sharding) else None
         for _, sds in entries]
     placed: list[dict[Any, jax.Array]] = [{} for _ in entries]
-    in_flight: list[tuple[int, tuple[slice, ...], list[Any], np.ndarray, Any]] = []
+    in_flight: list[tuple[int, tuple[slice, ...], list[Any], jax.Array | None, np.ndarray, Any]] = []
 
-    def land(i: int, index: tuple[slice, ...], devices: list[Any], buf: np.ndarray, read: Any) -> None:
+    def land(i: int, index: tuple[slice, ...], devices: list[Any], owned: jax.Array | None, buf: np.ndarray,
+             read: Any) -> None:
         try:
             read.result()
         except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
@@ -82,13 +87,14 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
         if grid_cells is not None and algorithm is not None:
             grid_cells[index[:grid]] = host_cells(buf, algorithm, grid)
         for device in devices:
-            placed[i][device] = jax.device_put(buf, device)
+            placed[i][device] = (owned if owned is not None and device == devices[0]
+                                 else jax.device_put(owned if owned is not None else buf, device))
 
     for i, (store, (_, sds)) in enumerate(zip(stores, entries)):
         for index, devices in _regions(sds):
-            buf = _aligned_empty(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype))
+            owned, buf = _target_buffer(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype), devices[0])
             read = ts.array(buf, copy=False, write=True).write(store[index])
-            in_flight.append((i, index, devices, buf, read))
+            in_flight.append((i, index, devices, owned, buf, read))
             if len(in_flight) > _AHEAD:
                 land(*in_flight.pop(0))
     while in_flight:
@@ -111,6 +117,27 @@ def _regions(sds: jax.ShapeDtypeStruct) -> list[tuple[tuple[slice, ...], list[An
         key = tuple(s.indices(n)[:2] for s, n in zip(index, sds.shape))
         out.setdefault(key, []).append(device)
     return [(tuple(slice(a, b) for a, b in key), devices) for key, devices in out.items()]
+
+
+def _target_buffer(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> tuple[jax.Array | None, np.ndarray]:
+    """Where a shard for ``device`` is read: on CPU, a buffer XLA allocated on that device and a
+    numpy view of its bytes (so that the array can be donated later: XLA:CPU adopts a numpy
+    buffer without a copy but cannot donate it, and the first donated write after a restore
+    would copy the whole pool); elsewhere, an aligned host buffer that ``device_put`` copies."""
+    if device.platform != "cpu":
+        return None, _aligned_empty(shape, dtype)
+    # Zeros, not empty: JAX has no uninitialised allocation; the array is written here before
+    # anything reads it, and never after. Made on ``device`` itself (jnp.zeros(device=) made it
+    # on the default device and copied it: a shard's worth more memory).
+    owned = jax.block_until_ready(_zeros(shape, dtype, device)())
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = memoryview((ctypes.c_char * nbytes).from_address(owned.unsafe_buffer_pointer())).cast("B")
+    return owned, np.frombuffer(raw, dtype).reshape(shape)
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, device: Any) -> Callable[[], jax.Array]:
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

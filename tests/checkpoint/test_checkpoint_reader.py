@@ -229,3 +229,16 @@ def test_orbax_itself_reads_the_bits_easykv_writes_and_reads(quantizer, tmp_path
             node = node[key]
         bits = np.asarray(node).view(saved[i].dtype)
         assert np.array_equal(bits, saved[i]) and np.array_equal(ours[i], saved[i]), entry["name"]
+
+
+@pytest.mark.parametrize("where", list(MESHES))
+def test_restored_cpu_pages_are_donated_in_place_by_the_first_write(where):
+    """The read fills buffers XLA allocated: a buffer XLA:CPU merely adopted cannot be donated,
+    and the first donated write would copy the whole pool (tp8 replicates heads: the shards
+    copied to the other devices are XLA's too)."""
+    leaves = jax.tree.leaves(_restore(FIXTURE / "bf16_hybrid", where).cache)
+    before = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in leaves]
+    assert len({p for ps in before for p in ps}) == sum(len(ps) for ps in before)  # no two shards alias
+    write = jax.jit(lambda t: [x.at[(0,) * x.ndim].set(jnp.zeros((), x.dtype)) for x in t], donate_argnums=0)
+    after = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in write(leaves)]
+    assert after == before

@@ -190,7 +190,7 @@ def _zarray_problem(path: EPath, step: int, directory: EPath, shape: tuple[int, 
     want = (list(shape), {stored.str, stored.name}, None, None, "C", ".")
     got = (meta.get("shape"), meta.get("dtype"), meta.get("compressor"), meta.get("filters") or None,
            meta.get("order"), meta.get("dimension_separator", "."))
-    if got[0] != want[0] or got[1] not in want[1]:
+    if got[0] != want[0] or not isinstance(got[1], str) or got[1] not in want[1]:
         return f"its .zarray describes {got[0]!r:.80} {got[1]!r:.40}, the record {want[0]} {stored.str}"
     if got[2:] != want[2:]:
         return (f"its .zarray asks for compressor {got[2]!r:.60}, filters {got[3]!r:.60}, order {got[4]!r:.10}, "

@@ -149,6 +149,7 @@ ZARRAY_EDITS = {  # each a .zarray that tensorstore opens, but that easykv never
     "dtype": {"dtype": "<i2"},
     "filters": {"filters": [{"id": "delta", "dtype": "<u2"}]},
     "byte order": {"dtype": ">u2"},  # tensorstore would byte-swap every value
+    "structured dtype": {"dtype": [["a", "<u2"]]},  # a list: refused by name, not a TypeError
     "separator": {"dimension_separator": "/"},  # chunks looked up as 0/0/0/0/0: zeros
     "chunks regridded": {"chunks": [2, 1, 8, 2, 8]},  # same bytes and count per chunk, other places
 }

@@ -90,15 +90,25 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
             placed[i][device] = (owned if owned is not None and device == devices[0]
                                  else jax.device_put(owned if owned is not None else buf, device))
 
-    for i, (store, (_, sds)) in enumerate(zip(stores, entries)):
-        for index, devices in _regions(sds):
-            owned, buf = _target_buffer(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype), devices[0])
-            read = ts.array(buf, copy=False, write=True).write(store[index])
-            in_flight.append((i, index, devices, owned, buf, read))
-            if len(in_flight) > _AHEAD:
-                land(*in_flight.pop(0))
-    while in_flight:
-        land(*in_flight.pop(0))
+    try:
+        for i, (store, (_, sds)) in enumerate(zip(stores, entries)):
+            for index, devices in _regions(sds):
+                owned, buf = _target_buffer(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype), devices[0])
+                read = ts.array(buf, copy=False, write=True).write(store[index])
+                in_flight.append((i, index, devices, owned, buf, read))
+                if len(in_flight) > _AHEAD:
+                    land(*in_flight.pop(0))
+        while in_flight:
+            land(*in_flight.pop(0))
+    except BaseException:
+        # A read still in flight writes into a buffer that the unwinding frees (on CPU, memory XLA
+        # owns, which the numpy view does not keep alive): wait for it first.
+        for *_, read in in_flight:
+            try:
+                read.result()
+            except Exception:  # noqa: BLE001, S110  the error being raised is the first one; this read is discarded
+                pass
+        raise
     arrays: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
         for shards, (_, sds) in zip(placed, entries)]

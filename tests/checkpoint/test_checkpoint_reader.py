@@ -243,3 +243,46 @@ def test_restored_cpu_pages_are_donated_in_place_by_the_first_write(where):
     write = jax.jit(lambda t: [x.at[(0,) * x.ndim].set(jnp.zeros((), x.dtype)) for x in t], donate_argnums=0)
     after = [[s.data.unsafe_buffer_pointer() for s in x.addressable_shards] for x in write(leaves)]
     assert after == before
+
+
+def test_a_failed_read_waits_for_the_read_in_flight_before_its_buffer_is_freed(tmp_path, monkeypatch):
+    """The first shard's chunk is truncated past the structural check (patched out here, as if
+    the file changed after it): its read fails while the next shard's read is in flight, and
+    the reader must wait for that read before the error unwinds (it writes into XLA-owned
+    memory that the unwinding frees)."""
+    import easykv.checkpoint.reader as reader
+
+    directory = _copy("bf16_hybrid", tmp_path)
+    monkeypatch.setattr(reader, "_chunk_files_problem", lambda *a: None)
+    chunk = directory / "0" / "pages" / "group_000.key_pages" / "0.0.0.0.0"
+    chunk.write_bytes(chunk.read_bytes()[:-7])
+    reads = []
+
+    class Read:  # a tensorstore future that records whether anyone waited for it
+        def __init__(self, future):
+            self.future, self.waited = future, False
+            reads.append(self)
+
+        def result(self):
+            self.waited = True
+            return self.future.result()
+
+    class Target:
+        def __init__(self, array):
+            self.array = array
+
+        def write(self, source):
+            return Read(self.array.write(source))
+
+    class Tensorstore:
+        def __getattr__(self, name):
+            return getattr(ts, name)
+
+        def array(self, *args, **kwargs):
+            return Target(ts.array(*args, **kwargs))
+
+    ts = reader.ts
+    monkeypatch.setattr(reader, "ts", Tensorstore())
+    with pytest.raises(CheckpointIntegrityError, match=r"group_000\.key_pages of step 0 .* cannot be read"):
+        _restore(directory)
+    assert len(reads) == 2 and all(r.waited for r in reads)

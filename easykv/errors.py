@@ -66,7 +66,7 @@ class ManagerStateError(ValueError):
 
 __all__ = [
     "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
-    "CheckpointMismatchError", "CheckpointWriteError", "InvariantError", "ManagerStateError",
+    "CheckpointMismatchError", "CheckpointWriteError", "FileRefusedError", "InvariantError", "ManagerStateError",
     "LockstepError", "MemoryUnavailableError", "MultiProcessError", "NotACheckpointError",
     "SerializationError", "StepNotFoundError", "UnknownSequenceError",
 ]
@@ -94,6 +94,18 @@ class MultiProcessError(RuntimeError):
         self.returncode = returncode
         self.log_path = log_path
         self.hung = hung
+
+
+# ---- files read back ----------------------------------------------------------------------
+class FileRefusedError(ValueError):
+    """A file easykv was asked to read is not what it can read safely: a link where none may be,
+    a FIFO, device, socket or directory, a size outside what the file can hold, or a file that
+    shrank or grew while read (`easykv.checked_files`). Nothing was read from it; ``path`` names it.
+    Checkpoint reads turn it into `CheckpointIntegrityError`."""
+
+    def __init__(self, message: str, *, path: object = None):
+        super().__init__(message)
+        self.path = None if path is None else str(path)
 
 
 # ---- metadata JSON and device memory -------------------------------------------------------

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.numpy_only  # no jax at all: run once, in the first CI environment
 
 # ---- the table: bottom to top; each unit may import what its row lists, nothing else ----------------
-FOUNDATION = ("errors", "validation")
+FOUNDATION = ("errors", "validation", "checked_files")
 ARRAYS = (*FOUNDATION, "sharding", "quantization", "spec", "step")  # what the pages are made of
 MIDDLE = (*ARRAYS, "storage", "attention", "manager")  # what the facade `import easykv` loads
 TOP = ("tiers", "checkpoint", "integrations")
@@ -46,6 +46,7 @@ def row(may_import, why, must_say=()):
 LAYERS = {
     "errors": row((), "every public exception, in one place: the bottom of the house"),
     "validation": row(("errors",), "one function per rule, raising the public exceptions"),
+    "checked_files": row(("errors",), "every file read back is opened once and checked on its descriptor: one place"),
     "sharding": row((), "meshes and axes only: it knows nothing of caches", must_say=[ISOLATED]),
     "multihost": row(FOUNDATION, "the process launcher stands apart: it needs jax and the foundation, and "
                      "no part of the cache depends on how processes were started", must_say=[UNIMPORTED]),

@@ -1,7 +1,9 @@
 """`easykv` command line: `plan` prints how a cache would be laid out and sized; `demo` runs a
 small model through the cache; `inspect` describes and verifies a checkpoint.
 
-Bad flags give one line on stderr and exit code 2.
+Bad flags give one line on stderr and exit code 2. Every numeric flag is parsed by one
+`NumberFlag` (an argparse ``type=``) that knows its range, so a negative, zero or huge value is
+refused naming the flag before any command runs.
 """
 
 from __future__ import annotations
@@ -16,22 +18,60 @@ from typing import Any, NoReturn
 
 from easykv.spec.groups import ATTENTION_KINDS, AttentionKind
 from easykv.spec.presets import PRESETS
+from easykv.validation import INT32_MAX
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}  # fmt: skip
 
 
 class UsageError(Exception):
-    """A flag the user must fix; printed as one line, exit code 2."""
+    """A flag the user must fix; printed as one line, exit code 2. ``prog``: the (sub)command
+    whose parser refused it, when argparse did."""
+
+    def __init__(self, message: str, *, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(message, prog=self.prog)
 
 
 _MAX_AXIS = 1 << 20  # devices along one mesh axis: far beyond any pod
 _MAX_CPU_DEVICES = 512  # simulated CPU devices: each costs the process memory and start-up time
+
+
+class NumberFlag:
+    """An argparse ``type=`` for a numeric flag: an ``int`` (or ``float``) in ``low..high`` (a
+    float's ``low`` excluded when ``low_open``). argparse names the flag in the refusal
+    (``argument --seed: -1 is out of range; use 0..4294967295``), exit code 2."""
+
+    def __init__(self, kind: type[int] | type[float], low: float, high: float, *, low_open: bool = False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+
+    @property
+    def range(self) -> str:
+        return f"({self.low:g}, {self.high:g}]" if self.low_open else f"{self.low}..{self.high}"
+
+    def __call__(self, text: str) -> int | float:
+        out_of_range = argparse.ArgumentTypeError(f"{text[:40]} is out of range; use {self.range}")
+        try:
+            value = self.kind(text)
+        except ValueError:
+            if text.strip().lstrip("+-").isdigit():  # an integer of more digits than Python converts
+                raise out_of_range from None
+            name = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not {name}; use {self.range}") from None
+        too_low = value <= self.low if self.low_open else value < self.low
+        if too_low or not value <= self.high:  # "not <=": nan is out of every range
+            raise out_of_range
+        return value
+
+
+_COUNT = NumberFlag(int, 1, INT32_MAX)  # layers, heads, tokens, sequences: what the metadata accepts
+_SEED = NumberFlag(int, 0, 2**32 - 1)  # the seeds every numpy generator accepts (np.random.seed's range)
+_FRACTION = NumberFlag(float, 0.0, 1.0, low_open=True)
 
 
 def parse_bytes(text: str, flag: str = "--memory") -> int:
@@ -80,14 +120,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = sub.add_parser("plan", help="print how a cache is sharded and sized")
     plan.add_argument("--preset", choices=sorted(PRESETS), help="take layers / kv heads / head dim from a model")
-    plan.add_argument("--layers", type=int, help="num_hidden_layers")
-    plan.add_argument("--kv-heads", type=int, help="num_kv_heads")
-    plan.add_argument("--head-dim", type=int, help="kv_head_dim_size")
-    plan.add_argument("--max-seq", type=int, default=8192, help="longest sequence in tokens (max_sequences)")
+    plan.add_argument("--layers", type=_COUNT, help="num_hidden_layers")
+    plan.add_argument("--kv-heads", type=_COUNT, help="num_kv_heads")
+    plan.add_argument("--head-dim", type=_COUNT, help="kv_head_dim_size")
+    plan.add_argument("--max-seq", type=_COUNT, default=8192, help="longest sequence in tokens (max_sequences)")
     plan.add_argument("--uniform", action="store_true",
                       help="plan a grouped preset as if every layer were full attention")
-    plan.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    plan.add_argument("--batch-size", type=int, default=32, help="sequences one step may hold (default 32)")
+    plan.add_argument("--page-size", type=_COUNT, default=16, help="tokens per page (default 16)")
+    plan.add_argument("--batch-size", type=_COUNT, default=32, help="sequences one step may hold (default 32)")
     plan.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
     plan.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
     plan.add_argument("--group-quant", action="append", default=[], metavar="KIND=NAME",
@@ -96,18 +136,20 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", default=None, help="mesh axes, e.g. dp=1,tp=8 (default: tp=<local devices>)")
     plan.add_argument("--kv-head-axis", default="tp", help="mesh axis (or a,b) for kv heads; 'none' to replicate")
     plan.add_argument("--page-axis", default="none", help="mesh axis (or a,b) splitting the page pool, e.g. dp")
-    plan.add_argument("--utilization", type=float, default=0.9, help="hbm_utilization in (0, 1]")
+    plan.add_argument("--utilization", type=_FRACTION, default=0.9, help="hbm_utilization in (0, 1]")
     plan.add_argument("--memory", default=None,
                       help="per-device bytes for the cache (e.g. 16GiB); "
                            "plans any mesh without its devices")  # fmt: skip
-    plan.add_argument("--cpu-devices", type=int, default=None,
+    plan.add_argument("--cpu-devices", type=NumberFlag(int, 1, _MAX_CPU_DEVICES), default=None,
                       help="simulate this many CPU devices (for meshes larger than this machine)")  # fmt: skip
     plan.add_argument("--host-memory", default=None,
                       help="host bytes per host for a host-memory tier (e.g. 64GiB): "
                            "evicted prefixes, swapped sequences")
     demo = sub.add_parser("demo", help="a small model generating through the cache, checked against a dense cache")
-    demo.add_argument("--requests", type=int, default=12, help="number of requests (one of them forked), 1..64")
-    demo.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate per request, 2..128")
+    demo.add_argument("--requests", type=NumberFlag(int, 1, 64), default=12,
+                      help="number of requests (one of them forked), 1..64")
+    demo.add_argument("--max-new-tokens", type=NumberFlag(int, 2, 128), default=24,
+                      help="tokens to generate per request, 2..128")
     demo.add_argument("--model", default="hybrid", choices=("hybrid", "uniform"),
                       help="hybrid: sliding-window and full-attention layers, scanned (two layer groups); "
                            "uniform: full attention, unrolled")
@@ -116,15 +158,16 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mesh", default=None, help="mesh to serve on (default tp=8 on 8 simulated CPU devices)")
     demo.add_argument("--restore-mesh", default=None,
                       help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")
-    demo.add_argument("--cpu-devices", type=int, default=8, help="simulated CPU devices when running on a CPU")
+    demo.add_argument("--cpu-devices", type=NumberFlag(int, 1, 64), default=8,
+                      help="simulated CPU devices when running on a CPU, 1..64")
     demo.add_argument("--checkpoint-dir", default=None, help="where the midway checkpoint goes (default: a temp dir)")
-    demo.add_argument("--decode-steps", type=int, default=8,
+    demo.add_argument("--decode-steps", type=NumberFlag(int, 1, 64), default=8,
                       help="decode steps per device loop, sampling on the device (1: one host round trip per token)")
     demo.add_argument("--weights", default="trained",
                       help="trained: the model's weights shipped with easykv (trained on its docs: the sample "
                            "reads as English); random: seeded random weights; or the path of an .npz written by "
                            "tools/train_demo_model.py")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the requests' generation lengths")
+    demo.add_argument("--seed", type=_SEED, default=0, help="seed of the requests' generation lengths")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
     insp.add_argument("directory")
@@ -152,12 +195,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
-    for flag, value, low, high in (("--requests", args.requests, 1, 64),
-                                   ("--max-new-tokens", args.max_new_tokens, 2, 128),
-                                   ("--cpu-devices", args.cpu_devices, 1, 64),
-                                   ("--decode-steps", args.decode_steps, 1, 64)):  # fmt: skip
-        if not low <= value <= high:
-            raise UsageError(f"{flag} {value} is out of range; use {low}..{high}")
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from easykv.demo.run import DemoOptions, check_weights, demo_quantizer, run_demo
 
@@ -244,8 +281,6 @@ def _mesh(args: argparse.Namespace) -> Any:
     from easykv.sharding import create_mesh
 
     if args.cpu_devices is not None:
-        if not 1 <= args.cpu_devices <= _MAX_CPU_DEVICES:
-            raise UsageError(f"--cpu-devices {args.cpu_devices} is out of range; use 1..{_MAX_CPU_DEVICES}")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     axes = parse_mesh(args.mesh) if args.mesh else None
     if args.memory is not None and axes is not None:
@@ -355,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError) as err:
         # The CLI is the user's boundary: a bad flag or value becomes one line and exit code 2.
         message = " ".join(str(err).split())
-        print(f"easykv{' ' + command if command else ''}: error: {message}", file=sys.stderr)
+        prog = getattr(err, "prog", None) or f"easykv{' ' + command if command else ''}"
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
 
 

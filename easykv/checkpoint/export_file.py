@@ -5,7 +5,12 @@ geometry) and `GroupedSequenceExport` (``grouped_export``: several layer groups)
 (every field, arrays bit for bit), ``nbytes``, `save` / `to_bytes`, and the one loader
 (`load` / `from_bytes`), which opens the file, checks its zip directory and header and hands the
 header to the class's ``_from_header``. An export file is input like any other: nothing is
-allocated for a shape the file cannot hold, and every problem is a ValueError naming it.
+allocated for a shape the file cannot hold, and every problem is a ValueError naming it. A path
+is opened once and checked on that descriptor (`easykv.checked_files`): a FIFO, a device, a
+directory, a file holding more than its members account for, or one that changes while read is
+refused as `FileRefusedError` (a ValueError) naming it, never read until it blocks or fills
+memory. Members are stored uncompressed, as `save` writes them, so what a read allocates is
+bounded by the file's own size.
 
 File format versions: 1 (every position), 2 (a window's positions: ``first_position`` > 0; an
 older easykv refuses it by its format instead of reading its arrays from position 0), 3 (a cache
@@ -14,6 +19,7 @@ of several layer groups, each with its own geometry and window).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -26,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from easykv.checked_files import open_regular
+from easykv.errors import FileRefusedError
 from easykv.quantization import QuantizedPages, get_quantizer, scale_dtype, scales_per_page
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.validation import INT32_MAX, integer_array, parse_json
@@ -34,6 +42,11 @@ EXPORT_FORMAT = "easykv.SequenceExport/1"
 WINDOW_FORMAT = "easykv.SequenceExport/2"
 GROUPED_FORMAT = "easykv.SequenceExport/3"
 _MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
+# What a zip spends beside each member's stored bytes, names and extras counted apart: its local
+# header (30 bytes), a ZIP64 field numpy always asks for, a data descriptor (written to a stream
+# that cannot seek back) and its central directory entry (46 bytes), rounded up generously.
+_ZIP_BYTES_PER_MEMBER = 256
+_ZIP_END_BYTES = 22 + 56 + 20  # end of central directory, its ZIP64 record and locator
 TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
 _Loaded = TypeVar("_Loaded", bound="ExportFile[Any]")
 #: ``check(shape, stored dtype)``: why a file member is not what the header implies (None: it is).
@@ -110,25 +123,49 @@ class ExportFile(Generic[_Loaded]):
         export of either kind, `GroupedSequenceExport.load` only a grouped one. Everything in
         the file is checked before it is used: ValueError names what is wrong when the file is
         not a sequence export, is truncated or damaged, or holds fields or arrays that do not
-        fit together."""
+        fit together; `FileRefusedError` (a ValueError) when a path is not a regular file (a
+        FIFO, a device, a directory), holds more than its members account for, or changes
+        while read."""
         if isinstance(file, (str, bytes, os.PathLike)):
-            source = f"sequence export file {os.fsdecode(file)!r:.200}"
-        elif callable(getattr(file, "read", None)) and callable(getattr(file, "seek", None)):
-            source = "the sequence export file object"
-        else:
-            raise ValueError(f"SequenceExport.load takes a path or a binary file opened for reading, got "
-                             f"{type(file).__name__}")
-        return cls._load(file, source)
+            return cls._load_path(os.fsdecode(file), f"sequence export file {os.fsdecode(file)!r:.200}")
+        if callable(getattr(file, "read", None)) and callable(getattr(file, "seek", None)):
+            return cls._load(file, "the sequence export file object", size=None)
+        raise ValueError(f"SequenceExport.load takes a path or a binary file opened for reading, got "
+                         f"{type(file).__name__}")
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> _Loaded:
         """`load` from what `to_bytes` returned."""
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise ValueError(f"{cls.__name__}.from_bytes takes bytes (from to_bytes), got {type(blob).__name__}")
-        return cls._load(io.BytesIO(bytes(blob)), f"the {len(blob)} bytes given")
+        data = bytes(blob)
+        return cls._load(io.BytesIO(data), f"the {len(data)} bytes given", size=len(data))
 
     @classmethod
-    def _load(cls, file: Any, source: str) -> _Loaded:
+    def _load_path(cls, path: str, source: str) -> _Loaded:
+        """The export in the file at ``path``, read through the one descriptor that was checked
+        (never a check of the path followed by a second open of it)."""
+        with contextlib.ExitStack() as stack:
+            try:
+                fd, info = stack.enter_context(open_regular(path))
+            except FileRefusedError as err:
+                raise FileRefusedError(f"{err}; a sequence export is the regular .npz file SequenceExport.save "
+                                       "writes", path=path) from None
+            except OSError as err:  # missing, unreadable
+                raise ValueError(f"{source} is not a readable easykv sequence export ({type(err).__name__}: "
+                                 f"{err})") from None
+            stream = stack.enter_context(os.fdopen(fd, "rb", closefd=False))  # open_regular closes fd
+            loaded = cls._load(stream, source, size=info.st_size, path=path)
+            after = os.fstat(fd)
+            if (after.st_size, after.st_mtime_ns) != (info.st_size, info.st_mtime_ns):
+                raise FileRefusedError(f"{source} changed while it was read (it held {info.st_size} bytes, now "
+                                       f"{after.st_size}); load it once nothing writes to it", path=path)
+        return loaded
+
+    @classmethod
+    def _load(cls, file: Any, source: str, *, size: int | None, path: str | None = None) -> _Loaded:
+        """The export in ``file`` (``size`` bytes long when known: a file holding more than its
+        members account for is refused; ``path``: where it was read from, if a path)."""
         try:
             npz = np.load(file, allow_pickle=False)
         except Exception as err:  # missing file, not a zip, truncated, ...
@@ -139,7 +176,7 @@ class ExportFile(Generic[_Loaded]):
             raise ValueError(f"{source} holds a single numpy array, not an easykv sequence export (the .npz "
                              "written by SequenceExport.save)")
         with npz:
-            members, read, header = _npz_parts(npz, source)
+            members, read, header = _npz_parts(npz, source, size=size, path=path)
             return cls._from_header(header, members, read, source)
 
     @classmethod
@@ -331,9 +368,12 @@ def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: s
         raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}{extra}")
 
 
-def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], MemberReader, dict[str, Any]]:
+def _npz_parts(npz: Any, source: str, *, size: int | None, path: str | None
+               ) -> tuple[dict[str, zipfile.ZipInfo], MemberReader, dict[str, Any]]:
     """The members of an export file, a checked reader of one member (``read(name, check)``)
-    and its parsed header (a dict; its fields are for the export class to check)."""
+    and its parsed header (a dict; its fields are for the export class to check). ``size``:
+    the file's bytes when known (a file holding more than its members account for is refused);
+    ``path``: the file's, if it was read from one."""
     try:
         infos = npz.zip.infolist()
     except Exception as err:
@@ -345,7 +385,11 @@ def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Membe
             raise ValueError(f"{source} holds the member {name!r:.80}, which "
                              f"{'is not a .npy array' if not name.endswith('.npy') else 'appears twice'}; "
                              "it is not a sequence export written by SequenceExport.save")
+        if info.compress_type != zipfile.ZIP_STORED:  # a few compressed bytes could claim any size
+            raise ValueError(f"{source} holds the member {name!r:.80} compressed (zip method {info.compress_type}); "
+                             "SequenceExport.save stores every member uncompressed")
         members[name[:-4]] = info
+    _check_file_size(infos, npz.zip.comment, size, path, source)
     if "header" not in members:
         raise ValueError(f"{source} has no 'header' member; it is not an easykv sequence export")
 
@@ -361,6 +405,21 @@ def _npz_parts(npz: Any, source: str) -> tuple[dict[str, zipfile.ZipInfo], Membe
     if not isinstance(header, dict):
         raise ValueError(f"the header of {source} must be a JSON object, got {type(header).__name__}")
     return members, read, header
+
+
+def _check_file_size(infos: list[zipfile.ZipInfo], comment: bytes, size: int | None, path: str | None,
+                     source: str) -> None:
+    """FileRefusedError when a file of ``size`` bytes holds more than the zip of ``infos``
+    accounts for: a gap or a tail (a huge sparse file) is no part of what `save` wrote."""
+    if size is None:
+        return
+    bound = _ZIP_END_BYTES + len(comment) + sum(
+        info.compress_size + _ZIP_BYTES_PER_MEMBER + 2 * (len(info.filename.encode()) + len(info.extra))
+        + len(info.comment) for info in infos)  # fmt: skip
+    if size > bound:
+        raise FileRefusedError(f"{source} holds {size} bytes, but its {len(infos)} members account for at most "
+                               f"{bound}; the rest is not part of a sequence export (SequenceExport.save writes "
+                               "the zip alone)", path=path)
 
 
 def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check: MemberCheck) -> np.ndarray:
@@ -386,7 +445,7 @@ def _read_member(npz: Any, info: zipfile.ZipInfo, name: str, source: str, check:
     if problem:
         raise ValueError(f"{where} {problem}")
     size = offset + math.prod(shape) * dtype.itemsize
-    if info.file_size != size or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != size):
+    if info.file_size != size or info.compress_size != size:  # stored: _npz_parts refused compressed members
         raise ValueError(f"{where} declares {size} bytes but the zip entry holds {info.file_size} "
                          f"({info.compress_size} stored); the file is truncated or damaged")
     try:

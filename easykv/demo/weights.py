@@ -5,13 +5,18 @@ the file with `save_weights`; `load_model` reads it back for `easykv demo`. The 
 read by this module only: `np.load` without pickles, every key, shape and dtype checked against
 the model's config before a value is used, and the config the weights were trained with stored
 inside (a JSON string) and compared, so a stale, truncated or crafted file is refused with a
-ValueError naming what is wrong, never half-loaded into a model that then prints garbage.
+ValueError naming what is wrong, never half-loaded into a model that then prints garbage. The
+file is read whole through one checked descriptor (`easykv.checked_files`) before numpy sees
+it: a FIFO, a device, a directory or a file far larger than the model's parameters is refused
+by name (`FileRefusedError`) instead of blocking or filling memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import math
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from easykv.checked_files import read_regular
 from easykv.demo.model import DemoConfig, DemoModel
+from easykv.errors import FileRefusedError
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 # float16: half the bytes of float32 for a file shipped in the package, and enough precision
@@ -28,6 +35,7 @@ WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 STORED_DTYPE = np.dtype(np.float16)
 _ACCEPTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
 _INFO_KEYS = ("config", "training")  # JSON strings beside the parameters
+_MAX_JSON_CHARS = 2**16  # each entry of _INFO_KEYS: a few hundred characters in a file save_weights wrote
 # Fields that do not change what the weights compute: the seed only draws random weights, and
 # scan runs the same layers under a lax.scan (test_scanned_and_unrolled_steps_... checks it).
 _IGNORED_FIELDS = ("seed", "scan")
@@ -96,12 +104,12 @@ def _entry(npz: Any, path: Path, key: str, shape: tuple[int, ...], dtypes: tuple
 
 
 def _json_entry(npz: Any, path: Path, key: str) -> Any:
-    """Entry ``key``: one JSON string (at most 64 KiB, so a crafted one cannot be huge)."""
+    """Entry ``key``: one JSON string (at most ``_MAX_JSON_CHARS``, so a crafted one cannot be huge)."""
     try:
         shape, dtype = _header(npz, path, key)
     except (OSError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"{path}: cannot read entry {key!r} ({err}); {_RERUN}") from err
-    if dtype.kind != "U" or shape != () or dtype.itemsize > 4 * 2**16:
+    if dtype.kind != "U" or shape != () or dtype.itemsize > 4 * _MAX_JSON_CHARS:
         raise ValueError(f"{path}: entry {key!r} must be a JSON string, got {dtype} of shape {shape}; {_RERUN}")
     try:
         return json.loads(str(npz[key]))
@@ -109,15 +117,38 @@ def _json_entry(npz: Any, path: Path, key: str) -> Any:
         raise ValueError(f"{path}: entry {key!r} is not JSON ({err}); {_RERUN}") from err
 
 
+def max_file_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
+    """The most bytes a weights file for parameters of ``shapes`` (`param_shapes`) may hold:
+    twice what its entries can take as accepted (every parameter as float32, each JSON entry at
+    its limit, a zip and .npy header per entry). A file `save_weights` wrote (float16) holds
+    about a quarter of it; anything larger is not demo weights, however it was made."""
+    entries = 4 * sum(math.prod(shape) for shape in shapes.values()) + len(_INFO_KEYS) * 4 * _MAX_JSON_CHARS
+    return 2 * (entries + 1024 * (len(shapes) + len(_INFO_KEYS)))
+
+
+def _file_bytes(path: Path, max_bytes: int) -> bytes:
+    """The whole file at ``path``, read through one descriptor checked to be a regular file of
+    at most ``max_bytes`` that does not change size while read (`easykv.checked_files`)."""
+    try:
+        return read_regular(path, max_bytes=max_bytes)
+    except FileRefusedError as err:
+        raise FileRefusedError(f"cannot read demo weights: {err}; demo weights are an .npz file that "
+                               "tools/train_demo_model.py writes", path=path) from None
+    except OSError as err:  # missing, unreadable
+        raise ValueError(f"{path}: cannot read demo weights ({err}); {_RERUN}") from err
+
+
 def read_weights(path: str | Path, cfg: DemoConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The parameters in ``path`` (float32, by dotted path) for a model of ``cfg``, and the
     file's training record. ValueError, naming the entry, for anything but a file
     `save_weights` wrote for this config: not an npz, a missing or extra key, another config,
-    a wrong shape or dtype (read from each entry's header, before its data), a non-finite value."""
+    a wrong shape or dtype (read from each entry's header, before its data), a non-finite value;
+    `FileRefusedError` (a ValueError) for a path that is not a regular file of a plausible size."""
     path = Path(path)
     expected = param_shapes(cfg)
+    blob = _file_bytes(path, max_file_bytes(expected))
     try:
-        npz = np.load(path, allow_pickle=False)
+        npz = np.load(io.BytesIO(blob), allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"{path}: cannot read demo weights ({err}); {_RERUN}") from err
     if not isinstance(npz, np.lib.npyio.NpzFile):

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
-from easykv.errors import CacheFullError, UnknownSequenceError
+from easykv.errors import CacheFullError, FileRefusedError, UnknownSequenceError
 from easykv.manager.manager import PageManager
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning
 from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
@@ -549,7 +549,10 @@ def stable_id(arg) -> str:
 
 @pytest.mark.parametrize("arg", [None, 3, 3.5, ["a"], object(), "missing/file.npz", "."], ids=stable_id)
 def test_load_refuses_what_is_not_a_file(arg):
-    raises(ValueError, None, SequenceExport.load, arg)
+    # A directory is a path to no regular file: FileRefusedError (a ValueError) says what it is.
+    refused = (FileRefusedError, r"^\. is a directory, not a regular file")
+    expected, match = refused if arg == "." else (ValueError, None)
+    raises(expected, match, SequenceExport.load, arg)
 
 
 @pytest.mark.parametrize("arg", [None, "text", 3, [1, 2], io.BytesIO(b"")], ids=stable_id)

@@ -64,10 +64,11 @@ def test_plan_on_local_simulated_devices(capsys):
         (["--preset", "mistral-7b", "--mesh", "tp=2,tp=4", "--memory", "1GiB"], "twice"),
         (["--preset", "mistral-7b", "--dtype", "int8", "--memory", "1GiB", "--mesh", "tp=8"], "quantizer"),
         (["--preset", "mistral-7b", "--quant", "int3", "--memory", "1GiB", "--mesh", "tp=8"], "unknown quantizer"),
-        (["--preset", "mistral-7b", "--utilization", "1.5"], "hbm_utilization"),
+        (["--preset", "mistral-7b", "--utilization", "1.5"], "argument --utilization: 1.5 is out of range; use (0, 1]"),
         (["--preset", "mistral-7b", "--memory", "1MiB", "--mesh", "tp=8"], "lower max_sequences"),
         (["--preset", "mistral-7b", "--mesh", "tp=3"], "device"),
-        (["--preset", "mistral-7b", "--page-size", "0", "--memory", "1GiB", "--mesh", "tp=8"], "page_size"),
+        (["--preset", "mistral-7b", "--page-size", "0", "--memory", "1GiB", "--mesh", "tp=8"],
+         "argument --page-size: 0 is out of range; use 1..2147483647"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(capsys, argv, words):
@@ -160,8 +161,9 @@ def test_inspect_of_a_plain_directory_is_a_one_line_error(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        (["--requests", "0"], "--requests 0 is out of range"),
-        (["--max-new-tokens", "1"], "--max-new-tokens 1 is out of range"),
+        (["--requests", "0"], "argument --requests: 0 is out of range; use 1..64"),
+        (["--max-new-tokens", "1"], "argument --max-new-tokens: 1 is out of range; use 2..128"),
+        (["--seed", "-1"], "argument --seed: -1 is out of range; use 0..4294967295"),
         (["--quant", "int3"], "unknown quantizer"),
         (["--dtype", "float64"], "invalid choice"),
         (["--mesh", "tp8"], "is not NAME=SIZE"),

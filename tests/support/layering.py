@@ -251,9 +251,11 @@ def check_layers(contract: Contract, tree, imports: list[Import]) -> list[Violat
                                  f"alias: import from {root}.{contract.moved[target]} instead"))
             continue
         if unit in contract.moved:
-            if target != contract.moved[unit]:
+            # Its new home, and the errors module: the exceptions the old module raised live there now.
+            if target not in (contract.moved[unit], "errors"):
                 out.append(Violation("shim", imp.where, f"{imp.importer} imports {imp.target} ({imp.kind}): the "
-                                     f"deprecated alias {root}.{unit} re-exports {root}.{contract.moved[unit]} only"))
+                                     f"deprecated alias {root}.{unit} re-exports {root}.{contract.moved[unit]} only "
+                                     f"(and the exceptions of {root}.errors)"))
             continue
         if unit not in rows:
             continue

@@ -19,6 +19,12 @@ donation copy instead of overwrite) and the fingerprints are started; the write,
 fingerprints and the commit finish in the background. A process that exits cleanly first
 finishes its saves.
 
+A save never writes what a restore refuses (`easykv.checkpoint.save_checks`): before anything
+is written -- in the call, also for an async save -- every page and scale array must sit where
+the cache's layout puts it (mesh, devices, partition spec), and the record the save would write
+must pass the check a restore runs; otherwise ``ValueError`` names the array (or field), where
+it sits, where it must sit and the fix, and nothing is written.
+
 One writer per directory: a `CacheCheckpointer` (and so `save_cache`) holds the directory's
 writer lock from construction to `close` (`easykv.checkpoint.writer`); a second writer, in
 this process or another, gets `CheckpointLockedError` and changes nothing. A write that fails
@@ -80,6 +86,7 @@ from easykv.checkpoint.integrity import FINGERPRINT_ALGORITHM, PendingFingerprin
 from easykv.checkpoint.orbax_types import OrbaxManager
 from easykv.checkpoint.record import EXTRA_MAX_DEPTH, leaf_role, nest, page_leaves
 from easykv.checkpoint.restore import RestoredCache, restore_cache
+from easykv.checkpoint.save_checks import check_placement, check_record_to_write
 from easykv.checkpoint.writer import WriterLock, write_error
 from easykv.errors import (
     CheckpointError,
@@ -137,13 +144,14 @@ def _check_manager(manager: Any, meta: PagedAttentionCacheMetaData) -> dict[str,
         raise ValueError("the manager was built for another pool (" + "; ".join(diff) + "); save a cache "
                          "with the manager that schedules it")
     # A restore holds the state to these rules: a manager breaking them is refused before anything is written.
+    # (Called through _checked_input: stacklevel 4 below is save_cache's caller.)
     manager.check_invariants()
     state = manager.state_dict()  # refuses swapped-out sequences and pending host transfers
     host = getattr(manager, "metrics", None)
     host = getattr(host, "host", None)
     if host is not None and host.cached_pages:
         warnings.warn(f"the checkpoint leaves out the host-memory tier: its {host.cached_pages} cached prefix pages "
-                      "are not saved (the restored manager starts with an empty host tier)", stacklevel=3)
+                      "are not saved (the restored manager starts with an empty host tier)", stacklevel=4)
     try:
         json.dumps(state, allow_nan=False)
     except (TypeError, ValueError) as err:
@@ -178,6 +186,46 @@ def _same_types(a: Any, b: Any) -> bool:
     if isinstance(a, list):
         return isinstance(b, list) and all(_same_types(x, y) for x, y in zip(a, b))
     return type(a) is type(b)
+
+
+def _checked_input(cache: Any, manager: Any, extra_metadata: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(extra metadata, manager state or None) of a save, once every argument that does not
+    depend on the directory is checked: the cache is one, on its layout (`check_placement`),
+    ``extra_metadata`` JSON-safe and ``manager`` the cache's. Reads no array data."""
+    if not isinstance(cache, PagedAttentionCache):
+        raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
+    check_placement(cache)
+    extra = _check_extra(extra_metadata)
+    manager_state = _check_manager(manager, cache.metadata) if manager is not None else None
+    return extra, manager_state
+
+
+def _record(cache: PagedAttentionCache, leaves: list[tuple[str, tuple[str, ...], Any, str]], step: int,
+            manager_state: dict[str, Any] | None, extra: dict[str, Any], integrity: bool) -> dict[str, Any]:
+    """The record of ``step`` before the writer adds the fingerprints and seals (`record.seal`)."""
+    meta = cache.metadata
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "easykv_version": _easykv_version(),
+        "step": step,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "metadata": meta.to_dict(),
+        "storage": {"platform": _platform(cache), "logical_dtype": known_dtype(meta.dtype).name,
+                    "quantization": meta.quantization},
+        "mesh": _mesh_record(cache),
+        "arrays": [
+            {"name": name, "path": list(path), "role": role, "shape": [int(d) for d in arr.shape],
+             "stored_dtype": np.dtype(arr.dtype).name,
+             "nbytes": int(math.prod(arr.shape) * np.dtype(arr.dtype).itemsize),
+             "fingerprint": None}
+            for name, path, arr, role in leaves
+        ],
+        "fingerprint_algorithm": FINGERPRINT_ALGORITHM if integrity else None,
+        "manager": summarize_state(manager_state) if manager_state is not None else None,
+        "extra_metadata": extra,
+        # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
+    }
 
 
 # ---- the checkpointer ---------------------------------------------------------------------------
@@ -279,11 +327,14 @@ class CacheCheckpointer:
              extra_metadata: Mapping[str, Any] | None = None) -> int:
         """Save ``cache`` (and ``manager``'s state) as ``step``.
 
-        Nothing is written when an argument is bad; a failed write (this one when synchronous,
-        else the previous one) raises `CheckpointWriteError`.
+        Nothing is written when an argument is bad (checked in the call, before anything is written,
+        also when async): a cache whose arrays sit off its layout, or whose record a restore
+        would refuse, raises ValueError (`easykv.checkpoint.save_checks`). A failed write (this
+        one when synchronous, else the previous one) raises `CheckpointWriteError`.
 
         Args:
-          cache: the `PagedAttentionCache` to save: the one the last write returned (a donated one is refused).
+          cache: the `PagedAttentionCache` to save: the one the last write returned (a donated one is
+            refused), every array on the placement its layout gives it.
           manager: the `PageManager` that schedules ``cache`` (its state is saved; its host tier's
             cached pages are not); None (default): the pages only.
           step: a step number >= 0 not yet in the directory; None (default): the latest + 1, or 0.
@@ -294,11 +345,7 @@ class CacheCheckpointer:
           the step saved.
         """
         self._check_open()
-        if not isinstance(cache, PagedAttentionCache):
-            raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
-        meta = cache.metadata
-        extra = _check_extra(extra_metadata)
-        manager_state = _check_manager(manager, meta) if manager is not None else None
+        extra, manager_state = _checked_input(cache, manager, extra_metadata)
         self._wait()  # one save at a time (orbax would wait here too); reports the last one's failure
         steps = self.all_steps()
         step = (steps[-1] + 1 if steps else 0) if step is None else check_step(step)
@@ -306,31 +353,9 @@ class CacheCheckpointer:
             raise ValueError(f"step {step} already exists in {self.directory} (steps {steps}); save under a new "
                              "step number or delete that one first")
         tree, leaves = _cache_arrays(cache)
-        for name, _, arr, _ in leaves:
-            if isinstance(arr, jax.Array) and arr.is_deleted():
-                raise ValueError(f"{name} was donated (deleted); save the cache returned by the last write")
-        record = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "easykv_version": _easykv_version(),
-            "step": step,
-            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "metadata": meta.to_dict(),
-            "storage": {"platform": _platform(cache), "logical_dtype": known_dtype(meta.dtype).name,
-                        "quantization": meta.quantization},
-            "mesh": _mesh_record(cache),
-            "arrays": [
-                {"name": name, "path": list(path), "role": role, "shape": [int(d) for d in arr.shape],
-                 "stored_dtype": np.dtype(arr.dtype).name,
-                 "nbytes": int(math.prod(arr.shape) * np.dtype(arr.dtype).itemsize),
-                 "fingerprint": None}
-                for name, path, arr, role in leaves
-            ],
-            "fingerprint_algorithm": FINGERPRINT_ALGORITHM if self.integrity else None,
-            "manager": summarize_state(manager_state) if manager_state is not None else None,
-            "extra_metadata": extra,
-            # manager_sha256 and record_sha256 are added by the writer (checkpoint_record.seal)
-        }
+        record = _record(cache, leaves, step, manager_state, extra, self.integrity)
+        # Before the marker and orbax: a record a restore would refuse is never written.
+        check_record_to_write(record, manager_saved=manager_state is not None, directory=self.directory)
         # Async: the checksums start once orbax has taken its snapshot (below), so the call returns at once.
         pending = (PendingFingerprints([arr for _, _, arr, _ in leaves], grid=3, start=not self.async_save)
                    if self.integrity else None)
@@ -467,7 +492,8 @@ def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = 
     Args:
       directory: the checkpoint directory (a str, an ``os.PathLike`` or an epath), created when
         missing; nothing is created when ``cache``, ``manager`` or ``extra_metadata`` is bad.
-      cache: the `PagedAttentionCache` to save.
+      cache: the `PagedAttentionCache` to save, every array on the placement its layout gives it
+        (ValueError otherwise: `easykv.checkpoint.save_checks`).
       manager: the `PageManager` that schedules ``cache``; None (default): the pages only.
       step: a step number >= 0 not yet in the directory; None (default): the latest step + 1
         (0 in a new directory).
@@ -477,12 +503,13 @@ def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = 
     Returns:
       the step saved.
     """
-    if not isinstance(cache, PagedAttentionCache):  # checked before the directory is created
-        raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
-    _check_extra(extra_metadata)
-    if manager is not None:  # a manager of another pool is refused before the directory is made
-        _check_manager(manager, cache.metadata)
-    with CacheCheckpointer(directory, async_save=False, integrity=integrity) as ckpt:
+    # Everything but the step's number is checked before the directory is created.
+    path, integrity = checkpoint_path(directory), boolean("integrity", integrity)
+    extra, manager_state = _checked_input(cache, manager, extra_metadata)
+    probe_step = 0 if step is None else check_step(step)
+    check_record_to_write(_record(cache, _cache_arrays(cache)[1], probe_step, manager_state, extra, integrity),
+                          manager_saved=manager_state is not None, directory=path)
+    with CacheCheckpointer(path, async_save=False, integrity=integrity) as ckpt:
         return ckpt.save(cache, manager, step=step, extra_metadata=extra_metadata)
 
 

@@ -13,7 +13,9 @@ it owns):
   replica) and ``prefix_hash`` (the chained page digests prefix caching looks pages up by).
 
 Coordinator code handed the parts it changes: ``growth`` (reserve, copy-on-write, fork, step
-metadata), ``commit``, ``rollback`` (truncate), ``admit`` (prefix hits, resume). ``state`` (the
+metadata), ``commit``, ``rollback`` (truncate), ``admit`` (prefix hits, resume), ``decode_plan``
+(multi-step decode plans); ``open_plans`` declares what each public member of `PageManager` changes
+and guards the sequences of an open plan. ``state`` (the
 persisted form) and ``consistency`` (the one checker, raising ``broken.Broken``) read the parts
 through ``parts.ManagerParts``; ``reshard`` re-splits a state over data-parallel replicas;
 ``metrics`` holds the snapshots.

@@ -50,7 +50,6 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierP
     ``current``: the current weight version (pages of other versions are evicted first)."""
     ps = seqs.page_size
     host.refuse_swapped(rows, "committing its tokens")
-    seqs.refuse_planned(rows, "committing tokens with step or advance")
     lens = seqs.lens[rows]
     over = lens + counts > seqs.npages[rows] * ps
     if over.any():

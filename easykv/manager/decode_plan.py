@@ -8,11 +8,13 @@ tokens it never wrote (a private copy of a shared page, made at planning for its
 stays: its next write needs it). A sliding or chunked group releases the pages its window left at
 that commit, not during the loop: every step of the loop may still read them.
 
-While a plan is open nothing else may reserve, commit, fork, truncate, swap out or release its
-sequences (ValueError: its device loop may be writing their pages). A plan is also stamped with
-what it was planned over (each sequence's edits, length, columns and weight version, its
-block-table rows and window starts in every group): committing it after any of that changed, or
-twice, is refused with nothing changed. Other sequences may change meanwhile.
+While a plan is open, every call that would change one of its sequences is refused (ValueError:
+its device loop may be writing their pages; `open_plans` declares what each call changes and
+guards them all), so its commit always finds them as planned, and committing no tokens (the
+abort) always ends it. Other sequences may change meanwhile. A plan is also stamped with what it
+was planned over (each sequence's edits, length, columns and weight version, its block-table rows
+and window starts in every group); a commit that finds any of that changed raises InvariantError
+(the guard failed: a bug), with nothing changed. Committing a plan twice is refused.
 
 Coordinator code over the parts it is handed, like ``growth`` and ``commit``. Imports ``step`` for
 the metadata and the manager's ``growth``, ``commit`` and ``rollback``; never ``storage``,
@@ -26,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from easykv.errors import InvariantError
 from easykv.manager import growth
 from easykv.manager.commit import commit_tokens
 from easykv.manager.prefix_hash import as_token_ids
 from easykv.manager.rollback import give_back_reserved
 from easykv.step.checks import check_padding
 from easykv.step.loop import increment_groups
-from easykv.validation import INT32_MAX, integer_array, positive_int
+from easykv.validation import INT32_MAX, integer, integer_array, positive_int
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator, PerGroup
@@ -63,17 +66,20 @@ class DecodePlan:
 
     Other Parameters:
       owner: the manager's sequence table (a plan commits only on the manager that made it).
+      number: the open plan's number in that table (`SequenceTable.open_plan`).
       stamp: what the plan was planned over, compared at commit.
       held: ``(n,)`` pages each sequence held before the plan reserved more.
     """
 
-    __slots__ = ("_held", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages", "num_steps",
-                 "page_size", "seq_ids")
+    __slots__ = ("_held", "_number", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages",
+                 "num_steps", "page_size", "seq_ids")
 
     def __init__(self, *, owner: SequenceTable, seq_ids: tuple[int, ...], num_steps: int, lengths: np.ndarray,
                  limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int,
-                 num_pages: tuple[int, ...], stamp: tuple[np.ndarray, ...], held: np.ndarray) -> None:  # fmt: skip
+                 num_pages: tuple[int, ...], stamp: tuple[np.ndarray, ...], held: np.ndarray,
+                 number: int) -> None:  # fmt: skip
         self._owner, self._stamp, self._held = owner, stamp, held  # held: columns before the plan reserved
+        self._number = number
         self.seq_ids, self.num_steps, self.lengths, self.limits = seq_ids, num_steps, lengths, limits
         self.metadata, self.page_size, self.num_pages = metadata, page_size, num_pages
         self.committed = False
@@ -104,7 +110,7 @@ class DecodePlan:
 def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, seq_ids: Any,
          num_steps: Any, max_tokens: Any, *, pad_seqs_to: Any, metadata: PagedAttentionCacheMetaData) -> DecodePlan:
     """`PageManager.plan_decode`: checked whole, then all or nothing (CacheFullError naming the
-    pages, nothing changed)."""
+    pages, nothing changed). ``seq_ids`` are in no open plan (the manager's guard refused those)."""
     rows = seqs.rows(seq_ids)
     k = positive_int("num_steps", num_steps, hi=seqs.max_length,
                      hint=f"decode steps in one plan, at most max_sequences={seqs.max_length}")
@@ -124,16 +130,16 @@ def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, wo
     assert isinstance(first, tuple)
     limits = np.zeros(first[0].page_table.shape[0], np.int32)
     limits[: rows.size] = most
-    seqs.planned[rows] = True
     return DecodePlan(owner=seqs, seq_ids=tuple(rows.tolist()), num_steps=k,
                       lengths=_frozen(seqs.lens[rows].copy()), limits=_frozen(limits), metadata=first,
                       page_size=seqs.page_size, num_pages=tuple(gt.pool.num_pages for gt in groups),
-                      stamp=_stamp(seqs, groups, rows), held=held)
+                      stamp=_stamp(seqs, groups, rows), held=held, number=seqs.open_plan(rows))
 
 
 def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, plan: DecodePlan,
            token_ids: Any, num_tokens: Any, *, caching: bool, current: bytes | None) -> None:
-    """`PageManager.commit_decode`: checked whole first, nothing changed on any error."""
+    """`PageManager.commit_decode`: checked whole first, nothing changed on any error (the plan
+    stays open then); committing no tokens cannot fail once the plan is this table's open one."""
     if not isinstance(plan, DecodePlan):
         raise TypeError(f"commit_decode takes the DecodePlan plan_decode returned, got {type(plan).__name__}")
     if plan._owner is not seqs:
@@ -144,16 +150,12 @@ def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
     _check_unchanged(seqs, groups, rows, plan)
     tokens, counts = _written(plan, token_ids, num_tokens)
     live = np.flatnonzero(counts > 0)
-    seqs.planned[rows] = False  # its own commit may write them
-    try:
-        if live.size:
-            written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
-            commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
-    except BaseException:
-        seqs.planned[rows] = True
-        raise
+    if live.size:  # ValueError (a page whose copy is pending), nothing changed: the plan stays open
+        written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
+        commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
     # Committed: what the plan reserved and nobody wrote goes back (this cannot fail).
     give_back_reserved(seqs, groups, rows, current=current, keep=plan._held)
+    seqs.close_plan(plan._number)
     plan.committed = True
 
 
@@ -167,24 +169,31 @@ def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndar
         raise ValueError(f"token_ids has shape {tokens.shape}; {plan!r} takes ({n}, {k}) ids (or ({padded}, {k}) as "
                          "its padded loop returns them): the token each sequence wrote at each step")
     if num_tokens is None:
-        counts = plan.limits[: tokens.shape[0]].astype(np.int64)
+        return tokens[:n], plan.limits[:n].astype(np.int64)
+    if isinstance(num_tokens, jax.Array):
+        num_tokens = np.asarray(num_tokens)
+    hint = f"tokens each sequence wrote, 0 .. num_steps={k}"
+    try:
+        one = np.ndim(num_tokens) == 0
+    except (ValueError, TypeError):  # ragged: integer_array names the problem
+        one = False
+    if one:  # one count for every sequence (0: the abort)
+        counts = np.full(n, integer("num_tokens", num_tokens, lo=0, hi=None, hint=hint), np.int64)
     else:
-        if isinstance(num_tokens, jax.Array):
-            num_tokens = np.asarray(num_tokens)
-        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=None, dtype=np.int64,
-                               hint=f"tokens each sequence wrote, 0 .. num_steps={k}")
+        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=None, dtype=np.int64, hint=hint)
         if counts.shape not in ((n,), (padded,)):
-            raise ValueError(f"num_tokens has {counts.size} entries; {plan!r} takes {n} (or {padded}, padded): "
-                             "how many tokens each sequence wrote")
+            raise ValueError(f"num_tokens has {counts.size} entries; {plan!r} takes one int, {n} (or {padded}, "
+                             "padded): how many tokens each sequence wrote")
         if counts[n:].any():
             i = n + int(np.argmax(counts[n:] > 0))
             raise ValueError(f"num_tokens[{i}]={int(counts[i])} but row {i} is padding ({plan!r} has {n} sequences); "
                              "padding rows write nothing")
-        over = counts > plan.limits[: counts.size]
-        if over.any():
-            i = int(np.argmax(over))
-            raise ValueError(f"num_tokens[{i}]={int(counts[i])} is more than the {int(plan.limits[i])} tokens {plan!r} "
-                             f"planned for sequence {plan.seq_ids[i]}; commit at most what was planned")
+    over = counts > plan.limits[: counts.size]
+    if over.any():
+        i = int(np.argmax(over))
+        raise ValueError(f"num_tokens{'' if one else f'[{i}]'}={int(counts[i])} is more than the "
+                         f"{int(plan.limits[i])} tokens {plan!r} planned for sequence {plan.seq_ids[i]}; commit at "
+                         "most what was planned")
     return tokens[:n], counts[:n]
 
 
@@ -197,20 +206,20 @@ def _stamp(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray) -> t
 
 
 def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, plan: DecodePlan) -> None:
-    if not seqs.active[rows].all():
-        row = int(rows[np.argmin(seqs.active[rows])])
-        raise ValueError(f"sequence {row} of {plan!r} was released after the plan was made; commit a plan before "
-                         "releasing its sequences (num_tokens=0 commits nothing and gives the pages back)")
+    """InvariantError unless ``plan`` is open in ``seqs`` over ``rows``, each as it was planned:
+    `open_plans` refuses every call that would change them, so only a bug gets here."""
+    if seqs.open_plans.get(plan._number) != plan.seq_ids or not seqs.active[rows].all():
+        raise InvariantError(f"{plan!r} is not open over its sequences {list(plan.seq_ids)} (released or closed "
+                             "while the plan was open)")
     now = _stamp(seqs, groups, rows)
     for then, current in zip(plan._stamp, now, strict=True):
         if not np.array_equal(then, current):
             changed = np.flatnonzero((then != current).reshape(rows.size, -1).any(axis=1))
             row = int(rows[changed[0]])
-            raise ValueError(
-                f"sequence {row} of {plan!r} changed after the plan was made (written, rewound or claimed anew, "
-                f"or its pages or weight version: length {int(plan.lengths[changed[0]])} then, "
-                f"{int(seqs.lens[row])} now); a plan "
-                "is committed before anything else touches its sequences: plan again")
+            raise InvariantError(
+                f"sequence {row} of {plan!r} changed after the plan was made, though the open plan froze it "
+                f"(written, rewound or claimed anew, or its pages or weight version: length "
+                f"{int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now)")
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

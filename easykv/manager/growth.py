@@ -33,7 +33,6 @@ def reserve(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy,
     all or nothing, CacheFullError with nothing changed."""
     ps = seqs.page_size
     host.refuse_swapped(rows, "reserving pages for it")
-    seqs.refuse_planned(rows, "reserving more room for it")
     lens = seqs.lens[rows]
     ends = lens + new
     if ends.size and ends.max() > seqs.max_length:
@@ -126,7 +125,6 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
 # ---- fork -----------------------------------------------------------------------------------------
 def fork(seqs: SequenceTable, groups: GroupCoordinator, row: int, count: int, *, what: str) -> list[int]:
     """``count`` children of ``row`` (`PageManager.fork`; ``what``: the call, for the message)."""
-    seqs.refuse_planned(row, "forking it")
     free = seqs.free_rows()
     if free.size < count:
         raise CacheFullError(

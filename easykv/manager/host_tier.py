@@ -217,7 +217,6 @@ class HostTierPolicy:
     def swap_out(self, row: int, seqs: SequenceTable, groups: GroupCoordinator, *, stale: bool) -> None:
         """`PageManager.swap_out` of the claimed, not swapped-out ``row`` (``stale``: it runs
         under an older weight version)."""
-        seqs.refuse_planned(row, "swapping it out")
         cols = seqs.written_columns(row)
         replica = int(seqs.replica[row])
         plans = []

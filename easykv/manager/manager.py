@@ -54,6 +54,7 @@ from easykv.manager.decode_plan import DecodePlan
 from easykv.manager.device_work import PendingWork
 from easykv.manager.host_tier import HostTierPolicy, Transfers
 from easykv.manager.metrics import GroupPoolMetrics, PageManagerMetrics, snapshot
+from easykv.manager.open_plans import freeze_planned
 from easykv.manager.parts import ManagerParts
 from easykv.manager.prefix_hash import as_token_ids
 from easykv.manager.reshard import reshard_state
@@ -75,10 +76,13 @@ _MAX_TABLE_ENTRIES = 1 << 28  # a 1 GiB int32 block table: beyond any real batch
 StepMetadata: TypeAlias = PerGroup[PagedAttentionMetadata]
 
 
+@freeze_planned  # an open decode plan's sequences change only through its commit (`open_plans` declares each member)
 class PageManager:
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
-    Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``.
+    Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``. While a decode plan is open
+    (`plan_decode` until its `commit_decode`), every call that would change one of its sequences is refused with
+    nothing changed; what each public member changes is declared once, in `open_plans`.
 
     Args:
       metadata: the pool's `PagedAttentionCacheMetaData` (sequences, pages, layer groups).
@@ -188,7 +192,6 @@ class PageManager:
         Args:
           seq_id: a claimed sequence id, with no open decode plan."""
         row = self._seqs.row(seq_id)
-        self._seqs.refuse_planned(row, "releasing it")
         if row in self._host.swapped:
             self._host.release_swapped(row, self._groups)
         self._groups.release_row(row, int(self._seqs.npages[row]), stale=self._is_stale(row))
@@ -309,26 +312,29 @@ class PageManager:
                     pad_seqs_to: int | None = None) -> DecodePlan:
         """``num_steps`` decode steps of ``seq_ids`` for one device loop: room for ``max_tokens[i]`` more tokens
         each reserved, all or nothing (CacheFullError, nothing changed); the `DecodePlan` carries the first step's
-        metadata. Commit it once with `commit_decode`; until then nothing else may touch its sequences.
+        metadata. Commit it once with `commit_decode`; until then every call that would change one of its sequences
+        (release, match_prefix, resume, set_weight_version over one not started yet, ...) is refused, ValueError
+        with nothing changed; other sequences carry on.
 
         Args:
-          seq_ids: ``n`` claimed sequence ids, each once.
+          seq_ids: ``n`` claimed sequence ids, each once, none in an open plan.
           num_steps: decode steps of the loop, ``1 .. max_sequences``.
           max_tokens: ``0 .. num_steps`` tokens each may write: one int for all, or ``n`` ints; None: ``num_steps``.
-
           pad_seqs_to: sequence rows of the metadata, >= ``n`` (None: ``n``)."""
         return decode_plan.plan(self._seqs, self._groups, self._host, self._work, seq_ids, num_steps, max_tokens,
                                 pad_seqs_to=pad_seqs_to, metadata=self.metadata)
 
     def commit_decode(self, plan: DecodePlan, token_ids: Any, num_tokens: Any = None) -> None:
         """Commit what ``plan``'s loop wrote: of ``token_ids[i]`` the first ``num_tokens[i]`` count. Pages the plan
-        reserved and nobody wrote go back; pages that left a window are released. Refused, nothing changed: another
-        manager's plan, one committed already or whose sequences changed, too many tokens.
+        reserved and nobody wrote go back; pages that left a window are released; the plan ends. Refused, nothing
+        changed: another manager's plan, one committed already, too many tokens, tokens into a page whose copy is
+        still pending. Committing no tokens (``num_tokens=0``) aborts an open plan and always succeeds.
 
         Args:
           plan: the open `DecodePlan` this manager's `plan_decode` returned.
           token_ids: ``(n, num_steps)`` or ``(padded_rows, num_steps)`` ints, numpy or jax.
-          num_tokens: ``n`` or ``padded_rows`` ints, each at most ``plan.limits``; None: every planned token."""
+          num_tokens: one int for all, or ``n`` or ``padded_rows`` ints, each at most ``plan.limits``; None: every
+            planned token."""
         decode_plan.commit(self._seqs, self._groups, self._host, self._work, plan, token_ids, num_tokens,
                            caching=self.enable_prefix_caching, current=self._versions.current)
 
@@ -397,8 +403,9 @@ class PageManager:
         """Make ``version`` (hashed alike on every host) the weights new sequences run with. From now on prefix
         lookups find only pages written under ``version``; running sequences finish under theirs, and cached pages
         of other versions are evicted first. Sequences claimed but not yet started take ``version``. Setting the
-        current version again changes nothing.
-
+        current version again changes nothing. Open decode plans over running sequences do not block it (those
+        finish under their version); ValueError, nothing changed, while one holds a sequence not started yet
+        (commit or abort that plan first).
 
         Args:
           version: the weights' version: an int of up to 64 bits, a str or bytes."""
@@ -581,7 +588,8 @@ class PageManager:
     # ---- pending device work (see `device_work`) ---------------------------------------------------
     def pending_copies(self, pad_to: int | None = None) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
         """(src, dst) int32 page ids the cache must copy, in every layer, before the next write (each a tuple of one
-        ``(copies,)`` array per layer group).
+        ``(copies,)`` array per layer group). ``cache.copy_pages`` and `apply_pending` pad them to a power of two
+        themselves (a few compiled shapes, not one per count); ``pad_to`` is for an engine's own jitted copy.
 
         Args:
           pad_to: pad each array with -1 to this length, >= its entries (fixed shapes for jit); None: unpadded."""
@@ -604,7 +612,8 @@ class PageManager:
         return out
 
     def pending_scrubs(self, pad_to: int | None = None) -> PerGroup[np.ndarray]:
-        """Released pages to zero (``scrub_released=True``): a tuple of one ``(scrubs,)`` int32 array per group.
+        """Released pages to zero (``scrub_released=True``): a tuple of one ``(scrubs,)`` int32 array per group,
+        padded by ``cache.zero_pages`` as `pending_copies` says.
 
         Args:
           pad_to: pad each array with -1 to this length, >= its entries; None: unpadded."""
@@ -625,6 +634,10 @@ class PageManager:
         """Apply the pending device work to ``cache`` in the required order: host-tier transfers (through ``host``),
         copy-on-write copies, then scrubs of released pages, device and host. Call after building a step's
         metadata, before its writes. Returns the updated cache and the number of pages copied on the device.
+
+        The work runs in one program whose page ids are padded to a power of two (at most the pool's pages), so a
+        long-running server compiles at most ``2 + log2(pages)`` shapes of it, whatever counts of pages it copies,
+        scrubs or moves (`easykv.storage.page_work`).
 
         The work is forgotten only once the device has taken it: when ``cache`` is not a live cache of this pool
         (deleted by an earlier donation, another pool), or ``host`` is missing, of another cache or bound to another
@@ -676,7 +689,7 @@ class PageManager:
         reserved room."""
         tier = self._host.tier
         twin: PageManager = copy.deepcopy(self, {id(tier): tier} if tier is not None else {})
-        twin._seqs.planned[:] = False
+        twin._seqs.close_all_plans()
         return twin
 
     def lockstep_state(self) -> dict[str, Any]:

@@ -42,7 +42,6 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
              caching: bool, current: bytes | None) -> None:
     """`PageManager.truncate` of the claimed, not swapped-out ``row`` (see the module doc);
     ``current``: the current weight version."""
-    seqs.refuse_planned(row, "truncating it")
     ps, cur = seqs.page_size, int(seqs.lens[row])
     new = integer("length", length, lo=0, hi=cur,
                   hint=f"sequence {row} holds {cur} committed tokens; truncate keeps a prefix of them")

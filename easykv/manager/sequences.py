@@ -35,10 +35,10 @@ class SequenceTable:
     - ``edits``: how often it was claimed, forked into or from, committed to or truncated: a
       decode plan's stamp tells the sequence it planned from one released and claimed again, or
       one written and rewound to the same length meanwhile;
-    - ``planned``: whether a decode plan over it is open (a device loop may be writing its
-      pages): until the plan is committed nothing else may reserve, commit, fork, truncate,
-      swap out or release it. Neither is saved: a loaded manager is another manager, whose
-      plans are its own.
+    - ``plan_of``: the open decode plan that holds it (0: none; see `open_plans`), whose device
+      loop may be writing its pages: until that plan is committed nothing else may change it.
+      ``open_plans`` maps each open plan's number to its rows. Neither ``edits`` nor the plans
+      are saved: a loaded manager (or a clone) is another manager, whose plans are its own.
     """
 
     def __init__(self, batch_size: int, page_size: int, max_length: int):
@@ -52,7 +52,9 @@ class SequenceTable:
         self.hashes = SequenceHashes(b, page_size)
         self.version: list[bytes | None] = [None] * b
         self.edits = np.zeros(b, np.int64)
-        self.planned = np.zeros(b, bool)
+        self.plan_of = np.zeros(b, np.int64)
+        self.open_plans: dict[int, tuple[int, ...]] = {}
+        self._plans_made = 0
 
     # ---- input checks ---------------------------------------------------------------------------
     def check_id(self, seq_id: Any, strict: bool = True) -> int:
@@ -101,14 +103,37 @@ class SequenceTable:
             raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
         return counts
 
-    def refuse_planned(self, rows: Any, what: str) -> None:
-        """ValueError naming the first of ``rows`` with an open decode plan (``what``: the call)."""
+    # ---- open decode plans (the rule is `open_plans`') -----------------------------------------
+    def open_plan(self, rows: np.ndarray) -> int:
+        """``rows`` (none in an open plan) are held by a new open decode plan; returns its number."""
+        self._plans_made += 1
+        self.plan_of[rows] = self._plans_made
+        self.open_plans[self._plans_made] = tuple(rows.tolist())
+        return self._plans_made
+
+    def close_plan(self, number: int) -> None:
+        """Plan ``number`` was committed: its rows may change again."""
+        self.plan_of[list(self.open_plans.pop(number))] = 0
+
+    def close_all_plans(self) -> None:
+        """No plan is open (a clone: the original's plans stay the original's)."""
+        self.plan_of[:] = 0
+        self.open_plans.clear()
+
+    def refuse_planned(self, rows: Any, call: str, why: str = "") -> None:
+        """ValueError naming the first of ``rows`` an open decode plan holds, that plan's rows and the
+        fix (``call``: the refused call; ``why``: how it would change the row, when not plain)."""
         rows = np.atleast_1d(np.asarray(rows, np.int64))
-        if rows.size and self.planned[rows].any():
-            row = int(rows[np.argmax(self.planned[rows])])
-            raise ValueError(f"sequence {row} has an open decode plan (its device loop may be writing its pages); "
-                             f"commit it with commit_decode before {what} (num_tokens=0 commits nothing and gives "
-                             "its reserved pages back)")
+        held = self.plan_of[rows]
+        if not held.any():
+            return
+        i = int(np.argmax(held > 0))
+        row, number = int(rows[i]), int(held[i])
+        raise ValueError(
+            f"{call} would change sequence {row}{why}, which open decode plan #{number} holds (sequences "
+            f"{list(self.open_plans[number])}: its device loop may be writing their pages); end that plan first with "
+            "commit_decode(plan, token_ids, num_tokens) (num_tokens=0 aborts it: nothing committed, its reserved "
+            "pages given back)")
 
     def check_extent(self, row: int, end: int, what: str) -> None:
         if end > self.max_length:
@@ -129,6 +154,10 @@ class SequenceTable:
 
     def free_rows(self) -> np.ndarray:
         return np.flatnonzero(~self.active)
+
+    def unstarted_rows(self) -> np.ndarray:
+        """Claimed rows that hold no tokens and no pages yet (a new weight version reaches them)."""
+        return np.flatnonzero(self.active & (self.lens == 0) & (self.npages == 0))
 
     def free_ids(self, seq_ids: Any) -> list[int]:
         """Ids a caller chose to claim (`PageManager.external_claim`), each free and listed once."""
@@ -157,7 +186,7 @@ class SequenceTable:
 
     def restart_unstarted(self, version: bytes | None, root: bytes) -> None:
         """Every claimed row that holds nothing yet takes ``version`` (a version set before it started)."""
-        for row in np.flatnonzero(self.active & (self.lens == 0) & (self.npages == 0)).tolist():
+        for row in self.unstarted_rows().tolist():
             self.version[row] = version
             self.hashes.chain[row] = root
 
@@ -223,6 +252,12 @@ class SequenceTable:
             raise Broken("sequences", "a swapped-out sequence holds device pages, or is not claimed")
         if np.any((n > 0) & ~self.active) or np.any(self.lens[~self.active]):
             raise Broken("sequences", "a released sequence id still holds pages or tokens")
+        planned = np.flatnonzero(self.plan_of)
+        listed = {row: number for number, rows in self.open_plans.items() for row in rows}
+        if np.any(swapped[planned] | ~self.active[planned]) or \
+                listed != dict(zip(planned.tolist(), self.plan_of[planned].tolist())):
+            raise Broken("sequences", "an open decode plan holds a released or swapped-out sequence, or the plans "
+                                      "disagree with the rows they hold")
         self._check_floors(all_windowed, released)
         if np.any((self.lens > n * self.page_size) & ~swapped) or np.any(self.lens > self.max_length):
             raise Broken("sequences", "a sequence holds more tokens than its pages or max_sequences allow")

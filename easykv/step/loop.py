@@ -88,17 +88,36 @@ def with_temperature(temperature: float) -> SampleFn:
     return sample
 
 
+def per_group(metadata: Any, num_groups: int) -> tuple[PagedAttentionMetadata, ...]:
+    """``metadata`` as a tuple of one `PagedAttentionMetadata` per layer group: the tuple itself, or,
+    for a cache of one group, its one metadata given bare (wrapped here, once, for every use after).
+
+    Args:
+      metadata: a tuple of one `PagedAttentionMetadata` per layer group, or one bare for one group.
+      num_groups: the cache's layer groups.
+
+    Raises:
+      ValueError: anything else, named, with the form to pass.
+    """
+    if num_groups == 1 and isinstance(metadata, PagedAttentionMetadata):
+        return (metadata,)
+    if not isinstance(metadata, tuple) or len(metadata) != num_groups \
+            or not all(isinstance(m, PagedAttentionMetadata) for m in metadata):
+        got = type(metadata).__name__
+        if isinstance(metadata, tuple):
+            got = f"a tuple of {len(metadata)}: {', '.join(type(m).__name__ for m in metadata[:4])}"
+        raise ValueError(f"this manager has {num_groups} layer group(s): pass a tuple of {num_groups} step metadata, "
+                         "one PagedAttentionMetadata per group (what build_decode_metadata and plan_decode give"
+                         f"{'; or the one metadata bare' if num_groups == 1 else ''}), got {got}")
+    return metadata
+
+
 def increment_groups(metadata: Any, *, page_size: int,
                      num_pages: tuple[int, ...]) -> tuple[PagedAttentionMetadata, ...]:
     """`increment_cache_lengths` of each layer group's decode metadata (``num_pages``: each group's
-    pool; numpy or jax, inside jit too); a cache of one group also takes its one metadata bare."""
-    n = len(num_pages)
-    if n == 1 and isinstance(metadata, PagedAttentionMetadata):
-        metadata = (metadata,)
-    if not isinstance(metadata, tuple) or len(metadata) != n:
-        got = f"a tuple of {len(metadata)}" if isinstance(metadata, tuple) else type(metadata).__name__
-        raise ValueError(f"this manager has {n} layer group(s): pass a tuple of {n} step metadata, one per group "
-                         f"(what build_decode_metadata and plan_decode give), got {got}")
+    pool; numpy or jax, inside jit too); a cache of one group also takes its one metadata bare
+    (`per_group`)."""
+    metadata = per_group(metadata, len(num_pages))
     return tuple(increment_cache_lengths(m, page_size=page_size, num_pages=p) for m, p in zip(metadata, num_pages))
 
 
@@ -113,7 +132,8 @@ def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) ->
     return tuple(keep(m) for m in metadata)
 
 
-def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...], *,
+def decode_loop(step: StepFn, state: Any, tokens: jax.Array,
+                metadata: tuple[PagedAttentionMetadata, ...] | PagedAttentionMetadata, *,
                 num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
                 eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy,
                 key: jax.Array | None = None) -> DecodeOutput:
@@ -126,7 +146,8 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
       state: the step function's state (the cache), carried through the loop.
       tokens: ``(rows,)`` int each row's next token to write (the last one it sampled).
       metadata: the plan's first step, a tuple of one `PagedAttentionMetadata` per layer group
-        (``plan.metadata``), in the mixed decode form.
+        (``plan.metadata``), in the mixed decode form; a cache of one group also takes its one
+        metadata bare (``step`` gets the one-tuple either way).
       num_steps: the plan's ``plan.num_steps``, a static int ``>= 1``.
       page_size: the plan's ``plan.page_size``, static.
       num_pages: the plan's ``plan.num_pages``, each group's pool, static.
@@ -143,7 +164,7 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
     """
     if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
         raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (the plan's num_steps)")
-    increment_groups(metadata, page_size=page_size, num_pages=num_pages)  # checks the tuple (traced, discarded)
+    metadata = per_group(metadata, len(num_pages))  # the checked tuple, what every step below takes
     rows = metadata[0].page_table.shape[0]
     if tokens.shape != (rows,) or limits.shape != (rows,):
         raise ValueError(f"tokens {tokens.shape} and limits {limits.shape} must be ({rows},): one per row of the plan")
@@ -176,5 +197,5 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array, metadata: tuple[Pag
     return DecodeOutput(written=written, sampled=sampled, logprobs=logprobs, num_written=count, steps=j, state=state)
 
 
-__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "log_prob",
+__all__ = ["DecodeOutput", "SampleFn", "StepFn", "decode_loop", "greedy", "increment_groups", "log_prob", "per_group",
            "with_temperature"]

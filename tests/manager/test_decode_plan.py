@@ -154,12 +154,14 @@ def test_a_plan_over_forks_copies_the_shared_partial_page_and_waits_for_the_copy
 
 def test_max_tokens_reserves_less_for_a_sequence_near_its_end():
     m, a, b = two_sequences()
+    assert_refused(m, ValueError, r"max_tokens\[1\]=7 is more than num_steps=6", m.plan_decode, [a, b], 6,
+                   max_tokens=[1, 7])
     plan = m.plan_decode([a, b], 6, max_tokens=[1, 6])
     assert plan.limits.tolist() == [1, 6] and (m.pages(a), m.pages(b)) == ([0, 1], [2, 3, 4])
     assert_refused(m, ValueError, r"num_tokens\[0\]=2 is more than the 1 tokens", m.commit_decode, plan,
             np.ones((2, 6), np.int64), [2, 6])
-    assert_refused(m, ValueError, r"max_tokens\[1\]=7 is more than num_steps=6", m.plan_decode, [a, b], 6,
-                   max_tokens=[1, 7])
+    assert_refused(m, ValueError, r"num_tokens=2 is more than the 1 tokens .* planned for sequence 0", m.commit_decode,
+                   plan, np.ones((2, 6), np.int64), 2)
     m.commit_decode(plan, np.ones((2, 6), np.int64))  # by default each commits its limit
     assert (m.length(a), m.length(b)) == (6, 9)
     m.check_invariants()
@@ -227,7 +229,10 @@ def test_plan_refuses_bad_steps_and_a_plan_that_does_not_fit_with_nothing_change
     ("ok", [4, 0], r"num_tokens\[0\]=4 is more than"),
     ("ok", [-1, 0], r"num_tokens\[0\] = -1 is out of range"),
     ("ok", [1, 1, 0], "num_tokens has 3 entries"),
-    ("ok", 1, "num_tokens must have 1 dimension"),
+    ("ok", [[1, 1]], "num_tokens must have 1 dimension"),
+    ("ok", 4, r"num_tokens=4 is more than the 3 tokens"),  # one int: the count of every sequence
+    ("ok", -1, r"num_tokens must be a non-negative int, got -1"),
+    ("ok", True, r"num_tokens must be a non-negative int, got True \(a bool"),
     ("padded", [1, 1, 1, 0], r"num_tokens\[2\]=1 but row 2 is padding"),
     ("padded", [1, 1, 0, 2], r"num_tokens\[3\]=2 but row 3 is padding"),
     (np.zeros((2, 4), np.int64), None, r"token_ids has shape \(2, 4\)"),
@@ -265,14 +270,14 @@ def test_commit_refuses_a_plan_twice_of_another_manager_or_not_a_plan():
 
 
 @pytest.mark.parametrize("change, what", [
-    ("release", "releasing it"),
-    ("truncate", "truncating it"),
-    ("step", "committing tokens with step or advance"),
-    ("advance", "committing tokens with step or advance"),
-    ("reserve", "reserving more room for it"),
-    ("build", "reserving more room for it"),
-    ("replan", "reserving more room for it"),  # a second plan would write the same slots
-    ("fork", "forking it"),
+    ("release", "release"),
+    ("truncate", "truncate"),
+    ("step", "step"),
+    ("advance", "advance"),
+    ("reserve", "reserve"),
+    ("build", "build_step_metadata"),
+    ("replan", "plan_decode"),  # a second plan would write the same slots
+    ("fork", "fork"),
 ])
 def test_nothing_else_touches_a_planned_sequence_until_its_plan_is_committed(change, what):
     m, a, b = two_sequences()
@@ -282,23 +287,34 @@ def test_nothing_else_touches_a_planned_sequence_until_its_plan_is_committed(cha
             "build": lambda: m.build_step_metadata([a], [1]), "replan": lambda: m.plan_decode([b], 2),
             "fork": lambda: m.fork(a)}[change]
     seq = b if change in ("release", "reserve", "replan") else a
-    assert_refused(m, ValueError, f"sequence {seq} has an open decode plan .* before {what}", call)
+    assert_refused(m, ValueError, rf"{what}\(\) would change sequence {seq}, which open decode plan #1 holds "
+                                  rf"\(sequences \[{a}, {b}\]: .*num_tokens=0 aborts it", call)
     m.commit_decode(plan, np.ones((2, 3), np.int64), [2, 0])
     call()  # allowed once the plan is committed
     m.check_invariants()
 
 
 def test_the_stamp_refuses_a_plan_whose_sequence_changed_behind_the_open_plan_guard():
-    """The second line of defence: were the guard bypassed (here by hand), a changed sequence is
-    still refused at commit."""
+    """The second line of defence: were the guard bypassed (here by calling the parts the way
+    the manager's own code does, below its public methods), a changed sequence is still refused
+    at commit, as a bug."""
+    from easykv.errors import InvariantError
+    from easykv.manager import rollback
+    from easykv.manager.commit import commit_tokens
+
     m, a, b = two_sequences()
     plan = m.plan_decode([a, b], 3)
-    m._seqs.planned[:] = False  # the guard bypassed
-    m.step([a], [42])
-    m.truncate(a, 5)  # written and rewound: the very same length and pages
-    m._seqs.planned[[a, b]] = True
-    assert_refused(m, ValueError, "sequence 0 .* changed after the plan .*length 5 then, 5 now", m.commit_decode, plan,
-            np.ones((2, 3), np.int64))
+    parts = (m._seqs, m._groups)
+    commit_tokens(*parts, m._host, np.array([a]), np.array([1]), [np.array([42])], caching=True, current=None)
+    rollback.truncate(*parts, m._work, a, 5, caching=True, current=None)  # written and rewound: the same length, pages
+    assert_refused(m, InvariantError, "sequence 0 .* changed after the plan .*length 5 then, 5 now", m.commit_decode,
+                   plan, np.ones((2, 3), np.int64), 0)
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3)
+    m._groups.release_row(b, int(m._seqs.npages[b]), stale=False)
+    m._seqs.reset(b)  # released below the guard
+    with pytest.raises(InvariantError, match=r"is not open over its sequences \[0, 1\]"):
+        m.commit_decode(plan, np.ones((2, 3), np.int64), 0)
 
 
 def test_a_swapped_or_full_sequence_is_not_planned_and_swap_out_waits_for_the_plan():
@@ -317,7 +333,7 @@ def test_a_swapped_or_full_sequence_is_not_planned_and_swap_out_waits_for_the_pl
     assert_refused(m, ValueError, r"sequence 0 would hold 17 tokens \(a decode step's position\)", m.plan_decode,
                    [b, a], 4, max_tokens=[4, 0])
     plan = m.plan_decode([b], 2)
-    assert_refused(m, ValueError, "sequence 1 has an open decode plan .* before swapping it out", m.swap_out, b)
+    assert_refused(m, ValueError, r"swap_out\(\) would change sequence 1, which open decode plan", m.swap_out, b)
     m.commit_decode(plan, np.ones((1, 2), np.int64))
 
 

@@ -1,25 +1,36 @@
-"""Decode plans inside the page manager's state machines (tests/manager/test_manager_stateful.py):
-a rule plans k steps of some sequences (random per-sequence limits, padding), simulates the device
-loop (each row writes its token while it runs and garbage after it stopped, as a loop without the
-stopped-row mask would), lets other sequences move between plan, loop and commit, and commits
-random early stops; the machines' invariants then check that the simulated device, read through
-every page table, gives back exactly the committed tokens, on both the live and the restored
-manager. Written by the outside review of issue 32."""
+"""Decode plans inside the page manager's state machines (tests/manager/test_manager_stateful.py).
+
+Plans stay open across rules: one rule opens a plan over some sequences (random per-sequence
+limits, padding, sequences never started among them), another simulates its device loop (each row
+writes its token while it runs and garbage after it stopped, as a loop without the stopped-row mask
+would), another ends it (committing random early stops, or aborting: no tokens, before or after
+its loop). Up to two plans are open at once, and meanwhile every rule of the machine runs on the
+other sequences (claims, prefix hits, writes, decodes, forks, releases, truncations, prefix-cache
+resets, weight versions, swaps and host-tier resets), while a rule throws every call that names
+sequences (tests/manager/planned_calls.py) at a planned one: each is refused with the state
+unchanged. Copies of the manager (clone, a state round trip) hold no plan. The machines'
+invariants then check that the simulated device, read through every page table, gives back
+exactly the committed tokens, on both the live and the restored manager. Written by the outside
+review of issue 32; plans kept open across rules for issue 42."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 import tests.manager.test_manager_stateful as machines
 from easykv.errors import CacheFullError
+from easykv.manager.manager import PageManager
+from tests.manager.planned_calls import NAMED_CALLS, refusal
 
 GARBAGE = 77  # what a stopped row would write: never a committed token's place
+MAX_OPEN = 2
 
 
-def _plan_loop_commit(self, data, k):
-    ready = [s for s in sorted(self.model) if self._room(s) >= 1]
+def _open_plan(self, data, k):
+    ready = [s for s in self._movable() if self._room(s) >= 1]
     if not ready:
         return
     seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
@@ -32,42 +43,100 @@ def _plan_loop_commit(self, data, k):
         assert self._state() == before  # all or nothing
         return
     restored = self.pm.restored.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=pad)
-    counts = [data.draw(st.integers(0, m)) for m in most]
+    self.plans.append({"live": live, "restored": restored, "seqs": seqs, "most": most, "ran": None})
+    self.frozen.update(seqs)
+
+
+def _run_loop(self, data):
+    plan = data.draw(st.sampled_from([p for p in self.plans if p["ran"] is None]))
+    seqs, k = plan["seqs"], plan["live"].num_steps
+    counts = [data.draw(st.integers(0, m)) for m in plan["most"]]
     tokens = [data.draw(st.lists(machines.TOKENS, min_size=k, max_size=k)) for _ in seqs]
-    others = [s for s in sorted(self.model) if s not in seqs]
-    meanwhile = data.draw(st.sampled_from(["none", "before the loop", "after the loop"])) if others else "none"
-
-    def other_step():
-        o = data.draw(st.sampled_from(others))
-        n = data.draw(st.integers(0, min(3, self._room(o))))
-        self._grow([o], [data.draw(st.lists(machines.TOKENS, min_size=n, max_size=n))])
-
-    if meanwhile == "before the loop":
-        other_step()
-    self._apply_page_ops()
-    meta = live.metadata
+    self._apply_page_ops()  # the plan's copies (and everyone's) before its writes
+    meta = plan["live"].metadata
     for j in range(max(counts, default=0)):
         for device, rt in zip(self.device, meta):
             slots = np.asarray(rt.slot_mapping)
             for i in range(len(seqs)):
                 if slots[i] >= 0:
                     device.reshape(-1)[slots[i]] = tokens[i][j] if j < counts[i] else GARBAGE
-        meta = live.next_metadata(meta)
-    if meanwhile == "after the loop":
-        other_step()
-    written = np.array(tokens, np.int64)
-    self.pm.live.commit_decode(live, written, counts)
-    self.pm.restored.commit_decode(restored, written, counts)
+        meta = plan["live"].next_metadata(meta)
+    plan["ran"] = (counts, tokens)
+
+
+def _end_plan(self, data):
+    plan = self.plans.pop(data.draw(st.integers(0, len(self.plans) - 1)))
+    seqs, k = plan["seqs"], plan["live"].num_steps
+    abort = plan["ran"] is None or data.draw(st.booleans())  # no loop ran, or it failed: commit nothing
+    counts, tokens = ([0] * len(seqs), [[0] * k] * len(seqs)) if abort else plan["ran"]
+    written, num = np.array(tokens, np.int64), 0 if abort else counts
+    self.pm.live.commit_decode(plan["live"], written, num)
+    self.pm.restored.commit_decode(plan["restored"], written, num)
+    self.frozen.difference_update(seqs)
     for s, t, c in zip(seqs, tokens, counts):
         self.model[s]["tokens"] += t[:c]
 
 
+def _touch_planned(self, data, name):
+    seq = data.draw(st.sampled_from(sorted(self.frozen)))
+    [plan] = [p for p in self.plans if seq in p["seqs"]]
+    others = self._movable()
+    seqs = ([data.draw(st.sampled_from(others))] if others and data.draw(st.booleans()) else []) + [seq]
+    before = self._state()
+    with pytest.raises(ValueError, match=refusal(name, seq, plan["seqs"])):
+        NAMED_CALLS[name](self.pm, seqs)
+    assert self._state() == before
+
+
 def _with_plans(machine):
     class Planned(machine):
-        @precondition(lambda self: self.model)
+        @initialize()
+        def no_plans(self):
+            self.plans = []
+
+        @precondition(lambda self: len(self.plans) < MAX_OPEN and self._movable())
         @rule(data=st.data(), k=st.integers(1, 5))
-        def plan_loop_commit(self, data, k):
-            _plan_loop_commit(self, data, k)
+        def open_plan(self, data, k):
+            _open_plan(self, data, k)
+
+        @precondition(lambda self: any(p["ran"] is None for p in self.plans))
+        @rule(data=st.data())
+        def run_plan_loop(self, data):
+            _run_loop(self, data)
+
+        @precondition(lambda self: self.plans)
+        @rule(data=st.data())
+        def end_plan(self, data):
+            _end_plan(self, data)
+
+        @precondition(lambda self: self.plans)
+        @rule(data=st.data(), name=st.sampled_from(sorted(NAMED_CALLS)))
+        def touch_planned(self, data, name):
+            _touch_planned(self, data, name)
+
+        @rule(data=st.data())
+        def claim_waiting(self, data):
+            """A sequence claimed by its id and not started: plans may hold it (for no token)."""
+            free = sorted(self.pm.slots_remaining)
+            if free:
+                seq = data.draw(st.sampled_from(free))
+                self.pm.external_claim([seq])
+                self.model[seq] = {"tokens": [], "salt": None, "version": self.version}
+
+        @precondition(lambda self: self.plans and not self.swapped
+                      and not (self.host_pages and self.pm.has_pending_transfers()))
+        @rule()
+        def copies_hold_no_plan(self):
+            for copy in (self.pm.live.clone(), PageManager.from_state_dict(self.meta, self.pm.live.state_dict())):
+                for seq in sorted(self.frozen):
+                    copy.release(seq)
+                copy.check_invariants()
+
+        @precondition(lambda self: self.host_pages and not self.swapped and not self.pm.has_pending_transfers())
+        @rule()
+        def forget_host_tier(self):
+            self.pm.forget_host_tier()
+            self._apply_page_ops()  # the forgotten host pages' scrubs
 
     Planned.__name__ = Planned.__qualname__ = "Planned" + machine.__name__
     return machines.NUMPY_ONLY(Planned.TestCase)

@@ -102,6 +102,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.swapped: dict[int, dict] = {}
         self.history: list[list[int]] = []  # token ids of released sequences
         self.version = None
+        self.frozen: set[int] = set()  # sequences of open decode plans (test_decode_plan_stateful.py opens them)
 
     # ---- device simulation ---------------------------------------------------------------------
     def _apply_page_ops(self):
@@ -136,6 +137,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _room(self, seq):
         return MAX_LEN - len(self.model[seq]["tokens"])
+
+    def _movable(self):
+        """The running sequences no open decode plan holds, ascending: what the rules change."""
+        return [s for s in sorted(self.model) if s not in self.frozen]
 
     # ---- rules ---------------------------------------------------------------------------------
     @rule(data=st.data(), keep=st.integers(1, MAX_LEN), tail=st.lists(TOKENS, max_size=4),
@@ -177,17 +182,17 @@ class ManagerMachine(RuleBasedStateMachine):
             self.pm.release(seq)
             del self.model[seq]
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def write(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         n = data.draw(st.integers(0, self._room(seq)))
         self._grow([seq], [data.draw(st.lists(TOKENS, min_size=n, max_size=n))], ids=data.draw(st.booleans()) or n == 0)
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data(), k=st.integers(1, 3))
     def decode(self, data, k):
-        ready = [s for s in sorted(self.model) if self._room(s) >= k]
+        ready = [s for s in self._movable() if self._room(s) >= k]
         if not ready:
             return
         seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
@@ -206,31 +211,31 @@ class ManagerMachine(RuleBasedStateMachine):
         for s, t in zip(seqs, tokens.tolist()):
             self.model[s]["tokens"] += t
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def reserve_ahead(self, data):
         """Pages (and copy-on-write copies) reserved now, written by a later step."""
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         before = self._state()
         try:
             self.pm.reserve(seq, data.draw(st.integers(0, self._room(seq))))
         except CacheFullError:
             assert self._state() == before
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def fork(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         if len(self.model) + len(self.swapped) == BATCH:
             return
         child = self.pm.fork(seq)
         assert child not in self.model
         self.model[child] = {**self.model[seq], "tokens": list(self.model[seq]["tokens"])}
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def release(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         self.pm.release(seq)
         tokens = self.model.pop(seq)["tokens"]
         if -1 not in tokens:  # a resumed sequence's history is not a prompt
@@ -243,7 +248,8 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             raise AssertionError("double release succeeded")
 
-    @precondition(lambda self: not self.swapped and not (self.host_pages and self.pm.has_pending_transfers()))
+    @precondition(lambda self: not self.swapped and not (self.host_pages and self.pm.has_pending_transfers())
+                  and not self.frozen)  # a restored twin holds no plan (the plans' own rules test that)
     @rule()
     def restore(self):
         state = json.loads(json.dumps(self.pm.restored.state_dict()))
@@ -259,10 +265,10 @@ class ManagerMachine(RuleBasedStateMachine):
         """The manager's state, also while sequences are swapped out (`state_dict` refuses then)."""
         return {k: v for k, v in self.pm.live.lockstep_state().items() if k != "host"}
 
-    @precondition(lambda self: self.model)
+    @precondition(lambda self: self._movable())
     @rule(data=st.data())
     def truncate(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         tokens = self.model[seq]["tokens"]
         n = data.draw(st.integers(0, len(tokens)))
         before = self._state()
@@ -280,18 +286,26 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(version=st.sampled_from([None, 1, "1"]))
     def set_version(self, version):
+        changes = version_digest(version) != version_digest(self.version)
+        waiting = [s for s in sorted(self.frozen) if not self.model[s]["tokens"] and not self.pm.capacity(s)]
+        if changes and waiting:  # an open plan holds a sequence not started yet: the update waits for the plan
+            before = self._state()
+            with pytest.raises(ValueError, match=rf"set_weight_version\(\) would change sequence {waiting[0]} "):
+                self.pm.set_weight_version(version)
+            assert self._state() == before
+            return
         self.pm.set_weight_version(version)
-        if version_digest(version) == version_digest(self.version):
+        if not changes:
             return  # the current one again: nothing changes
         self.version = version
         for seq, info in {**self.model, **self.swapped}.items():
             if not info["tokens"] and not self.pm.capacity(seq):  # nothing written or reserved: takes the new one
                 info["version"] = version
 
-    @precondition(lambda self: self.host_pages and self.model)
+    @precondition(lambda self: self.host_pages and self._movable())
     @rule(data=st.data())
     def swap_out(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.model)))
+        seq = data.draw(st.sampled_from(self._movable()))
         self._apply_page_ops()  # an engine preempts between steps
         try:
             self.pm.swap_out(seq)

@@ -162,9 +162,39 @@ def test_decode_loop_refuses_steps_shapes_and_metadata_it_cannot_run():
         decode_loop(step, cache, jnp.zeros(3, jnp.int32), plan.metadata, num_steps=2, limits=jnp.ones(4), **args)
     with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*got a tuple of 2"):
         decode_loop(step, cache, ok[0], plan.metadata * 2, num_steps=2, limits=jnp.ones(4), **args)
+    with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*or the one metadata bare\), got a tuple "
+                                         r"of 1: dict"):
+        decode_loop(step, cache, ok[0], ({"page_table": 1},), num_steps=2, limits=jnp.ones(4), **args)
+    with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*got list"):
+        decode_loop(step, cache, ok[0], list(plan.metadata), num_steps=2, limits=jnp.ones(4), **args)
     out = decode_loop(step, cache, *ok, num_steps=2, limits=jnp.asarray([2, 0, 0, 0]), **args)
     assert np.asarray(out.num_written).tolist() == [2, 0, 0, 0]  # the constant step samples token 0 twice
     assert np.asarray(out.sampled)[0].tolist() == [0, 0]
+
+
+def test_decode_loop_takes_a_one_group_cache_s_metadata_bare_or_as_its_one_tuple():
+    """Issue 42: the argument check let one bare `PagedAttentionMetadata` through for a one-group
+    cache, then the loop indexed it (TypeError: not subscriptable). Both forms now run the same
+    loop, and the step function gets the one-tuple either way."""
+    _, cache, m, seqs, first = _prefilled(UNIFORM, [[1, 2, 3], [4, 5]])
+    plan = m.plan_decode(seqs, 3, pad_seqs_to=4)
+    seen = []
+
+    def step(state, tokens, md):
+        seen.append((type(md), len(md), md[0].positions.shape))
+        return jnp.zeros((4, 8)).at[:, 5].set(1.0), state  # always samples token 5
+
+    args = dict(num_steps=3, page_size=plan.page_size, num_pages=plan.num_pages, limits=jnp.asarray([3, 2, 0, 0]))
+    tokens = jnp.asarray([*first, 0, 0], jnp.int32)
+    (bare,) = plan.metadata
+    outs = [decode_loop(step, cache, tokens, md, **args) for md in (plan.metadata, bare)]
+    for field in ("written", "sampled", "num_written", "steps"):
+        np.testing.assert_array_equal(np.asarray(getattr(outs[0], field)), np.asarray(getattr(outs[1], field)))
+    assert np.asarray(outs[1].num_written).tolist() == [3, 2, 0, 0]
+    assert np.asarray(outs[1].written)[0].tolist() == [int(first[0]), 5, 5]
+    assert seen[0] == seen[1] and seen[0][:2] == (tuple, 1)  # traced once per form, each a one-tuple
+    m.commit_decode(plan, outs[1].written, outs[1].num_written)
+    assert [m.length(s) for s in seqs] == [6, 4]
 
 
 @SLOW
@@ -231,7 +261,7 @@ def test_a_failed_device_loop_closes_its_plan_so_the_engine_s_sequences_stay_usa
     monkeypatch.setattr(model, "paged_decode", broken)
     with pytest.raises(RuntimeError, match="the device loop failed"):
         engine.run(requests)
-    assert not manager._seqs.planned.any()
+    assert not manager._seqs.open_plans and not manager._seqs.plan_of.any()
     for r in requests:  # nothing reserved for the failed loop is left, and every sequence can go
         assert manager.capacity(r.seq) == -(-manager.length(r.seq) // 8) * 8
         manager.release(r.seq)

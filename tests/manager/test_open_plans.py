@@ -1,0 +1,278 @@
+"""An open decode plan freezes its sequences for every call that changes them (issue 42).
+
+Every public member of `PageManager` is found by introspection (properties too) and classified
+here: ``READ_ONLY`` is written out below, everything else counts as changing the manager, so a new
+member lands in a test that fails until it is given a call here (and a declaration in
+`easykv.manager.open_plans`, which must agree with this classification). Then, on a manager with
+a host tier and an open plan over a running sequence and one not started yet: each call that
+names sequences is refused for each planned one, with the state unchanged; each other call runs
+while the plan is open and leaves the planned sequences as planned; each read-only member changes
+nothing; and the plan's abort (committing no tokens) and both releases work after every one of
+them. Copies of the manager (clone, a state round trip, reshard) hold no plan. The issue's
+reproductions: a plan over a claimed, never-started sequence with ``max_tokens=0`` stranded by
+``set_weight_version``, ``match_prefix`` or ``resume``, and a running sequence stranded with it."""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import easykv
+from easykv import PageManager
+from easykv.errors import InvariantError
+from easykv.manager.open_plans import CHANGES, READS
+from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+from tests.manager.planned_calls import NAMED_CALLS, refusal
+from tests.support.managers import make, prefill
+
+READ_ONLY = frozenset({
+    "active_ids", "cache_length", "cached_prefix_length", "capacity", "check_cache", "check_host", "check_invariants",
+    "clone", "contains", "estimated_memory_size", "first_kept_position", "from_state_dict", "has_host_tier",
+    "has_pending_transfers", "has_pending_work", "increment_cache_lengths", "infer_optimal_batch_size",
+    "is_swapped", "length", "lockstep_state", "metrics", "num_groups", "page_table", "pages", "pending_copies",
+    "pending_scrubs", "pending_transfers", "replica", "reshard", "slots_remaining", "state_dict", "swapped_ids",
+    "usage", "weight_version",
+})
+# Calls that change the manager but no sequence they are given: run while the plan is open.
+OTHER_CALLS = {
+    "claim": lambda env: env.m.claim(1),
+    "external_claim": lambda env: env.m.external_claim([max(env.m.slots_remaining)]),
+    "reset_prefix_cache": lambda env: env.m.reset_prefix_cache(),
+    "take_copies": lambda env: env.m.take_copies(),
+    "take_scrubs": lambda env: env.m.take_scrubs(),
+    "take_transfers": lambda env: env.m.take_transfers(),
+    "apply_pending": lambda env: env.apply(),
+    "forget_host_tier": lambda env: (env.apply(), env.m.forget_host_tier()),
+}
+ENDS_THE_PLAN = "commit_decode"  # the plan's own commit: every test below ends with it
+UNSTARTED = "set_weight_version"  # changes the sequences not started yet: its own tests below
+READ_CALLS = {
+    "active_ids": lambda env: env.m.active_ids,
+    "cache_length": lambda env: env.m.cache_length(env.p),
+    "cached_prefix_length": lambda env: env.m.cached_prefix_length([1, 2, 3, 4, 5, 6]),
+    "capacity": lambda env: env.m.capacity(env.p),
+    "check_cache": lambda env: env.m.check_cache(env.cache),
+    "check_host": lambda env: env.m.check_host(env.cache, env.tier),
+    "check_invariants": lambda env: env.m.check_invariants(),
+    "clone": lambda env: env.m.clone(),
+    "contains": lambda env: env.m.contains(env.w),
+    "estimated_memory_size": lambda env: env.m.estimated_memory_size(env.m.metadata, 1 << 30),
+    "first_kept_position": lambda env: env.m.first_kept_position(env.p),
+    "from_state_dict": lambda env: PageManager.from_state_dict(env.m.metadata, env.m.state_dict()),
+    "has_host_tier": lambda env: env.m.has_host_tier,
+    "has_pending_transfers": lambda env: env.m.has_pending_transfers(),
+    "has_pending_work": lambda env: env.m.has_pending_work(),
+    "increment_cache_lengths": lambda env: env.m.increment_cache_lengths(env.plan.metadata),
+    "infer_optimal_batch_size": lambda env: env.m.infer_optimal_batch_size(env.m.metadata, 1 << 30),
+    "is_swapped": lambda env: env.m.is_swapped(env.p),
+    "length": lambda env: env.m.length(env.p),
+    "lockstep_state": lambda env: env.m.lockstep_state(),
+    "metrics": lambda env: env.m.metrics,
+    "num_groups": lambda env: env.m.num_groups,
+    "page_table": lambda env: env.m.page_table([env.p, env.w]),
+    "pages": lambda env: env.m.pages(env.p),
+    "pending_copies": lambda env: env.m.pending_copies(),
+    "pending_scrubs": lambda env: env.m.pending_scrubs(),
+    "pending_transfers": lambda env: env.m.pending_transfers(),
+    "replica": lambda env: env.m.replica(env.p),
+    "reshard": lambda env: env.m.reshard(env.m.metadata),
+    "slots_remaining": lambda env: env.m.slots_remaining,
+    "state_dict": lambda env: env.m.state_dict(),
+    "swapped_ids": lambda env: env.m.swapped_ids,
+    "usage": lambda env: env.m.usage,
+    "weight_version": lambda env: env.m.weight_version,
+}
+
+
+def public_members() -> set[str]:
+    return {name for name, _ in inspect.getmembers(PageManager) if not name.startswith("_")}
+
+
+def planned_env():
+    """A manager with a host tier and its cache: ``p`` running (6 tokens), ``w`` claimed and never
+    started, ``o`` running outside the plan; the plan over ``[p, w]`` (``max_tokens=[3, 0]``: a page more for ``p``)
+    opened, then, while it is open, pending work made by other sequences (a fork's copy, a
+    release's scrubs)."""
+    mesh = create_mesh({"tp": 8})
+    pm = PartitionManager(PartitionAxis())
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 8, 2, 32, 4, 8, 8, 0.5, jnp.float32, partition_manager=pm,
+                                                     num_pages_per_layer=24).replace(host_pages_per_layer=16)
+    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    m = PageManager(meta, scrub_released=True)
+    env = types.SimpleNamespace(m=m, cache=cache, tier=easykv.HostTier(cache))
+    p, w, o, gone = m.claim(4)
+    prefill(m, p, [1, 2, 3, 4, 5, 6])
+    prefill(m, o, [1, 2, 3, 4, 9])
+    prefill(m, gone, [7, 7, 7, 7, 7])
+
+    def apply():
+        env.cache, _ = m.apply_pending(env.cache, host=env.tier)
+
+    env.apply = apply
+    apply()
+    env.plan = m.plan_decode([p, w], 3, max_tokens=[3, 0])
+    assert m.capacity(p) == 12
+    child = m.fork(o)
+    m.reserve(child, 1)  # a copy of o's partly filled page: pending
+    m.release(gone)  # its partly filled page: a pending scrub
+    env.p, env.w, env.o, env.child = p, w, o, child
+    return env
+
+
+def planned_rows(env):
+    return [s for s in env.m.lockstep_state()["sequences"] if s["id"] in env.plan.seq_ids]
+
+
+def end_plan_and_release(env):
+    """The abort (committing no tokens) ends the plan; both its sequences then release."""
+    m = env.m
+    m.commit_decode(env.plan, np.zeros((len(env.plan.seq_ids), env.plan.num_steps), np.int64), 0)
+    assert env.plan.committed and not m._seqs.open_plans
+    assert m.capacity(env.p) == 8 and m.length(env.p) == 6  # what the plan reserved went back
+    m.check_invariants()
+    for seq in env.plan.seq_ids:
+        m.release(seq)
+    m.check_invariants()
+
+
+def test_every_public_member_is_read_only_here_or_has_a_call_and_the_declarations_agree():
+    members = public_members()
+    assert {"metrics", "usage", "active_ids", "slots_remaining", "weight_version"} <= members  # properties too
+    mutating = members - READ_ONLY
+    covered = set(NAMED_CALLS) | set(OTHER_CALLS) | {ENDS_THE_PLAN, UNSTARTED}
+    assert not mutating - covered, f"write a call for {sorted(mutating - covered)} in this test (or planned_calls.py)"
+    assert not covered - mutating and not READ_ONLY - members, "a call here for a member that is gone"
+    assert set(READ_CALLS) == READ_ONLY
+    # The guard's declarations cover every member and say what this test says.
+    assert set(CHANGES) == members
+    assert {name for name in members if CHANGES[name] == READS} == READ_ONLY
+    assert {name for name in members if CHANGES[name].arg} == set(NAMED_CALLS)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_CALLS))
+def test_a_call_that_would_change_a_planned_sequence_is_refused_with_nothing_changed(name):
+    env = planned_env()
+    m = env.m
+    for seq in env.plan.seq_ids:  # the running one and the one never started
+        before, state = m.lockstep_state(), m.state_dict()
+        with pytest.raises(ValueError, match=refusal(name, seq, env.plan.seq_ids)):
+            NAMED_CALLS[name](m, [env.o, seq])
+        assert m.lockstep_state() == before and m.state_dict() == state
+        m.check_invariants()
+    end_plan_and_release(env)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_CALLS))
+def test_a_call_that_changes_no_planned_sequence_runs_while_the_plan_is_open_and_leaves_it_as_planned(name):
+    env = planned_env()
+    rows = planned_rows(env)
+    OTHER_CALLS[name](env)
+    assert planned_rows(env) == rows
+    env.m.check_invariants()
+    end_plan_and_release(env)
+
+
+@pytest.mark.parametrize("name", sorted(READ_ONLY))
+def test_a_read_only_member_changes_nothing_while_a_plan_is_open(name):
+    env = planned_env()
+    before, pending = env.m.lockstep_state(), env.m.pending_copies()
+    READ_CALLS[name](env)
+    assert env.m.lockstep_state() == before
+    assert all(np.array_equal(a, b) for a, b in zip(env.m.pending_copies()[0], pending[0]))
+    end_plan_and_release(env)
+
+
+# ---- set_weight_version: plans over running sequences never block it ----------------------------
+def test_a_weight_update_waits_for_a_plan_that_holds_a_sequence_not_started_yet():
+    env = planned_env()
+    m = env.m
+    before = m.state_dict()
+    assert (env.p, env.w) == (0, 1)
+    with pytest.raises(ValueError, match=r"set_weight_version\(\) would change sequence 1 \(claimed but not started: "
+                                         r"it would start under the new version; running sequences keep theirs, so "
+                                         r"plans over them never block a weight update\), which open decode plan #1 "
+                                         r"holds \(sequences \[0, 1\]"):
+        m.set_weight_version("v2")
+    assert m.state_dict() == before and m.weight_version is None
+    m.set_weight_version(None)  # the current version again changes nothing: accepted
+    end_plan_and_release(env)
+    m.set_weight_version("v2")  # once the plan ended
+
+
+def test_a_weight_update_while_a_plan_over_running_sequences_is_open_is_the_rl_case_and_runs():
+    """An RL trainer pushes weights while rollouts decode: the plan's sequences keep the version
+    they started under and commit as planned; a sequence claimed meanwhile takes the new one."""
+    m = make(batch=4, pages=12, max_len=32)
+    m.set_weight_version("v1")
+    a, b, waiting = m.claim(3)
+    prefill(m, a, [1, 2, 3, 4, 5])
+    prefill(m, b, [6, 7, 8])
+    plan = m.plan_decode([a, b], 4, max_tokens=[4, 2])
+    m.set_weight_version("v2")
+    m.commit_decode(plan, np.arange(8).reshape(2, 4), [4, 2])
+    assert (m.length(a), m.length(b)) == (9, 5)
+    versions = {s["id"]: s.get("version") for s in m.state_dict()["sequences"]}
+    assert versions[a] == versions[b] != versions[waiting]  # running: v1; not started: v2
+    [late] = m.claim(1)
+    assert m.cached_prefix_length([1, 2, 3, 4, 5, 0]) == 0  # v1's pages serve no v2 prompt
+    prefill(m, late, [1, 2, 3, 4, 5, 0])
+    assert {s["id"]: s.get("version") for s in m.state_dict()["sequences"]}[late] == versions[waiting]
+    m.check_invariants()
+
+
+# ---- the issue's reproductions ------------------------------------------------------------------------
+@pytest.mark.parametrize("change", ["set_weight_version", "match_prefix", "resume"])
+def test_issue_42_a_plan_over_a_sequence_never_started_is_not_stranded(change):
+    """``plan_decode`` over a claimed, never-started sequence with ``max_tokens=0`` reserves nothing;
+    the calls that changed it behind the plan are refused, and the plan ends and its sequences
+    release (before: the call went through, then commit_decode refused the plan, also with
+    num_tokens=0, and release refused each sequence)."""
+    m = make(batch=4, pages=10, max_len=32)
+    running, waiting = m.claim(2)
+    prefill(m, running, [1, 2, 3, 4, 5])
+    plan = m.plan_decode([running, waiting], 4, max_tokens=[4, 0])  # the RL batch: [running, waiting]
+    call = {"set_weight_version": lambda: m.set_weight_version(1),
+            "match_prefix": lambda: m.match_prefix(waiting, [1, 2, 3, 4, 5, 6]),
+            "resume": lambda: m.resume(waiting, 0)}[change]
+    before = m.state_dict()
+    with pytest.raises(ValueError, match=rf"{change}\(\) would change sequence {waiting}\b.*open decode plan #1 "
+                                         rf"holds \(sequences \[{running}, {waiting}\]"):
+        call()
+    assert m.state_dict() == before
+    m.commit_decode(plan, np.zeros((2, 4), np.int64), 0)
+    assert m.capacity(running) == 8  # its reserved page went back
+    m.release(running)
+    m.release(waiting)
+    m.check_invariants()
+    assert m.metrics.used_pages == 0
+
+
+def test_copies_of_a_manager_with_an_open_plan_hold_no_plan_and_the_original_still_commits():
+    env = planned_env()
+    m = env.m
+    env.apply()  # a state holds no pending transfers
+    for copy in (m.clone(), PageManager.from_state_dict(m.metadata, m.state_dict()), m.reshard(m.metadata)):
+        assert copy.capacity(env.p) == m.capacity(env.p) == 12  # the plan's reserved page: reserved room there
+        copy.reserve(env.p, 2)
+        copy.set_weight_version("v2")  # nothing is planned there
+        copy.release(env.w)
+        copy.release(env.p)
+        copy.check_invariants()
+    m.commit_decode(env.plan, np.full((2, 3), 3, np.int64), [3, 0])
+    assert m.length(env.p) == 9 and m.capacity(env.p) == 12
+    m.check_invariants()
+
+
+def test_check_invariants_holds_the_open_plans_to_the_rows_they_hold():
+    m = make(batch=4, pages=10, max_len=32)
+    a, b = m.claim(2)
+    prefill(m, a, [1, 2, 3])
+    m.plan_decode([a, b], 2, max_tokens=[2, 0])
+    m.check_invariants()
+    m._seqs.plan_of[b] = 0  # the table's two records of the plan disagree
+    with pytest.raises(InvariantError, match="the plans disagree with the rows they hold"):
+        m.check_invariants()

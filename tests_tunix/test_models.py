@@ -114,7 +114,7 @@ def test_a_failure_inside_the_decode_loop_leaves_no_sequence_or_plan_behind(monk
     with pytest.raises(RuntimeError, match="the device loop failed"):
         eng.generate([ids_of("hello"), ids_of("world")], 8)
     m = eng.manager.metrics
-    assert (m.active_sequences, m.used_pages) == (0, 0) and not eng.manager._seqs.planned.any()
+    assert (m.active_sequences, m.used_pages) == (0, 0) and not eng.manager._seqs.open_plans
     eng.manager.check_invariants()
 
 

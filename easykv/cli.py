@@ -3,7 +3,8 @@ small model through the cache; `inspect` describes and verifies a checkpoint.
 
 Bad flags give one line on stderr and exit code 2. Every numeric flag is parsed by one
 `NumberFlag` (an argparse ``type=``) that knows its range, so a negative, zero or huge value is
-refused naming the flag before any command runs.
+refused naming the flag before any command runs. The demo's flags take their ranges, choices and
+defaults from `easykv.demo.options`, the table `DemoOptions` checks its fields against.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from easykv.demo.options import DTYPES, INT_RANGES, MESH_AXIS_SIZES, MODEL_NAMES, DemoOptions
 from easykv.spec.groups import ATTENTION_KINDS, AttentionKind
 from easykv.spec.presets import PRESETS
 from easykv.validation import INT32_MAX
@@ -70,7 +72,6 @@ class NumberFlag:
 
 
 _COUNT = NumberFlag(int, 1, INT32_MAX)  # layers, heads, tokens, sequences: what the metadata accepts
-_SEED = NumberFlag(int, 0, 2**32 - 1)  # the seeds every numpy generator accepts (np.random.seed's range)
 _FRACTION = NumberFlag(float, 0.0, 1.0, low_open=True)
 
 
@@ -146,33 +147,40 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="host bytes per host for a host-memory tier (e.g. 64GiB): "
                            "evicted prefixes, swapped sequences")
     demo = sub.add_parser("demo", help="a small model generating through the cache, checked against a dense cache")
-    demo.add_argument("--requests", type=NumberFlag(int, 1, 64), default=12,
-                      help="number of requests (one of them forked), 1..64")
-    demo.add_argument("--max-new-tokens", type=NumberFlag(int, 2, 128), default=24,
-                      help="tokens to generate per request, 2..128")
-    demo.add_argument("--model", default="hybrid", choices=("hybrid", "uniform"),
+    defaults = DemoOptions()
+    _demo_number(demo, defaults, "--requests", "number of requests (one of them forked)")
+    _demo_number(demo, defaults, "--max-new-tokens", "tokens to generate per request")
+    demo.add_argument("--model", default=defaults.model, choices=MODEL_NAMES,
                       help="hybrid: sliding-window and full-attention layers, scanned (two layer groups); "
                            "uniform: full attention, unrolled")
-    demo.add_argument("--quant", default="none", help="quantizer name (see easykv.available_quantizers())")
-    demo.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="cache and model dtype")
+    demo.add_argument("--quant", default=defaults.quant, help="quantizer name (see easykv.available_quantizers())")
+    demo.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="cache and model dtype")
     demo.add_argument("--mesh", default=None, help="mesh to serve on (default tp=8 on 8 simulated CPU devices)")
     demo.add_argument("--restore-mesh", default=None,
                       help="mesh to restore the midway checkpoint onto (default dp=2,tp=4)")
     demo.add_argument("--cpu-devices", type=NumberFlag(int, 1, 64), default=8,
                       help="simulated CPU devices when running on a CPU, 1..64")
     demo.add_argument("--checkpoint-dir", default=None, help="where the midway checkpoint goes (default: a temp dir)")
-    demo.add_argument("--decode-steps", type=NumberFlag(int, 1, 64), default=8,
-                      help="decode steps per device loop, sampling on the device (1: one host round trip per token)")
-    demo.add_argument("--weights", default="trained",
+    _demo_number(demo, defaults, "--decode-steps",
+                 "decode steps per device loop, sampling on the device (1: one host round trip per token)")
+    demo.add_argument("--weights", default=defaults.weights,
                       help="trained: the model's weights shipped with easykv (trained on its docs: the sample "
                            "reads as English); random: seeded random weights; or the path of an .npz written by "
                            "tools/train_demo_model.py")
-    demo.add_argument("--seed", type=_SEED, default=0, help="seed of the requests' generation lengths")
+    _demo_number(demo, defaults, "--seed", "seed of the requests' generation lengths")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
     insp.add_argument("directory")
     insp.add_argument("--no-verify", action="store_true", help="skip re-reading the arrays")
     return parser
+
+
+def _demo_number(demo: argparse.ArgumentParser, defaults: DemoOptions, flag: str, text: str) -> None:
+    """Add ``flag``, the flag of the `DemoOptions` field of its name, with that field's range
+    (`INT_RANGES`) and default: the flag and ``run_demo(DemoOptions(...))`` refuse the same values."""
+    field = flag.removeprefix("--").replace("-", "_")
+    flag_type = NumberFlag(int, *INT_RANGES[field])
+    demo.add_argument(flag, type=flag_type, default=getattr(defaults, field), help=f"{text}, {flag_type.range}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -196,7 +204,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from easykv.demo.run import DemoOptions, check_weights, demo_quantizer, run_demo
+    from easykv.demo.options import demo_quantizer
+    from easykv.demo.run import check_weights, run_demo
 
     demo_quantizer(args.quant)  # a bad name fails here, before any device work
     check_weights(args.model, args.weights)  # so does a weights file that does not fit the model
@@ -205,10 +214,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else {"tp": n}
     restore = (parse_mesh(args.restore_mesh) if args.restore_mesh
                else {"dp": 2, "tp": n // 2} if n % 2 == 0 else {"tp": n})
+    low, high = MESH_AXIS_SIZES
     for flag, axes in (("--mesh", mesh), ("--restore-mesh", restore)):  # checked before half a demo runs
         size = math.prod(axes.values())
-        if any(v <= 0 for v in axes.values()) or size > n:
-            raise UsageError(f"{flag} {axes} needs {size} devices of positive axis sizes; this process has {n}")
+        if any(not low <= v <= high for v in axes.values()) or size != n:
+            raise UsageError(f"{flag} {axes} needs {size} devices and axis sizes in {low}..{high}; "
+                             f"the axes must multiply to this process's {n} devices")
     options = DemoOptions(requests=args.requests, max_new_tokens=args.max_new_tokens, quant=args.quant,
                           dtype=args.dtype, mesh=mesh, restore_mesh=restore, seed=args.seed,
                           checkpoint_dir=args.checkpoint_dir,

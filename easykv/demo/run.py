@@ -14,6 +14,9 @@ tokens. Prints a progress bar while it runs and a report at the end, with a samp
 The weights are the trained ones shipped in easykv/demo/weights/ by default (a byte-level model
 trained on the project's docs by tools/train_demo_model.py, so the sample reads as English), or
 seeded random ones (``weights="random"``: the same checks of the cache, on bytes that read as noise).
+
+What a run can be asked for is `DemoOptions` (options.py), which checks every field against the
+one table of allowed values that the CLI's flags read too.
 """
 
 from __future__ import annotations
@@ -32,44 +35,17 @@ import numpy as np
 from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import NEAR_TIE, Engine, Request, reference_disagreements
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
+from easykv.demo.options import MAX_LEN, DemoOptions, demo_quantizer
 from easykv.demo.weights import load_model, read_weights, shipped_weights
 from easykv.demo.workload import decode, make_requests
 from easykv.manager.manager import PageManager
-from easykv.quantization import get_quantizer, is_compressing, scales_per_page
+from easykv.quantization import is_compressing
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
-from easykv.spec.groups import AttentionKind
+from easykv.spec.groups import AttentionKind, known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
 
 _BARS = "▁▂▃▄▅▆▇█"
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoOptions:
-    requests: int = 12
-    max_new_tokens: int = 24
-    quant: str = "none"
-    dtype: str = "float32"
-    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"tp": 8})
-    restore_mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"dp": 2, "tp": 4})
-    page_size: int = 8
-    pages: int = 256
-    token_budget: int = 64
-    max_seqs: int = 8
-    seed: int = 0
-    checkpoint_dir: str | None = None
-    progress: bool = True
-    model: str = "hybrid"  # or "uniform"
-    decode_steps: int = 8  # decode steps per device loop (1: back to the host after every token)
-    # "trained": the model's shipped weights; "random": seeded random ones; or the path of an
-    # .npz that tools/train_demo_model.py wrote for this model.
-    weights: str = "trained"
-
-    def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
-        if not isinstance(self.weights, str) or not self.weights:
-            raise ValueError(f"weights must be 'trained', 'random' or the path of an .npz, got {self.weights!r}")
 
 
 # The demo's models: a hybrid (sliding window 32 + full attention, alternating, scanned) and a
@@ -77,6 +53,7 @@ class DemoOptions:
 # and ships as float16 in a few MB (tools/train_demo_model.py); 8 kv heads so that tp=8 and
 # dp=2 x tp=4 meshes each hold whole heads.
 _UNIFORM = DemoConfig(layers=4, hidden=128, q_heads=8, kv_heads=8, head_dim=16, mlp=384)
+# Keyed by options.MODEL_NAMES, the names DemoOptions and the CLI accept (a test compares them).
 MODELS = {"hybrid": dataclasses.replace(_UNIFORM, pattern="SF", window=32, scan=True), "uniform": _UNIFORM}
 
 
@@ -143,29 +120,20 @@ def _progress(out: TextIO, done: int, total: int, step: int, used: int, pages: i
     out.flush()
 
 
-def demo_quantizer(name: str) -> Any:
-    """The quantizer ``name`` the demo can check: its dense reference stores each token as the
-    quantizer would alone, which a format with per-page scales (``int4-ch``) does not; ValueError."""
-    quantizer = get_quantizer(name)
-    if scales_per_page(quantizer):
-        raise ValueError(f"the demo cannot check {quantizer.name}: its codes depend on how tokens arrive in a page "
-                         "(a page's scales grow as it fills), which the demo's dense reference does not model; use "
-                         "--quant int4-rot or int4-asym-rot for 4 bits "
-                         "(tests/quantization/test_quantization_channel.py checks "
-                         "int4-ch against a model of its pages)")
-    return quantizer
-
-
 def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> DemoReport:
+    if not isinstance(options, DemoOptions):  # its fields are checked when it is built, nowhere else
+        raise TypeError(f"run_demo takes a DemoOptions, got {type(options).__name__}")
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     cfg = MODELS[options.model]
     model = CompiledModel(demo_model(options.model, options.weights))  # a bad weights file fails first
     dtype = jnp.dtype(options.dtype)
     quantizer = demo_quantizer(options.quant)
-    mesh = create_mesh(options.mesh)
+    # Both meshes before any work: one that does not fit the devices is refused naming its
+    # field, not after half the demo has run.
+    mesh, mesh2 = _mesh(options, "mesh"), _mesh(options, "restore_mesh")
     pm = PartitionManager(PartitionAxis())
-    max_len = 256
+    max_len = MAX_LEN
     meta = _metadata(options, cfg, mesh, pm, dtype, quantizer, max_len)
     cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
     manager = PageManager(meta)
@@ -189,9 +157,8 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     halfway = _halfway_step(requests)
     engine.run(requests, until_step=halfway, on_step=on_step)
     # Checkpoint cache + manager, restore onto another mesh, finish there.
-    directory = options.checkpoint_dir or tempfile.mkdtemp(prefix="easykv-demo-")
+    directory = tempfile.mkdtemp(prefix="easykv-demo-") if options.checkpoint_dir is None else options.checkpoint_dir
     step = save_cache(directory, engine.cache, engine.manager, step=engine.step_index)
-    mesh2 = create_mesh(options.restore_mesh)
     restored = restore_cache(directory, mesh=mesh2, partition_manager=pm)
     engine.cache, engine.manager = restored.cache, restored.manager
     engine.run(requests, on_step=on_step)
@@ -217,7 +184,7 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         used = [h.group_pages[g] for h in engine.history]
         name = "pages used over time" if len(meta.groups) == 1 else f"{group.attention} layers' pages used"
         lines.append(f"  {name} (peak {max(used, default=0)} of {group.num_pages}): "
-                     f"{_sparkline(used, group.num_pages)}")
+                     f"{_sparkline(used, known_size(group.num_pages))}")
     lines += [
         f"  prefix cache: {m.prefix_hits}/{m.prefix_queries} prompts hit, {m.prefix_hit_tokens} of "
         f"{m.prefix_query_tokens} prompt tokens needed no prefill ({m.token_hit_rate:.0%})",
@@ -238,6 +205,15 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         steps=engine.step_index, checkpoint_step=step, matched=not mismatches, mismatches=mismatches,
         prefix_hit_rate=m.token_hit_rate, copies=engine.copies, text=text, sample=sample, readable=readable,
     )  # fmt: skip
+
+
+def _mesh(options: DemoOptions, name: str) -> Any:
+    """The mesh of ``options.<name>`` on this process's devices; a ValueError names the field."""
+    axes = getattr(options, name)
+    try:
+        return create_mesh(axes)
+    except ValueError as err:
+        raise ValueError(f"DemoOptions.{name} = {axes}: {err}") from None
 
 
 def _metadata(options: DemoOptions, cfg: DemoConfig, mesh: Any, pm: PartitionManager, dtype: Any, quantizer: Any,

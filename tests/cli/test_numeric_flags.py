@@ -4,6 +4,7 @@ number at all is refused by argparse naming the flag, one line and exit code 2, 
 command runs; never numpy's or Python's message (issue 42: ``easykv demo --seed -1``)."""
 
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -85,3 +86,46 @@ def test_the_issues_seed_is_refused_before_the_demo_starts(capsys, monkeypatch):
 @pytest.mark.parametrize("text, expected", [("0.5", 0.5), ("1", 1.0), ("1e-3", 1e-3)])
 def test_a_fraction_flag_takes_any_number_in_its_half_open_range(text, expected):
     assert math.isclose(NumberFlag(float, 0.0, 1.0, low_open=True)(text), expected)
+
+
+# ---- the demo's flags and DemoOptions: one table -------------------------------------------------
+def _demo_actions() -> dict[str, argparse.Action]:
+    return {action.dest: action for command, action in _options() if command == "demo"}
+
+
+def test_the_demos_flags_take_their_ranges_choices_and_defaults_from_demo_options():
+    """``easykv demo --seed -1`` and ``run_demo(DemoOptions(seed=-1))`` refuse the same values:
+    every numeric flag of the demo that sets a DemoOptions field has exactly that field's range
+    in easykv.demo.options.INT_RANGES (the only other one, --cpu-devices, configures the process)."""
+    from easykv.demo.options import DTYPES, INT_RANGES, MODEL_NAMES, DemoOptions
+
+    actions, defaults = _demo_actions(), DemoOptions()
+    fields = {f.name for f in dataclasses.fields(DemoOptions)}
+    numeric = {dest for dest, action in actions.items() if isinstance(action.type, NumberFlag)}
+    assert numeric - fields == {"cpu_devices"}, numeric
+    assert {"requests", "max_new_tokens", "decode_steps", "seed"} <= numeric & set(INT_RANGES)
+    for dest in sorted(numeric & fields):
+        flag_type = actions[dest].type
+        assert (flag_type.kind, flag_type.low, flag_type.high, flag_type.low_open) == (int, *INT_RANGES[dest], False)
+    assert actions["model"].choices == MODEL_NAMES and actions["dtype"].choices == DTYPES
+    for dest in sorted(set(actions) & fields - {"mesh", "restore_mesh"}):  # the meshes default to the devices
+        assert actions[dest].default == getattr(defaults, dest), dest
+
+
+@pytest.mark.parametrize("dest", ["requests", "max_new_tokens", "decode_steps", "seed"])
+def test_the_flag_and_the_field_refuse_and_accept_the_same_values(dest, capsys):
+    from easykv.demo.options import DemoOptions
+
+    action = _demo_actions()[dest]
+    low, high = action.type.low, action.type.high
+    flag = action.option_strings[-1]
+    for value in (low - 1, high + 1):
+        assert main(["demo", f"{flag}={value}"]) == 2
+        assert f"argument {flag}: {value} is out of range; use {low}..{high}" in capsys.readouterr().err
+        refusal = rf"^DemoOptions\.{dest} must be .* got {value} \(valid: {low}\.\.{high}\)$"
+        with pytest.raises(ValueError, match=refusal):
+            DemoOptions(**{dest: value})
+    parser = _build_parser()
+    for value in (low, high):
+        parsed = vars(parser.parse_args(["demo", f"{flag}={value}"]))[dest]
+        assert getattr(DemoOptions(**{dest: parsed}), dest) == value

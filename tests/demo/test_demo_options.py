@@ -1,0 +1,157 @@
+"""`DemoOptions` checks every field when it is built, against the one table of allowed values in
+easykv/demo/options.py (issue 42: ``run_demo(DemoOptions(seed=-1))`` failed inside numpy without
+naming the field; the CLI refused ``--seed -1`` but Python callers got no such check).
+
+Every field has bad values below (a field added later without any fails the coverage test);
+each is refused with a TypeError (wrong type: a bool is not an int) or a ValueError (a value
+outside the field's range) naming ``DemoOptions.<field>``, the value and what to use."""
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import easykv.demo.run as demo_run
+from easykv.cli import main
+from easykv.demo.options import DTYPES, INT_RANGES, LONGEST_PROMPT, MAX_LEN, MESH_AXIS_SIZES, MODEL_NAMES, DemoOptions
+
+
+def _int_cases(field: str) -> list[tuple]:
+    low, high = INT_RANGES[field]
+    out_of_range = [(v, ValueError, [repr(v), f"{low}..{high}"]) for v in (low - 1, high + 1, -(2**64), 2**64)]
+    wrong_type = [(v, TypeError, ["must be an int", f"{low}..{high}"])
+                  for v in (True, False, np.bool_(True), 1.0, np.float64(2.0), "3", None, [1])]  # fmt: skip
+    return out_of_range + wrong_type
+
+
+def _mesh_cases() -> list[tuple]:
+    low, high = MESH_AXIS_SIZES
+    return [
+        ({}, ValueError, ["names no mesh axis", "{'tp': 8}"]),
+        ({"tp": 0}, ValueError, ["['tp']", "0", f"{low}..{high}"]),
+        ({"tp": -1}, ValueError, ["['tp']", "-1", f"{low}..{high}"]),
+        ({"dp": 2, "tp": high + 1}, ValueError, ["['tp']", str(high + 1), f"{low}..{high}"]),
+        ({"tp": True}, TypeError, ["['tp']", "must be an int"]),
+        ({"tp": 8.0}, TypeError, ["['tp']", "must be an int"]),
+        ({8: 8}, TypeError, ["axis name 8", "name each axis with a str"]),
+        ({"": 8}, ValueError, ["empty axis name"]),
+        ([("tp", 8)], TypeError, ["must be a dict of mesh axis names to sizes", "list"]),
+        ("tp=8", TypeError, ["must be a dict of mesh axis names to sizes", "str"]),
+        (None, TypeError, ["must be a dict of mesh axis names to sizes"]),
+    ]
+
+
+BAD = {
+    **{field: _int_cases(field) for field in INT_RANGES},
+    "mesh": _mesh_cases(),
+    "restore_mesh": _mesh_cases(),
+    "quant": [("int3", ValueError, ["'int3'", "unknown quantizer", "available"]),
+              ("int4-ch", ValueError, ["cannot check int4-ch", "int4-rot"]),
+              (3, TypeError, ["quantizer's name", "int"]), (None, TypeError, ["quantizer's name"])],
+    "dtype": [("float64", ValueError, ["'float64'", "float32, bfloat16"]),
+              ("float16", ValueError, ["'float16'", "float32, bfloat16"]),
+              (np.float32, TypeError, ["must be a str", "float32, bfloat16"])],
+    "model": [("llama", ValueError, ["'llama'", "hybrid, uniform"]), ("Hybrid", ValueError, ["hybrid, uniform"]),
+              (None, TypeError, ["must be a str", "hybrid, uniform"])],
+    # "" used to mean a temporary directory (``checkpoint_dir or mkdtemp()``): a silent guess.
+    "checkpoint_dir": [("", ValueError, ["''", "None for a temporary one"]),
+                       ("ck\x00pt", ValueError, ["NUL byte"]), (3, TypeError, ["str or PathLike"]),
+                       (b"ck", TypeError, ["str or PathLike", "bytes"])],
+    "progress": [(1, TypeError, ["True or False", "int"]), ("yes", TypeError, ["True or False"]),
+                 (None, TypeError, ["True or False"])],
+    "weights": [("", ValueError, ["''", "'trained', 'random' or the path of an .npz"]),
+                ("w\x00.npz", ValueError, ["NUL byte"]), (None, TypeError, ["'trained', 'random'"]),
+                (Path("w.npz"), TypeError, ["'trained', 'random'", "Path"])],
+}  # fmt: skip
+
+
+def test_every_field_has_bad_values_here():
+    assert set(BAD) == {f.name for f in dataclasses.fields(DemoOptions)}
+
+
+CASES = [pytest.param(field, value, error, words, id=f"{field}={value!r:.20}")
+         for field, cases in BAD.items() for value, error, words in cases]  # fmt: skip
+
+
+@pytest.mark.parametrize("field, value, error, words", CASES)
+def test_a_bad_field_is_refused_naming_it_the_value_and_the_fix(field, value, error, words):
+    mesh, before = {"tp": 8}, copy.deepcopy(value)
+    with pytest.raises(error) as caught:
+        DemoOptions(**{field: value}, mesh=mesh) if field != "mesh" else DemoOptions(mesh=value)
+    assert type(caught.value) is error  # not a subclass standing in for the other kind
+    message = str(caught.value)
+    assert f"DemoOptions.{field}" in message and f"DemoOptions.restore_{field}" not in message, message
+    for word in words:
+        assert word in message, (word, message)
+    assert mesh == {"tp": 8} and value == before  # the caller's arguments are left as they were
+
+
+def test_the_issues_seed_is_refused_by_name_before_the_demo_starts(monkeypatch):
+    """The issue's reproduction: numpy's 'expected non-negative integer' from deep inside the run."""
+    monkeypatch.setattr(demo_run, "create_mesh", lambda *a, **k: pytest.fail("the demo started"))
+    with pytest.raises(ValueError, match=r"^DemoOptions\.seed must be a non-negative int, got -1 "
+                                         r"\(valid: 0\.\.4294967295\)$"):
+        demo_run.run_demo(DemoOptions(seed=-1, weights="random", progress=False))
+
+
+def test_the_documented_ranges():
+    """docs/cli.md gives these; the CLI's flags read them (tests/cli/test_numeric_flags.py)."""
+    assert {f: INT_RANGES[f] for f in ("requests", "max_new_tokens", "decode_steps", "seed")} == {
+        "requests": (1, 64), "max_new_tokens": (2, 128), "decode_steps": (1, 64), "seed": (0, 2**32 - 1)}
+    assert set(INT_RANGES) <= {f.name for f in dataclasses.fields(DemoOptions)}
+
+
+@pytest.mark.parametrize("field", sorted(INT_RANGES))
+def test_each_end_of_a_range_is_accepted_as_an_exact_int(field):
+    low, high = INT_RANGES[field]
+    for value in (low, high, np.int64(low), np.uint32(high) if high < 2**32 else high):
+        options = DemoOptions(**{field: value})
+        assert getattr(options, field) == value and type(getattr(options, field)) is int
+
+
+def test_the_defaults_are_valid_and_a_mesh_is_copied():
+    mesh = {"dp": np.int64(2), "tp": 4}
+    options = DemoOptions(mesh=mesh, restore_mesh={"tp": 8}, checkpoint_dir=Path("ck"), dtype="bfloat16",
+                          model="uniform", quant="int8", weights="random", progress=False)
+    mesh["tp"] = 0  # a later change of the caller's dict does not reach the checked options
+    assert options.mesh == {"dp": 2, "tp": 4} and type(options.mesh["dp"]) is int
+    assert all(lo <= getattr(DemoOptions(), f) <= hi for f, (lo, hi) in INT_RANGES.items())
+
+
+def test_the_tables_match_the_demo_they_describe():
+    """MODEL_NAMES are the models run_demo has; the longest prompt plus the most new tokens is
+    the demo's sequence length, so no request of any allowed size outgrows its cache."""
+    from easykv.demo.workload import make_requests
+
+    assert tuple(demo_run.MODELS) == MODEL_NAMES and DTYPES == ("float32", "bfloat16")
+    requests = make_requests(INT_RANGES["requests"][1], INT_RANGES["max_new_tokens"][1], seed=0)
+    assert max(len(r.prompt) for r in requests) == LONGEST_PROMPT
+    assert max(len(r.prompt) + r.max_new_tokens for r in requests) <= MAX_LEN
+    assert LONGEST_PROMPT + INT_RANGES["max_new_tokens"][1] == MAX_LEN  # and not a token less
+
+
+@pytest.mark.parametrize("field", ["mesh", "restore_mesh"])
+def test_a_mesh_that_does_not_fit_the_devices_is_refused_by_field_before_any_work(field, monkeypatch):
+    """The restore mesh was built only after half the demo had run and a checkpoint was written."""
+    monkeypatch.setattr(demo_run, "_metadata", lambda *a, **k: pytest.fail("the demo started before the check"))
+    with pytest.raises(ValueError, match=rf"^DemoOptions\.{field} = {{'tp': 16}}: create_mesh: .* 8 devices"):
+        demo_run.run_demo(DemoOptions(**{field: {"tp": 16}}, weights="random", progress=False))
+
+
+@pytest.mark.parametrize("flag", ["--mesh", "--restore-mesh"])
+@pytest.mark.parametrize("axes", ["tp=4", "tp=16", "dp=2,tp=2"])
+def test_the_cli_names_a_mesh_flag_whose_axes_do_not_multiply_to_the_devices(flag, axes, capsys, monkeypatch):
+    """tp=4 on 8 devices passed the CLI's check (it compared with '>') and failed in create_mesh
+    without naming the flag."""
+    monkeypatch.setattr(demo_run, "run_demo", lambda *a, **k: pytest.fail("the demo ran"))
+    assert main(["demo", flag, axes, "--weights", "random"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"easykv demo: error: {flag} {{"), lines
+    assert "multiply to this process's 8 devices" in lines[0], lines
+
+
+def test_run_demo_takes_only_checked_options():
+    with pytest.raises(TypeError, match="run_demo takes a DemoOptions, got dict"):
+        demo_run.run_demo({"seed": -1})

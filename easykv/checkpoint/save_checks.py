@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-from easykv.checkpoint.record import MANAGER_SEAL, RECORD_SEAL, canonical, check_record, group_index, page_leaves
+from easykv.checkpoint.record import MANAGER_SEAL, RECORD_SEAL, check_record, group_index, page_leaves
 from easykv.errors import CheckpointError
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.placement import group_layouts
@@ -151,16 +151,18 @@ def check_record_to_write(record: Mapping[str, Any], *, manager_saved: bool, dir
                         for entry in record["arrays"]]}
     step = record["step"]
     try:
-        as_read = json.loads(canonical(probe))
+        # Read back as the writer writes it (`record.seal`: keys in their order; canonical() sorts them,
+        # which would reorder mesh.shape against mesh.axis_names).
+        as_read = json.loads(json.dumps(probe, allow_nan=False))
         check_record(as_read, step, directory)
     except (CheckpointError, TypeError, ValueError) as err:
         # check_record speaks to a reader ("step N of DIR is damaged — restore another step"): keep the problem only.
         problem = str(err).removesuffix(f"; step {step} of {directory} is damaged — restore another step")
         raise ValueError(
             f"the record of step {step} of {directory} would fail the check every restore runs ({problem}), so "
-            "nothing was saved. The cache disagrees with its own metadata: save a cache as init_cache, "
-            "restore_cache, wake or a write returned it (a jax.tree.map that changes its arrays' dtypes or shapes "
-            "makes one that no restore can rebuild)") from err
+            "nothing was saved. Either the cache disagrees with its own metadata (a jax.tree.map that changes its "
+            "arrays' dtypes or shapes makes one that no restore can rebuild: save a cache as init_cache, "
+            "restore_cache, wake or a write returned it), or, for such a cache, this is a bug in easykv") from err
 
 
 __all__ = ["check_placement", "check_record_to_write", "layout_shardings"]

@@ -76,6 +76,20 @@ def _float32(_: Path) -> Made:
     return Made(pools.new_cache("heads", "float32"), None, mesh, pm)
 
 
+def _axes_not_sorted(_: Path) -> Made:
+    """A mesh whose axis names are not in alphabetical order ({'tp': 4, 'dp': 2}): the record keeps
+    mesh.shape in axis order, which a check that sorted the record's keys once reordered."""
+    mesh, pm = create_mesh({"tp": 4, "dp": 2}), PartitionManager(PartitionAxis(page_axis="dp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingAdjustedWarning)
+        meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, 2, 16, 4, 8, 8, 0.9, "float32", partition_manager=pm,
+                                                  num_pages_per_layer=24)
+    cache = PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
+    leaves = [jax.jit(lambda k, x=x: jax.random.normal(k, x.shape, x.dtype), out_shardings=x.sharding)(
+        jax.random.key(i)) for i, x in enumerate(jax.tree.leaves(cache))]
+    return Made(jax.tree.unflatten(jax.tree.structure(cache), leaves), None, mesh, pm)
+
+
 def _grouped(layout: str) -> Made:
     cache, manager = groups.filled(layout)
     return Made(cache, manager, *groups.mesh_and_rule(layout))
@@ -170,6 +184,7 @@ CASES: dict[str, Callable[[Path], Made]] = {
     "int4-ch": lambda _: _run("heads", "int4-ch"),
     "int4-ol": lambda _: _run("dp", "int4-ol"),
     "dp2tp4": lambda _: _run("dp"),
+    "mesh-axes-not-sorted-tp4dp2": _axes_not_sorted,
     "replicated-heads": lambda _: _run("replicated"),
     "one-device-mesh": lambda _: _run("single"),
     "groups-sliding-latent-tp8": lambda _: _grouped("tp8"),
@@ -201,7 +216,8 @@ CASES: dict[str, Callable[[Path], Made]] = {
                                                    "group_000.value_pages", only="value_pages"),
     "other-dtype": lambda _: _misplaced(_run("heads"), lambda a: a.astype(jnp.float32), "arrays[0].stored_dtype"),
 }
-FAST = {"bf16-tp8-run", "groups-sliding-latent-dp2tp4", "zeros-outside-jit", "device-put-other-devices",
+FAST = {"bf16-tp8-run", "groups-sliding-latent-dp2tp4", "mesh-axes-not-sorted-tp4dp2", "zeros-outside-jit",
+        "device-put-other-devices",
         "other-dtype"}
 
 

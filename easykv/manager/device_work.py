@@ -5,7 +5,10 @@ host pages alike), in the order they must run, before a step's writes.
 
 This module holds `PendingWork`, the plumbing that collects that work from the groups and the
 host-tier policy and applies it. The cache and the `HostTier` are duck-typed: it never imports
-``storage``, ``attention``, ``checkpoint`` or ``tiers``.
+``storage``, ``attention``, ``checkpoint`` or ``tiers``. It hands them the work unpadded: they pad
+every call's page ids to a power-of-two bucket themselves (``easykv.storage.page_work``), the one
+place every copy, scrub and transfer goes through, so the programs compiled stay logarithmic in
+the pool.
 """
 
 from __future__ import annotations

@@ -29,15 +29,8 @@ from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.metadata import PagedAttentionMetadata, group_runtime
 from easykv.storage.cache_json import EasyDeLForms, cache_to_dict, cache_view_dicts
-from easykv.storage.pages import (
-    PageLayout,
-    allocate_pages,
-    copy_pages_local,
-    encode_tokens,
-    page_op,
-    read_pages,
-    zero_pages_local,
-)
+from easykv.storage.page_work import padded_ids, page_work_local, work_bucket
+from easykv.storage.pages import PageLayout, allocate_pages, encode_tokens, page_op, read_pages
 from easykv.storage.placement import cache_layout, check_fits, checked_layout, group_layouts
 from easykv.storage.view import CacheViews, PagedAttentionCacheView
 from easykv.storage.writes import check_layer_rows, count_dropped, scatter_encoded, token_slots
@@ -341,7 +334,10 @@ class PagedAttentionCache(EasyDeLForms):
 
     def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
-        One jitted, donating call; sources are read before destinations are written.
+        One jitted, donating call; sources are read before destinations are written. Host ids
+        are padded with -1 to a power of two (at most the pool's pages; `easykv.storage.page_work`),
+        the program `zero_pages` runs too, so a server compiles a few shapes of it, not one per
+        count; device (jax) ids run in the length given.
 
         Args:
           src: ``(num_copies,)`` int page ids, one array for every layer group or a tuple of one
@@ -350,7 +346,7 @@ class PagedAttentionCache(EasyDeLForms):
             data-parallel replicas' slices (ValueError).
 
         Returns:
-          The updated cache (this cache's buffers are donated).
+          The updated cache (this cache's buffers are donated); this cache itself when the ids are empty.
         """
         meta = self.metadata
         srcs, dsts = _group_page_ids(src, "src", meta), _group_page_ids(dst, "dst", meta)
@@ -368,21 +364,20 @@ class PagedAttentionCache(EasyDeLForms):
                     raise ValueError(
                         f"copy {int(src[i])} -> {int(dst[i])}{where} crosses data-parallel replicas: pages are "
                         f"split into {meta.page_shards} slices of {per_shard}; copy within a replica's slice")
-        copied: PagedAttentionCache = _copy_all(self, srcs, dsts)  # jit: typed here
-        return copied
+        return _run_page_work(self, srcs, dsts, None)
 
     def zero_pages(self, pages: Any) -> PagedAttentionCache:
-        """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding.
+        """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding. Padded
+        and compiled as `copy_pages` (one program for both).
 
         Args:
           pages: ``(num_pages_to_zero,)`` int page ids, one array for every layer group or a
             tuple of one per group (groups have their own pools).
 
         Returns:
-          The updated cache (this cache's buffers are donated).
+          The updated cache (this cache's buffers are donated); this cache itself when the ids are empty.
         """
-        zeroed: PagedAttentionCache = _zero_all(self, _group_page_ids(pages, "pages", self.metadata))  # jit: typed here
-        return zeroed
+        return _run_page_work(self, None, None, _group_page_ids(pages, "pages", self.metadata))
 
 
 def _replaced(items: tuple[Any, ...], g: int, value: Any) -> tuple[Any, ...]:
@@ -441,8 +436,36 @@ def _apply_page_op(cache: PagedAttentionCache, *ids: tuple[jax.Array, ...], op: 
     return PagedAttentionCache(cache.metadata, tuple(keys), tuple(values), cache.layout)
 
 
-_copy_all = jax.jit(partial(_apply_page_op, op=copy_pages_local), donate_argnums=0)
-_zero_all = jax.jit(partial(_apply_page_op, op=zero_pages_local), donate_argnums=0)
+@partial(jax.jit, donate_argnums=0)  # its name is what compile counters see (tests, bench_load)
+def page_work(cache: PagedAttentionCache, srcs: tuple[Any, ...], dsts: tuple[Any, ...], scrubs: tuple[Any, ...]
+              ) -> PagedAttentionCache:
+    """Every group's copies, then its scrubs (one id array of each per group, all of one
+    length), in one program (`page_work_local`): `copy_pages` and `zero_pages` run it."""
+    return _apply_page_op(cache, srcs, dsts, scrubs, op=page_work_local)
+
+
+def _run_page_work(cache: PagedAttentionCache, srcs: tuple[Any, ...] | None, dsts: tuple[Any, ...] | None,
+                   scrubs: tuple[Any, ...] | None) -> PagedAttentionCache:
+    """`page_work` on checked ids, one array per group (None: no copies, or no scrubs). Host ids
+    are padded with -1 to one bucket (`work_bucket`) for every array of every group; device ids
+    are not read back to pad them: they run in the length given."""
+    given = (srcs if srcs is not None else scrubs) or ()
+    if any(isinstance(a, jax.Array) for a in (*(srcs or ()), *(dsts or ()), *(scrubs or ()))):
+        sizes = [int(np.shape(a)[0]) for a in given]
+    else:
+        most = max(known_size(g.num_pages) for g in cache.metadata.groups)
+        size = work_bucket(max((int(np.shape(a)[0]) for a in given), default=0), most)
+        if size == 0:
+            return cache  # nothing to copy or zero: no program (nor its compile)
+        sizes = [size] * len(given)
+
+    def padded(ids: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        if ids is None:  # the other half: all padding, skipped on the device
+            return tuple(np.full(n, -1, np.int32) for n in sizes)
+        return tuple(a if isinstance(a, jax.Array) else padded_ids(a, n) for a, n in zip(ids, sizes))
+
+    done: PagedAttentionCache = page_work(cache, padded(srcs), padded(dsts), padded(scrubs))  # jit: typed here
+    return done
 
 
 def _stacker(layout: PageLayout | None) -> Any:

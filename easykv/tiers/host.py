@@ -15,13 +15,17 @@ block): bit for bit what the device held, scales of quantized pages included. JA
 place needs host-side scatters that jaxlib 0.9 cannot compile over a sharded mesh, and easykv
 supports jaxlib 0.9.
 
-One `apply` is one jitted, donating call per step for every group and all the manager's pending
-device work: it gathers the pages to offload, makes the copy-on-write copies, scatters the
-onloaded pages and zeroes the scrubbed ones, in that order (see `HostTier.apply`). Offloaded pages are copied to the
-host asynchronously (``copy_to_host_async``) and land in the host arrays at the start of the
-next `apply` (or `flush`), so the step never waits for them; host pages are read for onloads
-only after every earlier offload has landed. A call with only host pages to zero runs no device
-program and returns the cache it was given.
+One `apply` runs every group's pending device work in one program, usually in one call: it
+gathers the pages to offload, makes the copy-on-write copies, scatters the onloaded pages and
+zeroes the scrubbed ones, in that order (see `HostTier.apply`). The program's page ids are
+padded to one bucket per call (`easykv.storage.page_work`: a power of two, at most the pool), so
+a server compiles a number of shapes logarithmic in its pool; work of very different sizes (a
+few onloads beside many scrubs) is split into calls of its own bucket rather than padding the
+transfers to the largest, and transfers go at most `TRANSFER_CHUNK` pages per replica a call.
+Offloaded pages are copied to the host asynchronously (``copy_to_host_async``) and land in the
+host arrays at the start of the next `apply` (or `flush`), so the step never waits for them; host
+pages are read for onloads only after every earlier offload has landed. A call with only host
+pages to zero runs no device program and returns the cache it was given.
 
 Released host pages are zeroed when the manager scrubs released pages (``scrub_released``):
 those released since the last call at its start (after earlier offloads landed), those its own
@@ -32,6 +36,7 @@ refuses a tier bound to another, so one cache's offload cannot overwrite another
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any
 
@@ -42,7 +47,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from easykv.spec.groups import known_size
 from easykv.storage.cache import PagedAttentionCache
-from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
+from easykv.storage.page_work import TRANSFER_CHUNK, padded_ids, page_work_local, work_bucket
+from easykv.storage.pages import PageLayout
+
+_KEPT_BLANK = 16  # `_GroupStore.blank` keeps its arrays up to this many pages per replica
 
 
 class HostTier:
@@ -154,9 +162,10 @@ class HostTier:
 
     def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
               manager_metadata: Any = None) -> PagedAttentionCache:
-        """Run a manager's pending work on ``cache`` and these host pages, in one program per
-        call. Called by `PageManager.apply_pending` (which checks the tier is the manager's:
-        `bind`); everything here is checked before anything moves.
+        """Run a manager's pending work on ``cache`` and these host pages, in one program (one
+        call of it, or a few: see the module doc). Called by `PageManager.apply_pending` (which
+        checks the tier is the manager's: `bind`); everything here is checked before anything
+        moves.
 
         The order is what the manager's bookkeeping relies on: offloads read the device pages
         first (an evicted page may be any later step's destination), then copies (a copy's
@@ -197,36 +206,125 @@ class HostTier:
                                              for a in (src, dst, z)):
                 raise ValueError(f"copies and scrubs are page ids of 0..{pool - 1} (-1: padding), "
                                  f"src and dst paired; got src {src.tolist()}, dst {dst.tolist()}, scrubs {z.tolist()}")
-            device_ids.append((_padded(src), _padded(dst), _padded(z)))
+            real = (src >= 0) & (dst >= 0)  # a caller's padding goes: each call pads to its own bucket
+            device_ids.append((src[real], dst[real], z[z >= 0]))
         self.flush()  # every earlier offload lands before a host page is read or zeroed
         for store, t in zip(self._groups, transfers):
             store.zero(np.asarray(t[4], np.int64))
-        if not any(p.off_counts.any() or p.on_counts.any() for p in plans) and not any(
-                (a >= 0).any() for ids in device_ids for a in ids):
-            return cache  # host scrubs only: no device program (nor its compile) for nothing
-        staged_on = [store.gather(plan) for store, plan in zip(self._groups, plans)]
+        calls = _calls(plans, device_ids, max(known_size(g.num_pages) for g in meta.groups))
+        for call in calls:  # none when only host pages were zeroed: no device program (nor its compile)
+            cache = self._run(cache, call, plans, device_ids)
+        return cache
+
+    def _run(self, cache: PagedAttentionCache, call: _Call, plans: list[_Plan],
+             device_ids: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> PagedAttentionCache:
+        """One call of the program: ``call``'s share of every group's work, each array padded to
+        its bucket (transfers to ``call.width`` pages per replica)."""
+        meta, k, w = self.metadata, call.size, call.width
+        none = np.full(k, -1, np.int32)
+        staged_on, off_ids, on_ids, ids = [], [], [], []
+        for store, plan, (src, dst, z) in zip(self._groups, plans, device_ids):
+            off, on = call.columns("off", plan.off_src.shape[1]), call.columns("on", plan.on_src.shape[1])
+            real = np.arange(w)[None, :] < _counts(plan.off_counts, off)[:, None]
+            # numpy (jnp.asarray would compile a program per shape); padding one past the slice: no offload
+            off_ids.append(np.where(real, _window(plan.off_src, off, w, 0), store.device_local).astype(np.int32))
+            on_ids.append(_window(plan.on_dst, on, w, store.device_local))
+            onloads = _counts(plan.on_counts, on).any()  # else nothing crosses the host link for this group
+            staged_on.append(store.gather(_window(plan.on_src, on, w, 0)) if onloads else store.blank(w))
+            ids.append((padded_ids(src, k) if "copies" in call.parts else none,
+                        padded_ids(dst, k) if "copies" in call.parts else none,
+                        padded_ids(z, k) if "scrubs" in call.parts else none))
         pools = tuple(jax.tree.leaves((cache.key_pages[g], cache.value_pages[g])) for g in range(len(meta.groups)))
-        off_ids = tuple(jnp.asarray(p.off_src) for p in plans)
-        on_ids = tuple(jnp.asarray(p.on_dst) for p in plans)
-        new_pools, staged_off = _move(pools, off_ids, tuple(staged_on), on_ids, tuple(device_ids),
+        new_pools, staged_off = _move(pools, tuple(off_ids), tuple(staged_on), tuple(on_ids), tuple(ids),
                                       layouts=self._layouts)
         for g, (store, plan, staged) in enumerate(zip(self._groups, plans, staged_off)):
-            if plan.off_counts.any():
+            off, on = call.columns("off", plan.off_src.shape[1]), call.columns("on", plan.on_src.shape[1])
+            off_counts, on_counts = _counts(plan.off_counts, off), _counts(plan.on_counts, on)
+            if off_counts.any():
                 for a in staged:
                     a.copy_to_host_async()
-                self._inflight.append((g, staged, plan.off_dst, plan.off_counts))
-                self.bytes_offloaded += store.page_bytes * int(plan.off_counts.sum())
-            self.bytes_onloaded += store.page_bytes * int(plan.on_counts.sum())
+                self._inflight.append((g, staged, _window(plan.off_dst, off, w, store.host_local), off_counts))
+                self.bytes_offloaded += store.page_bytes * int(off_counts.sum())
+            self.bytes_onloaded += store.page_bytes * int(on_counts.sum())
         keys, values = [], []
         for store, leaves in zip(self._groups, new_pools):
-            k, v = jax.tree.unflatten(store.treedef, leaves)
-            keys.append(k)
-            values.append(v)
+            k_pages, v_pages = jax.tree.unflatten(store.treedef, leaves)
+            keys.append(k_pages)
+            values.append(v_pages)
         return PagedAttentionCache(meta, tuple(keys), tuple(values), cache.layout)
 
 
+class _Call:
+    """One call of the program: its bucket ``size`` (the length of its copy and scrub ids),
+    ``width`` (its transfers' pages per replica: ``min(size, TRANSFER_CHUNK)``) and ``parts``:
+    kind ("off", "copies", "on", "scrubs") -> (chunk index, the part's own bucket)."""
+
+    def __init__(self, kind: str, index: int, size: int):
+        self.size = size
+        self.parts = {kind: (index, size)}
+
+    @property
+    def width(self) -> int:
+        return min(self.size, TRANSFER_CHUNK)
+
+    def take(self, kind: str, index: int, size: int) -> bool:
+        """Add the part if its kind is new here and no transfer of the call would pad past its
+        own bucket (transfers move real bytes over the host link; padding copies and scrubs only
+        costs device work). Returns whether it was added."""
+        grown = max(self.size, size)
+        transfers = [s for kd, (_, s) in self.parts.items() if kd in ("off", "on")]
+        transfers += [size] if kind in ("off", "on") else []
+        if kind in self.parts or any(s != min(grown, TRANSFER_CHUNK) for s in transfers):
+            return False
+        self.size = grown
+        self.parts[kind] = (index, size)
+        return True
+
+    def columns(self, kind: str, total: int) -> slice:
+        """The columns of a transfer kind's per-replica ids this call moves (empty when none)."""
+        if kind not in self.parts:
+            return slice(0, 0)
+        start = self.parts[kind][0] * TRANSFER_CHUNK
+        return slice(start, min(start + self.width, total))
+
+
+def _calls(plans: list[_Plan], device_ids: list[tuple[np.ndarray, np.ndarray, np.ndarray]], most: int
+           ) -> list[_Call]:
+    """Every group's work as calls of one program, in the order it must run: offloads, copies,
+    onloads, scrubs (transfers in chunks of `TRANSFER_CHUNK` pages per replica), each call as
+    many consecutive parts as share a bucket (`_Call.take`)."""
+    parts: list[tuple[str, int, int]] = []
+    for kind, total in (("off", max(p.off_src.shape[1] for p in plans)),
+                        ("copies", max(src.size for src, _, _ in device_ids)),
+                        ("on", max(p.on_src.shape[1] for p in plans)),
+                        ("scrubs", max(z.size for _, _, z in device_ids))):
+        chunk = TRANSFER_CHUNK if kind in ("off", "on") else max(total, 1)
+        parts += [(kind, i, work_bucket(min(chunk, total - i * chunk), most)) for i in range(-(-total // chunk))]
+    calls: list[_Call] = []
+    for kind, index, size in parts:
+        if not calls or not calls[-1].take(kind, index, size):
+            calls.append(_Call(kind, index, size))
+    return calls
+
+
+def _window(ids: np.ndarray, columns: slice, width: int, fill: int) -> np.ndarray:
+    """``ids[:, columns]`` (per replica) padded with ``fill`` to ``width`` columns."""
+    out = np.full((ids.shape[0], width), fill, np.int32)
+    part = ids[:, columns]
+    out[:, : part.shape[1]] = part
+    return out
+
+
+def _counts(counts: np.ndarray, columns: slice) -> np.ndarray:
+    """Per replica, how many of its real pairs fall in ``columns``."""
+    inside: np.ndarray = np.clip(counts - columns.start, 0, columns.stop - columns.start)
+    return inside
+
+
 class _Plan:
-    """One group's transfers as per-replica local page ids, padded to a power of two."""
+    """One group's transfers as per-replica local page ids ``(replicas, most pairs of one
+    replica)``, rows padded as `_GroupStore._split` says; `HostTier._run` cuts and pads the
+    columns of each call."""
 
     def __init__(self, off_src: np.ndarray, off_dst: np.ndarray, off_counts: np.ndarray, on_src: np.ndarray,
                  on_dst: np.ndarray, on_counts: np.ndarray):
@@ -246,6 +344,8 @@ class _GroupStore:
         self.shards: list[dict[tuple[Any, ...], np.ndarray]] = []
         self.devices: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: (device, shard key, replica)
         self.shapes = [a.shape for a in leaves]
+        self.dtypes = [a.dtype for a in leaves]
+        self.spares: dict[int, list[jax.Array]] = {}  # `blank`'s kept arrays, by width
         self.shardings = [_page_major(a.sharding) for a in leaves]
         page_bytes = 0
         for a in leaves:
@@ -276,15 +376,15 @@ class _GroupStore:
 
     def _split(self, src: np.ndarray, src_local: int, dst: np.ndarray, dst_local: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per replica, the pairs' local ids ``(replicas, k)``; padding: page 0 as a source (read
-        and thrown away), one past the slice as a destination (dropped). A pair crossing replicas
-        is refused."""
+        """Per replica, the pairs' local ids ``(replicas, k)`` (``k``: the most pairs of one
+        replica); padding: page 0 as a source (read and thrown away), one past the slice as a
+        destination (dropped). A pair crossing replicas is refused."""
         rep = src // src_local
         if np.any(rep != dst // dst_local):
             raise ValueError("a host-tier transfer crosses data-parallel replicas; each replica's pages stay in its "
                              "own slice")
         counts = np.bincount(rep, minlength=self.replicas) if src.size else np.zeros(self.replicas, np.int64)
-        k = _bucket(int(counts.max()))
+        k = int(counts.max())
         out_src = np.zeros((self.replicas, k), np.int32)
         out_dst = np.full((self.replicas, k), dst_local, np.int32)
         for r in range(self.replicas):
@@ -293,21 +393,34 @@ class _GroupStore:
             out_dst[r, : counts[r]] = dst[mask] - r * dst_local
         return out_src, out_dst, counts
 
-    def gather(self, plan: _Plan) -> list[jax.Array]:
-        """The onloaded pages as device arrays, page-major ``(replicas * k, layers, heads, ...)``
-        and sharded like the pool; padding pages go nowhere."""
-        k = plan.on_src.shape[1]
+    def gather(self, on_src: np.ndarray) -> list[jax.Array]:
+        """The host pages ``on_src`` (``(replicas, k)`` local ids) as device arrays, page-major
+        ``(replicas * k, layers, heads, ...)`` and sharded like the pool; padding pages go nowhere."""
+        k = on_src.shape[1]
         out: list[jax.Array] = []
         for stores, devices, shape, sharding in zip(self.shards, self.devices, self.shapes, self.shardings):
             parts: dict[tuple[Any, int], np.ndarray] = {}
             for _, key, r in devices:
                 if (key, r) not in parts:  # padding reads page 0: its destination drops it
-                    parts[key, r] = stores[key][plan.on_src[r]]
+                    parts[key, r] = stores[key][on_src[r]]
             # One batched transfer for every device (several single ones cost more than the floor's one).
             arrays = jax.device_put([parts[key, r] for _, key, r in devices], [device for device, _, _ in devices])
             global_shape = (k * self.replicas, *shape[:2], *shape[3:])
             out.append(jax.make_array_from_single_device_arrays(global_shape, sharding, arrays))
         return out
+
+    def blank(self, k: int) -> list[jax.Array]:
+        """Zeroed stand-ins for `gather`'s arrays of ``k`` pages per replica, made on the devices
+        (no host copy): the onload input of a call that onloads nothing. The program only reads
+        them, so those of up to `_KEPT_BLANK` pages are kept for the next call of their width
+        (the many small scrubs of a server make none; at most 31 pages per replica are kept)."""
+        if k in self.spares:
+            return self.spares[k]
+        shapes = tuple((k * self.replicas, *shape[:2], *shape[3:]) for shape in self.shapes)
+        blank: list[jax.Array] = _staging_blank(shapes, tuple(self.dtypes), tuple(self.shardings))()
+        if k <= _KEPT_BLANK:
+            self.spares[k] = blank
+        return blank
 
     def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
         """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``;
@@ -340,6 +453,16 @@ class _GroupStore:
                 stores[key][mine] = 0
 
 
+@functools.lru_cache(maxsize=64)
+def _staging_blank(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], shardings: tuple[Any, ...]) -> Any:
+    """A jitted maker of zeroed arrays of ``shapes`` laid out as ``shardings`` (one layer group's
+    staging arrays): one small program per width of a call that stages no onload, at most
+    log2(TRANSFER_CHUNK) + 1 per group; an allocation, not page work."""
+    def staging_blank() -> list[jax.Array]:
+        return [jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+    return jax.jit(staging_blank, out_shardings=list(shardings))
+
+
 def _page_major_spec(spec: PartitionSpec) -> PartitionSpec:
     """The spec of a pool array's pages moved to the front: ``(pages, layers, heads, ...)``."""
     entries = tuple(spec) + (None,) * max(0, 3 - len(spec))
@@ -356,17 +479,6 @@ def _page_major(sharding: Any) -> Any:
 
 def _key(index: tuple[Any, ...], ndim: int) -> tuple[Any, ...]:
     return tuple((s.start or 0, s.stop) if isinstance(s, slice) else s for s in index[:ndim])
-
-
-def _bucket(n: int) -> int:
-    """``n`` rounded up to a power of two (few compiled shapes); 0 stays 0."""
-    return 0 if n == 0 else 1 << (n - 1).bit_length()
-
-
-def _padded(ids: np.ndarray) -> np.ndarray:
-    out = np.full(_bucket(ids.size), -1, np.int32)
-    out[: ids.size] = ids
-    return out
 
 
 @partial(jax.jit, static_argnames=("layouts",), donate_argnums=0)
@@ -389,10 +501,21 @@ def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Arr
         r: int | jax.Array = 0
         if layout is not None and layout.page_shards > 1:
             r = jax.lax.axis_index(layout.page_axes)
-        taken = [jnp.moveaxis(jnp.take(a, off[r], axis=2, mode="clip"), 2, 0) for a in leaves]  # page-major
-        leaves = copy_pages_local(leaves, None, copy_src, copy_dst, layout=layout)
-        leaves = [a.at[:, :, on[r]].set(jnp.moveaxis(u, 0, 2), mode="drop") for a, u in zip(leaves, on_pages)]
-        return zero_pages_local(leaves, None, scrubs, layout=layout), taken
+        gathered = [jnp.take(a, off[r], axis=2, mode="clip") for a in leaves]  # padding reads the last page
+        # The first page written back onto itself (no change; padding, one past the slice, is dropped):
+        # every later write then follows the gather, so XLA updates the pool in place (a gathered
+        # output beside in-place writes made it copy the whole pool on every call).
+        leaves = [a.at[:, :, off[r][:1]].set(g[:, :, :1], mode="drop") for a, g in zip(leaves, gathered)]
+        taken = [jnp.moveaxis(g, 2, 0) for g in gathered]  # page-major
+
+        def onload(leaves: list[jax.Array]) -> list[jax.Array]:  # padding: one past the slice, dropped
+            return [a.at[:, :, on[r]].set(jnp.moveaxis(u, 0, 2), mode="drop") for a, u in zip(leaves, on_pages)]
+
+        def onloads(leaves: list[jax.Array]) -> list[jax.Array]:
+            result: list[jax.Array] = jax.lax.cond(jnp.any(on[r] < leaves[0].shape[2]), onload, lambda x: x, leaves)
+            return result
+
+        return page_work_local(leaves, None, copy_src, copy_dst, scrubs, layout=layout, between=onloads), taken
 
     if layout is None or layout.mesh.size == 1:
         return local(leaves, on_pages, off, on, *ids)

@@ -76,6 +76,23 @@ def integer(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32
     return number
 
 
+def is_scalar(value: Any) -> bool:
+    """Whether ``value`` is one value rather than a list or array of them, for an argument that takes
+    either (one sequence id or a list; one count for all or one each): one reads through `integer`,
+    the other through `integer_array`. One is what numpy counts as 0-d: a Python or numpy int, a
+    0-d numpy or jax array (``np.array(3)``, ``jnp.arange(4)[3]``), and anything else not a
+    sequence, which `integer` then names ("must be an int, got 'a' (a str)")."""
+    if isinstance(value, (int, np.integer, list, tuple)):  # the common cases, without numpy
+        return not isinstance(value, (list, tuple))
+    ndim = getattr(value, "ndim", None)  # numpy and jax arrays (traced ones too): no conversion
+    if isinstance(ndim, int):
+        return ndim == 0
+    try:
+        return bool(np.ndim(value) == 0)
+    except Exception:  # noqa: BLE001  ragged, or a misbehaving object: integer_array names the problem
+        return False
+
+
 def non_negative_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
     return integer(name, value, lo=0, hi=hi, hint=hint)
 
@@ -231,6 +248,6 @@ def parse_json(text: str | bytes, *, what: str, error: type[Exception] = ValueEr
 
 
 __all__ = [
-    "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "as_dtype", "boolean", "integer", "integer_array", "non_negative_int",
-    "optional_int", "page_ids", "parse_json", "positive_int", "real", "show",
+    "INT32_MAX", "INT64_MAX", "JSON_MAX_DEPTH", "as_dtype", "boolean", "integer", "integer_array", "is_scalar",
+    "non_negative_int", "optional_int", "page_ids", "parse_json", "positive_int", "real", "show",
 ]

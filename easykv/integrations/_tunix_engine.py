@@ -27,7 +27,7 @@ from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.loop import DecodeOutput, decode_loop, greedy, log_prob
 from easykv.storage.cache import PagedAttentionCache
 from easykv.tiers.sleep import SleepingCache, sleep, wake
-from easykv.validation import integer, integer_array, positive_int
+from easykv.validation import integer, integer_array, is_scalar, positive_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +272,7 @@ class TunixPagedEngine:
         """
         rows = self._rows(prompts, max_new_tokens)
         eos = tuple(integer("eos id", e, lo=0) for e in eos_ids)
-        key = seed if isinstance(seed, jax.Array) else jax.random.key(integer("seed", seed, lo=0, hi=None))
+        key = seed if isinstance(seed, jax.Array) else jax.random.key(integer("seed", seed, lo=0, hi=2**63 - 1))
         self.wake()
         self._check_weights()
         self.peak_pages = 0
@@ -300,7 +300,7 @@ class TunixPagedEngine:
             raise ValueError(f"{len(prompts)} prompts but the cache holds batch_size={meta.batch_size} sequences; "
                              "generate fewer at once or create the engine with a larger batch_size")
         hint = f"new tokens per prompt, 1 .. max_length={meta.max_sequences}"
-        if isinstance(max_new_tokens, (int, np.integer)):
+        if is_scalar(max_new_tokens):
             limits = [integer("max_new_tokens", max_new_tokens, lo=1, hi=meta.max_sequences, hint=hint)] * len(prompts)
         else:
             limits = integer_array("max_new_tokens", max_new_tokens, ndim=1, lo=1, hi=meta.max_sequences,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from easykv.manager.prefix_hash import as_token_ids
-from easykv.validation import INT32_MAX, integer_array, show
+from easykv.validation import INT32_MAX, integer_array, is_scalar, show
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator
@@ -31,7 +31,7 @@ def parse_tokens(token_ids: Any, n: int) -> tuple[np.ndarray, Tokens]:
     if not isinstance(token_ids, (list, tuple, np.ndarray)):
         raise ValueError(f"token_ids={show(token_ids)} is not a list or array; pass one id per sequence or one "
                          "list per sequence")
-    if isinstance(token_ids, np.ndarray) or all(isinstance(t, (int, np.integer)) for t in token_ids):
+    if isinstance(token_ids, np.ndarray) or all(is_scalar(t) for t in token_ids):
         arr = integer_array("token_ids", token_ids, lo=0, hi=INT32_MAX, hint="token ids")
         if arr.ndim not in (1, 2) or arr.shape[0] != n:
             raise ValueError(f"token_ids has shape {arr.shape}; pass ({n},) or ({n}, k) ids for {n} sequences")

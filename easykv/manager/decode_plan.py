@@ -35,7 +35,7 @@ from easykv.manager.prefix_hash import as_token_ids
 from easykv.manager.rollback import give_back_reserved
 from easykv.step.checks import check_padding
 from easykv.step.loop import increment_groups
-from easykv.validation import INT32_MAX, integer, integer_array, positive_int
+from easykv.validation import INT32_MAX, integer, integer_array, is_scalar, positive_int
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator, PerGroup
@@ -172,15 +172,14 @@ def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndar
         return tokens[:n], plan.limits[:n].astype(np.int64)
     if isinstance(num_tokens, jax.Array):
         num_tokens = np.asarray(num_tokens)
-    hint = f"tokens each sequence wrote, 0 .. num_steps={k}"
-    try:
-        one = np.ndim(num_tokens) == 0
-    except (ValueError, TypeError):  # ragged: integer_array names the problem
-        one = False
+    # Bounded by the plan's steps before any array holds a count (2**80 would overflow int64); the
+    # limit of each sequence, at most num_steps, is compared below with its own message.
+    hint = f"tokens each sequence wrote, at most num_steps={k}"
+    one = is_scalar(num_tokens)
     if one:  # one count for every sequence (0: the abort)
-        counts = np.full(n, integer("num_tokens", num_tokens, lo=0, hi=None, hint=hint), np.int64)
+        counts = np.full(n, integer("num_tokens", num_tokens, lo=0, hi=k, hint=hint), np.int64)
     else:
-        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=None, dtype=np.int64, hint=hint)
+        counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=k, dtype=np.int64, hint=hint)
         if counts.shape not in ((n,), (padded,)):
             raise ValueError(f"num_tokens has {counts.size} entries; {plan!r} takes one int, {n} (or {padded}, "
                              "padded): how many tokens each sequence wrote")

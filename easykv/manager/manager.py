@@ -248,7 +248,7 @@ class PageManager:
           seq_ids: one claimed sequence id, or ``n`` of them, each once.
           num_tokens: tokens to make room for: one int for all, or ``n`` ints >= 0."""
         seqs = self._seqs
-        rows = seqs.rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        rows = seqs.one_or_more_rows(seq_ids)
         growth.reserve(seqs, self._groups, self._host, self._work, rows, seqs.counts(num_tokens, rows.size))
 
     def fork(self, seq_id: int, n: int | None = None) -> int | list[int]:
@@ -365,7 +365,7 @@ class PageManager:
         Args:
           seq_id: a claimed sequence id.
           token_ids: the written ids, ``(k,)`` ints."""
-        self.step([seq_id], [token_ids])
+        self.step([self._seqs.row(seq_id)], [token_ids])  # the id read as the open-plan guard reads it
 
     def advance(self, seq_ids: int | Sequence[int], num_tokens: int | Sequence[int]) -> None:
         """Commit written tokens without their ids. Pages filled from here on are not entered in the prefix cache
@@ -375,7 +375,7 @@ class PageManager:
           seq_ids: one claimed sequence id, or ``n`` of them, each once.
           num_tokens: tokens written: one int for all, or ``n`` ints >= 0."""
         seqs = self._seqs
-        rows = seqs.rows([seq_ids] if isinstance(seq_ids, (int, np.integer)) else seq_ids)
+        rows = seqs.one_or_more_rows(seq_ids)
         commit_tokens(seqs, self._groups, self._host, rows, seqs.counts(num_tokens, rows.size), None,
                       caching=self.enable_prefix_caching, current=self._versions.current)
 

@@ -19,7 +19,10 @@ The declarations:
   device and tier work, the prefix caches (a reset forgets the digests of pages in use, which keep
   their contents and owners). These run while plans are open: an engine admits requests and
   applies a plan's copies while its loop runs.
-- `named(arg)`: the sequences argument ``arg`` names (one id or a list).
+- `named(arg, read)`: the sequences argument ``arg`` names, read by ``read``, the `SequenceTable`
+  function the method itself reads it with (`SequenceTable.row`: one id; ``rows``: a list;
+  ``one_or_more_rows``: either), so the guard reads a numpy or jax scalar id, a list or a bad
+  value exactly as the call does (a bad one gets the call's own error).
 - `UNSTARTED`: `set_weight_version` (when the version changes): every claimed sequence that holds
   nothing yet takes the new version. Running sequences keep theirs, so a plan over them never
   blocks a weight update: an RL trainer pushes weights while rollouts decode, and they finish
@@ -28,8 +31,8 @@ The declarations:
   starts under behind the plan; end the plan first, or leave such sequences out of plans.
 - `OWN_PLAN`: `commit_decode`, the one call that changes a plan's sequences, and ends the plan.
 
-Imports the manager's ``prefix_hash`` only; never ``storage``, ``attention``, ``checkpoint`` or
-``tiers``.
+Imports the manager's ``prefix_hash`` and ``sequences`` only; never ``storage``, ``attention``,
+``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
-
 from easykv.manager.prefix_hash import version_digest
+from easykv.manager.sequences import SequenceTable
 
 T = TypeVar("T")
 # (manager, positional args, keyword args) -> the rows the call would change; None: none
 RowsOf = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+# how a method reads the sequences an argument names: SequenceTable.row, .rows or .one_or_more_rows
+ReadRows = Callable[[SequenceTable, Any], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +61,13 @@ class Changes:
       kind: in words: nothing, no claimed sequence, the sequences it names, every sequence not
         started yet, or its plan's sequences.
       arg: for the sequences it names: the argument naming them (an id or a list of ids).
+      read: for the sequences it names: the `SequenceTable` function the method reads ``arg`` with.
       why: how it changes them, where the refusal should say so.
     """
 
     kind: str
     arg: str | None = None
+    read: ReadRows | None = None
     why: str = ""
 
 
@@ -73,12 +79,13 @@ UNSTARTED = Changes("every sequence not started yet",
 OWN_PLAN = Changes("its plan's sequences")
 
 
-def named(arg: str) -> Changes:
-    """The sequences argument ``arg`` names, one id or a list of ids."""
-    return Changes("the sequences it names", arg)
+def named(arg: str, read: ReadRows) -> Changes:
+    """The sequences argument ``arg`` names, read as the method reads it: by ``read``."""
+    return Changes("the sequences it names", arg, read)
 
 
-_ONE, _SOME = named("seq_id"), named("seq_ids")
+_ONE, _SOME = named("seq_id", SequenceTable.row), named("seq_ids", SequenceTable.rows)
+_ONE_OR_MORE = named("seq_ids", SequenceTable.one_or_more_rows)
 CHANGES: dict[str, Changes] = {
     # sequence slots
     "claim": NO_SEQUENCE, "external_claim": NO_SEQUENCE, "release": _ONE, "contains": READS,
@@ -86,9 +93,9 @@ CHANGES: dict[str, Changes] = {
     # how a sequence starts, and the prefix caches
     "match_prefix": _ONE, "resume": _ONE, "cached_prefix_length": READS, "reset_prefix_cache": NO_SEQUENCE,
     # growth and commits
-    "reserve": _SOME, "fork": _ONE, "build_step_metadata": _SOME, "build_decode_metadata": _SOME,
+    "reserve": _ONE_OR_MORE, "fork": _ONE, "build_step_metadata": _SOME, "build_decode_metadata": _SOME,
     "plan_decode": _SOME, "commit_decode": OWN_PLAN, "increment_cache_lengths": READS, "step": _SOME,
-    "append_tokens": _ONE, "advance": _SOME, "truncate": _ONE,
+    "append_tokens": _ONE, "advance": _ONE_OR_MORE, "truncate": _ONE,
     # weight versions
     "weight_version": READS, "set_weight_version": UNSTARTED,
     # inspection
@@ -147,24 +154,22 @@ def _guarded(name: str, method: Callable[..., Any], rows_of: RowsOf, why: str) -
 
 
 def _rows_of(method: Callable[..., Any], changes: Changes) -> RowsOf:
-    """How to find the rows a call of ``method`` changes, with the checks the method itself runs on
-    them first (so a bad id gets the method's own error)."""
+    """How to find the rows a call of ``method`` changes: its argument read by the function the
+    method itself reads it with (so a bad id gets the method's own error)."""
     if changes == UNSTARTED:
         return _unstarted
     params = list(inspect.signature(method).parameters)
-    arg = changes.arg
-    if arg not in params[1:]:
+    arg, read = changes.arg, changes.read
+    if arg not in params[1:] or read is None:
         raise TypeError(f"{method.__qualname__} is declared to change the sequences its argument {arg!r} names, "
-                        f"but takes no such argument")
+                        f"but takes no such argument, or the declaration says not how it reads it")
     at = params.index(arg) - 1  # after self
 
     def rows_named(manager: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         value = args[at] if len(args) > at else kwargs.get(arg, _MISSING)
         if value is _MISSING:  # the call itself raises its TypeError
             return None
-        if isinstance(value, (int, np.integer)):
-            return manager._seqs.row(value)
-        return manager._seqs.rows(value)
+        return read(manager._seqs, value)
 
     return rows_named
 

@@ -41,8 +41,8 @@ def _tagged(value: Any, name: str, what: str) -> bytes:
         return b"b:" + bytes(value)
     if isinstance(value, (int, np.integer)):
         if not -(2**63) <= int(value) < 2**64:
-            raise ValueError(f"an int {name} must fit 64 bits, got one of {int(value).bit_length()} bits; use a str "
-                             f"or bytes {what}")
+            raise ValueError(f"an int {name} must lie in -2**63 .. 2**64 - 1 (64 bits, signed or unsigned), got "
+                             f"{show(int(value))}; use a str or bytes {what} for other values")
         return b"i:" + str(int(value)).encode("ascii")
     raise ValueError(f"{name}={show(value)} of type {type(value).__name__} is not supported; use a str, bytes or int "
                      f"{what} (one every host hashes alike)")

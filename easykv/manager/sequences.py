@@ -17,7 +17,7 @@ import numpy.typing as npt
 from easykv.errors import UnknownSequenceError
 from easykv.manager.broken import Broken
 from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes
-from easykv.validation import integer, integer_array, show
+from easykv.validation import integer, integer_array, is_scalar, show
 
 
 class SequenceTable:
@@ -89,14 +89,17 @@ class SequenceTable:
                 raise ValueError(f"seq_ids repeats id {int(np.argmax(seen))}; list each sequence once per step")
         return rows
 
+    def one_or_more_rows(self, seq_ids: Any) -> npt.NDArray[np.int64]:
+        """The rows of one claimed sequence id (read as `row` reads it: a numpy or jax scalar too) or
+        of a list of them (as `rows`), for the calls that take either (`PageManager.reserve`, ``advance``)."""
+        if is_scalar(seq_ids):
+            return np.array([self.row(seq_ids)], np.int64)
+        return self.rows(seq_ids)
+
     def counts(self, num_tokens: Any, n: int) -> np.ndarray:
         """Token counts, one per sequence, each bounded by max_sequences before any arithmetic."""
         hint = f"a sequence holds at most max_sequences={self.max_length} tokens"
-        try:
-            scalar = np.ndim(num_tokens) == 0
-        except (ValueError, TypeError):  # ragged: integer_array names the problem
-            scalar = False
-        if scalar:
+        if is_scalar(num_tokens):
             return np.full(n, integer("num_tokens", num_tokens, lo=0, hi=self.max_length, hint=hint), np.int64)
         counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=self.max_length, dtype=np.int64, hint=hint)
         if counts.shape != (n,):
@@ -161,8 +164,9 @@ class SequenceTable:
 
     def free_ids(self, seq_ids: Any) -> list[int]:
         """Ids a caller chose to claim (`PageManager.external_claim`), each free and listed once."""
-        if isinstance(seq_ids, (int, np.integer)):
-            raise ValueError(f"external_claim takes a list of ids, got the int {seq_ids}; pass [{seq_ids}]")
+        if is_scalar(seq_ids) and hasattr(seq_ids, "__index__") and not isinstance(seq_ids, (bool, np.bool_)):
+            one = integer("seq_ids", seq_ids, lo=None, hi=None)  # a numpy or jax scalar too
+            raise ValueError(f"external_claim takes a list of ids, got the one id {one}; pass [{one}]")
         ids: list[int] = integer_array("seq_ids", seq_ids, ndim=1, lo=0, hi=self.batch_size - 1,
                                        hint=f"sequence ids of batch_size={self.batch_size}").tolist()
         for s in ids:

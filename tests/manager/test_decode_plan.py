@@ -226,11 +226,12 @@ def test_plan_refuses_bad_steps_and_a_plan_that_does_not_fit_with_nothing_change
 
 
 @pytest.mark.parametrize("tokens, num, match", [
-    ("ok", [4, 0], r"num_tokens\[0\]=4 is more than"),
+    ("ok", [4, 0], r"num_tokens\[0\] = 4 is out of range \(valid: 0\.\.3; tokens each sequence wrote, at most "
+                   r"num_steps=3\)"),
     ("ok", [-1, 0], r"num_tokens\[0\] = -1 is out of range"),
     ("ok", [1, 1, 0], "num_tokens has 3 entries"),
     ("ok", [[1, 1]], "num_tokens must have 1 dimension"),
-    ("ok", 4, r"num_tokens=4 is more than the 3 tokens"),  # one int: the count of every sequence
+    ("ok", 4, r"num_tokens must be a non-negative int, got 4 \(valid: 0\.\.3"),  # one int: every sequence's count
     ("ok", -1, r"num_tokens must be a non-negative int, got -1"),
     ("ok", True, r"num_tokens must be a non-negative int, got True \(a bool"),
     ("padded", [1, 1, 1, 0], r"num_tokens\[2\]=1 but row 2 is padding"),
@@ -250,6 +251,24 @@ def test_commit_refuses_bad_tokens_and_counts_with_nothing_changed(tokens, num, 
     assert_refused(m, ValueError, match, m.commit_decode, plan, tokens, num)
     m.commit_decode(plan, np.ones((2, 3), np.int64), [1, 3])  # the plan is still open and commits after
     assert (m.length(a), m.length(b)) == (6, 6)
+
+
+@pytest.mark.parametrize("num", [2**80, np.uint64(2**64 - 1), 2**63, np.int64(2**63 - 1), 2**31, 4, -(2**70),
+                                 [2**80, 0], [np.uint64(2**64 - 1), 0], np.array([2**64 - 1, 0], np.uint64),
+                                 np.array([2**63 - 1, 0]), jnp.asarray([4, 0]), np.array(2**64 - 1, np.uint64)],
+                         ids=repr)
+def test_issue_42_a_count_of_any_size_is_refused_by_the_plan_s_steps_with_nothing_changed(num):
+    """Issue 42 attack: ``commit_decode(plan, ids, 2**80)`` and ``np.uint64(2**64 - 1)`` passed an
+    unbounded check, then overflowed int64 (OverflowError). Every count is bounded by the plan's
+    num_steps before any array holds it; the plan stays open and commits after."""
+    m, a, b = two_sequences()
+    plan = m.plan_decode([a, b], 3)
+    assert_refused(m, ValueError, r"num_tokens(\[0\])? (must be a non-negative int, got -?[\d.]+|= -?\d+ is out of "
+                                  r"range) \(valid: 0\.\.3; tokens each sequence wrote, at most num_steps=3\)",
+                   m.commit_decode, plan, np.ones((2, 3), np.int64), num)
+    m.commit_decode(plan, np.ones((2, 3), np.int64), jnp.asarray(3, jnp.int32))  # a 0-d jax count: one for all
+    assert (m.length(a), m.length(b)) == (8, 6)
+    m.check_invariants()
 
 
 def test_commit_refuses_a_plan_twice_of_another_manager_or_not_a_plan():

@@ -10,7 +10,9 @@ while the plan is open and leaves the planned sequences as planned; each read-on
 nothing; and the plan's abort (committing no tokens) and both releases work after every one of
 them. Copies of the manager (clone, a state round trip, reshard) hold no plan. The issue's
 reproductions: a plan over a claimed, never-started sequence with ``max_tokens=0`` stranded by
-``set_weight_version``, ``match_prefix`` or ``resume``, and a running sequence stranded with it."""
+``set_weight_version``, ``match_prefix`` or ``resume``, and a running sequence stranded with it; and
+the attack's: an id given as a 0-d numpy or jax array, refused by the guard for every sequence
+while any plan was open ("seq_ids must have 1 dimension(s)"), is now read as the call reads it."""
 
 from __future__ import annotations
 
@@ -276,3 +278,65 @@ def test_check_invariants_holds_the_open_plans_to_the_rows_they_hold():
     m._seqs.plan_of[b] = 0  # the table's two records of the plan disagree
     with pytest.raises(InvariantError, match="the plans disagree with the rows they hold"):
         m.check_invariants()
+
+
+# ---- an id is read by the guard as the call reads it (issue 42 attack) -------------------------------
+SCALAR_IDS = {"numpy": np.array, "numpy-int": np.int64, "jax": lambda s: jnp.arange(8)[s]}
+# One id where the call takes one or a list.
+ONE_ID_CALLS = {"reserve(one id)": lambda m, seqs: m.reserve(seqs[-1], 1),
+                "advance(one id)": lambda m, seqs: m.advance(seqs[-1], 0)}
+
+
+def outcome(call):
+    """``("ran", result)`` or the error's type and message."""
+    try:
+        return "ran", call()
+    except Exception as err:  # noqa: BLE001  compared whole: type and message
+        return type(err), str(err)
+
+
+def test_issue_42_a_call_naming_another_sequence_by_a_numpy_or_jax_scalar_runs_while_a_plan_is_open():
+    """The attack's reproduction: with a plan open over ``a``, ``release(jnp.arange(4)[b])`` raised
+    "seq_ids must have 1 dimension(s), got shape ()" (the guard read every id but a Python or numpy
+    int as a list); ``reserve`` refused a jax scalar even with no plan open."""
+    m = make(batch=4, pages=20, max_len=32)
+    a, b = m.claim(2)
+    prefill(m, a, [1, 2, 3, 4, 5])
+    prefill(m, b, [1, 2, 3])
+    plan = m.plan_decode([a], 2)
+    m.reserve(jnp.arange(4)[b], 1)
+    m.append_tokens(jnp.arange(4)[b], [9])
+    m.truncate(np.array(b), 1)
+    m.release(jnp.arange(4)[b])
+    assert m.active_ids == [a]
+    m.commit_decode(plan, [[1, 1]], 2)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("form", sorted(SCALAR_IDS))
+@pytest.mark.parametrize("name", sorted({**NAMED_CALLS, **ONE_ID_CALLS}))
+def test_a_numpy_or_jax_scalar_id_is_refused_for_a_planned_sequence_and_read_as_its_int_for_another(name, form):
+    """Every call that names sequences, given 0-d numpy or jax ids while a plan is open: a planned
+    sequence is refused by the plan (the state unchanged); another gets exactly what the same call
+    with Python ints gets (run on a twin manager), and runs where the call can."""
+    call, to = {**NAMED_CALLS, **ONE_ID_CALLS}[name], SCALAR_IDS[form]
+    env, twin = planned_env(), planned_env()
+    m = env.m
+    for seq in env.plan.seq_ids:
+        state = m.state_dict()
+        with pytest.raises(ValueError, match=refusal(name.split("(")[0], seq, env.plan.seq_ids)):
+            call(m, [to(env.o), to(seq)])
+        assert m.state_dict() == state
+    # the running sequence outside the plan (its pending copy applied); a fresh one for the calls that
+    # start a sequence
+    env.apply()
+    twin.apply()
+    other = [m.claim(1)[0], twin.m.claim(1)[0]] if name in ("match_prefix", "resume") else [env.o, twin.o]
+    got = outcome(lambda: call(m, [to(other[0])]))
+    want = outcome(lambda: call(twin.m, [other[1]]))
+    assert got[0] == want[0] and (got[0] == "ran" or got == want)
+    assert m.lockstep_state() == twin.m.lockstep_state()
+    assert got[0] == "ran" or name == "swap_in" and "is not swapped out" in got[1], got
+    if name == "plan_decode":  # its own plan, over the other sequence
+        m.commit_decode(got[1], np.zeros((1, 1), np.int64), 0)
+    end_plan_and_release(env)

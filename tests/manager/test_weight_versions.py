@@ -7,11 +7,14 @@ moments while checking every hit against what was written under the lookup's ver
 from __future__ import annotations
 
 import copy
+import re
 
+import numpy as np
 import pytest
 
 from easykv.errors import CacheFullError, ManagerStateError
 from easykv.manager.manager import PageManager
+from easykv.validation import show
 from tests.support.machines import VersionMachine
 from tests.support.managers import PS, cached_ids, make, make_meta, prefill
 
@@ -81,7 +84,7 @@ def test_int_str_and_bytes_versions_are_three_versions_and_bad_ones_change_nothi
     prefill(pm, a, PROMPT)
     pm.release(a)
     before = pm.state_dict()
-    for bad, words in ((True, "is a bool"), (2**64, "must fit 64 bits"), (1.5, "of type float"),
+    for bad, words in ((True, "is a bool"), (2**64, "must lie in -2"), (1.5, "of type float"),
                        ([1], "of type list"), (object(), "of type object")):
         with pytest.raises(ValueError, match=words):
             pm.set_weight_version(bad)
@@ -95,6 +98,26 @@ def test_int_str_and_bytes_versions_are_three_versions_and_bad_ones_change_nothi
     assert hits == {"1": 0, "'1'": 0, "b'1'": 0}
     pm.set_weight_version("1")
     assert pm.cached_prefix_length(PROMPT) == 8
+
+
+@pytest.mark.parametrize("bad", [-(2**63) - 1, 2**64, 2**200, -(2**200)])
+def test_an_int_version_or_salt_past_64_bits_is_refused_naming_the_range(bad):
+    """Issue 42 attack: ``set_weight_version(-2**63 - 1)`` said "an int version must fit 64 bits,
+    got one of 64 bits" (a negative int of 64 bits does not fit; the message contradicted itself).
+    The refusal states the range and the value, for a version and a salt alike."""
+    pm = make()
+    [a] = pm.claim(1)
+    before = pm.state_dict()
+    shown = re.escape(show(bad))  # a long int is shortened
+    for name, call in (("version", lambda: pm.set_weight_version(bad)),
+                       ("salt", lambda: pm.match_prefix(a, [1, 2, 3], salt=bad))):
+        with pytest.raises(ValueError, match=rf"an int {name} must lie in -2\*\*63 \.\. 2\*\*64 - 1 \(64 bits, signed "
+                                             rf"or unsigned\), got {shown}; use a str or bytes"):
+            call()
+        assert pm.state_dict() == before and pm.weight_version is None
+    for edge in (-(2**63), 2**64 - 1, np.int64(-(2**63)), np.uint64(2**64 - 1)):  # both ends are versions
+        pm.set_weight_version(edge)
+        assert pm.weight_version == edge
 
 
 def test_setting_the_current_version_again_changes_nothing():

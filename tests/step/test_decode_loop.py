@@ -156,9 +156,9 @@ def test_decode_loop_refuses_steps_shapes_and_metadata_it_cannot_run():
     step = lambda state, tokens, md: (jnp.zeros((4, 8)), state)  # noqa: E731
     args = dict(page_size=plan.page_size, num_pages=plan.num_pages)
     ok = (jnp.zeros(4, jnp.int32), plan.metadata)
-    with pytest.raises(ValueError, match=r"num_steps=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_steps must be a positive int, got 0 \(valid: 1\.\.192"):
         decode_loop(step, cache, *ok, num_steps=0, limits=jnp.ones(4, jnp.int32), **args)
-    with pytest.raises(ValueError, match=r"must be \(4,\): one per row of the plan"):
+    with pytest.raises(ValueError, match=r"tokens has shape \(3,\); pass \(4,\): one per row of the plan"):
         decode_loop(step, cache, jnp.zeros(3, jnp.int32), plan.metadata, num_steps=2, limits=jnp.ones(4), **args)
     with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*got a tuple of 2"):
         decode_loop(step, cache, ok[0], plan.metadata * 2, num_steps=2, limits=jnp.ones(4), **args)

@@ -5,7 +5,9 @@ geometry) and `GroupedSequenceExport` (``grouped_export``: several layer groups)
 (every field, arrays bit for bit), ``nbytes``, `save` / `to_bytes`, and the one loader
 (`load` / `from_bytes`), which opens the file, checks its zip directory and header and hands the
 header to the class's ``_from_header``. An export file is input like any other: nothing is
-allocated for a shape the file cannot hold, and every problem is a ValueError naming it. A path
+allocated for a shape the file cannot hold, and every problem is a ValueError naming it. Before
+``zipfile`` parses the zip's directory, its end records are read and a file declaring more members
+than any export holds (`MOST_MEMBERS`) is refused (`easykv.checked_files.check_zip_directory`). A path
 is opened once and checked on that descriptor (`easykv.checked_files`): a FIFO, a device, a
 directory, a file holding more than its members account for, or one that changes while read is
 refused as `FileRefusedError` (a ValueError) naming it, never read until it blocks or fills
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.checked_files import open_regular
+from easykv.checked_files import check_zip_directory, open_regular, show_names
 from easykv.errors import FileRefusedError
 from easykv.quantization import QuantizedPages, get_quantizer, scale_dtype, scales_per_page
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
@@ -41,12 +43,20 @@ from easykv.validation import INT32_MAX, integer_array, parse_json
 EXPORT_FORMAT = "easykv.SequenceExport/1"
 WINDOW_FORMAT = "easykv.SequenceExport/2"
 GROUPED_FORMAT = "easykv.SequenceExport/3"
-_MAX_HEADER_BYTES = 1 << 16  # what save writes is a few hundred bytes
+# What save writes is a few hundred bytes, and about 260 more per layer group: MOST_GROUPS groups
+# of a model of a few hundred layers fit (a 64 KiB bound refused any export of over ~250 groups).
+_MAX_HEADER_BYTES = 1 << 20
 # What a zip spends beside each member's stored bytes, names and extras counted apart: its local
 # header (30 bytes), a ZIP64 field numpy always asks for, a data descriptor (written to a stream
 # that cannot seek back) and its central directory entry (46 bytes), rounded up generously.
 _ZIP_BYTES_PER_MEMBER = 256
 _ZIP_END_BYTES = 22 + 56 + 20  # end of central directory, its ZIP64 record and locator
+#: The most layer groups a grouped export's header may describe.
+MOST_GROUPS = 1024
+# The most members an export file holds: per group its keys and values, each raw codes and scales
+# (member_specs: 4 arrays) or dense (2), then the header and the token ids.
+MOST_MEMBERS = MOST_GROUPS * 4 + 2
+_LONGEST_MEMBER_NAME = len(f"group_{MOST_GROUPS - 1:03d}.values.scales.npy")
 TOKEN_HINT = "token ids"  # the hint of a bad token_ids array (export and import)
 _Loaded = TypeVar("_Loaded", bound="ExportFile[Any]")
 #: ``check(shape, stored dtype)``: why a file member is not what the header implies (None: it is).
@@ -99,7 +109,8 @@ class ExportFile(Generic[_Loaded]):
 
     def save(self, file: Any) -> None:
         """Write to a path or binary file (numpy .npz of the export's format version; bf16/fp8
-        stored as their raw bits)."""
+        stored as their raw bits). ValueError, with nothing written, for an export that `load`
+        would refuse for its size: more members than `MOST_MEMBERS` or a header over its bound."""
         arrays: dict[str, np.ndarray] = {}
         dtypes: dict[str, str] = {}
         for name, arr in self._members():
@@ -108,7 +119,13 @@ class ExportFile(Generic[_Loaded]):
             arrays[name] = arr.view(stored_dtype(arr.dtype))
         if self.token_ids is not None:
             arrays["token_ids"] = np.asarray(self.token_ids, np.int32)
-        arrays["header"] = np.frombuffer(json.dumps(self._header(dtypes)).encode(), np.uint8)
+        header = json.dumps(self._header(dtypes)).encode()
+        if len(arrays) + 1 > MOST_MEMBERS or len(header) > _MAX_HEADER_BYTES:
+            raise ValueError(f"this {type(self).__name__} would be a file of {len(arrays) + 1} members with a header "
+                             f"of {len(header)} bytes, but a load reads at most {MOST_MEMBERS} members and a "
+                             f"{_MAX_HEADER_BYTES}-byte header; export fewer layer groups (at most {MOST_GROUPS}); "
+                             "nothing was written")
+        arrays["header"] = np.frombuffer(header, np.uint8)
         # The ignore: numpy's stub checks the ** entries against savez's allow_pickle (bool) too.
         np.savez(file, **arrays)  # type: ignore[arg-type]
 
@@ -123,9 +140,10 @@ class ExportFile(Generic[_Loaded]):
         export of either kind, `GroupedSequenceExport.load` only a grouped one. Everything in
         the file is checked before it is used: ValueError names what is wrong when the file is
         not a sequence export, is truncated or damaged, or holds fields or arrays that do not
-        fit together; `FileRefusedError` (a ValueError) when a path is not a regular file (a
-        FIFO, a device, a directory), holds more than its members account for, or changes
-        while read."""
+        fit together; `FileRefusedError` (a ValueError) when a path holds a NUL byte or is not a
+        regular file (a FIFO, a device, a directory), when a file declares more zip members than
+        an export holds (`MOST_MEMBERS`: refused before its directory is parsed), holds more than
+        its members account for, or changes while read."""
         if isinstance(file, (str, bytes, os.PathLike)):
             return cls._load_path(os.fsdecode(file), f"sequence export file {os.fsdecode(file)!r:.200}")
         if callable(getattr(file, "read", None)) and callable(getattr(file, "seek", None)):
@@ -166,15 +184,12 @@ class ExportFile(Generic[_Loaded]):
     def _load(cls, file: Any, source: str, *, size: int | None, path: str | None = None) -> _Loaded:
         """The export in ``file`` (``size`` bytes long when known: a file holding more than its
         members account for is refused; ``path``: where it was read from, if a path)."""
-        try:
-            npz = np.load(file, allow_pickle=False)
-        except Exception as err:  # missing file, not a zip, truncated, ...
-            why = (f"{type(err).__name__}: {err}" if "allow_pickle" not in str(err)  # numpy's last guess
-                   else "it is neither a zip (.npz) nor a .npy file")
-            raise ValueError(f"{source} is not a readable easykv sequence export ({why})") from None
-        if not isinstance(npz, np.lib.npyio.NpzFile):
-            raise ValueError(f"{source} holds a single numpy array, not an easykv sequence export (the .npz "
-                             "written by SequenceExport.save)")
+        _check_zip_end(file, source, path)
+        try:  # a zip, read as one: np.load would read a .npy (of any declared size) or a pickle too
+            npz = np.lib.npyio.NpzFile(file, allow_pickle=False)
+        except Exception as err:  # truncated, a damaged directory, ...
+            raise ValueError(f"{source} is not a readable easykv sequence export ({type(err).__name__}: "
+                             f"{err})") from None
         with npz:
             members, read, header = _npz_parts(npz, source, size=size, path=path)
             return cls._from_header(header, members, read, source)
@@ -186,6 +201,30 @@ class ExportFile(Generic[_Loaded]):
             return cls(**fields)
         except ValueError as err:
             raise ValueError(f"{source}: {err}") from None
+
+
+def _check_zip_end(file: Any, source: str, path: str | None) -> None:
+    """Refuse ``file`` (read from its end, then left where it was) unless it ends as a zip whose
+    directory fits `MOST_MEMBERS` members, from its end records alone (`check_zip_directory`): before this,
+    ``zipfile`` parsed 300,000 entries of a 17 MB file (5 s, +145 MiB) before any check ran."""
+    try:
+        start = file.tell()
+        end = file.seek(0, os.SEEK_END)
+
+        def read_at(offset: int, length: int) -> bytes:
+            file.seek(offset)
+            return bytes(file.read(length))
+
+        is_zip = check_zip_directory(read_at, end, most_members=MOST_MEMBERS, longest_name=_LONGEST_MEMBER_NAME,
+                                     what=source, expected="a sequence export", path=path)
+        file.seek(start)
+    except FileRefusedError:
+        raise
+    except Exception as err:  # a file object that cannot seek or read
+        raise ValueError(f"{source} is not a readable easykv sequence export ({type(err).__name__}: {err})") from None
+    if not is_zip:
+        raise ValueError(f"{source} is not a readable easykv sequence export (it is no zip: no end of central "
+                         "directory record; SequenceExport.save writes an .npz)")
 
 
 def unknown_format(fmt: Any, source: str) -> ValueError:
@@ -326,8 +365,10 @@ def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: Mem
         raise ValueError(f"{field} 'dtypes' is {header['dtypes']!r:.{shown}}, but the other fields imply {names}")
     expected = set(specs) | {"header"} | ({"token_ids"} & set(members))
     if set(members) != expected:
-        raise ValueError(f"{source} holds the arrays {sorted(set(members) - {'header'})}, but its header implies "
-                         f"{sorted(expected - {'header'})}")
+        extra, missing = sorted(set(members) - expected), sorted(expected - set(members))
+        raise ValueError(f"{source} " + " and ".join(
+            ([f"holds the arrays {show_names(extra)}, which its header does not imply"] if extra else [])
+            + ([f"lacks the arrays {show_names(missing)}, which its header implies"] if missing else [])))
     return {name: _read_array(read, name, shape, dt) for name, (shape, dt) in specs.items()}
 
 
@@ -363,7 +404,7 @@ def check_header_keys(header: Mapping[str, Any], fields: tuple[str, ...], fmt: s
     unknown = sorted(k for k in header if k not in fields + optional)
     if missing or unknown:
         what = " and ".join(([f"lacks {missing}"] if missing else []) +
-                            ([f"has unknown entries {unknown!r:.200}"] if unknown else []))
+                            ([f"has unknown entries {show_names(unknown)}"] if unknown else []))
         extra = f" (and may hold {list(optional)})" if optional else ""
         raise ValueError(f"the header of {source} {what}; an {fmt} header holds exactly {list(fields)}{extra}")
 

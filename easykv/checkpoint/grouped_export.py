@@ -26,6 +26,7 @@ import numpy as np
 from easykv.checkpoint.export_file import (
     EXPORT_FORMAT,
     GROUPED_FORMAT,
+    MOST_GROUPS,
     WINDOW_FORMAT,
     ExportFile,
     MemberReader,
@@ -133,9 +134,9 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
         quantizer = get_quantizer(self.quantization)
         raw = boolean("GroupedSequenceExport.raw", self.raw)
         groups = self.groups
-        if not isinstance(groups, (tuple, list)) or not groups:
-            raise ValueError(f"GroupedSequenceExport.groups must be a non-empty tuple of ExportedGroup, got "
-                             f"{show(groups)}")
+        if not isinstance(groups, (tuple, list)) or not groups or len(groups) > MOST_GROUPS:
+            raise ValueError(f"GroupedSequenceExport.groups must be a tuple of 1..{MOST_GROUPS} ExportedGroup "
+                             f"(what load reads back), got {show(groups)}")
         checked = tuple(_checked_group(g, i, length, dtype, quantizer, raw) for i, g in enumerate(groups))
         if raw and not any(is_compressing(_format(g, dtype, quantizer)[1]) for g in checked):
             raise ValueError(f"GroupedSequenceExport.raw=True needs a group with a compressing quantizer (int8, fp8, "
@@ -237,8 +238,8 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
         raw = boolean(f"{field} 'raw'", header["raw"])
         source_page_size = optional_int(f"{field} 'source_page_size'", header["source_page_size"], lo=1)
         raw_groups = header["groups"]
-        if not isinstance(raw_groups, list) or not raw_groups or len(raw_groups) > 1024:
-            raise ValueError(f"{field} 'groups' must be a list of 1..1024 group descriptions, got "
+        if not isinstance(raw_groups, list) or not raw_groups or len(raw_groups) > MOST_GROUPS:
+            raise ValueError(f"{field} 'groups' must be a list of 1..{MOST_GROUPS} group descriptions, got "
                              f"{show(raw_groups)}")
         specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         fields = []

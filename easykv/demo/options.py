@@ -6,6 +6,13 @@ the CLI's ``easykv demo`` flags read the same tables for their ranges, choices a
 ``run_demo(DemoOptions(seed=-1))`` and ``easykv demo --seed -1`` refuse the same values and the
 two cannot drift apart (tests/cli/test_numeric_flags.py compares them).
 
+Fields valid one by one can still be a demo that never runs; `DemoOptions` refuses those
+combinations too, naming both fields and the fix, before any work: pools that cannot hold one
+sequence of `MAX_LEN` tokens (`pool_pages` is how the demo splits ``pages`` among its layer
+groups, and the groups' own `LayerGroup.pages_per_sequence` what one sequence needs: the
+metadata's rule), a step budget smaller than the sequences it runs, and one sequence slot for a
+demo whose fork needs a second (the engine would wait for that slot forever).
+
 Light on purpose: the CLI imports it to build its parser for every command, so nothing here
 loads the demo's model (flax) or the checkpoint code (orbax).
 """
@@ -13,6 +20,7 @@ loads the demo's model (flax) or the checkpoint code (orbax).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -21,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from easykv.quantization import get_quantizer, scales_per_page
+from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.validation import integer, show
 
 # The longest sequence the demo's cache holds: its longest prompt (system prompt and an opening,
@@ -48,8 +57,50 @@ INT_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType({
 # The size of each axis of ``mesh`` and ``restore_mesh``: named exactly (no -1 for "the rest");
 # whether the devices are there is create_mesh's check when the demo starts.
 MESH_AXIS_SIZES = (1, 1 << 20)
-MODEL_NAMES = ("hybrid", "uniform")  # easykv.demo.run.MODELS holds their configurations
+# Each demo model's sliding window, None for a model whose layers all attend fully: the hybrid one
+# alternates sliding-window and full-attention layers. easykv.demo.run.MODELS builds the models'
+# configurations with these windows (tests/demo/test_demo_options.py compares their layer groups).
+HYBRID_WINDOW = 32
+MODEL_WINDOWS: Mapping[str, int | None] = MappingProxyType({"hybrid": HYBRID_WINDOW, "uniform": None})
+MODEL_NAMES = tuple(MODEL_WINDOWS)  # easykv.demo.run.MODELS holds their configurations
+# The sliding-window layers' pool is this fraction of ``pages``: their sequences keep only the
+# pages of their window.
+SLIDING_POOL_SHARE = 4
 DTYPES = ("float32", "bfloat16")  # the cache and model dtypes the demo's reference check is run with
+
+
+@functools.cache
+def model_groups(model: str) -> tuple[LayerGroup, ...]:
+    """The kinds of layer group demo model ``model``'s cache has, one sizing unit of each (a full
+    group, and for a model with a window a sliding group)."""
+    window = MODEL_WINDOWS[model]
+    full = LayerGroup(layers=(0,))
+    if window is None:
+        return (full,)
+    return full, LayerGroup(layers=(1,), attention=AttentionKind.SLIDING, window=window)
+
+
+def pool_pages(group: LayerGroup, pages: int) -> int:
+    """The pages per layer of ``group``'s pool out of ``DemoOptions.pages``: all of them for full
+    attention, a `SLIDING_POOL_SHARE` part for sliding-window layers (`easykv.demo.run` sizes the
+    cache with it)."""
+    return pages // SLIDING_POOL_SHARE if group.attention is AttentionKind.SLIDING else pages
+
+
+def _short_pool(model: str, pages: int, page_size: int) -> tuple[LayerGroup, int, int] | None:
+    """(group, its pool, the pages one sequence needs in it) for the first group of ``model``
+    whose pool out of ``pages`` cannot hold one sequence of `MAX_LEN` tokens; None if all can."""
+    for group in model_groups(model):
+        need, pool = group.pages_per_sequence(MAX_LEN, page_size), pool_pages(group, pages)
+        if pool < need:
+            return group, pool, need
+    return None
+
+
+def _least(field: str, short: Any) -> int | None:
+    """The least value of int field ``field`` (in its `INT_RANGES`) for which ``short(value)`` is None."""
+    low, high = INT_RANGES[field]
+    return next((value for value in range(low, high + 1) if short(value) is None), None)
 
 
 def demo_quantizer(name: str) -> Any:
@@ -74,7 +125,10 @@ class DemoOptions:
         to sizes; paths and names are str).
       ValueError: a value outside what the field allows (`INT_RANGES`, `MESH_AXIS_SIZES`,
         `MODEL_NAMES`, `DTYPES`, a quantizer `demo_quantizer` accepts, a path that names
-        something); the message names the field, the value and what to use instead.
+        something); the message names the field, the value and what to use instead. Also fields
+        valid one by one that cannot run together (pools that cannot hold one sequence,
+        ``max_seqs`` above ``token_budget``, one sequence slot for a demo with a fork): the
+        message names both fields and the fix.
     """
 
     requests: int = 12
@@ -112,6 +166,34 @@ class DemoOptions:
         if not isinstance(self.progress, bool):
             raise TypeError(f"DemoOptions.progress must be True or False, got {show(self.progress)} "
                             f"of type {type(self.progress).__name__}")
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Refuse fields valid one by one that together make a demo that cannot run (see the module doc)."""
+        short = _short_pool(self.model, self.pages, self.page_size)
+        if short is not None:
+            group, pool, need = short
+            # Both fixes, each the least change of one field (a larger page needs fewer pages).
+            fixes = [f"{name} >= {least}" for name, least in (
+                ("pages", _least("pages", lambda p: _short_pool(self.model, p, self.page_size))),
+                ("page_size", _least("page_size", lambda s: _short_pool(self.model, self.pages, s))))
+                if least is not None]  # fmt: skip
+            layers = ("full-attention" if group.attention is AttentionKind.FULL
+                      else f"sliding-window (window {group.window})")  # fmt: skip
+            share = f"a 1/{SLIDING_POOL_SHARE} share of pages" if group.attention is AttentionKind.SLIDING else "pages"
+            raise ValueError(f"DemoOptions.pages={self.pages} with DemoOptions.page_size={self.page_size} cannot hold "
+                             f"one sequence of the demo's {MAX_LEN} tokens: the {self.model} model's {layers} layers "
+                             f"need {need} pages of {self.page_size} token{'s' * (self.page_size > 1)} per sequence "
+                             f"but their pool holds {pool} ({share}); use {' or '.join(fixes)}")
+        if self.max_seqs > self.token_budget:
+            raise ValueError(f"DemoOptions.max_seqs={self.max_seqs} exceeds DemoOptions.token_budget="
+                             f"{self.token_budget}: a step decodes one token of every running sequence within its "
+                             f"budget; use token_budget >= {self.max_seqs} or max_seqs <= {self.token_budget}")
+        if self.requests > 1 and self.max_seqs < 2:
+            raise ValueError(f"DemoOptions.max_seqs={self.max_seqs} with DemoOptions.requests={self.requests}: the "
+                             "demo's last request is a parallel sample (a fork) of its first and runs beside it, in a "
+                             "second sequence slot, which the engine would wait for forever; use max_seqs >= 2 (or "
+                             "requests=1)")
 
 
 def _int_field(name: str, value: Any, low: int, high: int) -> int:

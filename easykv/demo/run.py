@@ -35,13 +35,13 @@ import numpy as np
 from easykv.checkpoint.checkpointer import restore_cache, save_cache
 from easykv.demo.engine import NEAR_TIE, Engine, Request, reference_disagreements
 from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
-from easykv.demo.options import MAX_LEN, DemoOptions, demo_quantizer
+from easykv.demo.options import HYBRID_WINDOW, MAX_LEN, DemoOptions, demo_quantizer, pool_pages
 from easykv.demo.weights import load_model, read_weights, shipped_weights
 from easykv.demo.workload import decode, make_requests
 from easykv.manager.manager import PageManager
 from easykv.quantization import is_compressing
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
-from easykv.spec.groups import AttentionKind, known_size
+from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
 
@@ -53,8 +53,9 @@ _BARS = "▁▂▃▄▅▆▇█"
 # and ships as float16 in a few MB (tools/train_demo_model.py); 8 kv heads so that tp=8 and
 # dp=2 x tp=4 meshes each hold whole heads.
 _UNIFORM = DemoConfig(layers=4, hidden=128, q_heads=8, kv_heads=8, head_dim=16, mlp=384)
-# Keyed by options.MODEL_NAMES, the names DemoOptions and the CLI accept (a test compares them).
-MODELS = {"hybrid": dataclasses.replace(_UNIFORM, pattern="SF", window=32, scan=True), "uniform": _UNIFORM}
+# Keyed by options.MODEL_NAMES, the names DemoOptions and the CLI accept, each with its window in
+# options.MODEL_WINDOWS, from which DemoOptions checks the pools (a test compares the layer groups).
+MODELS = {"hybrid": dataclasses.replace(_UNIFORM, pattern="SF", window=HYBRID_WINDOW, scan=True), "uniform": _UNIFORM}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,11 +220,11 @@ def _mesh(options: DemoOptions, name: str) -> Any:
 def _metadata(options: DemoOptions, cfg: DemoConfig, mesh: Any, pm: PartitionManager, dtype: Any, quantizer: Any,
               max_len: int) -> PagedAttentionCacheMetaData:
     """The demo cache's metadata: one pool of ``options.pages``, or for a hybrid model a full
-    group of that many and a sliding group of a quarter (its sequences hold their window only)."""
+    group of that many and a sliding group of a share (`pool_pages`: its sequences hold their
+    window only). DemoOptions checked that each pool holds one sequence of ``max_len`` tokens."""
     groups = cfg.layer_groups()
     if groups is not None:
-        groups = tuple(dataclasses.replace(g, num_pages=options.pages // 4 if g.attention is AttentionKind.SLIDING
-                                           else options.pages) for g in groups)
+        groups = tuple(dataclasses.replace(g, num_pages=pool_pages(g, options.pages)) for g in groups)
     return PagedAttentionCacheMetaData.create(
         mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,
         partition_manager=pm, quantizer=quantizer, layer_groups=groups,

@@ -8,7 +8,9 @@ inside (a JSON string) and compared, so a stale, truncated or crafted file is re
 ValueError naming what is wrong, never half-loaded into a model that then prints garbage. The
 file is read whole through one checked descriptor (`easykv.checked_files`) before numpy sees
 it: a FIFO, a device, a directory or a file far larger than the model's parameters is refused
-by name (`FileRefusedError`) instead of blocking or filling memory.
+by name (`FileRefusedError`) instead of blocking or filling memory; so is a zip whose end records
+declare over twice the entries the model has, before ``zipfile`` parses its directory
+(`easykv.checked_files.check_zip_directory`). A message lists at most a few names from the file.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from easykv.checked_files import read_regular
+from easykv.checked_files import check_zip_directory, read_regular, show_names
 from easykv.demo.model import DemoConfig, DemoModel
 from easykv.errors import FileRefusedError
+from easykv.validation import show
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 # float16: half the bytes of float32 for a file shipped in the package, and enough precision
@@ -126,16 +129,27 @@ def max_file_bytes(shapes: dict[str, tuple[int, ...]]) -> int:
     return 2 * (entries + 1024 * (len(shapes) + len(_INFO_KEYS)))
 
 
-def _file_bytes(path: Path, max_bytes: int) -> bytes:
+def _file_bytes(path: Path, shapes: dict[str, tuple[int, ...]]) -> bytes:
     """The whole file at ``path``, read through one descriptor checked to be a regular file of
-    at most ``max_bytes`` that does not change size while read (`easykv.checked_files`)."""
+    at most `max_file_bytes` that does not change size while read (`easykv.checked_files`), and
+    whose zip end records declare no more members than a file for parameters of ``shapes`` holds."""
+    names = [*shapes, *_INFO_KEYS]
     try:
-        return read_regular(path, max_bytes=max_bytes)
+        blob = read_regular(path, max_bytes=max_file_bytes(shapes))
+        # Twice the entries a file for this model holds: one with a few too many gets the precise
+        # message below, naming them, and parsing that many costs nothing.
+        is_zip = check_zip_directory(lambda offset, length: blob[offset:offset + length], len(blob),
+                                     most_members=2 * len(names),
+                                     longest_name=max(len(f"{n}.npy".encode()) for n in names),
+                                     what=str(path), expected="a demo weights file for this model", path=path)
     except FileRefusedError as err:
         raise FileRefusedError(f"cannot read demo weights: {err}; demo weights are an .npz file that "
                                "tools/train_demo_model.py writes", path=path) from None
     except OSError as err:  # missing, unreadable
         raise ValueError(f"{path}: cannot read demo weights ({err}); {_RERUN}") from err
+    if not is_zip:
+        raise ValueError(f"{path}: not an .npz of demo weights (no zip end of central directory record); {_RERUN}")
+    return blob
 
 
 def read_weights(path: str | Path, cfg: DemoConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -146,29 +160,29 @@ def read_weights(path: str | Path, cfg: DemoConfig) -> tuple[dict[str, np.ndarra
     `FileRefusedError` (a ValueError) for a path that is not a regular file of a plausible size."""
     path = Path(path)
     expected = param_shapes(cfg)
-    blob = _file_bytes(path, max_file_bytes(expected))
-    try:
-        npz = np.load(io.BytesIO(blob), allow_pickle=False)
+    blob = _file_bytes(path, expected)
+    try:  # a zip, read as one: np.load would read a .npy (of any declared size) or a pickle too
+        npz = np.lib.npyio.NpzFile(io.BytesIO(blob), allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise ValueError(f"{path}: cannot read demo weights ({err}); {_RERUN}") from err
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: not an .npz of demo weights (a single array); {_RERUN}")
     with npz:
         missing = sorted((set(expected) | set(_INFO_KEYS)) - set(npz.files))
         extra = sorted(set(npz.files) - set(expected) - set(_INFO_KEYS))
         if missing or extra:
             raise ValueError(f"{path}: " + "; ".join(
-                ([f"missing key(s) {missing}"] if missing else []) + ([f"unexpected key(s) {extra}"] if extra else [])
+                ([f"missing key(s) {show_names(missing)}"] if missing else [])
+                + ([f"unexpected key(s) {show_names(extra)}"] if extra else [])
             ) + f"; {_RERUN}")  # fmt: skip
         stored, training = (_json_entry(npz, path, k) for k in _INFO_KEYS)
         want = _config_fields(cfg)
         if not isinstance(stored, dict) or not isinstance(training, dict):
             raise ValueError(f"{path}: entries 'config' and 'training' must be JSON objects; {_RERUN}")
         if stored != want:
-            differ = sorted(k for k in set(want) | set(stored) if stored.get(k) != want.get(k))
-            raise ValueError(f"{path}: entry 'config' was trained for another model (fields {differ} differ: "
-                             f"file {({k: stored.get(k) for k in differ})}, model "
-                             f"{({k: want.get(k) for k in differ})}); {_RERUN}")  # fmt: skip
+            differ = sorted(str(k) for k in set(want) | set(stored) if stored.get(k) != want.get(k))
+            shown = differ[:6]  # the names come from the file: a few of them (show_names counts them all)
+            raise ValueError(f"{path}: entry 'config' was trained for another model (fields {show_names(differ)} "
+                             f"differ: file {show({k: stored.get(k) for k in shown})}, model "
+                             f"{show({k: want.get(k) for k in shown})}); {_RERUN}")  # fmt: skip
         params = {key: _entry(npz, path, key, shape, _ACCEPTED_DTYPES, f"float16 (or float32) of shape {shape}")
                   .astype(np.float32) for key, shape in sorted(expected.items())}  # fmt: skip
     return params, training

@@ -103,11 +103,17 @@ def test_the_documented_ranges():
     assert set(INT_RANGES) <= {f.name for f in dataclasses.fields(DemoOptions)}
 
 
+# The fields an end of a range needs beside it to make a demo that runs (the cross-field checks).
+_COMPANIONS = {("pages", "low"): {"page_size": 256}, ("token_budget", "low"): {"max_seqs": 2},
+               ("max_seqs", "low"): {"requests": 1}}  # fmt: skip
+
+
 @pytest.mark.parametrize("field", sorted(INT_RANGES))
 def test_each_end_of_a_range_is_accepted_as_an_exact_int(field):
     low, high = INT_RANGES[field]
-    for value in (low, high, np.int64(low), np.uint32(high) if high < 2**32 else high):
-        options = DemoOptions(**{field: value})
+    for end, value in (("low", low), ("high", high), ("low", np.int64(low)),
+                       ("high", np.uint32(high) if high < 2**32 else high)):  # fmt: skip
+        options = DemoOptions(**{field: value}, **_COMPANIONS.get((field, end), {}))
         assert getattr(options, field) == value and type(getattr(options, field)) is int
 
 
@@ -155,3 +161,111 @@ def test_the_cli_names_a_mesh_flag_whose_axes_do_not_multiply_to_the_devices(fla
 def test_run_demo_takes_only_checked_options():
     with pytest.raises(TypeError, match="run_demo takes a DemoOptions, got dict"):
         demo_run.run_demo({"seed": -1})
+
+
+# ---- fields valid one by one that cannot run together (issue 42) ------------------------------------
+def test_the_attacks_pools_are_refused_naming_both_fields_and_the_fix(monkeypatch):
+    """It failed 2 s into run_demo, in the metadata, naming max_sequences (no DemoOptions field)."""
+    monkeypatch.setattr(demo_run, "create_mesh", lambda *a, **k: pytest.fail("the demo started"))
+    mesh = {"tp": 8}
+    with pytest.raises(ValueError) as caught:
+        demo_run.run_demo(DemoOptions(pages=4, page_size=1, weights="random", model="uniform", requests=3,
+                                      max_new_tokens=2, progress=False, mesh=mesh))  # fmt: skip
+    assert type(caught.value) is ValueError and mesh == {"tp": 8}
+    assert str(caught.value) == (
+        "DemoOptions.pages=4 with DemoOptions.page_size=1 cannot hold one sequence of the demo's 256 tokens: the "
+        "uniform model's full-attention layers need 256 pages of 1 token per sequence but their pool holds 4 (pages); "
+        "use pages >= 256 or page_size >= 64")
+
+
+def test_a_sliding_pool_too_small_is_named_with_its_share():
+    with pytest.raises(ValueError) as caught:
+        DemoOptions(pages=4, page_size=64)  # the full layers need 4 pages of 4; the sliding ones 2 of 4 // 4
+    assert str(caught.value) == (
+        "DemoOptions.pages=4 with DemoOptions.page_size=64 cannot hold one sequence of the demo's 256 tokens: the "
+        "hybrid model's sliding-window (window 32) layers need 2 pages of 64 tokens per sequence but their pool holds "
+        "1 (a 1/4 share of pages); use pages >= 8 or page_size >= 256")
+
+
+PAGE_SIZES = (1, 2, 3, 7, 8, 9, 16, 31, 32, 33, 64, 100, 128, 255, 256)
+PAGES = (4, 5, 7, 8, 9, 31, 32, 33, 35, 36, 37, 63, 64, 65, 127, 128, 129, 255, 256, 257, 16384)
+
+
+def _cache_builds(model: str, pages: int, page_size: int, mesh, pm) -> bool:
+    """Whether the demo's cache metadata (as run_demo sizes it) accepts ``pages`` of ``page_size``."""
+    import jax.numpy as jnp
+
+    from easykv.quantization import get_quantizer
+
+    unchecked = object.__new__(DemoOptions)  # the pair as run_demo would size it, before any check
+    for name, value in (("pages", pages), ("page_size", page_size), ("max_seqs", 8)):
+        object.__setattr__(unchecked, name, value)
+    try:
+        demo_run._metadata(unchecked, demo_run.MODELS[model], mesh, pm, jnp.dtype("float32"), get_quantizer("none"),
+                           MAX_LEN)  # fmt: skip
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_the_pools_options_accept_are_exactly_those_the_cache_builds(model):
+    """DemoOptions' check and the metadata's own agree on every pages x page_size pair around the
+    bounds: none accepted that the cache refuses, none refused that it builds."""
+    from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
+
+    mesh, pm = create_mesh({"tp": 8}), PartitionManager(PartitionAxis())
+    disagree, outcomes = [], set()
+    for page_size in PAGE_SIZES:
+        for pages in PAGES:
+            try:
+                DemoOptions(pages=pages, page_size=page_size, model=model)
+                accepted = True
+            except ValueError as err:
+                assert str(err).startswith(f"DemoOptions.pages={pages} with DemoOptions.page_size={page_size} "), err
+                accepted = False
+            outcomes.add(accepted)
+            if accepted != _cache_builds(model, pages, page_size, mesh, pm):
+                disagree.append((pages, page_size, accepted))
+    assert not disagree, disagree
+    assert outcomes == {True, False}  # the grid straddles the bound
+
+
+def test_the_model_table_options_check_is_the_models_layer_groups():
+    from easykv.demo.options import model_groups
+
+    for name in MODEL_NAMES:
+        groups = demo_run.MODELS[name].layer_groups() or (model_groups("uniform")[0],)
+        assert {(g.attention, g.window) for g in groups} == {(g.attention, g.window) for g in model_groups(name)}
+
+
+def test_more_sequences_than_the_step_budget_is_refused_naming_both_fields():
+    """It failed in the engine, after the model was built, naming the engine's arguments."""
+    with pytest.raises(ValueError) as caught:
+        DemoOptions(token_budget=2, max_seqs=8)
+    assert type(caught.value) is ValueError and str(caught.value) == (
+        "DemoOptions.max_seqs=8 exceeds DemoOptions.token_budget=2: a step decodes one token of every running sequence "
+        "within its budget; use token_budget >= 8 or max_seqs <= 2")
+    assert DemoOptions(token_budget=8, max_seqs=8).max_seqs == 8
+
+
+def test_one_sequence_slot_for_a_demo_with_a_fork_is_refused():
+    """The attack's 'hang': with max_seqs=1 the engine kept the one slot for the fork still to come,
+    admitted nothing and stepped on, empty, forever (an endless loop of no work after the midway
+    checkpoint)."""
+    with pytest.raises(ValueError) as caught:
+        DemoOptions(pages=4, page_size=256, requests=3, max_new_tokens=2, token_budget=2, max_seqs=1, weights="random")
+    assert str(caught.value) == (
+        "DemoOptions.max_seqs=1 with DemoOptions.requests=3: the demo's last request is a parallel sample (a fork) of "
+        "its first and runs beside it, in a second sequence slot, which the engine would wait for forever; use "
+        "max_seqs >= 2 (or requests=1)")
+    assert DemoOptions(requests=1, max_seqs=1).max_seqs == 1
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 64])
+def test_a_demo_of_more_than_one_request_has_a_fork(requests):
+    """What the rule above assumes of the workload."""
+    from easykv.demo.workload import make_requests
+
+    forks = [r for r in make_requests(requests, 8, seed=0) if r.fork_of is not None]
+    assert len(forks) == (1 if requests > 1 else 0)

@@ -5,11 +5,16 @@ ends, a directory is no file, and a sparse file claims any size on no disk. A re
 the descriptor it reads (`easykv.checked_files`) refuses each at once; one that does not hangs,
 so every call goes through `finishes_within`: a regression fails the test instead of hanging the
 suite.
+
+`crafted_zip` builds, byte by byte, the zips that attack a reader through their directory: a
+17 MB file can hold 300,000 central directory entries, which ``zipfile`` parsed whole (seconds,
+hundreds of MiB) before a loader could refuse it.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -65,3 +70,35 @@ def finishes_within(fn: Callable[[], Any], *, seconds: float = HANG_S, fifos: tu
                 pass  # no reader blocked on it
         pytest.fail(f"{fn} was still running after {seconds} s: the reader blocks on a FIFO or reads without end")
     return outcome[0]
+
+
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header: 30 bytes and the name
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory entry: 46 bytes and the name
+_END = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes and the comment
+_END64 = struct.Struct("<4sQ2H2L4Q")  # ZIP64 end of central directory: 56 bytes
+_LOCATOR = struct.Struct("<4sLQL")  # ZIP64 end of central directory locator: 20 bytes
+
+
+def crafted_zip(entries: int, *, declared: int | None = None, directory_bytes: int | None = None,
+                zip64: bool = False, comment: bytes = b"") -> bytes:
+    """A zip of one empty stored member ``header.npy`` and ``entries`` central directory entries
+    (``m0000000.npy``, ..., 58 bytes each) that all point at it, as the attack of issue 42 built it.
+    Its end records declare ``declared`` members and a directory of ``directory_bytes`` bytes
+    (default: the truth), with ``zip64`` in a ZIP64 end record and locator (the plain record then
+    says 0xFFFF and 0xFFFFFFFF, as the attack's did), followed by ``comment``."""
+    name = b"header.npy"
+    local = _LOCAL.pack(b"PK\x03\x04", 20, 0, 0, 0, 0, 0, 0, 0, len(name), 0) + name
+    names = (b"m%07d.npy" % i for i in range(entries))
+    directory = b"".join(_CENTRAL.pack(b"PK\x01\x02", 20, 20, 0, 0, 0, 0, 0, 0, 0, len(n), 0, 0, 0, 0, 0, 0) + n
+                         for n in names)  # fmt: skip
+    members = entries if declared is None else declared
+    size = len(directory) if directory_bytes is None else directory_bytes
+    offset = len(local)
+    if zip64:
+        end64_at = offset + len(directory)
+        tail = (_END64.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, members, members, size, offset)
+                + _LOCATOR.pack(b"PK\x06\x07", 0, end64_at, 1)
+                + _END.pack(b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, len(comment)))
+    else:
+        tail = _END.pack(b"PK\x05\x06", 0, 0, members, members, size, offset, len(comment))
+    return local + directory + tail + comment

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host_tier.py [--repeats 15] [--pages 64]
     python benchmarks/bench_host_tier.py --quick    # shorter documents, 2 questions each, 8 pages, 2 repeats (CI)
+    python benchmarks/bench_host_tier.py --calls [--quick]   # only part 3 (per-call latency)
 
 1. Shared-prefix workload (the demo model and engine, 8 simulated CPU devices): 16 documents of
    128 tokens, each asked 3 questions in rounds (48 requests, 4 new tokens each, two running at
@@ -99,16 +100,22 @@ def serve(host_tier: bool, work: Workload) -> dict:
                 outputs=[r.output for r in requests], pool=meta.num_pages_per_layer)
 
 
-def bandwidth(pages: int, repeats: int) -> dict:
-    layers, heads, dim, ps = 8, 8, 128, 16
+def transfer_pool(pages: int) -> tuple[easykv.PagedAttentionCache, easykv.HostTier]:
+    """The bandwidth run's pool: ``4 * pages`` device and host pages of 512 KiB (8 layers, 8 kv
+    heads over tp=8, head_dim 128, page 16, bf16)."""
     mesh = create_mesh({"dp": 1, "tp": 8})
     pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))
     n = 4 * pages
-    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, layers, 64, ps, heads, dim, 0.9, jnp.bfloat16,
+    meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, 8, 64, 16, 8, 128, 0.9, jnp.bfloat16,
                                                      partition_manager=pm, num_pages_per_layer=n)
     meta = meta.replace(host_pages_per_layer=n)
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
-    tier = easykv.HostTier(cache)
+    return cache, easykv.HostTier(cache)
+
+
+def bandwidth(pages: int, repeats: int) -> dict:
+    cache, tier = transfer_pool(pages)
+    n = 4 * pages
     rng = np.random.default_rng(0)
     empty = np.zeros(0, np.int32)
     page_bytes = tier._groups[0].page_bytes
@@ -142,6 +149,42 @@ def bandwidth(pages: int, repeats: int) -> dict:
     return dict(mib=mib, **med)
 
 
+def call_latency(pages: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one `HostTier.apply` of each kind of work alone (see the module doc),
+    the kinds interleaved; the first round compiles and is not counted."""
+    cache, tier = transfer_pool(pages)
+    n = 4 * pages
+    rng = np.random.default_rng(1)
+    empty = np.zeros(0, np.int32)
+    kinds = {"offload 8": ("off", 8), f"offload {pages}": ("off", pages), "onload 8": ("on", 8),
+             f"onload {pages}": ("on", pages), "scrub 16": ("scrub", 16)}  # --pages 8: four kinds
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(repeats + 1):
+        for name, (kind, count) in kinds.items():
+            src = rng.permutation(n)[:count].astype(np.int32)
+            dst = rng.permutation(n)[:count].astype(np.int32)
+            transfers = {"off": (src, dst, empty, empty, empty), "on": (empty, empty, src, dst, empty)}
+            t = time.perf_counter()
+            if kind == "scrub":
+                cache = tier.apply(cache, ((empty,) * 5,), scrubs=(src,))
+            else:
+                cache = tier.apply(cache, (transfers[kind],))
+            tier.flush()
+            jax.block_until_ready(jax.tree.leaves(cache))
+            if i:
+                times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def report_calls(pages: int, repeats: int) -> None:
+    lat = call_latency(pages, repeats)
+    print(f"\nper-call latency: one HostTier.apply of each kind alone, pool {4 * pages} pages, median of {repeats}")
+    print("| call | ms |")
+    print("|---|---|")
+    for name, seconds in lat.items():
+        print(f"| {name} | {seconds * 1e3:.2f} |")
+
+
 def report_workload(off: dict, on: dict, work: Workload) -> None:
     print(f"\nshared-prefix workload: {work.docs} documents x {work.doc_tokens} tokens x {work.questions} questions, "
           f"device pool {off['pool']} pages of {PAGE} (the documents need "
@@ -161,11 +204,15 @@ def main() -> None:
                              "numbers meaningless")
     parser.add_argument("--repeats", type=int, default=None, help="default 15; --quick: 2")
     parser.add_argument("--pages", type=int, default=None, help="default 64; --quick: 8")
+    parser.add_argument("--calls", action="store_true", help="only the per-call latency (part 3)")
     args = parser.parse_args()
     work = QUICK if args.quick else FULL
     repeats = args.repeats or (2 if args.quick else 15)
     pages = args.pages or (8 if args.quick else 64)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices")
+    if args.calls:
+        report_calls(pages, repeats)
+        return
     report_workload(serve(False, work), serve(True, work), work)
     b = bandwidth(pages, repeats)
     print(f"\npage copy bandwidth: {pages} pages = {b['mib']:.0f} MiB, median of {repeats}")
@@ -174,6 +221,7 @@ def main() -> None:
     for name, mine, plain in (("device -> host (offload)", b["offload"], b["put_d2h"]),
                               ("host -> device (onload)", b["onload"], b["put_h2d"])):
         print(f"| {name} | {mine * 1e3:.2f} | {plain * 1e3:.2f} | {b['mib'] / 1024 / mine:.2f} | {plain / mine:.2f}x |")
+    report_calls(pages, repeats)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from easykv.attention.api import view_attention
 from easykv.step.loop import DecodeOutput, decode_loop
@@ -263,11 +264,15 @@ def _decode_jit(graphdef: Any, params: Any, block_def: Any, stacked: Any, cache:
 
 
 class CompiledModel:
-    """A DemoModel split once into (graphdef, params) with its two jitted steps."""
+    """A DemoModel split once into (graphdef, params) with its two jitted steps. The paged
+    steps take the parameters replicated over the cache's mesh, put there on the first step of
+    each mesh (left on one device, every step would copy them to every device); the dense
+    reference takes them where they are."""
 
     def __init__(self, model: DemoModel) -> None:
         self.cfg = cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
+        self.stacked: list[Any] | None = None
         if cfg.scan:  # each pattern position's blocks stacked over the repeats
             period = len(cfg.pattern)
             self.block_def = nnx.split(model.blocks[0])[0]
@@ -275,22 +280,38 @@ class CompiledModel:
                                          *(nnx.split(model.blocks[r * period + p])[1]
                                            for r in range(cfg.layers // period)))
                             for p in range(period)]
+        # mesh -> (the params and stacked blocks replicated over it, the params they copy)
+        self._replicated: dict[Mesh, tuple[tuple[Any, Any], Any]] = {}
+
+    def _weights_for(self, cache: PagedAttentionCache) -> tuple[Any, Any]:
+        """(params, stacked blocks) on ``cache``'s devices: replicated over its mesh, put once per
+        mesh and again when ``params`` was replaced; as they are for a cache on one device."""
+        if cache.layout is None:
+            return self.params, self.stacked
+        mesh = cache.layout.mesh
+        placed = self._replicated.get(mesh)
+        if placed is None or placed[1] is not self.params:
+            weights = jax.device_put((self.params, self.stacked), NamedSharding(mesh, PartitionSpec()))
+            placed = self._replicated[mesh] = (weights, self.params)
+        return placed[0]
 
     def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: Any
                    ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
         """See `_paged_step` (`_scanned_forward` for a scanned model); the cache is donated.
         ``metadata``: one step metadata per layer group (`PageManager.build_step_metadata`)."""
+        params, stacked = self._weights_for(cache)
         if self.cfg.scan:
-            return _scanned_jit(self.graphdef, self.params, self.block_def, self.stacked, cache, tokens, metadata)
-        return _paged_jit(self.graphdef, self.params, cache, tokens, metadata)
+            return _scanned_jit(self.graphdef, params, self.block_def, stacked, cache, tokens, metadata)
+        return _paged_jit(self.graphdef, params, cache, tokens, metadata)
 
     def paged_decode(self, cache: PagedAttentionCache, tokens: jax.Array, plan: Any, limits: jax.Array, *,
                      eos_id: int | None = None) -> DecodeOutput:
         """``plan``'s decode steps (`PageManager.plan_decode`) in one jitted device loop with greedy
         sampling (`easykv.step.loop.decode_loop`); the cache is donated and comes back as the
         output's ``state``. ``tokens``, ``limits``: ``(plan.padded_rows,)``."""
-        block_def, stacked = (self.block_def, self.stacked) if self.cfg.scan else (None, None)
-        return _decode_jit(self.graphdef, self.params, block_def, stacked, cache, tokens, plan.metadata, limits,
+        params, stacked = self._weights_for(cache)
+        block_def = self.block_def if self.cfg.scan else None
+        return _decode_jit(self.graphdef, params, block_def, stacked, cache, tokens, plan.metadata, limits,
                            num_steps=plan.num_steps, page_size=plan.page_size, num_pages=plan.num_pages,
                            eos_id=eos_id)
 

@@ -22,6 +22,14 @@ padded to one bucket per call (`easykv.storage.page_work`: a power of two, at mo
 a server compiles a number of shapes logarithmic in its pool; work of very different sizes (a
 few onloads beside many scrubs) is split into calls of its own bucket rather than padding the
 transfers to the largest, and transfers go at most `TRANSFER_CHUNK` pages per replica a call.
+Each kind of work a call does not have is skipped on the device (``lax.cond``), so a call costs
+the work it has, not its padding. A call's transfers go through one staging array per group, the
+program's input (pages to onload) and output (pages offloaded), donated: a call offloads or
+onloads, never both (offloads then onloads of one `apply` are two calls), so the array never
+holds both directions at once, and a call without an onload passes it through untouched. Each
+group keeps one such array per width a call used (`_GroupStore.staging`: at most
+``2 * TRANSFER_CHUNK - 1`` pages per replica), reused once its offload has landed, so a call
+that stages nothing allocates nothing and no staging array is made by a program of its own.
 Offloaded pages are copied to the host asynchronously (``copy_to_host_async``) and land in the
 host arrays at the start of the next `apply` (or `flush`), so the step never waits for them; host
 pages are read for onloads only after every earlier offload has landed. A call with only host
@@ -36,7 +44,6 @@ refuses a tier bound to another, so one cache's offload cannot overwrite another
 
 from __future__ import annotations
 
-import functools
 from functools import partial
 from typing import Any
 
@@ -49,8 +56,6 @@ from easykv.spec.groups import known_size
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.page_work import TRANSFER_CHUNK, padded_ids, page_work_local, work_bucket
 from easykv.storage.pages import PageLayout
-
-_KEPT_BLANK = 16  # `_GroupStore.blank` keeps its arrays up to this many pages per replica
 
 
 class HostTier:
@@ -134,9 +139,11 @@ class HostTier:
                 store.zero(ids)
 
     def flush(self) -> None:
-        """Wait for every offload in flight and write it into the host pages."""
+        """Wait for every offload in flight and write it into the host pages (its staging
+        arrays are then free for the next call of their width)."""
         for g, staged, dst, counts in self._inflight:
             self._groups[g].land(staged, dst, counts)
+            self._groups[g].keep_staging(staged)
         self._inflight.clear()
 
     def check(self, cache: Any, manager_metadata: Any = None) -> None:
@@ -222,7 +229,7 @@ class HostTier:
         its bucket (transfers to ``call.width`` pages per replica)."""
         meta, k, w = self.metadata, call.size, call.width
         none = np.full(k, -1, np.int32)
-        staged_on, off_ids, on_ids, ids = [], [], [], []
+        staging, off_ids, on_ids, ids = [], [], [], []
         for store, plan, (src, dst, z) in zip(self._groups, plans, device_ids):
             off, on = call.columns("off", plan.off_src.shape[1]), call.columns("on", plan.on_src.shape[1])
             real = np.arange(w)[None, :] < _counts(plan.off_counts, off)[:, None]
@@ -230,12 +237,12 @@ class HostTier:
             off_ids.append(np.where(real, _window(plan.off_src, off, w, 0), store.device_local).astype(np.int32))
             on_ids.append(_window(plan.on_dst, on, w, store.device_local))
             onloads = _counts(plan.on_counts, on).any()  # else nothing crosses the host link for this group
-            staged_on.append(store.gather(_window(plan.on_src, on, w, 0)) if onloads else store.blank(w))
+            staging.append(store.gather(_window(plan.on_src, on, w, 0)) if onloads else store.staging(w))
             ids.append((padded_ids(src, k) if "copies" in call.parts else none,
                         padded_ids(dst, k) if "copies" in call.parts else none,
                         padded_ids(z, k) if "scrubs" in call.parts else none))
         pools = tuple(jax.tree.leaves((cache.key_pages[g], cache.value_pages[g])) for g in range(len(meta.groups)))
-        new_pools, staged_off = _move(pools, tuple(off_ids), tuple(staged_on), tuple(on_ids), tuple(ids),
+        new_pools, staged_off = _move(pools, tuple(off_ids), tuple(staging), tuple(on_ids), tuple(ids),
                                       layouts=self._layouts)
         for g, (store, plan, staged) in enumerate(zip(self._groups, plans, staged_off)):
             off, on = call.columns("off", plan.off_src.shape[1]), call.columns("on", plan.on_src.shape[1])
@@ -245,6 +252,8 @@ class HostTier:
                     a.copy_to_host_async()
                 self._inflight.append((g, staged, _window(plan.off_dst, off, w, store.host_local), off_counts))
                 self.bytes_offloaded += store.page_bytes * int(off_counts.sum())
+            else:  # passed through untouched: free for the next call of its width
+                store.keep_staging(staged)
             self.bytes_onloaded += store.page_bytes * int(on_counts.sum())
         keys, values = [], []
         for store, leaves in zip(self._groups, new_pools):
@@ -268,13 +277,15 @@ class _Call:
         return min(self.size, TRANSFER_CHUNK)
 
     def take(self, kind: str, index: int, size: int) -> bool:
-        """Add the part if its kind is new here and no transfer of the call would pad past its
-        own bucket (transfers move real bytes over the host link; padding copies and scrubs only
-        costs device work). Returns whether it was added."""
+        """Add the part if its kind is new here, it is not a transfer beside one of the other
+        direction (both share the call's staging arrays) and no transfer of the call would pad
+        past its own bucket (transfers move real bytes over the host link; padding copies and
+        scrubs only costs device work). Returns whether it was added."""
         grown = max(self.size, size)
         transfers = [s for kd, (_, s) in self.parts.items() if kd in ("off", "on")]
         transfers += [size] if kind in ("off", "on") else []
-        if kind in self.parts or any(s != min(grown, TRANSFER_CHUNK) for s in transfers):
+        both = {"off", "on"} <= {kind, *self.parts}
+        if kind in self.parts or both or any(s != min(grown, TRANSFER_CHUNK) for s in transfers):
             return False
         self.size = grown
         self.parts[kind] = (index, size)
@@ -344,8 +355,7 @@ class _GroupStore:
         self.shards: list[dict[tuple[Any, ...], np.ndarray]] = []
         self.devices: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: (device, shard key, replica)
         self.shapes = [a.shape for a in leaves]
-        self.dtypes = [a.dtype for a in leaves]
-        self.spares: dict[int, list[jax.Array]] = {}  # `blank`'s kept arrays, by width
+        self.spares: dict[int, list[list[jax.Array]]] = {}  # free staging arrays (`staging`), by width
         self.shardings = [_page_major(a.sharding) for a in leaves]
         page_bytes = 0
         for a in leaves:
@@ -396,31 +406,40 @@ class _GroupStore:
     def gather(self, on_src: np.ndarray) -> list[jax.Array]:
         """The host pages ``on_src`` (``(replicas, k)`` local ids) as device arrays, page-major
         ``(replicas * k, layers, heads, ...)`` and sharded like the pool; padding pages go nowhere."""
-        k = on_src.shape[1]
+        # padding reads page 0: its destination drops it
+        return self._put(on_src.shape[1], lambda stores, key, r: stores[key][on_src[r]])
+
+    def staging(self, k: int) -> list[jax.Array]:
+        """Staging arrays of ``k`` pages per replica (laid out as `gather`'s) for a call that
+        onloads nothing into this group: a free one of that width (`keep_staging`), else zeros
+        put on the devices (a copy, no program; once per width, or per offload of a width still
+        in flight)."""
+        free = self.spares.get(k)
+        if free:
+            return free.pop()
+        return self._put(k, lambda stores, key, r: np.zeros((k, *stores[key].shape[1:]), stores[key].dtype))
+
+    def keep_staging(self, staged: list[jax.Array]) -> None:
+        """Keep ``staged`` (a call's staging arrays, no longer read) for the next call of its
+        width: one per width, so at most ``2 * TRANSFER_CHUNK - 1`` pages per replica are kept."""
+        kept = self.spares.setdefault(staged[0].shape[0] // self.replicas, [])
+        if not kept:
+            kept.append(staged)
+
+    def _put(self, k: int, pages_of: Any) -> list[jax.Array]:
+        """Arrays of ``k`` pages per replica laid out as `gather`'s, each device's part
+        ``pages_of(stores, key, replica)`` (a shard replicated on several devices read once)."""
         out: list[jax.Array] = []
         for stores, devices, shape, sharding in zip(self.shards, self.devices, self.shapes, self.shardings):
             parts: dict[tuple[Any, int], np.ndarray] = {}
             for _, key, r in devices:
-                if (key, r) not in parts:  # padding reads page 0: its destination drops it
-                    parts[key, r] = stores[key][on_src[r]]
+                if (key, r) not in parts:
+                    parts[key, r] = pages_of(stores, key, r)
             # One batched transfer for every device (several single ones cost more than the floor's one).
             arrays = jax.device_put([parts[key, r] for _, key, r in devices], [device for device, _, _ in devices])
             global_shape = (k * self.replicas, *shape[:2], *shape[3:])
             out.append(jax.make_array_from_single_device_arrays(global_shape, sharding, arrays))
         return out
-
-    def blank(self, k: int) -> list[jax.Array]:
-        """Zeroed stand-ins for `gather`'s arrays of ``k`` pages per replica, made on the devices
-        (no host copy): the onload input of a call that onloads nothing. The program only reads
-        them, so those of up to `_KEPT_BLANK` pages are kept for the next call of their width
-        (the many small scrubs of a server make none; at most 31 pages per replica are kept)."""
-        if k in self.spares:
-            return self.spares[k]
-        shapes = tuple((k * self.replicas, *shape[:2], *shape[3:]) for shape in self.shapes)
-        blank: list[jax.Array] = _staging_blank(shapes, tuple(self.dtypes), tuple(self.shardings))()
-        if k <= _KEPT_BLANK:
-            self.spares[k] = blank
-        return blank
 
     def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
         """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``;
@@ -453,16 +472,6 @@ class _GroupStore:
                 stores[key][mine] = 0
 
 
-@functools.lru_cache(maxsize=64)
-def _staging_blank(shapes: tuple[tuple[int, ...], ...], dtypes: tuple[Any, ...], shardings: tuple[Any, ...]) -> Any:
-    """A jitted maker of zeroed arrays of ``shapes`` laid out as ``shardings`` (one layer group's
-    staging arrays): one small program per width of a call that stages no onload, at most
-    log2(TRANSFER_CHUNK) + 1 per group; an allocation, not page work."""
-    def staging_blank() -> list[jax.Array]:
-        return [jnp.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
-    return jax.jit(staging_blank, out_shardings=list(shardings))
-
-
 def _page_major_spec(spec: PartitionSpec) -> PartitionSpec:
     """The spec of a pool array's pages moved to the front: ``(pages, layers, heads, ...)``."""
     entries = tuple(spec) + (None,) * max(0, 3 - len(spec))
@@ -481,50 +490,65 @@ def _key(index: tuple[Any, ...], ndim: int) -> tuple[Any, ...]:
     return tuple((s.start or 0, s.stop) if isinstance(s, slice) else s for s in index[:ndim])
 
 
-@partial(jax.jit, static_argnames=("layouts",), donate_argnums=0)
-def _move(pools: tuple[list[jax.Array], ...], off_ids: tuple[jax.Array, ...], staged_on: tuple[list[jax.Array], ...],
+@partial(jax.jit, static_argnames=("layouts",), donate_argnums=(0, 2))
+def _move(pools: tuple[list[jax.Array], ...], off_ids: tuple[jax.Array, ...], staging: tuple[list[jax.Array], ...],
           on_ids: tuple[jax.Array, ...], device_ids: tuple[tuple[jax.Array, jax.Array, jax.Array], ...], *,
           layouts: tuple[PageLayout | None, ...]) -> tuple[tuple[list[jax.Array], ...], tuple[list[jax.Array], ...]]:
-    """Every group's pending device work in one program (see `HostTier.apply` for the order)."""
+    """Every group's pending device work in one program (see `HostTier.apply` for the order).
+    ``staging`` (donated): per group the pages to onload; returned holding the pages offloaded
+    (untouched when none were)."""
     new_pools, staged_off = [], []
-    for leaves, off, on_pages, on, ids, layout in zip(pools, off_ids, staged_on, on_ids, device_ids, layouts):
-        p, s = _local_move(layout, leaves, off, on_pages, on, ids)
+    for leaves, off, stage, on, ids, layout in zip(pools, off_ids, staging, on_ids, device_ids, layouts):
+        p, s = _local_move(layout, leaves, off, stage, on, ids)
         new_pools.append(p)
         staged_off.append(s)
     return tuple(new_pools), tuple(staged_off)
 
 
-def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Array, on_pages: list[jax.Array],
+def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Array, stage: list[jax.Array],
                 on: jax.Array, ids: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-    def local(leaves: list[jax.Array], on_pages: list[jax.Array], off: jax.Array, on: jax.Array,
+    def local(leaves: list[jax.Array], stage: list[jax.Array], off: jax.Array, on: jax.Array,
               copy_src: jax.Array, copy_dst: jax.Array, scrubs: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
         r: int | jax.Array = 0
         if layout is not None and layout.page_shards > 1:
             r = jax.lax.axis_index(layout.page_axes)
-        gathered = [jnp.take(a, off[r], axis=2, mode="clip") for a in leaves]  # padding reads the last page
-        # The first page written back onto itself (no change; padding, one past the slice, is dropped):
-        # every later write then follows the gather, so XLA updates the pool in place (a gathered
-        # output beside in-place writes made it copy the whole pool on every call).
-        leaves = [a.at[:, :, off[r][:1]].set(g[:, :, :1], mode="drop") for a, g in zip(leaves, gathered)]
-        taken = [jnp.moveaxis(g, 2, 0) for g in gathered]  # page-major
+        n = leaves[0].shape[2]
 
-        def onload(leaves: list[jax.Array]) -> list[jax.Array]:  # padding: one past the slice, dropped
-            return [a.at[:, :, on[r]].set(jnp.moveaxis(u, 0, 2), mode="drop") for a, u in zip(leaves, on_pages)]
+        def offload(operands: tuple[list[jax.Array], list[jax.Array]]) -> tuple[list[jax.Array], list[jax.Array]]:
+            pages, _ = operands  # the stage holds no onload: a call moves pages one way only (`_Call.take`)
+            gathered = [jnp.take(a, off[r], axis=2, mode="clip") for a in pages]  # padding reads the last page
+            # The first page written back onto itself (no change; padding, one past the slice, is dropped):
+            # every later write then follows the gather, so XLA updates the pool in place (a gathered
+            # output beside in-place writes made it copy the whole pool on every call).
+            pages = [a.at[:, :, off[r][:1]].set(g[:, :, :1], mode="drop") for a, g in zip(pages, gathered)]
+            return pages, [jnp.moveaxis(g, 2, 0) for g in gathered]  # page-major
 
-        def onloads(leaves: list[jax.Array]) -> list[jax.Array]:
-            result: list[jax.Array] = jax.lax.cond(jnp.any(on[r] < leaves[0].shape[2]), onload, lambda x: x, leaves)
+        # Each kind of work runs only when the call has some of it (padding costs no device work).
+        leaves, staged = jax.lax.cond(jnp.any(off[r] < n), offload, _unchanged, (leaves, stage))
+
+        def onload(pages: list[jax.Array]) -> list[jax.Array]:  # padding: one past the slice, dropped
+            # `staged`, not `stage`: the same array when nothing was offloaded, and reading what the offload
+            # branch returns leaves XLA one buffer for both (reading `stage` would make it copy the stage)
+            return [a.at[:, :, on[r]].set(jnp.moveaxis(u, 0, 2), mode="drop") for a, u in zip(pages, staged)]
+
+        def onloads(pages: list[jax.Array]) -> list[jax.Array]:
+            result: list[jax.Array] = jax.lax.cond(jnp.any(on[r] < n), onload, _unchanged, pages)
             return result
 
-        return page_work_local(leaves, None, copy_src, copy_dst, scrubs, layout=layout, between=onloads), taken
+        return page_work_local(leaves, None, copy_src, copy_dst, scrubs, layout=layout, between=onloads), staged
 
     if layout is None or layout.mesh.size == 1:
-        return local(leaves, on_pages, off, on, *ids)
+        return local(leaves, stage, off, on, *ids)
     specs = [layout.spec_for(a.ndim) for a in leaves]
     moved = [_page_major_spec(s) for s in specs]
     replicated = (PartitionSpec(),) * 5
     mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, moved, *replicated), out_specs=(specs, moved))
-    result: tuple[list[jax.Array], list[jax.Array]] = mapped(leaves, on_pages, off, on, *ids)  # shard_map: typed here
+    result: tuple[list[jax.Array], list[jax.Array]] = mapped(leaves, stage, off, on, *ids)  # shard_map: typed here
     return result
+
+
+def _unchanged(operands: Any) -> Any:
+    return operands
 
 
 __all__ = ["HostTier"]

@@ -97,12 +97,28 @@ class Engine:
                 return
             self._admit(requests)
             batch = self._schedule(requests)
+            if not batch and not any(r.arrival > self.step_index for r in requests if not r.done):
+                # Nothing ran and nothing is still to arrive: the next step would be this one again.
+                raise self._stalled(requests)
             ran = self._decode_steps(batch, self._horizon(requests, until_step)) if batch else None
             if batch and ran is None:
                 self._step(batch, requests)
             self.step_index += ran or 1
             if on_step is not None:
                 on_step(self, requests)
+
+    def _stalled(self, requests: list[Request]) -> CacheFullError:
+        """Every request has arrived, none is running and none can be admitted: nothing will change."""
+        waiting = [r.rid for r in requests if not r.done]
+        forks = sum(1 for r in requests if r.fork_of is not None and r.seq is None and not r.done)
+        swapped = [r.rid for r in requests if r.swapped]
+        free = len(self.manager.slots_remaining)
+        return CacheFullError(
+            f"requests {waiting} can never run: step {self.step_index} scheduled nothing and no request is still to "
+            f"arrive ({free} of max_seqs={self.max_seqs} sequence slots free, {forks} kept for forks still to come"
+            + (f", requests {swapped} swapped out waiting for pages" if swapped else "")
+            + "); give the engine more sequence slots (max_seqs) or pages",
+            resource="sequence slots", needed=forks + 1, available=free)
 
     # ---- scheduling -------------------------------------------------------------------------
     def _admit(self, requests: list[Request]) -> None:

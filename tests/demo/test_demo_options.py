@@ -269,3 +269,29 @@ def test_a_demo_of_more_than_one_request_has_a_fork(requests):
 
     forks = [r for r in make_requests(requests, 8, seed=0) if r.fork_of is not None]
     assert len(forks) == (1 if requests > 1 else 0)
+
+
+def test_an_engine_that_can_never_schedule_a_request_raises_instead_of_spinning():
+    """The attack's options (one sequence slot, a fork still to come) passed DemoOptions' checks
+    once, and the engine kept its one slot for the fork and ran empty steps forever. DemoOptions
+    refuses them now; the engine itself must also stop: options built past those checks make it
+    raise CacheFullError at the first step that can change nothing, naming the requests."""
+    from easykv.errors import CacheFullError
+    from tests.support.hostile_files import finishes_within
+
+    unchecked = object.__new__(DemoOptions)
+    fields = dataclasses.asdict(DemoOptions(weights="random", progress=False, pages=4, page_size=256, requests=1,
+                                            max_new_tokens=2, token_budget=2, max_seqs=1))
+    for name, value in {**fields, "requests": 3}.items():
+        object.__setattr__(unchecked, name, value)
+
+    def run() -> BaseException | None:
+        try:
+            demo_run.run_demo(unchecked)
+        except CacheFullError as err:
+            return err
+        return None
+
+    err = finishes_within(run, seconds=120)
+    assert err is not None, "the demo finished, which one slot and a fork to come cannot do"
+    assert "can never run" in str(err) and "max_seqs=1" in str(err) and err.resource == "sequence slots"

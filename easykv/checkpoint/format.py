@@ -2,7 +2,7 @@
 restore.py and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
     DIR/easykv_checkpoint.json        marker: this directory holds easykv checkpoints (only its
-                                      presence is read)
+                                      presence is read; a link or FIFO in its place is damage)
     DIR/.easykv-writer-<i>.lock       the writer lock of process index i: a `CacheCheckpointer`
                                       holds an exclusive flock on it from construction to close
                                       (its text names the holder: pid, host, since when); see
@@ -23,11 +23,12 @@ restore.py and inspect.py; users call `easykv.checkpoint.checkpointer`).
 
 Every persisted byte that a restore uses is verified: page arrays by their fingerprints
 (`checkpoint_integrity`), the two JSON files by their sha256 and a strict schema
-(`checkpoint_record`), and each array's zarr metadata and chunk files by the reader
-(`easykv.checkpoint.reader`: the layout easykv writes, regular files of one chunk each). orbax's
-own metadata files need no hash of their own: the reader does not use them (``_METADATA`` must
-only still list every array), and damage elsewhere either makes the read fail or yields arrays
-that the fingerprints check. Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
+(`checkpoint_record`), and each array's zarr metadata, orbax's ``_METADATA`` and the chunk files
+by the reader (`easykv.checkpoint.stored_files`: compared field by field with what the record
+implies; `easykv.checkpoint.reader`: regular files of one chunk each, read through the
+descriptor they were checked on). orbax's other files need no hash of their own: the reader does
+not use them, and damage there either makes orbax's own read fail or leaves easykv's unaffected.
+Format version 1 (easykv 0.1, no JSON hashes) still restores, with a warning.
 
 Array names (and PyTree paths): ``group_000.key_pages`` for the plain stacked pages of layer
 group 0 (``(layers, heads, pages, page_size, head_dim)``), ``group_000.key_pages.values`` /
@@ -51,6 +52,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from easykv.checked_files import open_regular
 from easykv.checkpoint.integrity import PendingFingerprints
 from easykv.checkpoint.orbax_types import EPath, OrbaxManager, OrbaxPyTreeHandler
 from easykv.checkpoint.record import (
@@ -64,11 +66,12 @@ from easykv.checkpoint.record import (
     layer_key,
     read_manager_state,
     read_record,
+    refused,
     saved_metadata,
     seal,
 )
-from easykv.errors import CheckpointIntegrityError, NotACheckpointError, StepNotFoundError
-from easykv.validation import integer, parse_json, show
+from easykv.errors import CheckpointIntegrityError, FileRefusedError, NotACheckpointError, StepNotFoundError
+from easykv.validation import integer, show
 
 MARKER_FILE = "easykv_checkpoint.json"
 PAGES_ITEM = "pages"
@@ -108,10 +111,12 @@ class _StateHandler(ocp.handlers.AsyncCheckpointHandler):  # type: ignore[misc, 
         asyncio.run(run())
 
     def restore(self, directory: EPath, args: Any = None) -> dict[str, Any]:
-        # easykv reads its record with `read_record` (verified); this is orbax's generic path.
-        path = epath.Path(directory) / RECORD_FILE
-        record: dict[str, Any] = parse_json(path.read_text(), what=str(path), error=CheckpointIntegrityError)
-        return record
+        # orbax's generic path (easykv itself calls `read_record`): the same checked read and verification.
+        step_dir = epath.Path(directory).parent
+        if not step_dir.name.isdigit():
+            raise CheckpointIntegrityError(f"{directory} is not the {STATE_ITEM} item of a step directory (<step>/"
+                                           f"{STATE_ITEM}); restore a finalized step")
+        return read_record(step_dir.parent, int(step_dir.name))
 
 
 @ocp.args.register_with_handler(_StateHandler, for_save=True)
@@ -182,9 +187,34 @@ def check_step(step: Any) -> int:
 
 
 # ---- finding and reading steps -------------------------------------------------------------------
+def marker_present(directory: EPath) -> bool:
+    """Whether ``directory`` holds the marker of an easykv checkpoint directory. Only its presence
+    is read, but a link, FIFO or device in its place is not the file easykv wrote: it is checked on
+    the descriptor of one non-blocking open (`easykv.checked_files`), and refused as damage.
+
+    Raises:
+      CheckpointIntegrityError: the marker is not a regular file, or cannot be opened."""
+    path = directory / MARKER_FILE
+    text = os.fspath(path)
+    try:
+        if "://" in text:  # an object store holds no links, FIFOs or devices
+            present: bool = path.exists()
+            return present
+        with open_regular(text, follow_links=False):
+            return True
+    except FileNotFoundError:
+        return False
+    except FileRefusedError as err:
+        why = refused(text, err, "not the regular file easykv writes as the marker of a checkpoint directory")
+        raise CheckpointIntegrityError(f"{why}; remove it, or replace it with a regular file, to use the "
+                                       "directory", directory=str(directory)) from err
+    except OSError as err:
+        raise CheckpointIntegrityError(f"{path} cannot be opened ({err})", directory=str(directory)) from err
+
+
 def check_not_foreign(directory: EPath) -> None:
     """Refuse a directory that holds orbax steps which are not easykv checkpoints."""
-    if (directory / MARKER_FILE).exists():
+    if marker_present(directory):
         return
     for child in directory.iterdir():
         if child.name.isdigit() and child.is_dir() and not (child / STATE_ITEM / RECORD_FILE).exists():
@@ -204,21 +234,51 @@ def checkpoint_path(directory: Any) -> EPath:
     raise ValueError(f"a checkpoint directory must be a path (str or os.PathLike), got {show(directory)}")
 
 
-def resolve_step(directory: EPath, step: int | None) -> tuple[int, list[int]]:
-    if not directory.exists():
+def check_directory(directory: EPath) -> None:
+    """NotACheckpointError unless ``directory`` is an existing directory."""
+    try:
+        exists, is_dir = directory.exists(), directory.is_dir()
+    except OSError as err:
+        raise _unlistable(directory, err) from err
+    if not exists:
         raise NotACheckpointError(f"no checkpoint at {directory}: the directory does not exist")
-    if not directory.is_dir():
+    if not is_dir:
         raise NotACheckpointError(f"{directory} is a file, not a checkpoint directory")
-    steps = sorted(int(s) for s in ocp.step.checkpoint_steps(directory))  # finalized steps only
-    easykv_steps = [s for s in steps if (directory / str(s) / STATE_ITEM / RECORD_FILE).exists()]
-    marker = (directory / MARKER_FILE).exists()
+
+
+def complete_steps(directory: EPath, marker: bool) -> tuple[list[int], list[str]]:
+    """(complete steps, ascending; the temporary directories of interrupted saves) of an existing
+    directory. With the ``marker`` every finalized orbax step is easykv's (a damaged one is
+    reported when read); without it, those holding an easykv record, and NotACheckpointError
+    when there is none."""
+    try:
+        steps = sorted(int(s) for s in ocp.step.checkpoint_steps(directory))  # finalized steps only
+        easykv_steps = [s for s in steps if (directory / str(s) / STATE_ITEM / RECORD_FILE).exists()]
+        partial = sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
+    except OSError as err:
+        raise _unlistable(directory, err) from err
     if not marker and not easykv_steps:
         what = f"orbax steps {steps} without an {STATE_ITEM}/{RECORD_FILE}" if steps else "no step directories"
         raise NotACheckpointError(
             f"{directory} is not an easykv checkpoint: no {MARKER_FILE} and {what}; pass the directory "
             "given to save_cache / CacheCheckpointer")
-    complete = steps if marker else easykv_steps  # a damaged step is reported when restored
-    partial = sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
+    return (steps if marker else easykv_steps), partial
+
+
+def _unlistable(directory: EPath, err: OSError) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(f"the checkpoint directory {directory} cannot be listed ({type(err).__name__}: "
+                                    f"{err}); check its permissions and file system", directory=str(directory))
+
+
+def resolve_step(directory: EPath, step: int | None) -> tuple[int, list[int]]:
+    """(the step to read: ``step``, or the latest complete one when None; every complete step).
+
+    Raises:
+      NotACheckpointError: ``directory`` is missing, a file, or no easykv checkpoint.
+      StepNotFoundError: ``step`` (or any step, when None) is not complete there.
+      CheckpointIntegrityError: its marker is damaged, or the directory cannot be listed."""
+    check_directory(directory)
+    complete, partial = complete_steps(directory, marker_present(directory))
     note = f" ({len(partial)} interrupted save(s) left temporary directories: {partial[:3]})" if partial else ""
     if step is None:
         if not complete:
@@ -260,6 +320,7 @@ def list_steps(directory: str | Any) -> list[int]:
     Raises:
       NotACheckpointError: ``directory`` is missing, a file, or no easykv checkpoint.
       StepNotFoundError: it holds no complete step.
+      CheckpointIntegrityError: its marker is not a regular file, or it cannot be listed.
     """
     return resolve_step(checkpoint_path(directory), None)[1]
 
@@ -267,6 +328,7 @@ def list_steps(directory: str | Any) -> list[int]:
 __all__ = [
     "STORAGE_PLATFORMS", "checkpoint_path",
     "FORMAT", "FORMAT_VERSION", "MANAGER_FILE", "MARKER_FILE", "PAGES_ITEM", "RECORD_FILE", "STATE_ITEM",
-    "check_fingerprints", "check_not_foreign", "check_step", "expected_leaves", "fingerprint_grid", "layer_key",
-    "list_steps", "orbax_manager", "read_manager_state", "read_record", "resolve_step", "saved_metadata",
+    "check_directory", "check_fingerprints", "check_not_foreign", "check_step", "complete_steps", "expected_leaves",
+    "fingerprint_grid", "layer_key", "list_steps", "marker_present", "orbax_manager", "read_manager_state",
+    "read_record", "resolve_step", "saved_metadata",
 ]

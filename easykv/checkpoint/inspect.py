@@ -24,7 +24,7 @@ from easykv.checkpoint import format as fmt
 from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.reader import read_arrays
 from easykv.checkpoint.record import is_legacy, legacy_note
-from easykv.errors import CheckpointError, CheckpointIntegrityError, StepNotFoundError
+from easykv.errors import CheckpointError, CheckpointIntegrityError, NotACheckpointError
 from easykv.spec.metadata import known_dtype
 
 
@@ -60,8 +60,8 @@ def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None)
     sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     for entry in record["arrays"]:
         sds = jax.ShapeDtypeStruct(tuple(entry["shape"]), np.dtype(entry["stored_dtype"]), sharding=sharding)
-        arrays, digests = read_arrays(directory, step, [(entry, sds)], algorithm=record["fingerprint_algorithm"],
-                                      grid=fmt.fingerprint_grid(record))
+        arrays, digests = read_arrays(directory, step, record, [(entry, sds)],
+                                      algorithm=record["fingerprint_algorithm"])
         del arrays
         fmt.check_fingerprints({**record, "arrays": [entry]}, digests or [], step, directory)
     return len(record["arrays"])
@@ -153,17 +153,30 @@ def _step_report(directory: EPath, step: int, verify: bool) -> tuple[list[str], 
 
 
 def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
-    """(the report `easykv inspect DIR` prints, whether every step is intact)."""
+    """(the report `easykv inspect DIR` prints, whether every step is intact). A damaged marker
+    (a FIFO or link in place of ``easykv_checkpoint.json``) is reported, not raised: the directory
+    is not intact, and the steps holding an easykv record are still described."""
     import orbax.checkpoint as ocp
 
     directory = fmt.checkpoint_path(directory)
-    _, steps = fmt.resolve_step(directory, None) if _has_steps(directory) else (None, [])
-    partial = sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
+    fmt.check_directory(directory)
+    try:
+        marker, damage = fmt.marker_present(directory), None
+    except CheckpointIntegrityError as err:
+        marker, damage = False, err
+    try:
+        steps, partial = fmt.complete_steps(directory, marker)
+    except NotACheckpointError:
+        if damage is None:
+            raise
+        steps, partial = [], sorted(str(p) for p in ocp.step.tmp_checkpoints(directory))
     lines = [f"easykv checkpoint {directory}",
              f"  {len(steps)} complete step(s): {', '.join(map(str, steps)) or 'none'}"]
+    if damage is not None:
+        lines.append(f"  marker   DAMAGED: {damage}")
     if partial:
         lines.append(f"  {len(partial)} interrupted save(s), ignored: {', '.join(partial)}")
-    intact = True
+    intact = damage is None
     for step in reversed(steps):
         lines.append("")
         step_lines, ok = _step_report(directory, step, verify)
@@ -188,15 +201,6 @@ def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
       the report, lines joined by newlines.
     """
     return inspect_report(directory, verify=verify)[0]
-
-
-def _has_steps(directory: EPath) -> bool:
-    """Raise for what is not a checkpoint directory; False for one with no complete step yet."""
-    try:
-        fmt.resolve_step(directory, None)
-        return True
-    except StepNotFoundError:
-        return False
 
 
 __all__ = ["inspect_checkpoint", "inspect_report", "verify_step"]

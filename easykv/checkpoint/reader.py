@@ -4,26 +4,32 @@ array, its fingerprint cells checksummed while its bytes are in host memory.
 orbax's reader stages each shard in a host buffer of its own and copies it again to the device,
 and the fingerprints then read every array once more. Here each addressable shard of the target
 sharding (a shard replicated on several devices of this process: once, then copied to the
-others) is read by tensorstore, orbax's own engine, into its device buffer: on CPU a buffer XLA
-allocated (zeroed, then written through a numpy view of its bytes before anything reads it; a
-numpy buffer XLA merely adopted could not be donated, and the first donated write would copy the
-pool), on GPU/TPU an aligned host buffer, the staging copy of the transfer. The chunk
-files are memory-mapped (tensorstore's ``file_io_mode: memmap``), so a shard's bytes are copied
-once, from the page cache into that buffer. While tensorstore reads one shard on its own threads,
-this thread checksums the one before, and the next read starts only when that is done: host
-memory beyond the restored arrays is the mapped pages of the chunk files one shard reads (the
-page cache, counted in the process's RSS while mapped), not the pool (with more reads in flight
-the mapped pages of several shards at once were seen in RSS, and no faster restore). A chunk file
-truncated in place while mapped would end the process with SIGBUS; no easykv or orbax writer
-rewrites a committed step.
+others) is read into its device buffer: on CPU a buffer XLA allocated (zeroed, then written
+through a numpy view of its bytes before anything reads it; a numpy buffer XLA merely adopted
+could not be donated, and the first donated write would copy the pool), on GPU/TPU an aligned
+host buffer, the staging copy of the transfer.
+
+A local step's chunk files are read here, not by tensorstore, which opens paths itself (a FIFO
+swapped in after the checks would block it forever): each chunk a shard overlaps is opened once,
+non-blocking and without following a link, ``fstat`` of that descriptor must show a regular file
+of exactly one chunk's bytes, and the part the shard needs is read with ``preadv`` through the
+same descriptor straight into the shard's buffer (only the kv-head and page axes, and at most
+one more axis of a replicated shard, are ever split, so the part is a few contiguous runs). A
+file that shrinks while read is refused, where a memory map would end the process with SIGBUS.
+Two threads each allocate a shard's buffer and read it (``preadv`` releases the GIL) while this
+thread checksums the shard before, and the next read starts only when that is done: nothing is
+staged beyond the buffers that become the restored arrays (the page cache is the kernel's, not
+the process's; on GPU/TPU, two shards' host buffers), save one chunk's part at a time where it
+would fall into more than ``_MAX_RUNS`` pieces of the shard (`copy_chunk_part`). An object
+store's arrays (``://``) are read by tensorstore, as orbax does.
 
 The layout read is the one easykv writes through orbax (`easykv.checkpoint.format`): one zarr
 (v2) array per page array under ``<step>/pages/<name>/``, uncompressed, C order, one chunk file
-per saved shard. The ``.zarray`` must describe the array the record names (shape, stored dtype,
-no compressor or filter, C order) and every chunk file must be present, a regular file of exactly
-one chunk's bytes, so a crafted file can neither block the read (a FIFO), make it allocate (a huge
-sparse file), nor be read in another layout. orbax's tree metadata (``_METADATA``) must still
-list every array, so that orbax itself can restore the step.
+per saved shard. Before anything is listed or read, orbax's ``_METADATA`` and every ``.zarray``
+are compared, field by field, with what the record implies (`easykv.checkpoint.stored_files`):
+a crafted chunk shape is refused by that comparison, never enumerated, and the work that follows is
+bounded by the number of chunk files the record implies. A local array's directory must then
+hold exactly the chunk grid's names (a missing chunk would read as zeros).
 
 Fingerprints are checked only where this host holds every shard of an array on CPU devices;
 otherwise (GPU/TPU, several processes) the restored array's cells are computed on the devices
@@ -32,13 +38,15 @@ otherwise (GPU/TPU, several processes) the restored array's cells are computed o
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import functools
-import json
+import itertools
 import math
 import os
-import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -46,43 +54,56 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from easykv.checkpoint.format import PAGES_ITEM
+from easykv.checked_files import open_regular, read_into
+from easykv.checkpoint import stored_files
+from easykv.checkpoint.format import PAGES_ITEM, fingerprint_grid
 from easykv.checkpoint.integrity import digest, fingerprints, host_cells, host_path_ok
 from easykv.checkpoint.orbax_types import EPath
-from easykv.checkpoint.record import RECORD_MAX_BYTES, read_small_file
-from easykv.errors import CheckpointIntegrityError
+from easykv.checkpoint.record import refused
+from easykv.checkpoint.stored_files import SavedArray
+from easykv.errors import CheckpointIntegrityError, FileRefusedError
 
 _ALIGN = 64  # the host staging buffers of GPU/TPU reads: aligned for the transfer
 _AHEAD = 1  # shards being read while one is checksummed (see the module doc)
+_READERS = 2  # threads allocating and reading shards: the shard checksummed is already read
+_Read = tuple["jax.Array | None", np.ndarray]  # a shard read: its XLA buffer (CPU) and the bytes read
+_MAX_RUNS = 1024  # a chunk's part in more (so smaller) runs is read in file order and copied once
 
 
-def array_dir(directory: EPath, step: int, entry: Mapping[str, Any]) -> EPath:
+def array_dir(directory: EPath, step: int, path: Sequence[str]) -> EPath:
     """Where orbax wrote the array of a record entry: its PyTree path joined by dots."""
-    return directory / str(step) / PAGES_ITEM / ".".join(entry["path"])
+    return directory / str(step) / PAGES_ITEM / ".".join(path)
 
 
-def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any], jax.ShapeDtypeStruct]], *,
-                algorithm: str | None, grid: int) -> tuple[list[jax.Array], list[str] | None]:
+def read_arrays(directory: EPath, step: int, record: Mapping[str, Any],
+                entries: list[tuple[dict[str, Any], jax.ShapeDtypeStruct]], *,
+                algorithm: str | None) -> tuple[list[jax.Array], list[str] | None]:
     """Every array of ``entries`` (record entry, stored shape/dtype with its target sharding),
     read shard by shard; with an ``algorithm``, also each array's fingerprint as read (None
-    without one). An array whose files are missing, malformed or unreadable is named in a
-    `CheckpointIntegrityError`."""
-    _check_tree_metadata(directory, step, [e for e, _ in entries])
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "file_io_mode": {"mode": "memmap"}})
-    stores = [_open(directory, step, entry, sds, context) for entry, sds in entries]
+    without one). ``record`` is the step's verified record: the files are compared with it.
+
+    Raises:
+      CheckpointIntegrityError: orbax's metadata, or an array's metadata or chunk files, are
+        missing, malformed, not what the record implies, or unreadable (the array is named)."""
+    grid = fingerprint_grid(record)
+    saved = {a.name: a for a in stored_files.saved_arrays(record, step, directory)}
+    chunks = stored_files.check_tree_metadata(directory, step, list(saved.values()))
+    sources = [_source(directory, step, saved[entry["name"]], chunks[entry["name"]]) for entry, _ in entries]
     # Cells are checksummed as read where this host reads every shard onto CPU devices.
     cells: list[np.ndarray | None] = [
         np.zeros(sds.shape[:grid], np.uint32) if algorithm is not None and host_path_ok(sds.sharding) else None
         for _, sds in entries]
     placed: list[dict[Any, jax.Array]] = [{} for _ in entries]
-    in_flight: list[tuple[int, tuple[slice, ...], list[Any], jax.Array | None, np.ndarray, Any]] = []
+    in_flight: collections.deque[tuple[int, tuple[slice, ...], list[Any], Future[_Read]]] = collections.deque()
 
-    def land(i: int, index: tuple[slice, ...], devices: list[Any], owned: jax.Array | None, buf: np.ndarray,
-             read: Any) -> None:
-        try:
-            read.result()
-        except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
-            raise _unreadable(entries[i][0], step, directory, err) from err
+    def read(i: int, index: tuple[slice, ...], device: Any) -> _Read:
+        # On a reader thread: the buffer is allocated (its pages touched by the zeros) there too.
+        owned, buf = _target_buffer(tuple(s.stop - s.start for s in index), np.dtype(entries[i][1].dtype), device)
+        sources[i].read(index, buf)
+        return owned, buf
+
+    def land(i: int, index: tuple[slice, ...], devices: list[Any], done: Future[_Read]) -> None:
+        owned, buf = done.result()
         grid_cells = cells[i]
         if grid_cells is not None and algorithm is not None:
             grid_cells[index[:grid]] = host_cells(buf, algorithm, grid)
@@ -90,25 +111,22 @@ def read_arrays(directory: EPath, step: int, entries: list[tuple[dict[str, Any],
             placed[i][device] = (owned if owned is not None and device == devices[0]
                                  else jax.device_put(owned if owned is not None else buf, device))
 
-    try:
-        for i, (store, (_, sds)) in enumerate(zip(stores, entries)):
-            for index, devices in _regions(sds):
-                owned, buf = _target_buffer(tuple(s.stop - s.start for s in index), np.dtype(sds.dtype), devices[0])
-                read = ts.array(buf, copy=False, write=True).write(store[index])
-                in_flight.append((i, index, devices, owned, buf, read))
-                if len(in_flight) > _AHEAD:
-                    land(*in_flight.pop(0))
-        while in_flight:
-            land(*in_flight.pop(0))
-    except BaseException:
-        # A read still in flight writes into a buffer that the unwinding frees (on CPU, memory XLA
-        # owns, which the numpy view does not keep alive): wait for it first.
-        for *_, read in in_flight:
-            try:
-                read.result()
-            except Exception:  # noqa: BLE001, S110  the error being raised is the first one; this read is discarded
-                pass
-        raise
+    with ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix="easykv-restore") as pool:
+        try:
+            for i, (_, sds) in enumerate(entries):
+                for index, devices in _regions(sds):
+                    in_flight.append((i, index, devices, pool.submit(read, i, index, devices[0])))
+                    if len(in_flight) > _AHEAD:
+                        land(*in_flight.popleft())
+            while in_flight:
+                land(*in_flight.popleft())
+        except BaseException:
+            # Reads still in flight are abandoned: none is left running behind the error.
+            for *_, done in in_flight:
+                done.cancel()
+                with contextlib.suppress(Exception):
+                    done.result()
+            raise
     arrays: list[jax.Array] = [
         jax.make_array_from_single_device_arrays(sds.shape, sds.sharding, list(shards.values()))
         for shards, (_, sds) in zip(placed, entries)]
@@ -159,112 +177,138 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 # ---- what is opened ---------------------------------------------------------------------------------
-def _kvstore(path: EPath) -> Any:
-    text = os.fspath(path)
-    return text if "://" in text else {"driver": "file", "path": text}
-
-
-def _open(directory: EPath, step: int, entry: dict[str, Any], sds: jax.ShapeDtypeStruct, context: Any) -> Any:
-    """The array's zarr store, once its metadata and chunk files are what easykv writes."""
-    path = array_dir(directory, step, entry)
-    stored = np.dtype(sds.dtype)
-    problem = _zarray_problem(path, step, directory, sds.shape, stored)
-    if problem is None:
-        try:
-            store = ts.open({"driver": "zarr", "kvstore": _kvstore(path)}, open=True, read=True,
-                            context=context).result()
-            meta = store.spec().to_json().get("metadata", {})
-        except Exception as err:  # noqa: BLE001  malformed .zarray: tensorstore's many types
-            raise _unreadable(entry, step, directory, err) from err
-        problem = _chunk_files_problem(path, meta, stored)
-    if problem is not None:
-        raise CheckpointIntegrityError(
-            f"array {entry['name']} of step {step} in {directory} cannot be read: {problem}; its files are "
-            "damaged — restore another step", array=entry["name"], step=step, directory=str(directory))
-    return store
-
-
-def _zarray_problem(path: EPath, step: int, directory: EPath, shape: tuple[int, ...], stored: np.dtype) -> str | None:
-    """Why the array's ``.zarray`` (read as a small regular file: a FIFO would block tensorstore,
-    a huge file fill memory) does not describe what easykv writes (None: it does). The dtype is
-    compared as written: ``>f4`` would be read as byte-swapped ``<f4`` values."""
-    data = read_small_file(path / ".zarray", RECORD_MAX_BYTES, step, directory)
-    if data is None:
-        return "its .zarray is missing"
-    try:
-        meta = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        return f"its .zarray is not JSON ({short(err, 100)})"
-    if not isinstance(meta, dict):
-        return "its .zarray is not a JSON object"
-    want = (list(shape), {stored.str, stored.name}, None, None, "C", ".")
-    got = (meta.get("shape"), meta.get("dtype"), meta.get("compressor"), meta.get("filters") or None,
-           meta.get("order"), meta.get("dimension_separator", "."))
-    if got[0] != want[0] or not isinstance(got[1], str) or got[1] not in want[1]:
-        return f"its .zarray describes {got[0]!r:.80} {got[1]!r:.40}, the record {want[0]} {stored.str}"
-    if got[2:] != want[2:]:
-        return (f"its .zarray asks for compressor {got[2]!r:.60}, filters {got[3]!r:.60}, order {got[4]!r:.10}, "
-                f"dimension separator {got[5]!r:.10}; easykv writes none, none, 'C', '.'")
-    return None
-
-
-def _chunk_files_problem(path: EPath, meta: Mapping[str, Any], dtype: np.dtype) -> str | None:
-    """Why the chunk files of a local array are not exactly its chunk grid's names, each a regular
-    file of one chunk's bytes (None: they are)."""
+def _source(directory: EPath, step: int, array: SavedArray, chunks: tuple[int, ...]) -> _LocalArray | _StoreArray:
+    """The reader of one array, once its ``.zarray`` (and, on a local disk, the names of its
+    chunk files) are what the record implies."""
+    path = array_dir(directory, step, array.path)
     local = os.fspath(path)
+    problem = stored_files.zarray_problem(path, array, chunks)
+    if problem is None and "://" not in local:
+        try:
+            problem = stored_files.chunk_files_problem(local, array.grid(chunks))
+        except OSError as err:
+            problem = f"its directory cannot be listed ({type(err).__name__}: {err})"
+    if problem is not None:
+        raise _damaged(array.name, step, directory, problem)
     if "://" in local:
-        return None  # an object store: no FIFOs or sparse files; a missing object is left to the fingerprints
-    chunks = [int(c) for c in meta.get("chunks", [])]
-    chunk_bytes = math.prod(chunks) * dtype.itemsize
-    found = set()
-    with os.scandir(local) as it:
-        for item in it:
-            if item.name.startswith("."):
-                continue  # .zarray (read above), .zattrs
-            info = item.stat(follow_symlinks=False)  # a link is refused too: easykv writes none
-            if not stat.S_ISREG(info.st_mode):
-                return f"its chunk {item.name!r} is not a regular file (a link, a directory or a device)"
-            if info.st_size != chunk_bytes:
-                return f"its chunk {item.name!r} holds {info.st_size} bytes, not one chunk's {chunk_bytes}"
-            found.add(item.name)
-    # A missing chunk would read as zeros (easykv writes every chunk, zeros included); a misnamed
-    # one would be left unread.
-    grid = [-(-int(n) // c) for n, c in zip(meta.get("shape", []), chunks)]
-    want = {".".join(map(str, index)) for index in np.ndindex(*grid)}
-    if found != want:
-        odd = sorted(found - want)[:3] or sorted(want - found)[:3]
-        return (f"its chunk files are not the {len(want)} that its shape and chunks imply (named by grid "
-                f"position): {odd} {'are not among them' if found - want else 'are missing'}")
-    return None
+        return _StoreArray(local, array.name, step, directory)
+    return _LocalArray(local, array, chunks, step, directory)
 
 
-def _check_tree_metadata(directory: EPath, step: int, entries: list[dict[str, Any]]) -> None:
-    """orbax's ``_METADATA`` of the pages lists every array of the record (orbax restores the
-    step by it; easykv reads the arrays by the record)."""
-    path = directory / str(step) / PAGES_ITEM / "_METADATA"
-    data = read_small_file(path, RECORD_MAX_BYTES, step, directory)  # a FIFO or a huge file is refused
-    try:
-        if data is None:
-            raise FileNotFoundError(f"{path} is missing")
-        tree = json.loads(data)["tree_metadata"]
-        keys = set(tree)
-    except Exception as err:  # noqa: BLE001  missing, not JSON, not orbax's shape
-        raise CheckpointIntegrityError(
-            f"orbax's metadata of the pages of step {step} in {directory} is unreadable ({type(err).__name__}: "
-            f"{short(err)}); restore another step", step=step, directory=str(directory)) from err
-    for entry in entries:
-        if str(tuple(entry["path"])) not in keys:
-            raise CheckpointIntegrityError(
-                f"array {entry['name']} of step {step} in {directory} is missing from orbax's metadata of the "
-                "step (pages/_METADATA), which is damaged — restore another step", array=entry["name"],
-                step=step, directory=str(directory))
+class _LocalArray:
+    """The chunk files of an array on a local disk, read through checked descriptors."""
+
+    def __init__(self, path: str, array: SavedArray, chunks: tuple[int, ...], step: int, directory: EPath):
+        self.path, self.name, self.chunks, self.step, self.directory = path, array.name, chunks, step, directory
+        self.chunk_bytes = math.prod(chunks) * array.dtype.itemsize
+
+    def read(self, index: tuple[slice, ...], buf: np.ndarray) -> None:
+        """Fill ``buf`` with the region ``index`` of the array, chunk by chunk."""
+        lo = tuple(s.start for s in index)
+        hi = tuple(s.stop for s in index)
+        overlapped = [range(a // c, (b - 1) // c + 1) for a, b, c in zip(lo, hi, self.chunks)]
+        for position in itertools.product(*overlapped):
+            name = ".".join(map(str, position))
+            path = os.path.join(self.path, name)
+            try:
+                with open_regular(path, follow_links=False, size=self.chunk_bytes) as (fd, _):
+                    start = tuple(p * c for p, c in zip(position, self.chunks))
+                    copy_chunk_part(fd, path, self.chunks, start, buf, lo)
+            except FileRefusedError as err:
+                raise _damaged(self.name, self.step, self.directory, refused(
+                    path, err, f"not a regular file of one chunk's {self.chunk_bytes} bytes")) from err
+            except FileNotFoundError as err:
+                raise _damaged(self.name, self.step, self.directory, f"its chunk {name!r} is missing (it was listed; "
+                               "the step changed while read)") from err
+            except OSError as err:
+                raise _damaged(self.name, self.step, self.directory,
+                               f"its chunk {name!r} cannot be read ({type(err).__name__}: {err})") from err
 
 
-def _unreadable(entry: Mapping[str, Any], step: int, directory: EPath, err: BaseException) -> CheckpointIntegrityError:
+def copy_chunk_part(fd: int, path: str, chunks: Sequence[int], start: Sequence[int], buf: np.ndarray,
+                    lo: Sequence[int]) -> None:
+    """Read, from the open chunk file ``fd`` of shape ``chunks`` whose first element is global
+    position ``start``, the part that overlaps the region held by ``buf`` (which starts at global
+    ``lo``) into its place in ``buf``: straight in, one ``preadv`` per run contiguous in both;
+    or, when that would be many small runs, the part in file order into a staging array, then
+    copied into place."""
+    box_lo = [max(a, b) for a, b in zip(lo, start)]
+    box_hi = [min(a + n, b + c) for a, n, b, c in zip(lo, buf.shape, start, chunks)]
+    ext = [b - a for a, b in zip(box_lo, box_hi)]
+    in_chunk = [a - b for a, b in zip(box_lo, start)]
+    in_buf = [a - b for a, b in zip(box_lo, lo)]
+    item = buf.dtype.itemsize
+    k = _runs_from(ext, chunks, buf.shape)
+    if math.prod(ext[:k]) <= _MAX_RUNS:
+        run = ext[k] * math.prod(chunks[k + 1:]) * item
+        flat = _bytes_of(buf)
+        for src, dst in zip(_run_starts(in_chunk, ext, chunks, k), _run_starts(in_buf, ext, buf.shape, k)):
+            read_into(fd, int(src) * item, flat[int(dst) * item:int(dst) * item + run], path)
+        return
+    k = _runs_from(ext, chunks)
+    staged = np.empty(ext, buf.dtype)
+    flat = _bytes_of(staged)
+    run = ext[k] * math.prod(chunks[k + 1:]) * item
+    for src, dst in zip(_run_starts(in_chunk, ext, chunks, k), _run_starts([0] * len(ext), ext, ext, k)):
+        read_into(fd, int(src) * item, flat[int(dst) * item:int(dst) * item + run], path)
+    buf[tuple(slice(a, a + e) for a, e in zip(in_buf, ext))] = staged
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    """The bytes of ``a`` itself, flat (an error for an array not in C order, never a copy)."""
+    return a.view(np.uint8).data.cast("B")
+
+
+def _runs_from(ext: Sequence[int], *shapes: Sequence[int]) -> int:
+    """The first axis of the runs a box of extent ``ext`` falls into in C-ordered arrays of
+    ``shapes``: every later axis is whole in the box and in each of them."""
+    k = len(ext) - 1
+    while k > 0 and all(ext[k] == s[k] for s in shapes):
+        k -= 1
+    return k
+
+
+def _run_starts(start: Sequence[int], ext: Sequence[int], shape: Sequence[int], k: int) -> np.ndarray:
+    """Element offsets, in a C-ordered array of ``shape``, of the runs of a box at ``start`` of
+    extent ``ext`` whose axes from ``k`` on are contiguous: one per index of the axes before
+    ``k``, in C order."""
+    strides = [math.prod(shape[j + 1:]) for j in range(len(shape))]
+    offsets = np.array([sum(a * s for a, s in zip(start, strides))], np.int64)
+    for j in range(k):
+        offsets = (offsets[:, None] + np.arange(ext[j], dtype=np.int64) * strides[j]).reshape(-1)
+    return offsets
+
+
+class _StoreArray:
+    """An array on an object store, read by tensorstore (no FIFOs or links there)."""
+
+    def __init__(self, url: str, name: str, step: int, directory: EPath):
+        self.name, self.step, self.directory = name, step, directory
+        try:
+            self.store = ts.open({"driver": "zarr", "kvstore": url}, open=True, read=True,
+                                 context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
+        except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
+            raise _unreadable(name, step, directory, err) from err
+
+    def read(self, index: tuple[slice, ...], buf: np.ndarray) -> None:
+        """Fill ``buf`` with the region ``index`` of the array."""
+        try:
+            ts.array(buf, copy=False, write=True).write(self.store[index]).result()
+        except Exception as err:  # noqa: BLE001  tensorstore raises many types on damaged files
+            raise _unreadable(self.name, self.step, self.directory, err) from err
+
+
+def _damaged(name: str, step: int, directory: EPath, problem: str) -> CheckpointIntegrityError:
     return CheckpointIntegrityError(
-        f"array {entry['name']} of step {step} in {directory} cannot be read ({type(err).__name__}: {short(err)}); "
+        f"array {name} of step {step} in {directory} cannot be read: {problem}; its files are damaged — restore "
+        "another step", array=name, step=step, directory=str(directory))
+
+
+def _unreadable(name: str, step: int, directory: EPath, err: BaseException) -> CheckpointIntegrityError:
+    return CheckpointIntegrityError(
+        f"array {name} of step {step} in {directory} cannot be read ({type(err).__name__}: {short(err)}); "
         "its data or metadata files are missing, truncated or corrupted — restore another step",
-        array=entry["name"], step=step, directory=str(directory))
+        array=name, step=step, directory=str(directory))
 
 
 def short(err: BaseException, n: int = 300) -> str:
@@ -273,4 +317,4 @@ def short(err: BaseException, n: int = 300) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-__all__ = ["array_dir", "read_arrays", "short"]
+__all__ = ["array_dir", "copy_chunk_part", "read_arrays", "short"]

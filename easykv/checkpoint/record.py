@@ -32,8 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,9 +41,10 @@ import jax
 import numpy as np
 from etils import epath
 
+from easykv.checked_files import read_regular
 from easykv.checkpoint.integrity import KNOWN_FINGERPRINT_ALGORITHMS
 from easykv.checkpoint.orbax_types import EPath
-from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, SerializationError
+from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, FileRefusedError, SerializationError
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.pages import group_templates, page_template
@@ -191,32 +192,50 @@ RECORD_MAX_BYTES = 16 << 20  # a record lists a few hundred bytes per array
 
 
 def read_small_file(path: EPath, limit: int, step: int, directory: Any) -> bytes | None:
-    """A JSON file of a step, or None when it does not exist. Only a regular file of at most
-    ``limit`` bytes is read: a link to /dev/zero, a FIFO or a huge file is damage, not input
-    to read until memory runs out (the read itself is bounded too: the file may change)."""
-    try:
-        if not path.exists():
-            return None
-        info = path.stat()  # epath's is_file() is true for devices and FIFOs: ask the mode
-        if info.is_directory or (info.mode and not stat.S_ISREG(info.mode)):
-            raise _damaged(f"{path} is not a regular file", step, directory)
-        size = info.length
-        if size > limit:
-            raise _damaged(f"{path} holds {size} bytes, more than the {limit} such a file can hold", step, directory)
-        with path.open("rb") as f:
-            data: bytes = f.read(limit + 1)
-    except OSError as err:
-        raise _damaged(f"{path} cannot be read ({err})", step, directory) from err
-    if len(data) > limit:
-        raise _damaged(f"{path} grew past {limit} bytes while being read", step, directory)
+    """A small file of a step (JSON, orbax's metadata), or None when it does not exist;
+    `CheckpointIntegrityError` saying why it cannot be read (`small_file`)."""
+    data, problem = small_file(path, limit)
+    if problem is not None:
+        raise _damaged(problem, step, directory)
     return data
 
 
-def _read_json(path: EPath, step: int, directory: Any, *, data: bytes | None = None) -> Any:
-    if data is None:
-        data = read_small_file(path, RECORD_MAX_BYTES, step, directory)
-        if data is None:
-            raise _damaged(f"{path} is missing", step, directory)
+def small_file(path: EPath, limit: int) -> tuple[bytes | None, str | None]:
+    """(the bytes of a small file of a step, None) or (None, None) when it does not exist, or
+    (None, why it cannot be read).
+
+    A local file is opened once, without following a link and without waiting for a writer,
+    and only a regular file of at most ``limit`` bytes is read, through that descriptor
+    (`easykv.checked_files`): a FIFO, a link to /dev/zero, a device or a huge file is damage, not
+    input to block on or read until memory runs out, and checking the path before opening it
+    would leave room to swap the file in between. An object store's file (``://``) holds no such
+    thing; its read is bounded by ``limit`` too."""
+    text = os.fspath(path)
+    try:
+        if "://" not in text:
+            return read_regular(text, max_bytes=limit, follow_links=False), None
+        if not path.exists():
+            return None, None
+        with path.open("rb") as f:
+            data: bytes = f.read(limit + 1)
+    except FileNotFoundError:
+        return None, None
+    except FileRefusedError as err:
+        return None, refused(text, err, f"not a regular file of at most {limit} bytes")
+    except OSError as err:
+        return None, f"{path} cannot be read ({type(err).__name__}: {err})"
+    if len(data) > limit:
+        return None, f"{path} holds more than the {limit} bytes such a file can hold"
+    return data, None
+
+
+def refused(path: str, err: FileRefusedError, what: str) -> str:
+    """``path is <what>: it <why>``, the why of `checked_files`' refusal without its path."""
+    why = str(err)
+    return f"{path} is {what}: it {why.removeprefix(path + ' ')}" if why.startswith(path + " ") else f"{path}: {why}"
+
+
+def _read_json(path: EPath, data: bytes, step: int, directory: Any) -> Any:
     try:
         return parse_json(data.decode("utf-8"), what=str(path))
     except (ValueError, UnicodeDecodeError) as err:
@@ -228,9 +247,10 @@ def read_record(directory: Any, step: int) -> dict[str, Any]:
     """The record of ``step``: parsed, its seal verified, every field checked (`check_record`).
     CheckpointIntegrityError for damage, CheckpointMismatchError for a newer format."""
     path = epath.Path(directory) / str(step) / STATE_ITEM / RECORD_FILE
-    if not path.exists():
+    data = read_small_file(path, RECORD_MAX_BYTES, step, directory)
+    if data is None:
         raise _damaged(f"the step lacks {STATE_ITEM}/{RECORD_FILE}", step, directory)
-    record = _read_json(path, step, directory)
+    record = _read_json(path, data, step, directory)
     if not isinstance(record, dict):
         raise _damaged(f"{path} holds a JSON {type(record).__name__}, not an easykv checkpoint record", step,
                        directory)
@@ -287,7 +307,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
         if got != record[MANAGER_SEAL]:
             raise _damaged(f"{path} does not match the {MANAGER_SEAL} in the record (recorded "
                            f"{record[MANAGER_SEAL]}, file hashes to {got})", step, directory)
-    state = _read_json(path, step, directory, data=data)
+    state = _read_json(path, data, step, directory)
     if not isinstance(state, dict):
         raise _damaged(f"{path} holds a JSON {type(state).__name__}, not a PageManager state", step, directory)
     summary = summarize_state(state)
@@ -475,5 +495,6 @@ __all__ = [
     "EXTRA_MAX_DEPTH", "FORMAT", "FORMAT_VERSION", "LEGACY_VERSION", "MANAGER_FILE", "MANAGER_SEAL", "RECORD_FILE",
     "RECORD_SEAL", "STACKED_VERSION", "STATE_ITEM", "canonical", "check_record", "expected_leaves", "group_index",
     "expected_templates", "group_key", "is_legacy", "is_stacked", "layer_key", "leaf_role", "legacy_note", "nest",
-    "page_leaves", "page_pairs", "read_manager_state", "read_record", "record_digest", "saved_metadata", "seal",
+    "page_leaves", "page_pairs", "read_manager_state", "read_record", "read_small_file", "record_digest", "refused",
+    "saved_metadata", "seal", "small_file",
 ]

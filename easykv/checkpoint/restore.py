@@ -24,7 +24,6 @@ from easykv.checkpoint.format import (
     check_fingerprints,
     checkpoint_path,
     expected_leaves,
-    fingerprint_grid,
     read_manager_state,
     read_record,
     resolve_step,
@@ -151,7 +150,7 @@ def restore_cache(
     version = record["format_version"]
     abstract = _saved_arrays(record, group_layouts(target, layout), layout, is_stacked(version))
     algorithm = record["fingerprint_algorithm"] if verify else None
-    arrays, digests = read_arrays(directory, step, abstract, algorithm=algorithm, grid=fingerprint_grid(record))
+    arrays, digests = read_arrays(directory, step, record, abstract, algorithm=algorithm)
     if digests is not None:
         check_fingerprints(record, digests, step, directory)
     cache = _build_cache(arrays, saved, target, layout, platform, version)

@@ -136,9 +136,9 @@ def test_a_chunk_that_is_not_one_chunk_in_a_regular_file_is_refused_before_readi
     with pytest.raises(CheckpointIntegrityError, match=array.replace(".", r"\.")) as err:
         _restore(directory, verify=verify)
     assert err.value.array == array
-    why = {"fifo": "not a regular file", "dev-zero": "not a regular file", "directory": "not a regular file",
-           "link-to-a-copy": "not a regular file (a link", "missing": f"['{chunk.name}'] are missing",
-           "renamed": "['zzz'] are not among them"}.get(kind, f"not one chunk's {size}")
+    why = {"fifo": "it is a FIFO", "dev-zero": "it is a link", "directory": "it is a directory",
+           "link-to-a-copy": "it is a link", "missing": f"['{chunk.name}'] are missing",
+           "renamed": "['zzz'] are not among them"}.get(kind, f"not a regular file of one chunk's {size} bytes")
     assert why in str(err.value)
 
 
@@ -152,6 +152,11 @@ ZARRAY_EDITS = {  # each a .zarray that tensorstore opens, but that easykv never
     "structured dtype": {"dtype": [["a", "<u2"]]},  # a list: refused by name, not a TypeError
     "separator": {"dimension_separator": "/"},  # chunks looked up as 0/0/0/0/0: zeros
     "chunks regridded": {"chunks": [2, 1, 8, 2, 8]},  # same bytes and count per chunk, other places
+    "one-element chunks": {"chunks": [1, 1, 1, 1, 1]},  # a grid as large as the array (issue 42)
+    "fill value": {"fill_value": 0},  # a missing chunk would read as this
+    "zarr format": {"zarr_format": 3},
+    "an unknown field": {"attributes": {"a": 1}},
+    "no separator": {"dimension_separator": None},  # the key removed: zarr's default is "."
 }
 
 
@@ -159,8 +164,9 @@ ZARRAY_EDITS = {  # each a .zarray that tensorstore opens, but that easykv never
 def test_a_zarray_that_is_not_what_easykv_writes_is_refused(edit, tmp_path):
     directory = _copy("bf16_hybrid", tmp_path)
     path = directory / "0" / "pages" / "group_001.key_pages" / ".zarray"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **ZARRAY_EDITS[edit]}))
-    with pytest.raises(CheckpointIntegrityError, match=r"group_001\.key_pages") as err:
+    zarray = {**json.loads(path.read_text()), **ZARRAY_EDITS[edit]}
+    path.write_text(json.dumps({k: v for k, v in zarray.items() if v is not None or k != "dimension_separator"}))
+    with pytest.raises(CheckpointIntegrityError, match=r"group_001\.key_pages .*\.zarray is not the one") as err:
         _restore(directory, verify=False)
     assert err.value.array == "group_001.key_pages"
 
@@ -246,43 +252,30 @@ def test_restored_cpu_pages_are_donated_in_place_by_the_first_write(where):
 
 
 def test_a_failed_read_waits_for_the_read_in_flight_before_its_buffer_is_freed(tmp_path, monkeypatch):
-    """The first shard's chunk is truncated past the structural check (patched out here, as if
-    the file changed after it): its read fails while the next shard's read is in flight, and
-    the reader must wait for that read before the error unwinds (it writes into XLA-owned
-    memory that the unwinding frees)."""
+    """The first shard's chunk is truncated: its read fails while the next shard's read is in
+    flight, and the reader must wait for that read before the error unwinds (it writes into
+    XLA-owned memory, and nothing may go on reading behind the error)."""
+    import time
+
     import easykv.checkpoint.reader as reader
 
     directory = _copy("bf16_hybrid", tmp_path)
-    monkeypatch.setattr(reader, "_chunk_files_problem", lambda *a: None)
     chunk = directory / "0" / "pages" / "group_000.key_pages" / "0.0.0.0.0"
     chunk.write_bytes(chunk.read_bytes()[:-7])
-    reads = []
+    original, reads = reader._LocalArray.read, []
 
-    class Read:  # a tensorstore future that records whether anyone waited for it
-        def __init__(self, future):
-            self.future, self.waited = future, False
-            reads.append(self)
+    def read(self, index, buf):  # the failing read fails late, the others take longer: one is in flight
+        first = all(s.start == 0 for s in index)
+        reads.append(("started", first))
+        try:
+            time.sleep(0.2 if first else 0.4)
+            original(self, index, buf)
+        finally:
+            reads.append(("ended", first))
 
-        def result(self):
-            self.waited = True
-            return self.future.result()
-
-    class Target:
-        def __init__(self, array):
-            self.array = array
-
-        def write(self, source):
-            return Read(self.array.write(source))
-
-    class Tensorstore:
-        def __getattr__(self, name):
-            return getattr(ts, name)
-
-        def array(self, *args, **kwargs):
-            return Target(ts.array(*args, **kwargs))
-
-    ts = reader.ts
-    monkeypatch.setattr(reader, "ts", Tensorstore())
-    with pytest.raises(CheckpointIntegrityError, match=r"group_000\.key_pages of step 0 .* cannot be read"):
+    monkeypatch.setattr(reader._LocalArray, "read", read)
+    with pytest.raises(CheckpointIntegrityError, match=r"group_000\.key_pages of step 0 .*0\.0\.0\.0\.0 is not a "
+                       r"regular file of one chunk's \d+ bytes: it holds"):
         _restore(directory)
-    assert len(reads) == 2 and all(r.waited for r in reads)
+    assert ("started", False) in reads  # a read was in flight when the first failed ...
+    assert reads.count(("started", False)) == reads.count(("ended", False))  # ... and none is left running

@@ -170,8 +170,9 @@ def restore_child(directory: str) -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     base, base_anon = _status_mib("VmRSS"), _status_mib("RssAnon")
-    # VmHWM counts mapped file pages (the page cache a memory-mapped read touches) with anonymous
-    # memory; a sampler finds the peak of the anonymous part alone.
+    # VmHWM counts file pages mapped into the process (the runtime's libraries; easykv's reader
+    # reads the chunk files with preadv, mapping none) with anonymous memory; a sampler finds the
+    # peak of the anonymous part alone.
     peak_anon, done = [base_anon], threading.Event()
 
     def sample() -> None:
@@ -231,7 +232,7 @@ def report_memory(mem: dict, gib: float) -> None:
     print(f"| of it beyond the restored pages (staging) | {staging:.0f} ({staging / largest:.2f}x the largest "
           f"shard; target <= 1.2x) |")
     anon = mem["anon"] - mem["held"]
-    print(f"| of the staging, anonymous memory (the rest: page cache of mapped chunk files; sampled every 2 ms) | "
+    print(f"| of the staging, anonymous memory (the rest: mapped files; sampled every 2 ms) | "
           f"{anon:.0f} ({anon / largest:.2f}x) |")
     print(f"| restore time | {mem['seconds']:.2f} s |")
     print(f"| anonymous memory through the first donated write after it (in place: 1.00x) | "

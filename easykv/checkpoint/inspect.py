@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 import jax
 import numpy as np
 
+from easykv.checked_files import file_kind
 from easykv.checkpoint import format as fmt
 from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.reader import read_arrays
@@ -176,13 +178,38 @@ def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
         lines.append(f"  marker   DAMAGED: {damage}")
     if partial:
         lines.append(f"  {len(partial)} interrupted save(s), ignored: {', '.join(partial)}")
-    intact = damage is None
+    odd = _step_names_not_directories(directory)
+    for name, kind in odd:
+        lines.append(f"  step {name} DAMAGED: it is {kind}, not a step directory; restore another step")
+    intact = damage is None and not odd
     for step in reversed(steps):
         lines.append("")
         step_lines, ok = _step_report(directory, step, verify)
         lines.extend(step_lines)
         intact = intact and ok
     return "\n".join(lines), intact
+
+
+def _step_names_not_directories(directory: EPath) -> list[tuple[str, str]]:
+    """(name, what it is) of each entry named like a step (digits) that is not a directory: a
+    FIFO, a file or a dangling link in place of a step would otherwise go unlisted and unreported."""
+    local = os.fspath(directory)
+    if "://" in local:
+        return []  # an object store holds neither FIFOs nor links
+    odd = []
+    with os.scandir(local) as entries:
+        for entry in entries:
+            if entry.name.isdigit() and entry.name.isascii():
+                info = entry.stat(follow_symlinks=False)
+                if stat.S_ISLNK(info.st_mode):
+                    try:
+                        info = os.stat(entry.path)
+                    except OSError:
+                        odd.append((entry.name, "a link to nothing readable"))
+                        continue
+                if not stat.S_ISDIR(info.st_mode):
+                    odd.append((entry.name, file_kind(info.st_mode)))
+    return sorted(odd, key=lambda item: int(item[0]))
 
 
 def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:

@@ -32,7 +32,6 @@ import numpy as np
 from easykv.checkpoint.format import PAGES_ITEM
 from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import (
-    RECORD_MAX_BYTES,
     canonical,
     group_index,
     is_stacked,
@@ -134,6 +133,16 @@ def _mesh_size(sizes: Mapping[str, int], names: Sequence[str], array: str, step:
     return math.prod(sizes[n] for n in names)
 
 
+# What orbax writes is about 160 bytes per .zarray and 300 per array in _METADATA; a limit of a
+# few times that keeps a crafted 16 MiB JSON file (5 s and 800 MiB to parse) from being parsed.
+ZARRAY_MAX_BYTES = 4096
+
+
+def metadata_max_bytes(num_arrays: int) -> int:
+    """The most bytes orbax's ``_METADATA`` of ``num_arrays`` arrays may hold."""
+    return 4096 + 2048 * num_arrays
+
+
 # ---- orbax's _METADATA --------------------------------------------------------------------------
 def check_tree_metadata(directory: EPath, step: int, arrays: Sequence[SavedArray]) -> dict[str, tuple[int, ...]]:
     """Compare orbax's ``_METADATA`` of the pages, as a whole, with the record's ``arrays``; return
@@ -145,7 +154,8 @@ def check_tree_metadata(directory: EPath, step: int, arrays: Sequence[SavedArray
       CheckpointIntegrityError: the file is missing, not a small regular file, not JSON, or says
         anything but what the record implies; names the array where the difference is one's."""
     path = directory / str(step) / PAGES_ITEM / METADATA_FILE
-    data = read_small_file(path, RECORD_MAX_BYTES, step, directory)  # a FIFO or a huge file is refused
+    # A FIFO or a file larger than the record's arrays can need is refused before JSON parses it.
+    data = read_small_file(path, metadata_max_bytes(len(arrays)), step, directory)
     where = f"orbax's metadata of the pages of step {step} in {directory} ({PAGES_ITEM}/{METADATA_FILE})"
     try:
         if data is None:
@@ -185,7 +195,7 @@ def zarray_problem(array_dir: EPath, array: SavedArray, chunks: Sequence[int]) -
     is): its shape and dtype as written, the ``chunks`` of orbax's ``_METADATA``, no compressor
     or filter, C order, no fill value, zarr format 2 and ``.`` between chunk indices. The dtype is
     compared as written: ``>f4`` would be read as byte-swapped ``<f4`` values."""
-    data, problem = small_file(array_dir / ZARRAY_FILE, RECORD_MAX_BYTES)
+    data, problem = small_file(array_dir / ZARRAY_FILE, ZARRAY_MAX_BYTES)
     if data is None:
         return problem or f"its {ZARRAY_FILE} is missing"
     try:
@@ -275,5 +285,5 @@ def _damaged(message: str, step: int, directory: Any, array: str | None = None) 
                                     step=step, directory=str(directory))
 
 
-__all__ = ["METADATA_FILE", "ZARRAY_FILE", "SavedArray", "check_tree_metadata", "chunk_files_problem", "difference",
-           "saved_arrays", "zarray_problem"]
+__all__ = ["METADATA_FILE", "ZARRAY_FILE", "ZARRAY_MAX_BYTES", "SavedArray", "check_tree_metadata",
+           "chunk_files_problem", "difference", "metadata_max_bytes", "saved_arrays", "zarray_problem"]

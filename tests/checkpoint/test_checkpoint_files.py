@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -442,3 +443,34 @@ def test_chunk_parts_land_where_numpy_puts_them(tmp_path, shape, chunks, region)
         finally:
             os.close(fd)
     assert np.array_equal(buf, full[tuple(slice(a, b) for a, b in region)])
+
+
+@pytest.mark.parametrize("name", ["zarray", "tree metadata"])
+def test_a_json_file_larger_than_the_record_implies_is_refused_before_it_is_parsed(step, name):
+    """A 2 MiB .zarray or _METADATA of nested lists (an outside attack's 16 MiB one took 5 s and
+    +800 MiB to parse before the comparison refused it): refused by its size, unparsed."""
+    relative, names = READ_FILES[name]
+    body = "[" + ",".join(["[]"] * (1 << 20)) + "]"
+    (step / relative).write_text('{"x":' + body + "}")
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        with pytest.raises(CheckpointIntegrityError, match=rf"{re.escape(names)}.* holds \d+ bytes, more than"):
+            _restore(step)
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seconds < 1.0 and peak < 8 << 20, (seconds, peak)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file", "dangling-link"])
+def test_a_step_name_that_is_not_a_directory_makes_inspect_fail_naming_it(step, kind, capsys):
+    """An outside attack replaced the only step '0' by a FIFO, a file or a link to nothing:
+    inspect said '0 complete step(s): none' and exited 0, while an empty directory '0' was DAMAGED."""
+    shutil.rmtree(step / "0")
+    {"fifo": lambda p: os.mkfifo(p), "file": lambda p: p.write_bytes(b"x"),
+     "dangling-link": lambda p: p.symlink_to(step / "nowhere")}[kind](step / "0")
+    report, ok = _within(30, lambda: inspect_report(step), fifos=(step / "0",) if kind == "fifo" else ())
+    assert not ok and "step 0 DAMAGED: it is" in report and "not a step directory" in report, report
+    assert _within(30, lambda: main(["inspect", str(step)])) == 1

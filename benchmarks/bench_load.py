@@ -24,14 +24,20 @@ then runs one engine step:
 
 Targets (issue 42): the programs compiled inside ``apply_pending`` (the device work: copies,
 scrubs and host transfers, whatever program does them, counted as jax lowers them) at most
-``2 + log2(pool pages)``; RSS flat after warm-up (the first quarter of the run, and at least
-until a checkpoint was restored: orbax's first save and restore set up what it keeps): growth
-from the first sample after warm-up to the end under ``--rss-slack`` MiB; every page free at the end
-(every sequence released, the prefix cache emptied, `check_invariants`, every device and host
-page reads zero since scrubbing is on). Also reported: steps, tokens, every program lowered
-(and how many after warm-up), the median host time of a step (its wall time less the time
-spent in calls that run device programs: on CPU those run on the host's cores) and the median
-checkpoint save. Exits 1 when a target is missed.
+``2 + log2(pool pages)``; memory flat after warm-up (the first quarter of the run, and at least
+until a checkpoint was restored: orbax's first save and restore set up what it keeps): RSS
+growth from the census that closes warm-up to the end under ``--rss-slack`` MiB, and the heap
+malloc has handed out ("held") under ``--heap-slack`` MiB; every page free at the end (every
+sequence released, the prefix cache emptied, `check_invariants`, every device and host page
+reads zero since scrubbing is on). RSS alone does not say whether the process holds more: glibc
+keeps freed blocks in its per-thread arenas, so a checkpoint's megabyte buffers, allocated and
+freed by orbax's, tensorstore's and the reader's threads, raise RSS towards a ceiling while the
+heap in use stays flat (``process_memory``'s doc; ``MALLOC_ARENA_MAX=2`` keeps RSS flat too). So
+the table also gives RssAnon, malloc's held and free-but-kept MiB, the live jax arrays and the
+Python objects after warm-up and at the end, and RSS slopes over the window and its last half.
+Also reported: steps, tokens, every program lowered (and which after warm-up), the median host
+time of a step (its wall time less the time spent in calls that run device programs: on CPU
+those run on the host's cores) and the median checkpoint save. Exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -60,6 +66,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from process_memory import Census, Sample  # noqa: E402  (benchmarks/, the script's own folder)
+
 import easykv  # noqa: E402
 from easykv.demo.model import CompiledModel  # noqa: E402
 from easykv.demo.run import demo_model  # noqa: E402
@@ -69,6 +77,7 @@ from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa
 
 POOL, HOST_POOL, PAGE, SEQS, MAX_LEN, BUDGET, DECODE_STEPS = 256, 256, 8, 8, 256, 64, 4
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+CENSUSES = 16  # costly memory readings (a full gc each) per run, from its first quarter on
 # Per iteration: the chance of each event (arrivals only while a sequence slot is free).
 EVENTS = {"arrive": 0.5, "fork": 0.06, "truncate": 0.05, "drop": 0.02, "version": 0.01, "swap_out": 0.03,
           "swap_in": 0.15}
@@ -107,11 +116,6 @@ class Lowered:
 
     def close(self) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listen)
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 @dataclasses.dataclass
@@ -421,21 +425,37 @@ class LoadRun:
         return problems
 
 
-def slope_mib_per_minute(samples: list[tuple[float, float]]) -> float:
-    if len(samples) < 2:
+def slope_mib_per_minute(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB) points, in MiB per minute."""
+    if len(points) < 2:
         return 0.0
-    t = np.array([s[0] for s in samples])
-    r = np.array([s[1] for s in samples])
+    t = np.array([p[0] for p in points])
+    r = np.array([p[1] for p in points])
     return float(np.polyfit(t, r, 1)[0] * 60)
+
+
+def memory_after_warm_up(samples: list[Sample], warm: Census, end: Census) -> dict:
+    """Growth and slopes from the census that closes warm-up to the end: VmRSS, RssAnon and
+    malloc's held and kept MiB (slopes over the whole window and over its last half)."""
+    after = [s for s in samples if s.t >= warm.sample.t] + [end.sample]
+    half = (warm.sample.t + end.sample.t) / 2
+    out = {}
+    for name in ("rss", "anon", "held", "kept"):
+        out[f"{name}_growth"] = getattr(end.sample, name) - getattr(warm.sample, name)
+        out[f"{name}_slope"] = slope_mib_per_minute([(s.t, getattr(s, name)) for s in after])
+        out[f"{name}_slope_half"] = slope_mib_per_minute([(s.t, getattr(s, name)) for s in after if s.t >= half])
+    return out
 
 
 def run(seconds: float, checkpoint_every: float, sample_every: int, seed: int) -> dict:
     """``seconds`` of load after the setup (model, cache, manager); the clock of the lowered
-    programs and the RSS samples starts with the load."""
+    programs and the memory samples starts with the load. A `Sample` every ``sample_every``
+    iterations; a `Census` every ``seconds / CENSUSES`` from the first quarter on (the first one
+    after warm-up opens the comparison) and one at the end, before anything is released."""
     lowered = Lowered()
     load = LoadRun(seed, checkpoint_every, lowered)
-    host_times, walls, rss = [], [], []
-    warm_up, start, i = seconds / 4, time.perf_counter(), 0
+    host_times, walls, samples, censuses = [], [], [], []
+    start, i, next_census = time.perf_counter(), 0, seconds / 4
     load.last_checkpoint = start
     while (now := time.perf_counter() - start) < seconds:
         t0 = time.perf_counter()
@@ -449,22 +469,34 @@ def run(seconds: float, checkpoint_every: float, sample_every: int, seed: int) -
             walls.append(wall)
             host_times.append(wall - load.device_time)
         if i % sample_every == 0:
-            rss.append((now, rss_mib()))
+            samples.append(Sample.take(now))
+        if now >= next_census:
+            censuses.append(Census.take(now))
+            next_census += seconds / CENSUSES
         i += 1
     jax.block_until_ready(load.cache)
-    rss.append((time.perf_counter() - start, rss_mib()))
+    end = Census.take(time.perf_counter() - start)
     problems = load.drain()
     lowered.close()
-    warm_up = max(warm_up, load.first_restore - start)
-    after = [s for s in rss if s[0] >= warm_up]
-    names = [name for _, name in lowered.programs]
+    warm_up = max(seconds / 4, load.first_restore - start)
+    warm = next((c for c in censuses if c.sample.t >= warm_up), end)
+    late = [name for t, name in lowered.programs if t >= start + warm.sample.t]
     return dict(
         load=load, iterations=i, seconds=time.perf_counter() - start, problems=problems,
-        device_work=lowered.device_work, lowered=len(names),
-        lowered_after=sum(1 for t, _ in lowered.programs if t >= start + warm_up),
-        rss_warm=after[0][1], rss_end=after[-1][1], rss_slope=slope_mib_per_minute(after),
+        device_work=lowered.device_work, lowered=len(lowered.programs), lowered_after=late,
+        warm=warm, end=end, memory=memory_after_warm_up(samples, warm, end), samples=[*samples, end.sample],
         host_ms=1e3 * statistics.median(host_times), wall_ms=1e3 * statistics.median(walls),
-        save_ms=1e3 * statistics.median(load.saves) if load.saves else float("nan"), warm_up=warm_up)
+        save_ms=1e3 * statistics.median(load.saves) if load.saves else float("nan"))
+
+
+def print_curve(samples: list[Sample], every: float) -> None:
+    """The first sample of each ``every`` seconds, and the last."""
+    print(f"\n{'t (s)':>7} {'VmRSS':>7} {'RssAnon':>8} {'held':>7} {'kept':>7}   (MiB; held/kept: malloc's)")
+    mark = 0.0
+    for s in samples:
+        if s.t >= mark or s is samples[-1]:
+            print(f"{s.t:7.0f} {s.rss:7.1f} {s.anon:8.1f} {s.held:7.1f} {s.kept:7.1f}")
+            mark = (s.t // every + 1) * every
 
 
 def main() -> int:
@@ -475,6 +507,10 @@ def main() -> int:
                         help="seconds between checkpoints (default 15; --quick: 6)")
     parser.add_argument("--rss-slack", type=float, default=64.0,
                         help="MiB the RSS may grow after warm-up (default 64)")
+    parser.add_argument("--heap-slack", type=float, default=16.0,
+                        help="MiB the heap malloc has handed out (held) may grow after warm-up (default 16)")
+    parser.add_argument("--curve", type=float, default=None, metavar="SECONDS",
+                        help="also print the memory samples, one every SECONDS")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     seconds = args.seconds if args.seconds is not None else (20.0 if args.quick else 300.0)
@@ -482,10 +518,11 @@ def main() -> int:
     r = run(seconds, every, sample_every=25, seed=args.seed)
     load, c = r["load"], r["load"].counts
     bound = 2 + math.log2(POOL)
-    growth = r["rss_end"] - r["rss_warm"]
-    work = r["device_work"]
+    work, mem, warm, end = r["device_work"], r["memory"], r["warm"].sample, r["end"].sample
+    late = r["lowered_after"]
+    has_malloc = not math.isnan(mem["held_growth"])
     rows = [
-        ("load", f"{r['seconds']:.0f} s, {r['iterations']} iterations, warm-up {r['warm_up']:.0f} s", ""),
+        ("load", f"{r['seconds']:.0f} s, {r['iterations']} iterations, warm-up {warm.t:.0f} s", ""),
         ("engine steps (device loops)", f"{c['steps']} ({c['plans']} plans of up to {DECODE_STEPS})", ""),
         ("tokens generated", f"{c['tokens']}", ""),
         ("arrivals / forks / truncations", f"{c['arrivals']} / {c['forks']} / {c['truncations']}", ""),
@@ -493,12 +530,26 @@ def main() -> int:
         ("swap-outs (preemptions) / swap-ins", f"{c['swap_outs']} ({c['preemptions']}) / {c['swap_ins']}", ""),
         ("checkpoints saved / restored and compared", f"{c['checkpoints']} / {c['restores']}", ""),
         ("pages scrubbed / copied", f"{load.manager.metrics.scrubs} / {load.manager.metrics.copies}", ""),
-        ("programs compiled inside apply_pending", f"{len(r['device_work'])} ({', '.join(sorted(set(work)))})",
+        ("programs compiled inside apply_pending", f"{len(work)} ({', '.join(sorted(set(work)))})",
          f"<= 2 + log2({POOL}) = {bound:.0f}"),
-        ("programs lowered (all / after warm-up)", f"{r['lowered']} / {r['lowered_after']}", ""),
-        ("RSS after warm-up -> end", f"{r['rss_warm']:.0f} -> {r['rss_end']:.0f} MiB ({growth:+.1f})",
+        ("programs lowered (all / after warm-up)",
+         f"{r['lowered']} / {len(late)}" + (f" ({', '.join(sorted(set(late)))})" if late else ""), ""),
+        ("RSS after warm-up -> end", f"{warm.rss:.0f} -> {end.rss:.0f} MiB ({mem['rss_growth']:+.1f})",
          f"growth <= {args.rss_slack:.0f} MiB"),
-        ("RSS slope after warm-up", f"{r['rss_slope']:+.2f} MiB/min", ""),
+        ("RSS slope after warm-up (all / last half)",
+         f"{mem['rss_slope']:+.2f} / {mem['rss_slope_half']:+.2f} MiB/min", ""),
+        ("RssAnon after warm-up -> end", f"{warm.anon:.0f} -> {end.anon:.0f} MiB ({mem['anon_growth']:+.1f}; "
+         f"last half {mem['anon_slope_half']:+.2f} MiB/min)", ""),
+        ("malloc: held after warm-up -> end",
+         f"{warm.held:.1f} -> {end.held:.1f} MiB ({mem['held_growth']:+.1f}; last half "
+         f"{mem['held_slope_half']:+.2f} MiB/min)" if has_malloc else "n/a (no glibc mallinfo2)",
+         f"growth <= {args.heap_slack:.0f} MiB" if has_malloc else ""),
+        ("malloc: free but kept after warm-up -> end",
+         f"{warm.kept:.0f} -> {end.kept:.0f} MiB ({mem['kept_growth']:+.1f})" if has_malloc else "n/a", ""),
+        ("live jax arrays after warm-up -> end", f"{r['warm'].arrays} ({r['warm'].array_mib:.1f} MiB) -> "
+         f"{r['end'].arrays} ({r['end'].array_mib:.1f} MiB)", ""),
+        ("Python objects after warm-up -> end",
+         f"{r['warm'].objects:,} -> {r['end'].objects:,} ({r['end'].objects - r['warm'].objects:+,})", ""),
         ("host time per step (median)", f"{r['host_ms']:.2f} ms (wall {r['wall_ms']:.2f} ms)", ""),
         ("checkpoint save (median)", f"{r['save_ms']:.0f} ms", ""),
         ("end: every page free and zero", "yes" if not r["problems"] else "; ".join(r["problems"]), "yes"),
@@ -510,9 +561,12 @@ def main() -> int:
         print(f"{name:<{width}}  {value:<{vwidth}}  {target}")
     missed = [name for name, ok in (
         ("programs compiled inside apply_pending", len(r["device_work"]) <= bound),
-        ("RSS growth after warm-up", growth <= args.rss_slack),
+        ("RSS growth after warm-up", mem["rss_growth"] <= args.rss_slack),
+        ("malloc held growth after warm-up", not has_malloc or mem["held_growth"] <= args.heap_slack),
         ("every page free and zero", not r["problems"]),
     ) if not ok]
+    if args.curve:
+        print_curve(r["samples"], args.curve)
     if missed:
         print(f"MISSED: {', '.join(missed)}")
         return 1

@@ -245,6 +245,10 @@ def test_transfers_are_not_padded_to_the_scrubs_beside_them():
     assert calls(1, 1, 2, 2) == [(1, 1, ["copies", "off"]), (2, 2, ["on", "scrubs"])]
     assert calls(0, 3, 0, 100) == [(128, 64, ["copies", "scrubs"])]
     assert calls(0, 0, 150, 0) == [(64, 64, ["on"]), (64, 64, ["on"]), (32, 32, ["on"])]
+    # Both directions share a call's staging arrays, so they never share a call.
+    assert calls(2, 0, 2, 0) == [(2, 2, ["off"]), (2, 2, ["on"])]
+    assert calls(4, 3, 4, 4) == [(4, 4, ["copies", "off"]), (4, 4, ["on", "scrubs"])]
+    assert calls(64, 0, 100, 0) == [(64, 64, ["off"]), (64, 64, ["on"]), (64, 64, ["on"])]
     assert calls(64, 0, 0, 300) == [(512, 64, ["off", "scrubs"])]  # a full chunk is never padded
 
 

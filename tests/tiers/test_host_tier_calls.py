@@ -101,23 +101,6 @@ def test_a_call_runs_nothing_for_the_work_it_lacks(tp8, monkeypatch):
     assert not any(np.array_equal(a, b) for a, b in zip(offload["results"], again["results"]))
 
 
-def test_offloads_and_onloads_of_one_apply_run_as_calls_of_one_direction():
-    """Both directions share a call's staging arrays, so they never share a call (copies and
-    scrubs still ride along where their bucket fits)."""
-    def plan(off: int, on: int):
-        def ids(n: int) -> np.ndarray:
-            return np.zeros((1, n), np.int32)
-        return host_module._Plan(ids(off), ids(off), np.array([off]), ids(on), ids(on), np.array([on]))
-
-    def calls(off: int, copies: int, on: int, scrubs: int):
-        device = [(np.zeros(copies, np.int32), np.zeros(copies, np.int32), np.zeros(scrubs, np.int32))]
-        return [(c.size, c.width, sorted(c.parts)) for c in host_module._calls([plan(off, on)], device, 512)]
-
-    assert calls(2, 0, 2, 0) == [(2, 2, ["off"]), (2, 2, ["on"])]
-    assert calls(4, 3, 4, 4) == [(4, 4, ["copies", "off"]), (4, 4, ["on", "scrubs"])]
-    assert calls(64, 0, 100, 0) == [(64, 64, ["off"]), (64, 64, ["on"]), (64, 64, ["on"])]
-
-
 class Model:
     """The pool and host pages in numpy, applied in the documented order: host scrubs, offloads
     read, copies, onloads (reading the host pages as they were before this call's offloads

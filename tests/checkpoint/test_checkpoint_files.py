@@ -280,7 +280,7 @@ def _refused_cheaply(directory, where: str) -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < 1.0 and peak < 8 << 20, (seconds, peak)
+    assert seconds < 3.0 and peak < 8 << 20, (seconds, peak)
     assert err.value.array == "group_000.key_pages" and where in str(err.value)
     assert "chunks" in str(err.value) and "[1, 1, 1, 1, 1]" in str(err.value)
 
@@ -461,7 +461,7 @@ def test_a_json_file_larger_than_the_record_implies_is_refused_before_it_is_pars
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < 1.0 and peak < 8 << 20, (seconds, peak)
+    assert seconds < 3.0 and peak < 8 << 20, (seconds, peak)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "file", "dangling-link"])

@@ -149,7 +149,7 @@ def test_a_zip_of_more_members_than_any_export_is_refused_before_its_directory_i
         finally:
             tracemalloc.stop()
         assert words in str(caught.value) and "nothing was parsed" in str(caught.value), caught.value
-        assert seconds < 0.5 and peak < 4 * 2**20, (seconds, peak)  # the parse took 5 s and 145 MiB
+        assert seconds < 2.0 and peak < 4 * 2**20, (seconds, peak)  # the parse took 5 s and 145 MiB
 
 
 def test_no_zip_is_refused_as_one_and_never_read_as_a_npy_or_a_pickle(tmp_path):

@@ -97,7 +97,7 @@ def test_a_zip_of_more_members_than_the_model_has_is_refused_before_its_director
     assert f"more than the {most} a demo weights file for this model may hold" in message or (
         f"that the {most} members a demo weights file for this model may hold take" in message), message
     assert len(message) < 500 and err.path == str(path)
-    assert seconds < 2 * good + 0.2, (seconds, good)  # the parse took 2 s, 13 times the shipped file's read
+    assert seconds < 2 * good + 1.0, (seconds, good)  # the parse took 2 s, 13 times the shipped file's read
     tracemalloc.start()
     try:
         finishes_within(lambda: read_weights(path, HYBRID))

@@ -237,21 +237,24 @@ def copy_chunk_part(fd: int, path: str, chunks: Sequence[int], start: Sequence[i
     ext = [b - a for a, b in zip(box_lo, box_hi)]
     in_chunk = [a - b for a, b in zip(box_lo, start)]
     in_buf = [a - b for a, b in zip(box_lo, lo)]
-    item = buf.dtype.itemsize
     k = _runs_from(ext, chunks, buf.shape)
     if math.prod(ext[:k]) <= _MAX_RUNS:
-        run = ext[k] * math.prod(chunks[k + 1:]) * item
-        flat = _bytes_of(buf)
-        for src, dst in zip(_run_starts(in_chunk, ext, chunks, k), _run_starts(in_buf, ext, buf.shape, k)):
-            read_into(fd, int(src) * item, flat[int(dst) * item:int(dst) * item + run], path)
+        _read_runs(fd, path, chunks, in_chunk, ext, k, buf, in_buf)
         return
-    k = _runs_from(ext, chunks)
     staged = np.empty(ext, buf.dtype)
-    flat = _bytes_of(staged)
-    run = ext[k] * math.prod(chunks[k + 1:]) * item
-    for src, dst in zip(_run_starts(in_chunk, ext, chunks, k), _run_starts([0] * len(ext), ext, ext, k)):
-        read_into(fd, int(src) * item, flat[int(dst) * item:int(dst) * item + run], path)
+    _read_runs(fd, path, chunks, in_chunk, ext, _runs_from(ext, chunks), staged, [0] * len(ext))
     buf[tuple(slice(a, a + e) for a, e in zip(in_buf, ext))] = staged
+
+
+def _read_runs(fd: int, path: str, chunks: Sequence[int], in_chunk: Sequence[int], ext: Sequence[int], k: int,
+               target: np.ndarray, at: Sequence[int]) -> None:
+    """Read the box of extent ``ext`` at ``in_chunk`` of the chunk file into ``target`` at
+    ``at``, one ``preadv`` per run of axes ``k:`` (contiguous in both)."""
+    item = target.dtype.itemsize
+    run = ext[k] * math.prod(chunks[k + 1:]) * item
+    flat = _bytes_of(target)
+    for src, dst in zip(_run_starts(in_chunk, ext, chunks, k), _run_starts(at, ext, target.shape, k)):
+        read_into(fd, int(src) * item, flat[int(dst) * item:int(dst) * item + run], path)
 
 
 def _bytes_of(a: np.ndarray) -> memoryview:

@@ -42,9 +42,10 @@ def _meta() -> PagedAttentionCacheMetaData:
         max_sequences=WIDTH * PAGE, page_size=PAGE, num_kv_heads=8, kv_head_dim_size=128, hbm_utilization=0.9)
 
 
-def _unmarked(rt: PagedAttentionMetadata) -> PagedAttentionMetadata:
+def _unmarked(step_meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
     """The same step built by hand: equal arrays (copies), no constructor's mark."""
-    return dataclasses.replace(rt, **{f.name: np.array(getattr(rt, f.name)) for f in dataclasses.fields(rt)})
+    return dataclasses.replace(step_meta, **{f.name: np.array(getattr(step_meta,
+                                                                      f.name)) for f in dataclasses.fields(step_meta)})
 
 
 def _manager_decode(rng: np.random.Generator) -> tuple[PageManager, np.ndarray]:
@@ -69,8 +70,8 @@ def main() -> None:
     table = rng.permutation(SEQS * WIDTH).reshape(SEQS, WIDTH).astype(np.int32)
     cached = rng.integers(1, WIDTH * PAGE - 1, SEQS).astype(np.int32)
     ones = np.ones(SEQS, np.int32)
-    rt = PagedAttentionMetadata.for_mixed(table, cached, ones, cache_metadata=meta)
-    hand = _unmarked(rt)
+    step_meta = PagedAttentionMetadata.for_mixed(table, cached, ones, cache_metadata=meta)
+    hand = _unmarked(step_meta)
     # Attention's checks need pages only for their shapes and dtypes: a tiny q and pool shape.
     q = np.zeros((SEQS, 8, 128), np.float32)
     pages = np.broadcast_to(np.zeros((), np.float32), (8, SEQS * WIDTH, PAGE, 128))  # a shape, no memory
@@ -90,17 +91,18 @@ def main() -> None:
         # pool raises); later layers find the scan done. `fresh[i]`: a new step (built untimed).
         "eager attention host checks, validated metadata, first layer": lambda i: prepare(
             q, pages, pages, fresh[i], options),
-        "eager attention host checks, validated metadata": lambda i: prepare(q, pages, pages, rt, options),
+        "eager attention host checks, validated metadata": lambda i: prepare(q, pages, pages, step_meta, options),
         "eager attention host checks, same arrays unmarked": lambda i: prepare(q, pages, pages, hand, options),
-        "cache.write host checks, validated metadata": lambda i: token_slots(rt, meta),
+        "cache.write host checks, validated metadata": lambda i: token_slots(step_meta, meta),
         "cache.write host checks, same arrays unmarked": lambda i: token_slots(hand, meta),
     }
     samples: dict[str, list[float]] = {name: [] for name in cases}
     fresh: dict[int, PagedAttentionMetadata] = {}
     for i in range(rounds):
         # The same arrays under the same proof, a new step: no copy, and nothing checked yet.
-        fresh = {i: PagedAttentionMetadata(**{f.name: getattr(rt, f.name) for f in dataclasses.fields(rt)},
-                                           proof=rt.checked)}
+        fresh = {i: PagedAttentionMetadata(**{f.name: getattr(step_meta,
+                                                              f.name) for f in dataclasses.fields(step_meta)},
+                                           proof=step_meta.checked)}
         for name, case in cases.items():
             t0 = time.perf_counter()
             case(i)

@@ -109,9 +109,9 @@ def main() -> None:
     print("| pages | bytes per token | pages in the same memory | K/V round-trip error | attention error vs bf16 | "
           "decode attention |")
     print("|---|---|---|---|---|---|")
-    for name, per_token, gain, rt, att, ms in rows:
+    for name, per_token, gain, step_meta, att, ms in rows:
         label = "bf16" if name == "none" else name
-        print(f"| {label} | {per_token:,} B | {gain:.2f}x | {rt:.2e} | {att:.2e} | {ms:.1f} ms |")
+        print(f"| {label} | {per_token:,} B | {gain:.2f}x | {step_meta:.2e} | {att:.2e} | {ms:.1f} ms |")
 
 
 if __name__ == "__main__":

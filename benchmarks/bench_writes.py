@@ -118,9 +118,9 @@ def write_calls(num_pages: int, native: bool, devices: int = 8) -> dict:
     slots = jax.device_put(token_slots(decode, meta), NamedSharding(mesh, P()))
     state = {"cache": cache}
 
-    def full(k, rt):
+    def full(k, step_meta):
         def run():
-            state["cache"], _ = state["cache"].write(k, k, rt)
+            state["cache"], _ = state["cache"].write(k, k, step_meta)
             jax.block_until_ready(state["cache"])
         return run
 

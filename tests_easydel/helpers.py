@@ -105,10 +105,10 @@ def run_greedy(engines, prompts, new_tokens, *, meta, tokens_per_step=32, arrive
         new_lens = np.array([len(seqs[0][b]) - cached[b] if step >= b * arrive_every and len(outs[0][b]) < new_tokens
                              else 0 for b in range(batch)], np.int32)
         cached_lens = np.array([cached[b] if new_lens[b] else 0 for b in range(batch)], np.int32)
-        rt = easykv.PagedAttentionMetadata.for_mixed(table, cached_lens, new_lens, cache_metadata=meta,
+        step_meta = easykv.PagedAttentionMetadata.for_mixed(table, cached_lens, new_lens, cache_metadata=meta,
                                                      pad_tokens_to=tokens_per_step, pad_seqs_to=batch)
-        mds = {v: easydel_metadata_from_easykv(rt, page_size=meta.page_size, version=v) for v in ("v2", "v3")}
-        last = np.asarray(rt.query_start_loc)[1 : batch + 1] - 1
+        mds = {v: easydel_metadata_from_easykv(step_meta, page_size=meta.page_size, version=v) for v in ("v2", "v3")}
+        last = np.asarray(step_meta.query_start_loc)[1 : batch + 1] - 1
         picks = []
         for e, engine in enumerate(engines):
             ids = np.zeros(tokens_per_step, np.int32)

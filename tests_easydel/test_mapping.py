@@ -198,25 +198,26 @@ def test_runtime_conversion_is_exact_and_traceable():
     meta = easykv.PagedAttentionCacheMetaData.create(mesh_of(1, 8), 4, 2, 64, 16, 8, 8, 0.5, jnp.bfloat16,
                                                      num_pages_per_layer=32)
     table = np.array([[3, 7, 1, 2], [4, 5, 6, 8], [9, 10, 11, 12], [13, 14, 15, 16]], np.int32)
-    rt = easykv.PagedAttentionMetadata.for_mixed(table, [14, 0, 0, 30], [5, 17, 0, 1], cache_metadata=meta,
+    step_meta = easykv.PagedAttentionMetadata.for_mixed(table, [14, 0, 0, 30], [5, 17, 0, 1], cache_metadata=meta,
                                                  pad_tokens_to=32, pad_seqs_to=4)
     for version in ("v2", "v3"):
-        md = easydel_metadata_from_easykv(rt, page_size=16, version=version)
+        md = easydel_metadata_from_easykv(step_meta, page_size=16, version=version)
         back = jax.jit(lambda m: runtime_from_easydel(m, num_tokens=32, page_size=16, num_pages=32))(md)
         for field in ("slot_mapping", "positions", "query_start_loc", "page_table", "context_lens", "num_seqs"):
-            np.testing.assert_array_equal(np.asarray(getattr(back, field)), np.asarray(getattr(rt, field)), field)
-    v2 = easydel_metadata_from_easykv(rt, page_size=16, version="v2")
+            np.testing.assert_array_equal(np.asarray(getattr(back, field)), np.asarray(getattr(step_meta, field)),
+                                          field)
+    v2 = easydel_metadata_from_easykv(step_meta, page_size=16, version="v2")
     # The page manager's answer (a tuple, one item per layer group) is taken as its one item.
-    from_tuple = easydel_metadata_from_easykv((rt,), page_size=16, version="v2")
+    from_tuple = easydel_metadata_from_easykv((step_meta,), page_size=16, version="v2")
     assert np.array_equal(np.asarray(from_tuple.slot_mapping), np.asarray(v2.slot_mapping))
     with pytest.raises(ValueError, match="2"):
-        easydel_metadata_from_easykv((rt, rt), page_size=16)  # 2 layer groups: index it by group
+        easydel_metadata_from_easykv((step_meta, step_meta), page_size=16)  # 2 layer groups: index it by group
     n = int(v2.num_kv_update_slices[0])  # positions 14..18 of seq 0 cross from page 3 to 7; seq 1 fills page 4
     assert np.asarray(v2.slot_mapping)[:, :n].tolist() == [[62, 112, 64, 80, 238], [0, 2, 5, 21, 22], [2, 3, 16, 1, 1]]
     # A page id outside the pool gives an invalid slot (dropped by the write), never a clipped one.
     bad = md.replace(pages_tables=md.pages_tables.at[0, 0].set(1 << 20))
     slots = runtime_from_easydel(bad, num_tokens=32, page_size=16, num_pages=32).slot_mapping
-    assert int(slots[0]) == -2 and int(slots[2]) == np.asarray(rt.slot_mapping)[2]
+    assert int(slots[0]) == -2 and int(slots[2]) == np.asarray(step_meta.slot_mapping)[2]
 
 
 def test_cache_interop_shares_arrays():

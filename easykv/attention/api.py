@@ -129,8 +129,8 @@ def paged_attention(
       ``(tokens, num_q_heads, v_head_dim)`` in ``q.dtype``; padding rows are zeros.
     """
     options = AttentionOptions.from_arguments(locals())  # first statement: locals() holds the arguments only
-    cfg, rt = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks, layer=layer)
-    out: jax.Array = run(q, key_pages, value_pages, rt, sinks, layer, cfg=cfg)
+    cfg, step_meta = prepare(q, key_pages, value_pages, metadata, options, sinks=sinks, layer=layer)
+    out: jax.Array = run(q, key_pages, value_pages, step_meta, sinks, layer, cfg=cfg)
     return out
 
 
@@ -244,12 +244,13 @@ def paged_attention_reference(
         raise ValueError(f"paged_attention_reference takes the options {', '.join(REFERENCE_OPTIONS)}; got "
                          f"{', '.join(unknown)}")
     given: dict[str, Any] = dict(options)  # the options, checked as AttentionOptions builds them
-    cfg, rt = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**given, implementation="xla"),
+    cfg, step_meta = prepare(q, key_pages, value_pages, metadata, AttentionOptions(**given, implementation="xla"),
                       sinks=sinks, layer=layer, infer_layout=False)
     if layer is None:
         key_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], key_pages)
         value_pages = jax.tree.map(lambda a: jnp.asarray(a)[None], value_pages)
-    out: jax.Array = dense_reference(q, key_pages, value_pages, rt, sinks, 0 if layer is None else layer, cfg=cfg)
+    out: jax.Array = dense_reference(q, key_pages, value_pages, step_meta, sinks, 0 if layer is None else layer,
+                                     cfg=cfg)
     return out
 
 
@@ -286,9 +287,10 @@ def _local_path(cfg: Config) -> Callable[..., jax.Array]:
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Array, key_pages: Pages, value_pages: Pages | None, rt: PagedAttentionMetadata, sinks: Array | None = None,
+def run(q: Array, key_pages: Pages, value_pages: Pages | None, step_meta: PagedAttentionMetadata,
+        sinks: Array | None = None,
         layer: Layer | None = None, *, cfg: Config) -> jax.Array:
-    """The checked call: ``rt`` in the mixed form, ``sinks`` None or checked, ``layer`` None
+    """The checked call: ``step_meta`` in the mixed form, ``sinks`` None or checked, ``layer`` None
     (one layer's pages) or the layer of stacked pages, ``cfg`` from `checks.prepare`."""
     q = jnp.asarray(q)
     # Pages may be pytrees (quantized values + scales): every leaf is split like the pages on
@@ -298,7 +300,7 @@ def run(q: Array, key_pages: Pages, value_pages: Pages | None, rt: PagedAttentio
     if layer is None:
         kp, vp, layer = jax.tree.map(lambda a: a[None], kp), jax.tree.map(lambda a: a[None], vp), 0
     layer = jnp.asarray(layer, jnp.int32)
-    rows = query_rows(rt, q.shape[0])
+    rows = query_rows(step_meta, q.shape[0])
     # No sinks: a sink of -inf adds nothing to any softmax (the one path serves both).
     sinks = jnp.full(q.shape[1], -jnp.inf, jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     layout = cfg.layout

@@ -203,10 +203,10 @@ def prepare(
                      chunk=options.chunk_size)
     cfg = resolve_options(options, inputs, layout, decode_only=step.decode_only, sinks=sinks is not None)
     fit = _Fit(cfg, stored=inputs.stored, head_dims=(inputs.head_dim, inputs.value_dim), form=step.form,
-               platform=_platform(layout, stored_pages(key_pages)), table_width=shape_of(step.rt.page_table)[1],
+               platform=_platform(layout, stored_pages(key_pages)), table_width=shape_of(step.step_meta.page_table)[1],
                quantizer=inputs.key_quantizer)
     chosen = choose_implementation(options.implementation, fit)
-    return (cfg if chosen == cfg.implementation else dataclasses.replace(cfg, implementation=chosen)), step.rt
+    return (cfg if chosen == cfg.implementation else dataclasses.replace(cfg, implementation=chosen)), step.step_meta
 
 
 # ---- shapes and dtypes --------------------------------------------------------------------------

@@ -522,7 +522,7 @@ def _write_rows(cache: PagedAttentionCache, meta: Any, spans: list[tuple[Any, An
     """The spans written into the pages the step metadata gives the sequence (the cache is
     donated): raw codes as they are when any group keeps them, else through ``cache.write``."""
     if any(exact):
-        slots = tuple(jnp.asarray(rt.slot_mapping, jnp.int32) for rt in step_meta)
+        slots = tuple(jnp.asarray(step_meta.slot_mapping, jnp.int32) for step_meta in step_meta)
         written: PagedAttentionCache = _write_raw(cache, tuple(spans), slots)
         return written
     keys, values = _per_layer(meta, spans)

@@ -191,14 +191,14 @@ class Engine:
                 victim.swapped = True
                 self.preemptions += 1
                 batch = [item for item in batch if item[0] is not victim]
-        rt = meta[0]  # one per layer group: the same positions
+        step_meta = meta[0]  # one per layer group: the same positions
         tokens = np.zeros(self.token_budget, np.int32)
         flat = [t for _, ids in batch for t in ids]
         tokens[: len(flat)] = flat
-        if not np.all((rt.positions != PAD_POSITION)[: len(flat)]):
+        if not np.all((step_meta.positions != PAD_POSITION)[: len(flat)]):
             raise InvariantError("a scheduled token got a padding position", where="demo engine")
         logits = self._device_step(tokens, meta, np.repeat(seqs, counts))
-        ends = np.asarray(rt.query_start_loc[1 : len(batch) + 1]) - 1
+        ends = np.asarray(step_meta.query_start_loc[1 : len(batch) + 1]) - 1
         last = np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))
         mgr.step(seqs, [ids for _, ids in batch])
         for (r, ids), row in zip(batch, last):
@@ -279,9 +279,9 @@ class DenseEngine(Engine):
         padded = np.zeros(self.token_budget, np.int32)
         padded[: rows.size] = rows
         keys, values = self.cache
-        rt = meta[0]
+        step_meta = meta[0]
         logits, keys, values = self.model.dense_batch_step(
-            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(rt.positions)
+            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(step_meta.positions)
         )
         self.cache = (keys, values)
         return logits

@@ -41,9 +41,10 @@ def easydel_config_from_metadata(meta: PagedAttentionCacheMetaData, *, version: 
     return RaggedPagesCacheConfig(**config_dict_from_metadata(meta, version=version))
 
 
-def easydel_metadata_from_easykv(rt: Any, *, page_size: int, version: str = "v3",
+def easydel_metadata_from_easykv(step_meta: Any, *, page_size: int, version: str = "v3",
                                  padded_num_slices: int | None = None) -> RaggedPagesMetadata:
-    fields = easydel_fields_from_easykv(rt, page_size=page_size, version=version, padded_num_slices=padded_num_slices)
+    fields = easydel_fields_from_easykv(step_meta, page_size=page_size, version=version,
+                                        padded_num_slices=padded_num_slices)
     arrays = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in fields.items()}
     return RaggedPagesMetadata(**arrays)
 
@@ -129,9 +130,9 @@ class EasyKVCacheView(RaggedPagesCacheView):
         heads, dim = key.shape[-2:]
         k = jnp.reshape(key, (-1, heads, dim)).astype(self.dtype)
         v = jnp.reshape(value, (-1, heads, dim)).astype(self.dtype)
-        rt = self._runtime(md, k.shape[0])
+        step_meta = self._runtime(md, k.shape[0])
         cache = self._owner()
-        kp, vp = scatter_kv(self.group_key_pages, self.group_value_pages, k, v, rt.slot_mapping, self.layer,
+        kp, vp = scatter_kv(self.group_key_pages, self.group_value_pages, k, v, step_meta.slot_mapping, self.layer,
                             layout=self.layout)
         cache._put(self.group, kp, vp)
         return self
@@ -259,9 +260,9 @@ class _EasyKVAttention:
             raise NotImplementedError(f"sliding_window={sliding_window!r}: easykv takes one causal window size (a "
                                       "query at p sees keys in (p - window, p]); two-sided windows are not supported")
         _check_window(cache_view, sliding_window)
-        rt = cache_view._runtime(cache_metadata, query.shape[0])
+        step_meta = cache_view._runtime(cache_metadata, query.shape[0])
         # softmax_aux: EasyDeL's attention sinks, one logit per q head (gpt-oss), as easykv's sinks.
-        out = easykv.paged_attention(query, cache_view.group_key_pages, cache_view.group_value_pages, rt,
+        out = easykv.paged_attention(query, cache_view.group_key_pages, cache_view.group_value_pages, step_meta,
                                      softmax_aux, cache_view.layer, layout=cache_view.layout,
                                      dtype=cache_view.dtype, scale=softmax_scale, sliding_window=sliding_window,
                                      logit_soft_cap=logits_soft_cap, **self.easykv_options)

@@ -125,7 +125,7 @@ def _check_host_starts(qsl: np.ndarray, num_seqs: Any, num_tokens: int) -> None:
                              "the starts of the real sequences never decrease")
 
 
-def easydel_fields_from_easykv(rt: PagedAttentionMetadata, *, page_size: int, version: str = "v3",
+def easydel_fields_from_easykv(step_meta: PagedAttentionMetadata, *, page_size: int, version: str = "v3",
                                padded_num_slices: int | None = None) -> dict[str, Any]:
     """RaggedPagesMetadata's fields for a host-side easykv mixed-form step (numpy in, numpy out).
 
@@ -135,17 +135,17 @@ def easydel_fields_from_easykv(rt: PagedAttentionMetadata, *, page_size: int, ve
     EasyDeL's page-contiguous slices ``[cache start, token start, length]`` padded to
     ``padded_num_slices`` (default: one per token) and ``num_kv_update_slices``.
     """
-    if not rt.is_mixed_mode():
+    if not step_meta.is_mixed_mode():
         raise ValueError("easydel metadata is built from easykv's mixed form (PagedAttentionMetadata.for_mixed or "
                          "PageManager.build_step_metadata)")
     if version not in ("v2", "v3"):
         raise ValueError(f"version {version!r}: EasyDeL 0.3 ragged-page metadata is 'v2' or 'v3'")
-    qsl = np.asarray(rt.query_start_loc, np.int32)
-    ctx = np.asarray(rt.context_lens, np.int32)
-    num = int(np.asarray(rt.num_seqs))
-    positions = np.asarray(rt.positions, np.int32)
+    qsl = np.asarray(step_meta.query_start_loc, np.int32)
+    ctx = np.asarray(step_meta.context_lens, np.int32)
+    num = int(np.asarray(step_meta.num_seqs))
+    positions = np.asarray(step_meta.positions, np.int32)
     fields: dict[str, Any] = {
-        "pages_tables": np.maximum(np.asarray(rt.page_table, np.int32), 0), "context_lens": ctx,
+        "pages_tables": np.maximum(np.asarray(step_meta.page_table, np.int32), 0), "context_lens": ctx,
         "query_start_loc": qsl, "num_seqs": np.asarray([num], np.int32), "position_ids": np.maximum(positions, 0),
         "page_size": int(page_size), "version": version,
     }  # fmt: skip
@@ -155,7 +155,7 @@ def easydel_fields_from_easykv(rt: PagedAttentionMetadata, *, page_size: int, ve
         prefill = int(np.sum(new > 0)) - decode
         fields["request_distribution"] = np.asarray([decode, decode + prefill, num], np.int32)
         return fields
-    slots = np.asarray(rt.slot_mapping, np.int64)
+    slots = np.asarray(step_meta.slot_mapping, np.int64)
     starts, token_starts, lengths = [], [], []
     for t in np.flatnonzero(slots >= 0):  # split runs of consecutive slots at page ends
         s = int(slots[t])

@@ -55,12 +55,12 @@ def _attach(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy,
     found them), bound to ``replica``; host pages of the hit get device pages and onloads."""
     k = len(pages[0])
     starts = [group_pages.count(PAD_PAGE) for group_pages in pages]  # a window needs only its pages
-    for gt, group_pages in zip(groups, pages):
-        gt.pool.share([p for p in group_pages if p >= 0])
+    for table, group_pages in zip(groups, pages):
+        table.pool.share([p for p in group_pages if p >= 0])
     onloaded = host.attach_hits(replica, pages, groups) if host.enabled else 0
-    for gt, group_pages, start in zip(groups, pages, starts):
-        gt.table[row, :k] = group_pages
-        gt.start[row] = start
+    for table, group_pages, start in zip(groups, pages, starts):
+        table.table[row, :k] = group_pages
+        table.start[row] = start
     seqs.npages[row] = k
     seqs.lens[row] = k * seqs.page_size
     seqs.replica[row] = replica
@@ -78,7 +78,7 @@ def resume(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
     pos = integer("first_position", first_position, lo=0, hi=seqs.max_length - 1,
                   hint=f"a position of a sequence of at most max_sequences={seqs.max_length} tokens")
     seqs.check_fresh(row, "resume right after claim")
-    full = [g for g, gt in enumerate(groups) if not gt.windowed]
+    full = [g for g, table in enumerate(groups) if not table.windowed]
     if pos and full:
         single = len(groups) == 1
         where = "this full-attention cache" if single else f"layer group {full[0]} (full attention)"
@@ -88,9 +88,9 @@ def resume(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, 
     col = pos // seqs.page_size
     if not col:
         return
-    for gt in groups:
-        gt.table[row, :col] = PAD_PAGE
-        gt.start[row] = col
+    for table in groups:
+        table.table[row, :col] = PAD_PAGE
+        table.start[row] = col
     seqs.npages[row] = col
     seqs.lens[row] = col * seqs.page_size
     # A floor matters only while some window still reaches before it; a chunk that starts at the

@@ -57,8 +57,8 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierP
         raise ValueError(
             f"sequence {int(rows[i])} has room for {int(seqs.npages[rows[i]]) * ps - int(lens[i])} more tokens "
             f"but {int(counts[i])} were committed; reserve them first (build_step_metadata / reserve)")
-    for gt in groups:
-        gt.check_commit(rows, lens, counts)
+    for table in groups:
+        table.check_commit(rows, lens, counts)
     # Validated: commit.
     hashes, version = seqs.hashes, seqs.version
     if tokens is None:
@@ -67,16 +67,16 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierP
         f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
         if digests:
             tags = [version[r] for r in f_rows.tolist()]
-            for gt in groups:
-                commit_page = gt.pool.commit
-                for page, digest, tag in zip(gt.table[f_rows, cols].tolist(), digests, tags):
+            for table in groups:
+                commit_page = table.pool.commit
+                for page, digest, tag in zip(table.table[f_rows, cols].tolist(), digests, tags):
                     commit_page(page, digest, tag)
     elif caching:
         for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
             row = int(rows[i])
             for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
-                for gt in groups:
-                    gt.pool.commit(int(gt.table[row, col]), digest, version[row])
+                for table in groups:
+                    table.pool.commit(int(table.table[row, col]), digest, version[row])
     seqs.lens[rows] = lens + counts
     seqs.edits[rows[counts > 0]] += 1
     groups.release_out_of_window(seqs, rows, current)

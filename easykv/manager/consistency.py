@@ -31,10 +31,10 @@ def check_consistency(parts: ManagerParts) -> None:
     seqs, groups, host = parts.seqs, parts.groups, parts.host
     swapped = host.swapped_mask(seqs.batch_size)
     seqs.check(swapped, all_windowed=groups.all_windowed, released=groups.fewest_released(seqs.lens))
-    for gt in groups:
-        gt.check(seqs, swapped, caching=parts.caching, scrub=parts.scrub)
-        if gt.host is not None:
-            host.check_group(gt, seqs.lens)
+    for table in groups:
+        table.check(seqs, swapped, caching=parts.caching, scrub=parts.scrub)
+        if table.host is not None:
+            host.check_group(table, seqs.lens)
     _check_chains(seqs, groups, caching=parts.caching)
 
 
@@ -55,10 +55,10 @@ def _check_chains(seqs: SequenceTable, groups: GroupCoordinator, *, caching: boo
             digests[-1] = chain
         if caching and hashes.known[row] == 0:
             digests = list(iter_page_digests(hashes.log[row, : full * ps], ps, full, hashes.salt[row], root))
-        for gt in groups:
+        for table in groups:
             for col, want in enumerate(digests):
-                page = int(gt.table[row, col])
-                digest = gt.pool.digest_of(page) if want is not None and page != PAD_PAGE else None
+                page = int(table.table[row, col])
+                digest = table.pool.digest_of(page) if want is not None and page != PAD_PAGE else None
                 if digest is not None and digest != want:  # released from the window, or not cached: not checkable
                     raise Broken(f"sequences[id={row}].chain", f"sequence {row}'s chain digest differs from the digest "
                                                               f"of its full page {page} (column {col})")

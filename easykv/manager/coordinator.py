@@ -61,7 +61,7 @@ class GroupCoordinator(tuple[GroupTable, ...]):
 
     def __init__(self, tables: Iterable[GroupTable]):
         super().__init__()
-        self.windowed = tuple(gt for gt in self if gt.windowed)
+        self.windowed = tuple(table for table in self if table.windowed)
         self.all_windowed = len(self.windowed) == len(self)
         self.num_replicas = self[0].pool.num_replicas
         self.has_host = self[0].host is not None
@@ -77,16 +77,16 @@ class GroupCoordinator(tuple[GroupTable, ...]):
 
     def available_per_replica(self) -> np.ndarray:
         """Per replica, the pages an allocation can take in its tightest group."""
-        tightest: np.ndarray = np.min([gt.pool.available_per_replica() for gt in self], axis=0)
+        tightest: np.ndarray = np.min([table.pool.available_per_replica() for table in self], axis=0)
         return tightest
 
     # ---- rows in every group ---------------------------------------------------------------------
     def release_row(self, row: int, npages: int, *, stale: bool) -> None:
         """Drop ``row``'s reference to every page it holds, last column first (tail pages are
         evicted before head pages), and empty its row."""
-        for gt in self:
-            gt.release_pages(gt.held(row, npages)[::-1], stale=stale)
-            gt.reset_row(row)
+        for table in self:
+            table.release_pages(table.held(row, npages)[::-1], stale=stale)
+            table.reset_row(row)
 
     def release_out_of_window(self, seqs: SequenceTable, rows: np.ndarray, current: bytes | None) -> None:
         """Release the pages no query of these sequences can read again, in every sliding or
@@ -97,34 +97,34 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         lens = seqs.lens[rows]
         floor = seqs.floor[rows]
         passed = np.ones(rows.size, bool)
-        for gt in windowed:
-            cols = gt.release_out_of_window(rows, lens, seqs.version, current)
-            passed &= floor <= cols * gt.page_size
+        for table in windowed:
+            cols = table.release_out_of_window(rows, lens, seqs.version, current)
+            passed &= floor <= cols * table.page_size
         seqs.floor[rows[passed]] = 0
 
     def fewest_released(self, lens: np.ndarray) -> np.ndarray:
         """Per length, the fewest columns any group's window has released."""
-        fewest: np.ndarray = np.min([gt.released_columns(lens) for gt in self], axis=0)
+        fewest: np.ndarray = np.min([table.released_columns(lens) for table in self], axis=0)
         return fewest
 
     # ---- the prefix caches ---------------------------------------------------------------------------
     def demote(self, version: bytes | None) -> None:
         """Cached pages of versions other than ``version`` are evicted first, on device and host."""
-        for gt in self:
-            gt.pool.demote(version)
-            if gt.host is not None:
-                gt.host.demote(version)
+        for table in self:
+            table.pool.demote(version)
+            if table.host is not None:
+                table.host.demote(version)
 
     def forget_prefixes(self) -> int:
         """Empty every group's prefix cache (the host tier's too); returns the pages it held."""
         held = 0
-        for gt in self:
-            held += gt.pool.forget_prefixes()
-            if gt.host is not None:
-                gt.drop_freed_onloads()
-                held += gt.host.forget_prefixes()
+        for table in self:
+            held += table.pool.forget_prefixes()
+            if table.host is not None:
+                table.drop_freed_onloads()
+                held += table.host.forget_prefixes()
                 # Offloads still pending land as plain pages: their digests are forgotten too.
-                gt.offloads = {h: (page, None, None) for h, (page, _, _) in gt.offloads.items()}
+                table.offloads = {h: (page, None, None) for h, (page, _, _) in table.offloads.items()}
         return held
 
     def lookup(self, tokens: np.ndarray, salt: bytes, root: bytes, bound: int, *,
@@ -141,7 +141,8 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         ps = self[0].page_size
         found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
         # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
-        searches = [(found[r], [gt.tier_map(r) if host else gt.pool.digest_map(r) for gt in self]) for r in replicas]
+        searches = [(found[r],
+                     [table.tier_map(r) if host else table.pool.digest_map(r) for table in self]) for r in replicas]
         chain = root
         for k, digest in enumerate(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root)):
             alive = False
@@ -168,14 +169,14 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         ps = self[0].page_size
         digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root))
         ks = np.arange(1, len(digests) + 1)
-        firsts = [gt.released_columns(ks * ps).astype(np.int64) for gt in self]  # the first column each hit needs
+        firsts = [table.released_columns(ks * ps).astype(np.int64) for table in self]  # the first column each hit needs
         avail = self.available_per_replica()
         best: tuple[int, int, int, int, list[list[int]]] = (0, 0, 0, replicas[0], [[] for _ in self])
         for r in replicas:
             whole = np.ones(ks.size, bool)
             found = []
-            for gt, first in zip(self, firsts):
-                find = gt.host_lookup if host else gt.pool.lookup
+            for table, first in zip(self, firsts):
+                find = table.host_lookup if host else table.pool.lookup
                 looked = np.array([find(r, d) for d in digests], np.int64)
                 cached = np.concatenate([[0], np.cumsum(looked != PAD_PAGE)])
                 whole &= (first < ks) & (cached[ks] - cached[first] == ks - first)

@@ -132,7 +132,7 @@ def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, wo
     limits[: rows.size] = most
     return DecodePlan(owner=seqs, seq_ids=tuple(rows.tolist()), num_steps=k,
                       lengths=_frozen(seqs.lens[rows].copy()), limits=_frozen(limits), metadata=first,
-                      page_size=seqs.page_size, num_pages=tuple(gt.pool.num_pages for gt in groups),
+                      page_size=seqs.page_size, num_pages=tuple(table.pool.num_pages for table in groups),
                       stamp=_stamp(seqs, groups, rows), held=held, number=seqs.open_plan(rows))
 
 
@@ -201,7 +201,8 @@ def _stamp(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray) -> t
     their block-table rows and window starts in every group."""
     versions = np.array([seqs.version[r] or b"" for r in rows.tolist()], object)
     own = (seqs.edits[rows], seqs.lens[rows], seqs.npages[rows], versions)
-    return tuple(a.copy() for a in own) + tuple(a.copy() for gt in groups for a in (gt.table[rows], gt.start[rows]))
+    return tuple(a.copy() for a in own) + tuple(a.copy() for table in groups for a in (table.table[rows],
+                                                                                       table.start[rows]))
 
 
 def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, plan: DecodePlan) -> None:

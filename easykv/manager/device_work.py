@@ -46,31 +46,31 @@ class PendingWork:
         """The counter of a loaded state."""
         self.copies = copies
 
-    def copy_on_write(self, gt: GroupTable, dst: int, src: int) -> None:
+    def copy_on_write(self, table: GroupTable, dst: int, src: int) -> None:
         """``dst`` (fresh) gets ``src``'s contents before the next write (`GroupTable.copy_into`)."""
-        self.copies += gt.copy_into(dst, src)
+        self.copies += table.copy_into(dst, src)
 
     def pending_copies(self, groups: GroupCoordinator, pad_to: int | None = None
                        ) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
         """`PageManager.pending_copies`."""
         srcs, dsts = [], []
-        for gt in groups:
-            most, n = gt.pool.num_pages, len(gt.copies)
-            srcs.append(_padded(gt.copies.values(), n, pad_to, "copies", most))
-            dsts.append(_padded(gt.copies.keys(), n, pad_to, "copies", most))
+        for table in groups:
+            most, n = table.pool.num_pages, len(table.copies)
+            srcs.append(_padded(table.copies.values(), n, pad_to, "copies", most))
+            dsts.append(_padded(table.copies.keys(), n, pad_to, "copies", most))
         return tuple(srcs), tuple(dsts)
 
     def pending_scrubs(self, groups: GroupCoordinator, pad_to: int | None = None) -> PerGroup[np.ndarray]:
         """`PageManager.pending_scrubs`."""
         out = []
-        for gt in groups:
-            pages = gt.pool.pending_scrubs()
-            out.append(_padded(pages, pages.size, pad_to, "scrubs", gt.pool.num_pages))
+        for table in groups:
+            pages = table.pool.pending_scrubs()
+            out.append(_padded(pages, pages.size, pad_to, "scrubs", table.pool.num_pages))
         return tuple(out)
 
     def has_pending(self, groups: GroupCoordinator, host: HostTierPolicy) -> bool:
         """`PageManager.has_pending_work`."""
-        return host.has_work(groups) or any(gt.copies or gt.pool.has_pending_scrubs() for gt in groups)
+        return host.has_work(groups) or any(table.copies or table.pool.has_pending_scrubs() for table in groups)
 
     def refuse_transfers(self, what: str, groups: GroupCoordinator, host: HostTierPolicy) -> None:
         # Only offloads and onloads must run before copies and device scrubs; the host scrubs a
@@ -81,13 +81,13 @@ class PendingWork:
 
     @staticmethod
     def forget_copies(groups: GroupCoordinator) -> None:
-        for gt in groups:
-            gt.copies.clear()
+        for table in groups:
+            table.copies.clear()
 
     @staticmethod
     def forget_scrubs(groups: GroupCoordinator) -> None:
-        for gt in groups:
-            gt.pool.take_scrubs()
+        for table in groups:
+            table.pool.take_scrubs()
 
     def apply(self, cache: Any, groups: GroupCoordinator) -> tuple[Any, int]:
         """`PageManager.apply_pending` without a `HostTier` (checked: no host-tier work is pending)."""
@@ -117,8 +117,8 @@ class PendingWork:
         # The host pages those transfers left unreferenced: the tier has read them (onload
         # sources) or drops their landing (offload destinations), so they are zeroed now and
         # nothing of the host tier stays pending.
-        host.scrub(tuple(gt.host_pool.take_scrubs() for gt in groups))
-        copied = sum(len(gt.copies) for gt in groups)
+        host.scrub(tuple(table.host_pool.take_scrubs() for table in groups))
+        copied = sum(len(table.copies) for table in groups)
         self.forget_copies(groups)
         self.forget_scrubs(groups)
         return cache, copied

@@ -449,13 +449,13 @@ class GroupTable(abc.ABC):
 class _TierMap:
     """``.get(digest, -1)`` of a prefix map spanning the device and host tiers (`host_lookup`)."""
 
-    __slots__ = ("gt", "replica")
+    __slots__ = ("table", "replica")
 
-    def __init__(self, gt: GroupTable, replica: int):
-        self.gt, self.replica = gt, replica
+    def __init__(self, table: GroupTable, replica: int):
+        self.table, self.replica = table, replica
 
     def get(self, digest: bytes, default: int = -1) -> int:
-        return self.gt.host_lookup(self.replica, digest)
+        return self.table.host_lookup(self.replica, digest)
 
 
 __all__ = ["GroupTable"]

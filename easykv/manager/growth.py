@@ -41,58 +41,58 @@ def reserve(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy,
     held = seqs.npages[rows]
     need = (ends + (ps - 1)) // ps - held  # columns: the same in every group
     grow = np.flatnonzero(need > 0)
-    cows = [gt.copy_on_write_rows(rows, lens, new) for gt in groups]
+    cows = [table.copy_on_write_rows(rows, lens, new) for table in groups]
     if not grow.size and not any(cows):
         return
     counts = need[grow]
     if groups.num_replicas == 1:
-        for gt, cow in zip(groups, cows):
+        for table, cow in zip(groups, cows):
             demand = int(counts.sum()) + len(cow)
-            if demand > gt.pool.num_available(0):
-                gt.raise_full(0, demand)
+            if demand > table.pool.num_available(0):
+                table.raise_full(0, demand)
         seqs.replica[rows[grow]] = 0
         rep = None
     else:
         rep = _bind_replicas(seqs, groups, rows, grow, counts, cows)
     # Checks passed: nothing below can fail.
-    for gt, cow in zip(groups, cows):
+    for table, cow in zip(groups, cows):
         for i in cow:
-            _private_copy(seqs, gt, work, int(rows[i]), int(lens[i]) // ps)
+            _private_copy(seqs, table, work, int(rows[i]), int(lens[i]) // ps)
         if grow.size:
-            _new_pages(gt, rows[grow], held[grow], counts, rep if rep is None else rep[grow])
+            _new_pages(table, rows[grow], held[grow], counts, rep if rep is None else rep[grow])
     if grow.size:
         seqs.npages[rows[grow]] += counts.astype(np.int32)
 
 
-def _private_copy(seqs: SequenceTable, gt: GroupTable, work: PendingWork, row: int, col: int) -> None:
+def _private_copy(seqs: SequenceTable, table: GroupTable, work: PendingWork, row: int, col: int) -> None:
     """``row`` gets a fresh page at ``col`` filled from the shared one there (copy-on-write)."""
-    src = int(gt.table[row, col])
-    dst = gt.allocate(int(seqs.replica[row]), 1, overwritten=True)[0]
-    gt.table[row, col] = dst
-    gt.pool.release([src])
-    work.copy_on_write(gt, dst, src)
+    src = int(table.table[row, col])
+    dst = table.allocate(int(seqs.replica[row]), 1, overwritten=True)[0]
+    table.table[row, col] = dst
+    table.pool.release([src])
+    work.copy_on_write(table, dst, src)
 
 
-def _new_pages(gt: GroupTable, rows: np.ndarray, held: np.ndarray, counts: np.ndarray,
+def _new_pages(table: GroupTable, rows: np.ndarray, held: np.ndarray, counts: np.ndarray,
                replicas: np.ndarray | None) -> None:
     """``counts[i]`` new pages for ``rows[i]`` after its ``held[i]`` columns, from replica 0
     (``replicas`` None) or each row's replica, handed out in batch order."""
     total = int(counts.sum())
     pages: list[int] | np.ndarray
     if replicas is None:
-        pages = gt.allocate(0, total)
+        pages = table.allocate(0, total)
     else:  # one allocation per replica
         pages = np.empty(total, np.int32)
         owner = np.repeat(replicas, counts)
         for r in np.unique(owner).tolist():
             mask = owner == r
-            pages[mask] = gt.allocate(r, int(mask.sum()))
+            pages[mask] = table.allocate(r, int(mask.sum()))
     if total == rows.size:  # one page each: the decode case
-        gt.table[rows, held] = pages
+        table.table[rows, held] = pages
     else:
         starts = np.cumsum(counts) - counts
         cols = np.arange(total) - np.repeat(starts - held, counts)
-        gt.table[np.repeat(rows, counts), cols] = pages
+        table.table[np.repeat(rows, counts), cols] = pages
 
 
 def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, grow: np.ndarray,
@@ -106,7 +106,7 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
     for g, cow in enumerate(cows):
         demand[g, cow] += 1
     rep: np.ndarray = seqs.replica[rows].copy()
-    avail = np.stack([gt.pool.available_per_replica() for gt in groups])
+    avail = np.stack([table.pool.available_per_replica() for table in groups])
     bound = rep >= 0
     left = avail - np.stack([np.bincount(rep[bound], weights=d[bound], minlength=n_rep)
                              for d in demand]).astype(np.int64)
@@ -138,13 +138,13 @@ def _fork_one(seqs: SequenceTable, groups: GroupCoordinator, row: int, child: in
     ps = seqs.page_size
     k = seqs.written_columns(row)
     partial = bool(seqs.lens[row] % ps)
-    for gt in groups:
-        start = min(int(gt.start[row]), k)  # pages before it left the window: holes in both rows
+    for table in groups:
+        start = min(int(table.start[row]), k)  # pages before it left the window: holes in both rows
         if partial and start < k:
-            gt.shared_partial.add(int(gt.table[row, k - 1]))
-        gt.pool.share(gt.table[row, start:k].tolist())
-        gt.table[child, :k] = gt.table[row, :k]
-        gt.start[child] = start
+            table.shared_partial.add(int(table.table[row, k - 1]))
+        table.pool.share(table.table[row, start:k].tolist())
+        table.table[child, :k] = table.table[row, :k]
+        table.start[child] = start
     seqs.fork_row(row, child, k)
     return child
 
@@ -155,9 +155,9 @@ def step_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarra
     """The mixed-form metadata of one step of ``rows`` writing ``new`` tokens each, reserved."""
     lens, ps, new32 = seqs.lens[rows], seqs.page_size, new.astype(np.int32)
     reads = not seqs.floor[rows].any()
-    return tuple(_proved(gt, build_mixed(gt.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
+    return tuple(_proved(table, build_mixed(table.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
                                          pad_seqs_to=pad_seqs_to), reads)
-                 for gt in groups)
+                 for table in groups)
 
 
 def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, num_steps: int, *,
@@ -168,29 +168,29 @@ def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndar
     reads = not seqs.floor[rows].any()
     stacks: list[PagedAttentionMetadata] = []  # per group: its steps stacked (stacked)
     by_group: list[list[PagedAttentionMetadata]] = []  # per group: its steps, checked (not stacked)
-    for gt in groups:
-        steps = [build_mixed(gt.table[rows], lens, ones, page_size=ps, pad_tokens_to=pad_seqs_to,
+    for table in groups:
+        steps = [build_mixed(table.table[rows], lens, ones, page_size=ps, pad_tokens_to=pad_seqs_to,
                              pad_seqs_to=pad_seqs_to)]
         for _ in range(num_steps - 1):
-            steps.append(increment_cache_lengths(steps[-1], page_size=ps, num_pages=gt.pool.num_pages))
+            steps.append(increment_cache_lengths(steps[-1], page_size=ps, num_pages=table.pool.num_pages))
         if stacked:
             stacks.append(stack_metadata(steps))
         else:
-            by_group.append([_proved(gt, m, reads) for m in steps])
+            by_group.append([_proved(table, m, reads) for m in steps])
     if stacked:
         return tuple(stacks)
     return [tuple(step) for step in zip(*by_group)]
 
 
-def _proved(gt: GroupTable, rt: PagedAttentionMetadata, reads: bool) -> PagedAttentionMetadata:
-    """``rt`` marked as checked: the manager's invariants prove what the constructors check
+def _proved(table: GroupTable, step_meta: PagedAttentionMetadata, reads: bool) -> PagedAttentionMetadata:
+    """``step_meta`` marked as checked: the manager's invariants prove what the constructors check
     (every page a row reads is its own, assigned and in its replica's slice; a page written
     this step belongs to one sequence), so the write and attention skip those checks; a sliding
     or chunked cache's mark holds only for reads within its window. ``reads``: False when a
     resumed sequence's window may still reach before its floor (its reads are not vouched for)."""
-    group = gt.group
-    return mark_checked(rt, HostChecked(num_pages=gt.pool.num_pages, page_size=gt.page_size, reads=reads,
-                                        page_shards=gt.pool.num_replicas, attention=group.attention,
+    group = table.group
+    return mark_checked(step_meta, HostChecked(num_pages=table.pool.num_pages, page_size=table.page_size, reads=reads,
+                                        page_shards=table.pool.num_replicas, attention=group.attention,
                                         window=group.window))
 
 

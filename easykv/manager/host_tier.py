@@ -166,9 +166,9 @@ class HostTierPolicy:
         self.require("forget_host_tier")
         if self.swapped or self.has_pending_transfers(groups):
             raise ValueError("sequences are swapped out or host transfers are pending; swap_in and apply_pending first")
-        held = sum(gt.host_pool.forget_prefixes() for gt in groups)
+        held = sum(table.host_pool.forget_prefixes() for table in groups)
         if self.tier is not None:  # no later apply reaches the detached tier: zero what it keeps now
-            self.tier.scrub(tuple(gt.host_pool.take_scrubs() for gt in groups))
+            self.tier.scrub(tuple(table.host_pool.take_scrubs() for table in groups))
         self.tier = None
         return held
 
@@ -205,8 +205,8 @@ class HostTierPolicy:
         """Whether some host page holds data a newly taken tier would lack: any held page but a
         pending offload's destination (its data comes with the call), or a released page the
         current tier has not zeroed yet."""
-        return any((host := gt.host_pool).num_pages - host.num_free() > len(gt.offloads)
-                   or (self.tier is not None and host.has_pending_scrubs()) for gt in groups)
+        return any((host := table.host_pool).num_pages - host.num_free() > len(table.offloads)
+                   or (self.tier is not None and host.has_pending_scrubs()) for table in groups)
 
     def bind(self, host: HostTierLike) -> None:
         """``host`` passed `check_host`: it holds this manager's host pages from now on."""
@@ -220,39 +220,39 @@ class HostTierPolicy:
         cols = seqs.written_columns(row)
         replica = int(seqs.replica[row])
         plans = []
-        for gt in groups:
-            host = gt.host_pool
-            held = gt.held(row, cols)
+        for table in groups:
+            host = table.host_pool
+            held = table.held(row, cols)
             for page in held:
-                if page in gt.copies or page in gt.onloads:
-                    raise ValueError(f"sequence {row}'s page {page}{gt.label} still waits for a pending copy; "
+                if page in table.copies or page in table.onloads:
+                    raise ValueError(f"sequence {row}'s page {page}{table.label} still waits for a pending copy; "
                                      "call apply_pending(cache, host=...) before swapping it out")
-            shared = [host.lookup(replica, d) if (d := gt.pool.digest_of(p)) is not None else -1 for p in held]
+            shared = [host.lookup(replica, d) if (d := table.pool.digest_of(p)) is not None else -1 for p in held]
             plans.append((held, shared))
             need = shared.count(-1)
             pinned = sum(1 for h in shared if h >= 0 and host.refcount[h] == 0)
             if need and need > host.num_available(replica) - pinned:
                 raise CacheFullError(
-                    f"swap_out({row}) needs {need} host pages{gt.label} but the host tier has "
+                    f"swap_out({row}) needs {need} host pages{table.label} but the host tier has "
                     f"{host.num_available(replica) - pinned} free or evictable; release or swap in sequences, or "
                     "give the host tier more memory", resource="host pages", needed=need,
                     available=host.num_available(replica) - pinned,
                     replica=replica if groups.num_replicas > 1 else None)
         # Checked: nothing below fails.
         starts, pages = [], []
-        for gt, (held, shared) in zip(groups, plans):
-            host = gt.host_pool
+        for table, (held, shared) in zip(groups, plans):
+            host = table.host_pool
             host.share([h for h in shared if h >= 0])  # first: no allocation below may evict them
             fresh = iter(host.allocate(replica, shared.count(-1), overwritten=True))
             out = []
             for page, h in zip(held, shared):
                 if h < 0:
                     h = next(fresh)
-                    digest = gt.pool.digest_of(page)
-                    gt.offloads[h] = (page, digest, gt.pool.tag_of(page) if digest is not None else None)
+                    digest = table.pool.digest_of(page)
+                    table.offloads[h] = (page, digest, table.pool.tag_of(page) if digest is not None else None)
                     host.share([h])  # the sequence's reference; the offload holds the other
                 out.append(h)
-            starts.append(int(gt.start[row]))
+            starts.append(int(table.start[row]))
             pages.append(tuple(out))
         groups.release_row(row, int(seqs.npages[row]), stale=stale)
         self.swapped[row] = SwappedSequence(npages=cols, replica=replica, starts=tuple(starts), pages=tuple(pages))
@@ -267,35 +267,35 @@ class HostTierPolicy:
             raise ValueError(f"sequence {row} is not swapped out; swap_in takes a sequence swap_out preempted")
         r = record.replica
         plans = []
-        for gt, host_pages in zip(groups, record.pages):
-            host = gt.host_pool
-            if any(h in gt.offloads for h in host_pages):
+        for table, host_pages in zip(groups, record.pages):
+            host = table.host_pool
+            if any(h in table.offloads for h in host_pages):
                 raise ValueError(f"sequence {row}'s swap-out is still pending; call apply_pending(cache, host=...) "
                                  "between swap_out and swap_in")
-            found = [gt.pool.lookup(r, d) if (d := host.digest_of(h)) is not None else -1 for h in host_pages]
+            found = [table.pool.lookup(r, d) if (d := host.digest_of(h)) is not None else -1 for h in host_pages]
             need = found.count(-1)
-            cached = sum(1 for p in found if p >= 0 and gt.pool.refcount[p] == 0)
-            if need > gt.pool.num_available(r) - cached:
-                gt.raise_full(r, need + cached)
+            cached = sum(1 for p in found if p >= 0 and table.pool.refcount[p] == 0)
+            if need > table.pool.num_available(r) - cached:
+                table.raise_full(r, need + cached)
             plans.append(found)
         # Checked: nothing below fails.
-        for gt, host_pages, found, start in zip(groups, record.pages, plans, record.starts):
-            host = gt.host_pool
-            gt.pool.share([p for p in found if p >= 0])
-            fresh = iter(gt.allocate(r, found.count(-1), overwritten=True))
+        for table, host_pages, found, start in zip(groups, record.pages, plans, record.starts):
+            host = table.host_pool
+            table.pool.share([p for p in found if p >= 0])
+            fresh = iter(table.allocate(r, found.count(-1), overwritten=True))
             row_pages = []
             for h, page in zip(host_pages, found):
                 if page < 0:
                     page = next(fresh)
-                    gt.onloads[page] = h  # the sequence's host reference passes to the onload
+                    table.onloads[page] = h  # the sequence's host reference passes to the onload
                     digest = host.digest_of(h)
                     if digest is not None:
-                        gt.pool.commit(page, digest, host.tag_of(h))
+                        table.pool.commit(page, digest, host.tag_of(h))
                 else:
                     host.release([h])
                 row_pages.append(page)
-            gt.table[row, start:record.npages] = row_pages
-            gt.start[row] = start
+            table.table[row, start:record.npages] = row_pages
+            table.start[row] = start
         seqs.npages[row] = record.npages
         seqs.replica[row] = r if record.npages else -1
         del self.swapped[row]
@@ -304,8 +304,8 @@ class HostTierPolicy:
     def release_swapped(self, row: int, groups: GroupCoordinator) -> None:
         """`release` of a swapped-out sequence: its host pages lose its reference."""
         record = self.swapped.pop(row)
-        for gt, pages in zip(groups, record.pages):
-            gt.host_pool.release(list(pages)[::-1])
+        for table, pages in zip(groups, record.pages):
+            table.host_pool.release(list(pages)[::-1])
 
     # ---- prefix hits in the host tier ------------------------------------------------------------
     def attach_hits(self, replica: int, pages: list[list[int]], groups: GroupCoordinator) -> int:
@@ -314,18 +314,18 @@ class HostTierPolicy:
         any group). The caller has shared the device pages of the hit and checked there is room
         (`hit_room`)."""
         moved: set[int] = set()
-        for gt, group_pages in zip(groups, pages):
+        for table, group_pages in zip(groups, pages):
             cols = [i for i, p in enumerate(group_pages) if p < PAD_PAGE]
             if not cols:
                 continue
             hosts = [-2 - group_pages[i] for i in cols]
-            host = gt.host_pool
+            host = table.host_pool
             host.share(hosts)  # pinned until applied: no eviction below takes them
-            for i, h, page in zip(cols, hosts, gt.allocate(replica, len(cols), overwritten=True)):
-                gt.onloads[page] = h
+            for i, h, page in zip(cols, hosts, table.allocate(replica, len(cols), overwritten=True)):
+                table.onloads[page] = h
                 if (digest := host.digest_of(h)) is None:  # a hit's host page is in the host prefix map
-                    raise InvariantError(f"host page {h}{gt.label} of a prefix hit has no digest")
-                gt.pool.commit(page, digest, host.tag_of(h))
+                    raise InvariantError(f"host page {h}{table.label} of a prefix hit has no digest")
+                table.pool.commit(page, digest, host.tag_of(h))
                 group_pages[i] = page
             moved.update(cols)
         return len(moved)
@@ -333,10 +333,10 @@ class HostTierPolicy:
     def hit_room(self, replica: int, pages: list[list[int]], groups: GroupCoordinator) -> bool:
         """Whether every group has device pages for the host part of a hit, once its device part
         (cached pages among them) is shared."""
-        for gt, group_pages in zip(groups, pages):
+        for table, group_pages in zip(groups, pages):
             onloads = sum(p < PAD_PAGE for p in group_pages)
-            cached = sum(1 for p in group_pages if p >= 0 and gt.pool.refcount[p] == 0)
-            if onloads and onloads > gt.pool.num_available(replica) - cached:
+            cached = sum(1 for p in group_pages if p >= 0 and table.pool.refcount[p] == 0)
+            if onloads and onloads > table.pool.num_available(replica) - cached:
                 return False
         return True
 
@@ -349,65 +349,66 @@ class HostTierPolicy:
     # ---- pending transfers ------------------------------------------------------------------------
     def has_pending_transfers(self, groups: Sequence[GroupTable]) -> bool:
         """Offloads or onloads wait (they read or write device pages; see `PageManager.has_pending_transfers`)."""
-        return self.enabled and any(gt.offloads or gt.onloads for gt in groups)
+        return self.enabled and any(table.offloads or table.onloads for table in groups)
 
     def has_work(self, groups: Sequence[GroupTable]) -> bool:
         """Transfers, or scrubs of released host pages: the work only the tier can do."""
-        return self.enabled and any(gt.offloads or gt.onloads or gt.host_pool.has_pending_scrubs() for gt in groups)
+        return self.enabled and any(table.offloads or table.onloads or table.host_pool.has_pending_scrubs()
+                                    for table in groups)
 
     def pending_transfers(self, groups: Sequence[GroupTable]) -> Transfers:
         """`PageManager.pending_transfers`."""
         out = []
-        for gt in groups:
-            off = np.array([[src, dst] for dst, (src, _, _) in gt.offloads.items()], np.int32).reshape(-1, 2)
-            on = np.array([[src, dst] for dst, src in gt.onloads.items()], np.int32).reshape(-1, 2)
-            out.append((off[:, 0], off[:, 1], on[:, 0], on[:, 1], gt.host_pool.pending_scrubs()))
+        for table in groups:
+            off = np.array([[src, dst] for dst, (src, _, _) in table.offloads.items()], np.int32).reshape(-1, 2)
+            on = np.array([[src, dst] for dst, src in table.onloads.items()], np.int32).reshape(-1, 2)
+            out.append((off[:, 0], off[:, 1], on[:, 0], on[:, 1], table.host_pool.pending_scrubs()))
         return tuple(out)
 
     def transfers_done(self, groups: Sequence[GroupTable]) -> None:
         """The pending transfers were applied: offloaded prefix pages enter the host prefix map,
         every transfer's host reference is dropped."""
-        for gt in groups:
-            host = gt.host_pool
-            self.counters["offloaded_pages"] += len(gt.offloads)
-            self.counters["onloaded_pages"] += len(gt.onloads)
+        for table in groups:
+            host = table.host_pool
+            self.counters["offloaded_pages"] += len(table.offloads)
+            self.counters["onloaded_pages"] += len(table.onloads)
             host.take_scrubs()
-            for h, (_, digest, tag) in gt.offloads.items():
+            for h, (_, digest, tag) in table.offloads.items():
                 if digest is not None:
                     host.commit(h, digest, tag)
-            host.release(list(gt.offloads))
-            host.release(list(gt.onloads.values()))
-            gt.offloads.clear()
-            gt.onloads.clear()
+            host.release(list(table.offloads))
+            host.release(list(table.onloads.values()))
+            table.offloads.clear()
+            table.onloads.clear()
 
     def metrics(self, groups: Sequence[GroupTable]) -> HostTierMetrics | None:
         if not self.enabled:
             return None
-        hosts = [gt.host_pool for gt in groups]
+        hosts = [table.host_pool for table in groups]
         return HostTierMetrics(
             total_pages=sum(h.num_pages for h in hosts), free_pages=sum(h.num_free() for h in hosts),
             cached_pages=sum(h.num_cached() for h in hosts), used_pages=sum(h.num_used() for h in hosts),
-            swapped_sequences=len(self.swapped), dropped_pages=sum(gt.offloads_dropped for gt in groups),
+            swapped_sequences=len(self.swapped), dropped_pages=sum(table.offloads_dropped for table in groups),
             evictions=sum(h.evictions for h in hosts), **self.counters)
 
     # ---- state and invariants ---------------------------------------------------------------------
     def lockstep_state(self, groups: Sequence[GroupTable]) -> dict[str, Any]:
         """The tier's bookkeeping as JSON (a fingerprint for `assert_lockstep`; nothing reads it back)."""
         return {
-            "pools": [gt.host_pool.state_dict() for gt in groups],
+            "pools": [table.host_pool.state_dict() for table in groups],
             "swapped": [[row, r.npages, r.replica, list(r.starts), [list(p) for p in r.pages]]
                         for row, r in sorted(self.swapped.items())],
-            "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in gt.offloads.items()]
-                         for gt in groups],
-            "onloads": [[[dst, h] for dst, h in gt.onloads.items()] for gt in groups],
+            "offloads": [[[h, src, None if d is None else d.hex()] for h, (src, d, _) in table.offloads.items()]
+                         for table in groups],
+            "onloads": [[[dst, h] for dst, h in table.onloads.items()] for table in groups],
             "counters": dict(self.counters)}
 
-    def check_group(self, gt: GroupTable, lens: np.ndarray) -> None:
-        """Raise `Broken` unless ``gt``'s host pool agrees with its holders (swapped-out sequences
+    def check_group(self, table: GroupTable, lens: np.ndarray) -> None:
+        """Raise `Broken` unless ``table``'s host pool agrees with its holders (swapped-out sequences
         and pending transfers), swapped sequences hold what their length (``lens``) needs, and
         transfers stay in a replica and touch pages they may."""
-        g, of = gt.index, f" in layer group {gt.index}" if gt.grouped else ""
-        host, pool, ps = gt.host_pool, gt.pool, gt.page_size
+        g, of = table.index, f" in layer group {table.index}" if table.grouped else ""
+        host, pool, ps = table.host_pool, table.pool, table.page_size
         holders: list[int] = []
         for row, record in self.swapped.items():
             pages = record.pages[g]
@@ -420,17 +421,17 @@ class HostTierPolicy:
                 raise Broken(f"sequences[id={row}].swapped", f"swapped-out sequence {row} holds a host page{of} "
                                                              f"outside replica {record.replica}")
             holders += pages
-        for h, (src, _digest, _) in gt.offloads.items():
+        for h, (src, _digest, _) in table.offloads.items():
             if host.replica_of(h) != pool.replica_of(src) or host.digest_of(h) is not None:
                 raise Broken("host", f"offload {src} -> host page {h}{of} crosses replicas or targets a cached "
                                      "host page")
-        for dst, h in gt.onloads.items():
+        for dst, h in table.onloads.items():
             if host.replica_of(h) != pool.replica_of(dst) or (pool.refcount[dst] == 0 and pool.digest_of(dst) is None):
                 raise Broken("host", f"onload host page {h} -> {dst}{of} crosses replicas or fills a free page")
-            if dst in gt.copies or host.digest_of(h) != pool.digest_of(dst) and pool.digest_of(dst) is not None:
+            if dst in table.copies or host.digest_of(h) != pool.digest_of(dst) and pool.digest_of(dst) is not None:
                 raise Broken("host", f"onload host page {h} -> {dst}{of} disagrees with the device page's copy or "
                                      "digest")
-        holders += list(gt.offloads) + list(gt.onloads.values())
+        holders += list(table.offloads) + list(table.onloads.values())
         try:
             host.check(np.bincount(np.asarray(holders, np.int64), minlength=host.num_pages).astype(np.int32))
         except InvariantError as err:

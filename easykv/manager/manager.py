@@ -345,7 +345,7 @@ class PageManager:
         Args:
           metadata: a decode step's per-group tuple (`build_decode_metadata`'s), or one bare metadata for one group."""
         return increment_groups(metadata, page_size=self.page_size,
-                                num_pages=tuple(gt.pool.num_pages for gt in self._groups))
+                                num_pages=tuple(table.pool.num_pages for table in self._groups))
 
     # ---- committing written tokens [MAX: step] -----------------------------------------------------
     def step(self, seq_ids: Sequence[int], token_ids: Any) -> None:
@@ -456,9 +456,9 @@ class PageManager:
         Args:
           seq_id: a claimed sequence id.
           group: the layer group (None: the only one; needed when there are several)."""
-        gt = self._groups[self._groups.group_index(group)]
+        table = self._groups[self._groups.group_index(group)]
         row = self._seqs.row(seq_id)
-        return gt.first_kept_position(int(self._seqs.lens[row]), int(self._seqs.floor[row]))
+        return table.first_kept_position(int(self._seqs.lens[row]), int(self._seqs.floor[row]))
 
     def replica(self, seq_id: int) -> int | None:
         """The data-parallel replica whose slice of the pool holds the sequence (None: unbound).
@@ -486,7 +486,8 @@ class PageManager:
     @property
     def usage(self) -> float:
         """Fraction of the pages (of every group) referenced by running sequences."""
-        return sum(gt.pool.num_used() for gt in self._groups) / sum(gt.pool.num_pages for gt in self._groups)
+        pools = [table.pool for table in self._groups]
+        return sum(pool.num_used() for pool in pools) / sum(pool.num_pages for pool in pools)
 
     def __repr__(self) -> str:
         m = self.metrics

@@ -92,7 +92,7 @@ class PageManagerMetrics:
 
 def snapshot(parts: ManagerParts) -> PageManagerMetrics:
     """The metrics of a manager's ``parts`` now: each part counts what it owns."""
-    pools = [gt.pool for gt in parts.groups]
+    pools = [table.pool for table in parts.groups]
     groups = tuple(GroupPoolMetrics(total_pages=p.num_pages, free_pages=p.num_free(), cached_pages=p.num_cached(),
                                     used_pages=p.num_used(), evictions=p.evictions) for p in pools)
     total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",

@@ -49,38 +49,38 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
     if new < floor:
         raise ValueError(f"sequence {row} holds no tokens before position {floor} (it was resumed "
                          f"there); truncate it to at least that, or release it")
-    for gt in groups:
-        need = max(int(gt.released_columns(np.array([new]))[0]), floor // ps)
-        if need < gt.start[row]:
+    for table in groups:
+        need = max(int(table.released_columns(np.array([new]))[0]), floor // ps)
+        if need < table.start[row]:
             raise ValueError(
-                f"truncating sequence {row} to {new} tokens needs its pages{gt.label} from position {need * ps} on, "
-                f"but its {gt.group.attention} window released those before position {int(gt.start[row]) * ps}; "
+                f"truncating sequence {row} to {new} tokens needs its pages{table.label} from position {need * ps} on, "
+                f"but its {table.group.attention} window released those before position {int(table.start[row]) * ps}; "
                 "truncate to a length whose window starts after them, or release the sequence")
     col, replica = new // ps, int(seqs.replica[row])
     inside = bool(new % ps) and new < cur  # ends inside a page it wrote past: that page is written again
-    shared = [inside and gt.pool.refcount[gt.table[row, col]] > 1 for gt in groups]
-    for gt, copy in zip(groups, shared):
-        if copy and not gt.pool.num_available(replica):
-            gt.raise_full(replica, 1)
+    shared = [inside and table.pool.refcount[table.table[row, col]] > 1 for table in groups]
+    for table, copy in zip(groups, shared):
+        if copy and not table.pool.num_available(replica):
+            table.raise_full(replica, 1)
     hashing = bool(seqs.hashes.hashable[row]) and caching  # without caching no row knows its ids
     chain = _chain_at(seqs, groups, row, col) if hashing else None
     # Checked: nothing below fails.
     keep, stale = -(-new // ps), seqs.version[row] != current
     held = int(seqs.npages[row])
-    for gt, copy in zip(groups, shared):
-        first = max(keep, int(gt.start[row]))
-        gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
-        gt.table[row, keep:held] = PAD_PAGE
+    for table, copy in zip(groups, shared):
+        first = max(keep, int(table.start[row]))
+        table.release_pages(table.table[row, first:held][::-1].tolist(), stale=stale)
+        table.table[row, keep:held] = PAD_PAGE
         if not inside:
             continue
-        page = int(gt.table[row, col])
+        page = int(table.table[row, col])
         if copy:  # a private page now, filled from the shared one before the next write
-            dst = gt.allocate(replica, 1, overwritten=True)[0]
-            gt.table[row, col] = dst
-            work.copy_on_write(gt, dst, page)
-            gt.release_pages([page], stale=stale)
-        elif gt.pool.digest_of(page) is not None:
-            gt.pool.uncommit(page)
+            dst = table.allocate(replica, 1, overwritten=True)[0]
+            table.table[row, col] = dst
+            work.copy_on_write(table, dst, page)
+            table.release_pages([page], stale=stale)
+        elif table.pool.digest_of(page) is not None:
+            table.pool.uncommit(page)
     seqs.npages[row] = keep
     seqs.lens[row] = new
     seqs.edits[row] += 1
@@ -100,10 +100,10 @@ def give_back_reserved(seqs: SequenceTable, groups: GroupCoordinator, rows: np.n
     for i in np.flatnonzero(seqs.npages[rows] > keep).tolist():
         row, kept, held = int(rows[i]), int(keep[i]), int(seqs.npages[rows[i]])
         stale = seqs.version[row] != current
-        for gt in groups:
-            first = max(kept, int(gt.start[row]))
-            gt.release_pages(gt.table[row, first:held][::-1].tolist(), stale=stale)
-            gt.table[row, kept:held] = PAD_PAGE
+        for table in groups:
+            first = max(kept, int(table.start[row]))
+            table.release_pages(table.table[row, first:held][::-1].tolist(), stale=stale)
+            table.table[row, kept:held] = PAD_PAGE
         seqs.npages[row] = kept
         if not kept:  # a sequence is bound to a replica while it holds pages
             seqs.replica[row] = -1
@@ -118,10 +118,10 @@ def _chain_at(seqs: SequenceTable, groups: GroupCoordinator, row: int, full: int
         return hashes.chain[row]
     if full == 0:
         return version_root(seqs.version[row])
-    for gt in groups:  # the digest the row gave it when it filled it (or matched it)
-        page = int(gt.table[row, full - 1])
-        if page != PAD_PAGE and gt.pool.digest_of(page) is not None:
-            return gt.pool.digest_of(page)
+    for table in groups:  # the digest the row gave it when it filled it (or matched it)
+        page = int(table.table[row, full - 1])
+        if page != PAD_PAGE and table.pool.digest_of(page) is not None:
+            return table.pool.digest_of(page)
     tokens = hashes.ids(row, 0, full * ps)
     if tokens is None:
         return None

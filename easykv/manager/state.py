@@ -95,9 +95,9 @@ def write_state(parts: ManagerParts, *, host: bool = False) -> dict[str, Any]:
     grouped = len(groups) > 1
     sequences = []
     for r in seqs.active_ids:
-        pages = [gt.row_pages(r, int(seqs.npages[r])) for gt in groups]
+        pages = [table.row_pages(r, int(seqs.npages[r])) for table in groups]
         sequences.append(seqs.row_state(r, pages if grouped else pages[0], caching=parts.caching))
-    pools, copies = zip(*(gt.state() for gt in groups))
+    pools, copies = zip(*(table.state() for table in groups))
     out = {
         "format": GROUPED_STATE_FORMAT if grouped else STATE_FORMAT,
         "config": config(parts.metadata, parts.caching, parts.scrub),
@@ -265,10 +265,10 @@ def read_state(parts: ManagerParts, state: Any) -> tuple[bool, bool]:
             raise _fail("sequences", f"lists sequence id {seq.id} twice")
         seen.add(seq.id)
     pool_fields = _per_group(state["pool"], "pool", len(groups))
-    pools = [_read_pool(raw, field, gt.pool.num_pages, groups.num_replicas)
-             for gt, (raw, field) in zip(groups, pool_fields)]
-    copies = [_read_copies(raw, field, gt.pool.num_pages)
-              for gt, (raw, field) in zip(groups, _per_group(state["copies"], "copies", len(groups)))]
+    pools = [_read_pool(raw, field, table.pool.num_pages, groups.num_replicas)
+             for table, (raw, field) in zip(groups, pool_fields)]
+    copies = [_read_copies(raw, field, table.pool.num_pages)
+              for table, (raw, field) in zip(groups, _per_group(state["copies"], "copies", len(groups)))]
     counters_in = _mapping(state["counters"], "counters", COUNTERS)
     counters = {k: _int(counters_in[k], f"counters.{k}", 0, INT64_MAX) for k in COUNTERS}
     current, known = _read_versions(state.get("versions"), counters)
@@ -285,8 +285,8 @@ def read_state(parts: ManagerParts, state: Any) -> tuple[bool, bool]:
         seqs.load_row(seq.id, length=seq.length, npages=seq.pages[0].size, replica=seq.replica, floor=seq.floor,
                       version=seq.version, hashable=seq.hashable, chain=seq.chain, salt=seq.salt,
                       partial=seq.partial, tokens=seq.tokens)
-    for g, (gt, pool, pending) in enumerate(zip(groups, pools, copies)):
-        gt.load([(seq.id, seq.pages[g]) for seq in sequences], seqs, pool=pool, copies=pending, scrub=scrub)
+    for g, (table, pool, pending) in enumerate(zip(groups, pools, copies)):
+        table.load([(seq.id, seq.pages[g]) for seq in sequences], seqs, pool=pool, copies=pending, scrub=scrub)
     parts.versions.load(current, known, counters)
     parts.work.load(copies=counters["copies"])
     return caching, scrub
@@ -400,8 +400,8 @@ def _read_sequence(parts: ManagerParts, entry: Any, i: int, *, caching: bool) ->
     length = _int(entry["length"], f"{where}.length", 0, seqs.max_length)
     floor = _int(entry["floor"], f"{where}.floor", 1, length) if resumed else 0
     rows: list[np.ndarray] = []
-    for gt, (raw, field) in zip(groups, _per_group(entry["pages"], f"{where}.pages", len(groups))):
-        pages = _ints(raw, field, PAD_PAGE, gt.pool.num_pages - 1, max_len=gt.table.shape[1])
+    for table, (raw, field) in zip(groups, _per_group(entry["pages"], f"{where}.pages", len(groups))):
+        pages = _ints(raw, field, PAD_PAGE, table.pool.num_pages - 1, max_len=table.table.shape[1])
         holes = int(np.argmax(pages != PAD_PAGE)) if np.any(pages != PAD_PAGE) else pages.size
         if np.any(pages[holes:] == PAD_PAGE):
             raise _fail(field, "has a released page (-1) after a held one; only the pages before a window are "

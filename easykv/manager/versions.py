@@ -139,13 +139,13 @@ class VersionLog:
         host = np.zeros(len(versions), np.int64)
         rows = np.flatnonzero(seqs.active)
         of_row = np.array([index[seqs.version[r]] for r in rows.tolist()], np.int64)
-        for gt in groups:
+        for table in groups:
             for i in np.unique(of_row).tolist():
-                pages = gt.table[rows[of_row == i]]
+                pages = table.table[rows[of_row == i]]
                 live[i] += np.unique(pages[pages >= 0]).size
-            for tag in gt.pool.cached_tags():
+            for tag in table.pool.cached_tags():
                 cached[index[tag]] += 1
-            for tag in gt.host.cached_tags() if gt.host is not None else ():
+            for tag in table.host.cached_tags() if table.host is not None else ():
                 host[index[tag]] += 1
         out = []
         for i, v in enumerate(versions):

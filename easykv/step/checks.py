@@ -368,7 +368,7 @@ def any_unreadable(table: np.ndarray, first: np.ndarray, end: np.ndarray, num_pa
 
 
 # ---- a whole step -------------------------------------------------------------------------------
-def check_step(rt: StepReads, names: Mapping[str, str], *, num_pages: int, page_size: int, page_shards: int = 1,
+def check_step(step_meta: StepReads, names: Mapping[str, str], *, num_pages: int, page_size: int, page_shards: int = 1,
                window: int | None = None, chunk: int | None = None, tokens: int | None = None,
                proof: HostChecked | None = None, shapes_checked: bool = False,
                vouched: set[ReadKey] | None = None) -> None:
@@ -385,51 +385,53 @@ def check_step(rt: StepReads, names: Mapping[str, str], *, num_pages: int, page_
     page_table to the caller's own field names for the messages."""
     pos_name, table_name = names["positions"], names["page_table"]
     if shapes_checked:
-        _check_tokens(rt, pos_name, tokens)
+        _check_tokens(step_meta, pos_name, tokens)
     else:
-        _check_shapes(rt, pos_name, table_name, tokens)
-    if not is_host(*rt):
+        _check_shapes(step_meta, pos_name, table_name, tokens)
+    if not is_host(*step_meta):
         return
     if proof is not None and proof.vouches_for(num_pages, page_size, page_shards, window, chunk):
         read = (num_pages, page_size, page_shards, window, chunk)
         if vouched is None or read not in vouched:
-            check_vouched_reads(rt, table_name, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
+            check_vouched_reads(step_meta, table_name, num_pages=num_pages, page_size=page_size,
+                                page_shards=page_shards,
                                 window=window, chunk=chunk)
             if vouched is not None:
                 vouched.add(read)
         return
-    _check_values(rt, pos_name, table_name, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
+    _check_values(step_meta, pos_name, table_name, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
                   window=window, chunk=chunk)
 
 
-def _check_tokens(rt: StepReads, pos_name: str, tokens: int | None) -> None:
-    n_tok = shape_of(rt.positions)[0]
+def _check_tokens(step_meta: StepReads, pos_name: str, tokens: int | None) -> None:
+    n_tok = shape_of(step_meta.positions)[0]
     if tokens is not None and n_tok != tokens:
         raise ValueError(f"q has {tokens} rows but metadata.{pos_name} has {n_tok}; give one query row per token")
 
 
-def _check_shapes(rt: StepReads, pos_name: str, table_name: str, tokens: int | None) -> None:
-    int_field(pos_name, rt.positions, ndim=1)
-    int_field("query_start_loc", rt.query_start_loc, ndim=1)
-    int_field(table_name, rt.page_table, ndim=2)
-    int_field("context_lens", rt.context_lens, ndim=1)
-    int_field("num_seqs", rt.num_seqs, shape=())
-    _check_tokens(rt, pos_name, tokens)
-    seqs = shape_of(rt.page_table)[0]
-    if shape_of(rt.query_start_loc)[0] != seqs + 1 or shape_of(rt.context_lens)[0] != seqs:
+def _check_shapes(step_meta: StepReads, pos_name: str, table_name: str, tokens: int | None) -> None:
+    int_field(pos_name, step_meta.positions, ndim=1)
+    int_field("query_start_loc", step_meta.query_start_loc, ndim=1)
+    int_field(table_name, step_meta.page_table, ndim=2)
+    int_field("context_lens", step_meta.context_lens, ndim=1)
+    int_field("num_seqs", step_meta.num_seqs, shape=())
+    _check_tokens(step_meta, pos_name, tokens)
+    seqs = shape_of(step_meta.page_table)[0]
+    if shape_of(step_meta.query_start_loc)[0] != seqs + 1 or shape_of(step_meta.context_lens)[0] != seqs:
         raise ValueError(
             f"metadata.page_table has {seqs} rows, so query_start_loc needs {seqs + 1} entries and "
-            f"context_lens {seqs}; got {shape_of(rt.query_start_loc)[0]} and {shape_of(rt.context_lens)[0]}"
+            f"context_lens {seqs}; got {shape_of(step_meta.query_start_loc)[0]} and "
+            f"{shape_of(step_meta.context_lens)[0]}"
         )
 
 
-def _check_values(rt: StepReads, pos_name: str, table_name: str, *, num_pages: int, page_size: int,
+def _check_values(step_meta: StepReads, pos_name: str, table_name: str, *, num_pages: int, page_size: int,
                   page_shards: int, window: int | None, chunk: int | None) -> None:
     pos, qsl, table, ctx = (integer_array(name, a, lo=None, hi=None, dtype=np.int64) for name, a in zip(
         (pos_name, "query_start_loc", table_name, "context_lens"),
-        (rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens)))
+        (step_meta.positions, step_meta.query_start_loc, step_meta.page_table, step_meta.context_lens)))
     n_tok, seqs = pos.shape[0], table.shape[0]
-    n = int(rt.num_seqs)
+    n = int(step_meta.num_seqs)
     if not 0 <= n <= seqs:
         raise ValueError(f"metadata.num_seqs={n} is outside 0..{seqs} (the rows of page_table)")
     if qsl[0] != 0 or np.any(np.diff(qsl) < 0) or qsl[-1] > n_tok:
@@ -452,14 +454,15 @@ def _check_values(rt: StepReads, pos_name: str, table_name: str, *, num_pages: i
         raise ValueError(why)
 
 
-def check_vouched_reads(rt: StepReads, table_name: str, *, num_pages: int, page_size: int, page_shards: int,
+def check_vouched_reads(step_meta: StepReads, table_name: str, *, num_pages: int, page_size: int, page_shards: int,
                         window: int | None, chunk: int | None) -> None:
-    """What a proof says of the pages ``rt`` reads, checked anyway (it runs on every call on
+    """What a proof says of the pages ``step_meta`` reads, checked anyway (it runs on every call on
     host tables, so it must stay cheap: O(tokens + sequences + the table up to the pages read),
     never O(pool)): every page a query reads, within its window or chunk, is a page of the pool.
     Raises the ValueError of `bad_read`, naming the sequence and column, before anything runs."""
-    table = np.asarray(rt.page_table)  # host arrays (the caller checked): no copy
-    first, end, last = read_spans(np.asarray(rt.positions), np.asarray(rt.query_start_loc), int(rt.num_seqs),
+    table = np.asarray(step_meta.page_table)  # host arrays (the caller checked): no copy
+    first, end, last = read_spans(np.asarray(step_meta.positions), np.asarray(step_meta.query_start_loc),
+                                  int(step_meta.num_seqs),
                                   page_size=page_size, window=window, chunk=chunk)
     if any_unreadable(table, first, end, num_pages):
         raise ValueError(bad_read(table_name, table, first, end, last, num_pages=num_pages, page_size=page_size,
@@ -535,18 +538,18 @@ class Issue:
         self.mark = mark
 
 
-def mark_checked(rt: _Step, mark: HostChecked) -> _Step:
-    """``rt`` with ``mark`` as its proof, issued by the caller (a validated constructor, the page
+def mark_checked(step_meta: _Step, mark: HostChecked) -> _Step:
+    """``step_meta`` with ``mark`` as its proof, issued by the caller (a validated constructor, the page
     manager), who made the checks it states: a new metadata over read-only arrays of its own;
-    ``rt`` and its arrays are left as they were."""
-    return dataclasses.replace(rt, proof=Issue(mark))  # ``proof``: an InitVar of the metadata
+    ``step_meta`` and its arrays are left as they were."""
+    return dataclasses.replace(step_meta, proof=Issue(mark))  # ``proof``: an InitVar of the metadata
 
 
-def host_checked(rt: object) -> HostChecked | None:
+def host_checked(step_meta: object) -> HostChecked | None:
     """The proof of a validated step, None if it has none or an array became writable again."""
-    mark = getattr(rt, "checked", None)
+    mark = getattr(step_meta, "checked", None)
     if not isinstance(mark, HostChecked) or any(isinstance(a, np.ndarray) and a.flags.writeable
-                                                 for a in vars(rt).values()):
+                                                 for a in vars(step_meta).values()):
         return None
     return mark
 

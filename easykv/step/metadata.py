@@ -207,7 +207,7 @@ class PagedAttentionMetadata(Serializable):
         host = jax.tree.map(np.asarray, jax.device_get(self))
         step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
                         pages_per_sequence=meta.num_pages_per_sequence)
-        checks.check_slots(step.rt.slot_mapping, meta.tokens_per_layer)
+        checks.check_slots(step.step_meta.slot_mapping, meta.tokens_per_layer)
         if step.form != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
             step.check_reads(num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
                              page_shards=meta.page_shards, window=window, chunk=chunk)
@@ -251,8 +251,9 @@ class PagedAttentionMetadata(Serializable):
         end_pages = np.asarray([-(-(start + length) // cache_metadata.page_size) if length else 0])
         prefill_length = np.asarray(length, np.int32)
         checks.sealed(row, positions, prefill_length)  # all three built here (integer_array copies)
-        rt = cls(prefill_length=prefill_length, prefill_position=positions, prefill_page_table=row)
-        return _checked(rt, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill", pool=pool)
+        step_meta = cls(prefill_length=prefill_length, prefill_position=positions, prefill_page_table=row)
+        return _checked(step_meta, row[None, :], positions[None, :length], end_pages, cache_metadata, "prefill",
+                        pool=pool)
 
     @classmethod
     def for_decode(
@@ -281,8 +282,8 @@ class PagedAttentionMetadata(Serializable):
             )
         end_pages = (pos + cache_metadata.page_size) // cache_metadata.page_size  # 0 for padding (-1)
         checks.sealed(pos, table)  # built here (integer_array copies)
-        rt = cls(decodes_position=pos, decodes_page_table=table)
-        return _checked(rt, table, pos[:, None], end_pages, cache_metadata, "decode", pool=pool)
+        step_meta = cls(decodes_position=pos, decodes_page_table=table)
+        return _checked(step_meta, table, pos[:, None], end_pages, cache_metadata, "decode", pool=pool)
 
     @classmethod
     def for_mixed(
@@ -330,13 +331,14 @@ class PagedAttentionMetadata(Serializable):
                 f"sequence {b} reaches {int(ends[b])} tokens, which needs {int(needed[b])} pages, but "
                 f"the page table has only {table.shape[1]} columns; widen the table"
             )
-        rt = build_mixed(
+        step_meta = build_mixed(
             table, cached, new, page_size=cache_metadata.page_size,
             pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
         )
         rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
-        positions, slots = np.asarray(rt.positions), np.asarray(rt.slot_mapping)  # build_mixed's: numpy
-        return _checked(rt, table, positions[: rows.size, None], needed, cache_metadata, "mixed", rows, slots=slots,
+        positions, slots = np.asarray(step_meta.positions), np.asarray(step_meta.slot_mapping)  # build_mixed's: numpy
+        return _checked(step_meta, table, positions[: rows.size, None], needed, cache_metadata, "mixed", rows,
+                        slots=slots,
                         pool=pool)
 
 
@@ -353,10 +355,10 @@ def _group_pool(meta: PagedAttentionCacheMetaData, group: int | None) -> int:
     return meta.num_pages_per_layer if pages is None else pages  # None: a group not sized apart from the cache
 
 
-def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarray, end_pages: np.ndarray,
+def _checked(step_meta: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarray, end_pages: np.ndarray,
              meta: PagedAttentionCacheMetaData, what: str, row_ids: np.ndarray | None = None, *,
              slots: np.ndarray | None = None, pool: int) -> PagedAttentionMetadata:
-    """The constructors' last checks, then ``rt`` marked with what they proved.
+    """The constructors' last checks, then ``step_meta`` marked with what they proved.
 
     ``table`` (rows of in-pool page ids, each row's ``positions`` of new tokens, its sequence
     ``row_ids``) is read by row ``b`` over its first ``end_pages[b]`` pages. When all of them are
@@ -374,7 +376,7 @@ def _checked(rt: PagedAttentionMetadata, table: np.ndarray, positions: np.ndarra
     if slots is None:
         slots = checks.host_slots(table, positions, meta.page_size)
     check_distinct_slots(slots, what)
-    return mark_checked(rt, HostChecked(num_pages=pool, page_size=meta.page_size, reads=reads,
+    return mark_checked(step_meta, HostChecked(num_pages=pool, page_size=meta.page_size, reads=reads,
                                         page_shards=meta.page_shards))
 
 
@@ -466,12 +468,12 @@ def step_form(metadata: object) -> Form:
 class MixedStep(NamedTuple):
     """A step in the one form the write and attention read (see `as_mixed`)."""
 
-    rt: PagedAttentionMetadata  # the mixed form
+    step_meta: PagedAttentionMetadata  # the mixed form
     decode_only: bool  # EasyDeL's decode form: query row b is sequence b's one token (a static hint)
     names: dict[str, str]  # the caller's names of the token, position and page-table fields
     form: Form  # the caller's form
-    proof: HostChecked | None  # the caller's proof, verified once (`checks.host_checked`); ``rt`` carries it
-    source: PagedAttentionMetadata  # what the caller passed (``rt`` itself for the mixed form)
+    proof: HostChecked | None  # the caller's proof, verified once (`checks.host_checked`); ``step_meta`` carries it
+    source: PagedAttentionMetadata  # what the caller passed (``step_meta`` itself for the mixed form)
 
     def check_reads(self, *, num_pages: int, page_size: int, page_shards: int = 1, window: int | None = None,
                     chunk: int | None = None, tokens: int | None = None) -> None:
@@ -479,8 +481,9 @@ class MixedStep(NamedTuple):
         unless `as_mixed` derived them from fields it checked, its values unless its proof
         covers them (then the pages read, once per step and read: the memo is the caller's
         metadata's, the converted form being new on every call)."""
-        rt = self.rt
-        reads = checks.StepReads(rt.positions, rt.query_start_loc, rt.page_table, rt.context_lens, rt.num_seqs)
+        step_meta = self.step_meta
+        reads = checks.StepReads(step_meta.positions, step_meta.query_start_loc, step_meta.page_table,
+                                 step_meta.context_lens, step_meta.num_seqs)
         checks.check_step(reads, self.names, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
                           window=window, chunk=chunk, tokens=tokens, proof=self.proof,
                           shapes_checked=self.form != "mixed",
@@ -511,10 +514,10 @@ def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int
     num = np.asarray(table.shape[0], np.int32)
     if proof is not None:
         checks.sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
-    rt = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
+    step_meta = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
                                 context_lens=context, num_seqs=num,
                                 proof=None if proof is None else checks.Issue(proof))  # derived from checked fields
-    return MixedStep(rt, form == "decode", names, form, proof, metadata)
+    return MixedStep(step_meta, form == "decode", names, form, proof, metadata)
 
 
 _Rows = tuple[Array, Array, Array, Array, Array]  # positions, table, each token's table row, offsets, lengths

@@ -261,11 +261,11 @@ class PagedAttentionCacheView(EasyDeLForms):
         return self._write_mode(key, value, metadata, "mixed", "for_mixed")
 
     def _write_mode(self, key: Any, value: Any, metadata: Any, mode: str, maker: str) -> PagedAttentionCacheView:
-        rt = group_runtime(metadata, len(self.metadata.groups), self.group)
-        if not getattr(rt, f"is_{mode}_mode")():
+        step_meta = group_runtime(metadata, len(self.metadata.groups), self.group)
+        if not getattr(step_meta, f"is_{mode}_mode")():
             name = "decodes" if mode == "decode" else mode
             raise ValueError(f"write_{name}_to_cache needs {mode} metadata (PagedAttentionMetadata.{maker})")
-        return self._write(key, value, token_slots(rt, self.metadata, self.group))
+        return self._write(key, value, token_slots(step_meta, self.metadata, self.group))
 
     def _write(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
         """``write_tokens`` on slots already checked (host) or bounded in the scatter (device)."""

@@ -32,12 +32,12 @@ def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaD
     already checked them against this pool; device slots pass through (their bad ones are
     dropped and counted in the write)."""
     pages = known_size(meta.groups[group].num_pages)
-    rt = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
-                  pages_per_sequence=meta.num_pages_per_sequence).rt
-    mark = host_checked(rt)
+    step_meta = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
+                  pages_per_sequence=meta.num_pages_per_sequence).step_meta
+    mark = host_checked(step_meta)
     if mark is not None and (mark.num_pages, mark.page_size) == (pages, meta.page_size):
-        return rt.slot_mapping
-    return check_slots_on_host(rt.slot_mapping, pages * meta.page_size)
+        return step_meta.slot_mapping
+    return check_slots_on_host(step_meta.slot_mapping, pages * meta.page_size)
 
 
 def count_dropped(slots: Any, capacity: int) -> Any:

@@ -266,10 +266,10 @@ def test_pallas_tpu_wiring_in_interpret_mode():
     table = rng.permutation(16)[:12].reshape(3, 4).astype(np.int32)
     md = PagedAttentionMetadata(decodes_position=np.array([0, 37, -1], np.int32), decodes_page_table=table)
     q = rng.standard_normal((3, 8, 128)).astype(np.float32)
-    cfg, rt = prepare(q, k, v, md, AttentionOptions(logit_soft_cap=2.0))
+    cfg, step_meta = prepare(q, k, v, md, AttentionOptions(logit_soft_cap=2.0))
     assert cfg.implementation == "xla"  # on CPU; force the TPU path below
     with pltpu.force_tpu_interpret_mode():
-        got = run(q, k, v, rt, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
+        got = run(q, k, v, step_meta, cfg=dataclasses.replace(cfg, implementation="pallas_tpu"))
     assert_close(got, paged_attention_reference(q, k, v, md, logit_soft_cap=2.0), "bfloat16")
     assert not np.asarray(got)[2].any()
 

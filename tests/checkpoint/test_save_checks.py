@@ -129,9 +129,9 @@ def _host_swapped(_: Path) -> Made:
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
     tier, manager = easykv.HostTier(cache), easykv.PageManager(meta)
     [s] = manager.claim(1)
-    rt = manager.build_step_metadata([s], [9])
+    step_meta = manager.build_step_metadata([s], [9])
     rng = np.random.default_rng(3)
-    cache, _ = cache.write(pools.random_tokens(rng, (2, 9, 8, 16)), pools.random_tokens(rng, (2, 9, 8, 16)), rt)
+    cache, _ = cache.write(pools.random_tokens(rng, (2, 9, 8, 16)), pools.random_tokens(rng, (2, 9, 8, 16)), step_meta)
     manager.step([s], [list(range(9))])
     manager.swap_out(s)
     cache, _ = manager.apply_pending(cache, host=tier)  # its pages go to the host tier ...

@@ -52,8 +52,8 @@ def convert(qsl, ctx, table, num, *, tokens=TOKENS, page=PAGE, pages=PAGES, trac
 
 
 def run(qsl, ctx, table, num):
-    rt = convert(qsl, ctx, table, num)
-    return np.asarray(rt.positions), np.asarray(rt.slot_mapping)
+    step_meta = convert(qsl, ctx, table, num)
+    return np.asarray(step_meta.positions), np.asarray(step_meta.slot_mapping)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -100,12 +100,12 @@ def test_padding_tokens_belong_to_no_sequence():
     want_pos = [-1, -1, 2, 3, 4, 0] + [-1] * 6
     want_slots = [-1, -1, 2, 3, 1 * PAGE, 8 * PAGE] + [-1] * 6  # pages 0, 0, 1 of row 0; page 8 of row 2
     for traced in (True, False):
-        rt = convert(qsl, ctx, table, num, traced=traced)
-        np.testing.assert_array_equal(rt.positions, want_pos)
-        np.testing.assert_array_equal(rt.slot_mapping, want_slots)
-        np.testing.assert_array_equal(rt.query_start_loc, [2, 5, 5, 6, 6])  # the inactive one is empty
-        np.testing.assert_array_equal(rt.context_lens, [5, 4, 1, 0])
-        assert int(rt.num_seqs) == 3
+        step_meta = convert(qsl, ctx, table, num, traced=traced)
+        np.testing.assert_array_equal(step_meta.positions, want_pos)
+        np.testing.assert_array_equal(step_meta.slot_mapping, want_slots)
+        np.testing.assert_array_equal(step_meta.query_start_loc, [2, 5, 5, 6, 6])  # the inactive one is empty
+        np.testing.assert_array_equal(step_meta.context_lens, [5, 4, 1, 0])
+        assert int(step_meta.num_seqs) == 3
 
 
 def test_padding_tokens_leave_the_cache_untouched():
@@ -119,9 +119,9 @@ def test_padding_tokens_leave_the_cache_untouched():
     for qsl, ctx, num in steps:
         shape = (pools.LAYERS, tokens, meta.num_kv_heads, meta.kv_head_dim_size)
         k, v = pools.random_tokens(rng, shape), pools.random_tokens(rng, shape)
-        rt = convert(qsl, ctx, table, num, tokens=tokens, page=pools.PAGE_SIZE, pages=pools.PAGES,
+        step_meta = convert(qsl, ctx, table, num, tokens=tokens, page=pools.PAGE_SIZE, pages=pools.PAGES,
                      pages_per_sequence=pools.PAGES_PER_SEQ)
-        cache, dropped = cache.write(k, v, rt)
+        cache, dropped = cache.write(k, v, step_meta)
         assert int(dropped) == 0
         for b in range(num):
             for t in range(qsl[b], qsl[b + 1]):
@@ -142,9 +142,9 @@ def test_malformed_starts_are_refused_on_host_and_write_nothing_traced(qsl, mess
         convert(qsl, ctx, table, 3, traced=False)
     # Traced it cannot raise: clipping the start would write sequence 0's tokens at the positions
     # of tokens the step does not hold; the step is padding instead.
-    rt = convert(qsl, ctx, table, 3)
-    assert (np.asarray(rt.positions) == -1).all() and (np.asarray(rt.slot_mapping) == -1).all()
-    assert int(rt.num_seqs) == 0 and (np.asarray(rt.context_lens) == 0).all()
+    step_meta = convert(qsl, ctx, table, 3)
+    assert (np.asarray(step_meta.positions) == -1).all() and (np.asarray(step_meta.slot_mapping) == -1).all()
+    assert int(step_meta.num_seqs) == 0 and (np.asarray(step_meta.context_lens) == 0).all()
 
 
 def test_host_num_seqs_outside_the_sequences_is_refused():
@@ -152,5 +152,5 @@ def test_host_num_seqs_outside_the_sequences_is_refused():
     with pytest.raises(ValueError, match=re.escape("num_seqs=4 is outside 0..3")):
         convert([0, 1, 2, 3], [1, 1, 1], table, 4, traced=False)
     # past the real sequences, starts are EasyDeL's free padding: never refused
-    rt = convert([0, 1, 40, -5], [1, 1, 1], table, 1, traced=False)
-    np.testing.assert_array_equal(rt.query_start_loc, [0, 1, 1, 1])
+    step_meta = convert([0, 1, 40, -5], [1, 1, 1], table, 1, traced=False)
+    np.testing.assert_array_equal(step_meta.query_start_loc, [0, 1, 1, 1])

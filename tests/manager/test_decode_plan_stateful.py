@@ -55,8 +55,8 @@ def _run_loop(self, data):
     self._apply_page_ops()  # the plan's copies (and everyone's) before its writes
     meta = plan["live"].metadata
     for j in range(max(counts, default=0)):
-        for device, rt in zip(self.device, meta):
-            slots = np.asarray(rt.slot_mapping)
+        for device, step_meta in zip(self.device, meta):
+            slots = np.asarray(step_meta.slot_mapping)
             for i in range(len(seqs)):
                 if slots[i] >= 0:
                     device.reshape(-1)[slots[i]] = tokens[i][j] if j < counts[i] else GARBAGE

@@ -54,14 +54,14 @@ def test_each_group_has_its_table_and_the_sliding_one_frees_what_left_its_window
     s = m.claim(1)[0]
     rts = grow(m, s, range(1, 7))  # positions 0..5: the next query (6) reads 2..6, page 0 still needed
     assert isinstance(rts, tuple) and len(rts) == 2
-    assert [rt.slot_mapping[:6].tolist() for rt in rts] == [[0, 1, 2, 3, 4, 5]] * 2
+    assert [step_meta.slot_mapping[:6].tolist() for step_meta in rts] == [[0, 1, 2, 3, 4, 5]] * 2
     assert rows(m, s) == [[0, 1], [0, 1]]
     grow(m, s, [7, 8])  # the next query (8) reads 4..8: the sliding group's page 0 goes to its prefix cache
     assert rows(m, s) == [[0, 1], [PAD, 1]]
     assert pool_counts(m) == [(2, 0, 8), (1, 1, 4)]
     rts = grow(m, s, [9])
     assert rows(m, s) == [[0, 1, 2], [PAD, 1, 2]]
-    assert [rt.slot_mapping[:1].tolist() for rt in rts] == [[8], [8]]
+    assert [step_meta.slot_mapping[:1].tolist() for step_meta in rts] == [[8], [8]]
     assert m.first_kept_position(s, group=0) == 0 and m.first_kept_position(s, group=1) == 5
     m.check_invariants()
     metrics = m.metrics
@@ -155,11 +155,11 @@ def test_decode_metadata_is_one_per_group_per_step():
     grow(m, s, [1, 2, 3])
     steps = m.build_decode_metadata([s], num_steps=3)
     assert len(steps) == 3 and all(len(step) == 2 for step in steps)
-    assert [[int(rt.slot_mapping[0]) for rt in step] for step in steps] == [[3, 3], [4, 4], [5, 5]]
+    assert [[int(step_meta.slot_mapping[0]) for step_meta in step] for step in steps] == [[3, 3], [4, 4], [5, 5]]
     stacked = m.build_decode_metadata([s], num_steps=1, stacked=True)
     assert len(stacked) == 2 and stacked[0].slot_mapping.shape == (1, 1)
     nxt = m.increment_cache_lengths(steps[0])
-    assert [int(rt.slot_mapping[0]) for rt in nxt] == [4, 4]
+    assert [int(step_meta.slot_mapping[0]) for step_meta in nxt] == [4, 4]
 
 
 @pytest.mark.parametrize("kinds", [(LayerGroup((0,), "full", num_pages=10),),
@@ -182,7 +182,8 @@ def test_every_per_group_answer_is_a_tuple_of_one_per_group(kinds):
     src, dst = m.pending_copies()
     answers = [first, *steps, stacked, nxt, src, dst, m.pending_scrubs()]
     assert all(type(a) is tuple and len(a) == n for a in answers), [(type(a), len(a)) for a in answers]
-    assert all(isinstance(rt, easykv.PagedAttentionMetadata) for rt in (*first, *steps[1], *stacked, *nxt))
+    assert all(isinstance(step_meta, easykv.PagedAttentionMetadata) for step_meta in (*first, *steps[1], *stacked,
+                                                                                      *nxt))
     assert [a.tolist() for a in src] == [[1]] * n and [a.tolist() for a in dst] == [[2]] * n  # the child's copy
     taken = m.take_copies()
     assert type(taken) is tuple and all(type(x) is tuple and len(x) == n for x in taken)
@@ -195,8 +196,8 @@ def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
     one, two = PageManager(hybrid(kinds=(LayerGroup((0,), "full", num_pages=10),))), PageManager(hybrid())
     for m in (one, two):
         m.claim(1)
-    (rt,) = answer = one.build_step_metadata([0], [3])
-    assert single_group(answer) is rt and rt.slot_mapping.tolist() == [0, 1, 2]
+    (step_meta,) = answer = one.build_step_metadata([0], [3])
+    assert single_group(answer) is step_meta and step_meta.slot_mapping.tolist() == [0, 1, 2]
     one.step([0], [[7, 8, 9]])
     [(dec,)] = one.build_decode_metadata([0])
     assert one.increment_cache_lengths(dec)[0].positions.tolist() == [4]  # one group: bare metadata too
@@ -206,10 +207,10 @@ def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
                                          r"unpack each"):
         single_group(one.pending_copies())
     with pytest.raises(ValueError, match=r"takes a per-group answer .* got PagedAttentionMetadata"):
-        single_group(rt)
+        single_group(step_meta)
     with pytest.raises(ValueError, match=r"this manager has 1 layer group\(s\): pass a tuple of 1 step metadata.*"
                                          r"got a tuple of 2"):
-        one.increment_cache_lengths((rt, rt))
+        one.increment_cache_lengths((step_meta, step_meta))
 
 
 def test_resume_needs_every_group_windowed():

@@ -110,8 +110,8 @@ class ManagerMachine(RuleBasedStateMachine):
         _run_pending(self.device, self.host, transfers, self.pm.take_copies(), self.pm.take_scrubs())
 
     def _write(self, meta, tokens):
-        for device, rt in zip(self.device, meta, strict=True):
-            slots = np.asarray(rt.slot_mapping)
+        for device, step_meta in zip(self.device, meta, strict=True):
+            slots = np.asarray(step_meta.slot_mapping)
             real = slots >= 0
             assert real.sum() == len(tokens)
             device.reshape(-1)[slots[real]] = tokens

@@ -108,8 +108,8 @@ def test_a_page_released_one_step_early_breaks_the_window_invariant(kind, window
     s = m.claim(1)[0]
     grow(m, s, range(1, length + 1))  # the next query (position 6) still reads column 0
     m.check_invariants()
-    gt, seqs = m._groups[0], m._seqs
-    gt.release_out_of_window(np.array([s]), np.array([length + 4]), seqs.version, m._versions.current)
+    table, seqs = m._groups[0], m._seqs
+    table.release_out_of_window(np.array([s]), np.array([length + 4]), seqs.version, m._versions.current)
     assert m.page_table([s])[0][0] == PAD
     with pytest.raises(InvariantError, match=r"next query reads from position \d+ on, in column 0, whose page is gone"):
         m.check_invariants()
@@ -162,13 +162,13 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     refused = 0
     for counts in [[6, 3]] + [[1, 2]] * 14:
-        (rt,) = m.build_step_metadata(seqs, counts)
+        (step_meta,) = m.build_step_metadata(seqs, counts)
         n = sum(counts)
         k, v = (rng.standard_normal((2, n, 8, 8)).astype(np.float32) for _ in range(2))
-        cache, dropped = cache.write(k, v, rt)
+        cache, dropped = cache.write(k, v, step_meta)
         assert int(dropped) == 0
         q = rng.standard_normal((n, 8, 8)).astype(np.float32)
-        out = np.asarray(paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, rt, **opts))
+        out = np.asarray(paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, step_meta, **opts))
         t = 0
         for s, c in zip(seqs, counts):
             hk, hv = (np.concatenate([h, x[1, t:t + c]]) for h, x in zip(hist[s], (k, v)))
@@ -178,11 +178,11 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
                                    chunk=window if kind == "chunked" else None)
             np.testing.assert_allclose(out[t:t + c], want, rtol=2e-5, atol=2e-5)
             t += c
-        table = np.asarray(rt.page_table)[:2]
+        table = np.asarray(step_meta.page_table)[:2]
         if np.any((table[:, :1] == PAD) & (table[:, 1:] != PAD).any(axis=1, keepdims=True)):  # a hole
             for wider in ({}, {"sliding_window": 32}):  # no window, or one wider than the group's
                 with pytest.raises(ValueError, match="is no page .*released when it left a sliding or chunked window"):
-                    paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, rt, **wider)
+                    paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, step_meta, **wider)
             refused += 1
         m.advance(seqs, counts)
         m.check_invariants()
@@ -226,9 +226,9 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     rng = np.random.default_rng(1)
     seqs = m.claim(3)
     for counts in ([6, 8, 3], [1, 0, 2], [1, 0, 2], [2, 0, 1]):
-        (rt,) = m.build_step_metadata(seqs, counts)
+        (step_meta,) = m.build_step_metadata(seqs, counts)
         k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
-        cache, _ = cache.write(k, -k, rt)
+        cache, _ = cache.write(k, -k, step_meta)
         m.step(seqs, [list(range(s * 50 + m.length(s), s * 50 + m.length(s) + c)) for s, c in zip(seqs, counts)])
     assert PAD in m.pages(seqs[0])
     if kind == "chunked":
@@ -249,9 +249,10 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     q = rng.standard_normal((3, 8, 8)).astype(jnp.bfloat16)
     outs = []
     for c, mgr in ((cache, m), (r_cache, r_m)):
-        (rt,) = mgr.build_step_metadata(seqs, [1, 1, 1])
-        c, _ = c.write(k, -k, rt)
-        outs.append(np.asarray(jax.device_get(paged_attention(q, c.views[0].key_pages, c.views[0].value_pages, rt,
+        (step_meta,) = mgr.build_step_metadata(seqs, [1, 1, 1])
+        c, _ = c.write(k, -k, step_meta)
+        outs.append(np.asarray(jax.device_get(paged_attention(q, c.views[0].key_pages, c.views[0].value_pages,
+                                                              step_meta,
                                                               dtype=jnp.bfloat16, **opts)), np.float32))
         mgr.advance(seqs, 1)
     np.testing.assert_array_equal(outs[0], outs[1])
@@ -272,9 +273,9 @@ def test_resharding_keeps_a_sequence_whose_pages_all_left_the_window_bound():
 def _write_tokens(cache, m, seqs, counts, rng):
     import jax.numpy as jnp
 
-    (rt,) = m.build_step_metadata(seqs, counts)
+    (step_meta,) = m.build_step_metadata(seqs, counts)
     k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
-    cache, dropped = cache.write(k, (k * 3).astype(jnp.bfloat16), rt)
+    cache, dropped = cache.write(k, (k * 3).astype(jnp.bfloat16), step_meta)
     assert int(dropped) == 0
     m.step(seqs, [list(range(m.length(s), m.length(s) + c)) for s, c in zip(seqs, counts)])
     return cache, k
@@ -318,10 +319,10 @@ def test_export_of_a_window_sequence_holds_its_window_and_imports_into_the_same_
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     outs = []
     for c, mgr, seq in ((cache, m, s), (target, t, got)):
-        (rt,) = mgr.build_step_metadata([seq], [2])
+        (step_meta,) = mgr.build_step_metadata([seq], [2])
         k = np.ones((2, 2, 8, 8), jnp.bfloat16)
-        c, _ = c.write(k, k, rt)
-        outs.append(np.asarray(paged_attention(q, c.views[1].key_pages, c.views[1].value_pages, rt,
+        c, _ = c.write(k, k, step_meta)
+        outs.append(np.asarray(paged_attention(q, c.views[1].key_pages, c.views[1].value_pages, step_meta,
                                                dtype=jnp.bfloat16, **opts), np.float32))
     np.testing.assert_array_equal(outs[0], outs[1])
 
@@ -365,8 +366,8 @@ def test_resume_starts_a_sequence_at_a_window_page_and_refuses_misuse():
     assert state["sequences"][0]["floor"] == 8
     m.check_invariants()
     assert PageManager.from_state_dict(meta("sliding", 5), state).state_dict() == state
-    (rt,) = m.build_step_metadata([s], [2])
-    assert np.asarray(rt.slot_mapping)[:2].tolist() == [0, 1]  # page 0 is the first free one
+    (step_meta,) = m.build_step_metadata([s], [2])
+    assert np.asarray(step_meta.slot_mapping)[:2].tolist() == [0, 1]  # page 0 is the first free one
     m.advance(s, 2)  # length 10: the window (6..10) still reaches before the floor
     assert m.first_kept_position(s) == 8 and m.state_dict()["sequences"][0]["floor"] == 8
     m.build_step_metadata([s], [3])

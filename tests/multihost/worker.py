@@ -59,11 +59,11 @@ def cache_mode(layout: str) -> None:
     assert len(pages.addressable_shards) == 4
     rng = np.random.default_rng(7)  # same seed on every process: same "model output"
     rows = np.array([[2, 30, -1, -1, -1, -1, -1, -1], [17, 5, 9, -1, -1, -1, -1, -1]], np.int32)
-    rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta, pad_tokens_to=32)
+    step_meta = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta, pad_tokens_to=32)
     k = rng.normal(size=(2, 32, 8, 16)).astype(jnp.bfloat16)
     v = rng.normal(size=(2, 32, 8, 16)).astype(jnp.bfloat16)
     spec = P(None, None, "tp")
-    cache, dropped = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), rt)
+    cache, dropped = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), step_meta)
     assert dropped.is_fully_replicated and int(dropped.addressable_data(0)) == 0
     for layer in range(2):
         for seq, (start, n) in enumerate([(0, 11), (11, 20)]):
@@ -118,9 +118,10 @@ def checkpoint_mode(directory: str, action: str) -> None:
         manager.reserve(a, 11)
         manager.reserve(b, 20)
         rows = manager.page_table([a, b])  # the pages the manager chose
-        rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta, pad_tokens_to=32)
+        step_meta = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta,
+                                                            pad_tokens_to=32)
         spec = P(None, None, "tp")
-        cache, _ = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), rt)
+        cache, _ = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), step_meta)
         manager.advance([a, b], [11, 20])
         # attend across both processes: each holds half the kv heads
         decode = easykv.PagedAttentionMetadata.for_decode(rows, [10, 19], cache_metadata=meta)
@@ -223,21 +224,21 @@ def host_tier_mode() -> None:
         for i, prompt in enumerate(prompts):
             [s] = manager.claim(1)
             done = manager.match_prefix(s, prompt)
-            rt = manager.build_step_metadata([s], [13 - done])
+            step_meta = manager.build_step_metadata([s], [13 - done])
             cache, _ = manager.apply_pending(cache, host=tier)
             for layer, keys in enumerate(read(s, done) if done else ()):
                 assert np.array_equal(keys, written[i][layer, :done]), (i, layer)
             k = global_array(written[i][:, done:], mesh, spec)
-            cache, _ = cache.write(k, k, rt)
+            cache, _ = cache.write(k, k, step_meta)
             manager.step([s], [prompt[done:]])
             manager.release(s)
             assert_lockstep(manager)
     assert manager.metrics.host.host_hits >= 3
     [s] = manager.claim(1)
-    rt = manager.build_step_metadata([s], [10])
+    step_meta = manager.build_step_metadata([s], [10])
     cache, _ = manager.apply_pending(cache, host=tier)
     cache, _ = cache.write(global_array(written[0][:, :10], mesh, spec), global_array(written[0][:, :10], mesh, spec),
-                           rt)
+                           step_meta)
     manager.step([s], [list(range(10))])
     manager.swap_out(s)
     cache, _ = manager.apply_pending(cache, host=tier)

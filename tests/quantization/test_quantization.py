@@ -183,10 +183,10 @@ def test_quantized_cache_write_gather_copy_zero(quant, layout):
 
     rng = np.random.default_rng(1)
     rows = [[5, 17, -1, -1, -1, -1, -1, -1], [20, 2, 9, -1, -1, -1, -1, -1]]  # pages in both dp halves
-    rt = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [7, 10], cache_metadata=meta, pad_tokens_to=20)
+    step_meta = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [7, 10], cache_metadata=meta, pad_tokens_to=20)
     k = jnp.asarray(rng.normal(size=(LAYERS, 20, HEADS, DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(LAYERS, 20, HEADS, DIM)) * 10, jnp.bfloat16)  # V is not derived from K
-    cache, dropped = cache.write(k, v, rt)
+    cache, dropped = cache.write(k, v, step_meta)
     assert int(dropped) == 0
 
     def expect(x):  # what the quantizer stores and gives back for these tokens

@@ -100,11 +100,11 @@ def assert_matches(cache, models) -> None:
             np.testing.assert_array_equal(codes, model.codes)
 
 
-def slots_of(rt, meta) -> np.ndarray:
+def slots_of(step_meta, meta) -> np.ndarray:
     from easykv.step.metadata import as_mixed
 
-    return np.asarray(as_mixed(rt, page_size=PS, num_pages=POOL, pages_per_sequence=meta.num_pages_per_sequence)
-                      .rt.slot_mapping)  # fmt: skip
+    return np.asarray(as_mixed(step_meta, page_size=PS, num_pages=POOL, pages_per_sequence=meta.num_pages_per_sequence)
+                      .step_meta.slot_mapping)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", tiered(["single", "tp", "dp"], fast={"dp"}))
@@ -123,12 +123,12 @@ def test_writes_match_the_model_of_the_pages(layout):
         new = [min(n, 24 - n0) for n, n0 in zip(new, lens)]
         if not sum(new):
             continue
-        rt = easykv.PagedAttentionMetadata.for_mixed(table, lens, new, cache_metadata=meta, pad_tokens_to=24)
+        step_meta = easykv.PagedAttentionMetadata.for_mixed(table, lens, new, cache_metadata=meta, pad_tokens_to=24)
         k = (rng.standard_normal((LAYERS, 24, HEADS, DIM)) * width * (1 + 3 * step)).astype(np.float32)
         v = rng.standard_normal((LAYERS, 24, HEADS, DIM)).astype(np.float32)
-        cache, dropped = cache.write(jnp.asarray(k), jnp.asarray(v), rt)
+        cache, dropped = cache.write(jnp.asarray(k), jnp.asarray(v), step_meta)
         assert int(dropped) == 0
-        slots = slots_of(rt, meta)
+        slots = slots_of(step_meta, meta)
         models[0][0].write(k, slots)
         models[0][1].write(v, slots)
         lens = [n0 + n for n0, n in zip(lens, new)]
@@ -142,10 +142,10 @@ def test_writes_match_the_model_of_the_pages(layout):
 
 
 @jax.jit
-def _scanned_write(cache, k, rt):
+def _scanned_write(cache, k, step_meta):
     def body(view, xs):
         i, ki = xs
-        return view.at_layer(i).write_mixed_to_cache(ki, ki, rt), None
+        return view.at_layer(i).write_mixed_to_cache(ki, ki, step_meta), None
 
     view, _ = jax.lax.scan(body, cache.group_view(0), (jnp.arange(LAYERS), k))
     cache.update(view)
@@ -162,14 +162,14 @@ def test_per_layer_and_scanned_views_write_what_the_whole_cache_write_does():
     rng = np.random.default_rng(4)
     table = [[3, 7, 1, 0, 5, 2]]
     for pos, n in ((0, 6), (6, 1), (7, 1), (8, 3)):
-        rt = easykv.PagedAttentionMetadata.for_mixed(table, [pos], [n], cache_metadata=meta)
+        step_meta = easykv.PagedAttentionMetadata.for_mixed(table, [pos], [n], cache_metadata=meta)
         k = jnp.asarray(rng.standard_normal((LAYERS, n, HEADS, DIM)) * (pos + 1), jnp.float32)
-        whole, _ = whole.write(k, k, rt)
+        whole, _ = whole.write(k, k, step_meta)
         for layer in range(LAYERS):
             view = views.views[layer]
-            view = view.write_mixed_to_cache(k[layer], k[layer], rt)
+            view = view.write_mixed_to_cache(k[layer], k[layer], step_meta)
             views.views[layer] = view
-        scanned = _scanned_write(scanned, k, rt)
+        scanned = _scanned_write(scanned, k, step_meta)
     for other in (views, scanned):
         for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(other)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -245,10 +245,10 @@ def test_more_pages_to_requantize_than_one_pass_takes(monkeypatch):
 def test_a_bad_slot_from_the_host_is_refused_before_anything_changes():
     meta, cache = make("tp")
     before = [np.asarray(a) for a in jax.tree.leaves(cache)]
-    rt = easykv.PagedAttentionMetadata.for_decode([[3, 7, 1, 0, 5, 2]], [2], cache_metadata=meta)
+    step_meta = easykv.PagedAttentionMetadata.for_decode([[3, 7, 1, 0, 5, 2]], [2], cache_metadata=meta)
     k = jnp.ones((LAYERS, 1, HEADS, DIM), jnp.float32)
     with pytest.raises(ValueError, match="bfloat16|dtype"):
-        cache.write(k.astype(jnp.bfloat16), k, rt)
+        cache.write(k.astype(jnp.bfloat16), k, step_meta)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(cache)))
 
 
@@ -297,9 +297,9 @@ def test_raw_export_is_refused_and_a_dense_one_moves_the_sequence():
     manager = easykv.PageManager(meta)
     [seq] = manager.claim(1)
     rng = np.random.default_rng(6)
-    rt = manager.build_step_metadata([seq], [10], pad_tokens_to=16)
+    step_meta = manager.build_step_metadata([seq], [10], pad_tokens_to=16)
     k = jnp.asarray(rng.standard_normal((LAYERS, 16, HEADS, DIM)), jnp.float32)
-    cache, _ = cache.write(k, k, rt)
+    cache, _ = cache.write(k, k, step_meta)
     manager.step([seq], [list(range(10))])
     before = [np.asarray(a) for a in jax.tree.leaves(cache)]
     with pytest.raises(ValueError, match=r"export_sequence\(dequantize=False\): int4-ch pages keep one scale per "

@@ -186,8 +186,8 @@ def test_any_write_order_stores_the_bytes_of_quantizing_each_token():
         cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm, quantizer="int4-ol")
         for seq in range(2):
             for a, b in zip(cuts, cuts[1:]):
-                rt = easykv.PagedAttentionMetadata.for_mixed([table[seq]], [a], [b - a], cache_metadata=meta)
-                cache, dropped = cache.write(k[:, a:b], v[:, a:b], rt)
+                step_meta = easykv.PagedAttentionMetadata.for_mixed([table[seq]], [a], [b - a], cache_metadata=meta)
+                cache, dropped = cache.write(k[:, a:b], v[:, a:b], step_meta)
                 assert int(dropped) == 0
         stored.append([np.asarray(leaf) for leaf in jax.tree.leaves(cache)])
     for other in stored[1:]:

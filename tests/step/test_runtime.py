@@ -24,7 +24,7 @@ def slots_of(md):
 
 def token_slots(md, **pool):
     """The slots a write reads: the mixed form's (EasyDeL's forms converted by as_mixed)."""
-    return as_mixed(md, **pool).rt.slot_mapping
+    return as_mixed(md, **pool).step_meta.slot_mapping
 
 
 def eq(a, b):

@@ -35,8 +35,8 @@ META = PagedAttentionCacheMetaData(
 OTHER_POOL = dataclasses.replace(META, num_pages_per_layer=16)
 
 
-def fields(rt):
-    return {f.name: np.asarray(getattr(rt, f.name)).tolist() for f in dataclasses.fields(rt)}
+def fields(step_meta):
+    return {f.name: np.asarray(getattr(step_meta, f.name)).tolist() for f in dataclasses.fields(step_meta)}
 
 
 def test_decode_form_as_mixed_exact():
@@ -44,14 +44,14 @@ def test_decode_form_as_mixed_exact():
                                 decodes_page_table=np.array([[3, 7, -1], [-1, -1, -1], [11, -1, -1]], np.int32))
     step = as_mixed(md, page_size=4, num_pages=12)
     assert step.decode_only and step.names["page_table"] == "decodes_page_table"
-    got = fields(step.rt)
+    got = fields(step.step_meta)
     assert got["slot_mapping"] == [29, PAD_SLOT, 44]  # page 7 offset 1; padding; page 11 offset 0
     assert got["positions"] == [5, -1, 0]
     assert got["query_start_loc"] == [0, 1, 2, 3]
     assert got["page_table"] == [[3, 7, -1], [-1, -1, -1], [11, -1, -1]]
     assert got["context_lens"] == [6, 0, 1]
     assert got["num_seqs"] == 3
-    assert step_form(step.rt) == "mixed"
+    assert step_form(step.step_meta) == "mixed"
 
 
 def test_prefill_form_as_mixed_exact():
@@ -60,13 +60,13 @@ def test_prefill_form_as_mixed_exact():
                                 prefill_page_table=np.array([9, 1], np.int32))
     step = as_mixed(md, page_size=4, num_pages=12)
     assert not step.decode_only and step.names["positions"] == "prefill_position"
-    got = fields(step.rt)
+    got = fields(step.step_meta)
     assert got["positions"] == [2, 3, 4, 5, 6, -1, -1]  # rows past prefill_length are padding
     assert got["slot_mapping"] == [38, 39, 4, 5, 6, PAD_SLOT, PAD_SLOT]
     assert got["query_start_loc"] == [0, 5] and got["page_table"] == [[9, 1]]
     assert got["context_lens"] == [7] and got["num_seqs"] == 1
     # inside jit, with a bad page: the slot is invalid, never another page
-    traced = jax.jit(lambda m: as_mixed(m, page_size=4, num_pages=12).rt.slot_mapping)(
+    traced = jax.jit(lambda m: as_mixed(m, page_size=4, num_pages=12).step_meta.slot_mapping)(
         md.replace(prefill_page_table=jnp.array([9, 12], jnp.int32)))
     assert np.asarray(traced).tolist() == [38, 39, INVALID_SLOT, INVALID_SLOT, INVALID_SLOT, PAD_SLOT, PAD_SLOT]
 
@@ -95,7 +95,7 @@ def test_easydel_forms_attend_and_write_like_their_mixed_form(form):
         md = PagedAttentionMetadata.for_decode(table, [13, 6], cache_metadata=META)
     else:
         md = PagedAttentionMetadata.for_prefill(table[0], 7, start=3, padded_length=9, cache_metadata=META)
-    mixed = as_mixed(md, page_size=4, num_pages=12).rt
+    mixed = as_mixed(md, page_size=4, num_pages=12).step_meta
     q = rng.standard_normal((md.num_tokens, 4, 8)).astype(np.float32)
     got, via_mixed = paged_attention(q, k, v, md), paged_attention(q, k, v, mixed)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(via_mixed))
@@ -121,12 +121,12 @@ def _counting(monkeypatch):
     return calls
 
 
-def _checks_run(calls, rt, meta=META):
-    q = np.zeros((rt.num_tokens, 4, 8), np.float32)
+def _checks_run(calls, step_meta, meta=META):
+    q = np.zeros((step_meta.num_tokens, 4, 8), np.float32)
     k = np.zeros((2, meta.num_pages_per_layer, 4, 8), np.float32)
     before = dict(calls)
-    attention_checks.prepare(q, k, k, rt, attention_checks.AttentionOptions())
-    token_slots(rt, meta)
+    attention_checks.prepare(q, k, k, step_meta, attention_checks.AttentionOptions())
+    token_slots(step_meta, meta)
     return {name: calls[name] - before[name] for name in calls}
 
 
@@ -138,37 +138,37 @@ def test_validated_metadata_is_checked_once(monkeypatch):
         "for_decode": PagedAttentionMetadata.for_decode(table, [5, 10], cache_metadata=META),
         "for_prefill": PagedAttentionMetadata.for_prefill(table[1], 3, start=8, cache_metadata=META),
     }
-    for name, rt in built.items():
-        assert host_checked(rt) is not None, name
-        assert _checks_run(calls, rt) == {"attention": 0, "write": 0}, name
+    for name, step_meta in built.items():
+        assert host_checked(step_meta) is not None, name
+        assert _checks_run(calls, step_meta) == {"attention": 0, "write": 0}, name
         # Equal arrays built by hand, a replace, a JSON round trip: checked again.
-        for copy in (rt.replace(), type(rt).from_json(rt.to_json()),
-                     dataclasses.replace(rt, **{f.name: np.array(getattr(rt, f.name))
-                                                for f in dataclasses.fields(rt)})):
+        for copy in (step_meta.replace(), type(step_meta).from_json(step_meta.to_json()),
+                     dataclasses.replace(step_meta, **{f.name: np.array(getattr(step_meta, f.name))
+                                                for f in dataclasses.fields(step_meta)})):
             assert host_checked(copy) is None
             assert _checks_run(calls, copy) == {"attention": 1, "write": 1}, name
         # Against another pool the mark proves nothing.
-        assert _checks_run(calls, rt, OTHER_POOL) == {"attention": 1, "write": 1}, name
+        assert _checks_run(calls, step_meta, OTHER_POOL) == {"attention": 1, "write": 1}, name
 
 
 def test_marked_arrays_are_read_only_and_a_writable_one_drops_the_mark(monkeypatch):
     calls = _counting(monkeypatch)
-    rt = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
+    step_meta = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
     with pytest.raises(ValueError, match="read-only"):
-        rt.page_table[0, 1] = 11
-    rt.page_table.flags.writeable = True  # deliberately: the mark no longer holds
-    rt.page_table[0, 1] = 12
-    assert host_checked(rt) is None
+        step_meta.page_table[0, 1] = 11
+    step_meta.page_table.flags.writeable = True  # deliberately: the mark no longer holds
+    step_meta.page_table[0, 1] = 12
+    assert host_checked(step_meta) is None
     with pytest.raises(ValueError, match=r"metadata.page_table\[0, 1\] = 12 is not a page of the pool \(0..11\)"):
-        _checks_run(calls, rt)
+        _checks_run(calls, step_meta)
 
 
 def test_manager_metadata_is_marked(monkeypatch):
     calls = _counting(monkeypatch)
     pm = PageManager(META)
     a, b = pm.claim(2)
-    (rt,) = pm.build_step_metadata([a, b], [6, 3])
-    assert _checks_run(calls, rt) == {"attention": 0, "write": 0}
+    (step_meta,) = pm.build_step_metadata([a, b], [6, 3])
+    assert _checks_run(calls, step_meta) == {"attention": 0, "write": 0}
     pm.step([a, b], [list(range(6)), list(range(3))])
     steps = [step for (step,) in pm.build_decode_metadata([a, b], num_steps=3)]
     assert all(host_checked(s) is not None for s in steps)
@@ -178,17 +178,17 @@ def test_manager_metadata_is_marked(monkeypatch):
 def test_a_page_released_before_the_window_is_not_read_safe():
     # Sequence 0 has 9 tokens cached and appends one (position 9, page column 2); its first page
     # was released (a window of 4 no longer reads it).
-    rt = PagedAttentionMetadata.for_mixed([[-1, 7, 2, -1]], [9], [1], cache_metadata=META)
-    mark = host_checked(rt)
+    step_meta = PagedAttentionMetadata.for_mixed([[-1, 7, 2, -1]], [9], [1], cache_metadata=META)
+    mark = host_checked(step_meta)
     assert mark is not None and not mark.reads
     rng = np.random.default_rng(0)
     k, v = _random_pages(rng)
     q = rng.standard_normal((1, 4, 8)).astype(np.float32)
-    windowed = paged_attention(q, k, v, rt, sliding_window=4)
+    windowed = paged_attention(q, k, v, step_meta, sliding_window=4)
     np.testing.assert_allclose(np.asarray(windowed),
-                               np.asarray(paged_attention_reference(q, k, v, rt, sliding_window=4)), atol=2e-6)
+                               np.asarray(paged_attention_reference(q, k, v, step_meta, sliding_window=4)), atol=2e-6)
     with pytest.raises(ValueError, match=r"metadata.page_table\[0, 0\] = -1 is no page"):
-        paged_attention(q, k, v, rt)
+        paged_attention(q, k, v, step_meta)
     # The new token's own page must still be assigned.
     with pytest.raises(ValueError, match=r"position 9 of row 0 falls on logical page 2, which is unassigned"):
         PagedAttentionMetadata.for_mixed([[-1, 7, -1, -1]], [9], [1], cache_metadata=META)
@@ -216,14 +216,14 @@ def test_check_values_is_the_opt_in_check_of_device_arrays():
 
 
 def test_check_values_refuses_traced_steps():
-    rt = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
+    step_meta = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1]], [5], [1], cache_metadata=META)
 
     def traced(m):
         m.check_values(META)
         return m.slot_mapping
 
     with pytest.raises(ValueError, match=r"check_values reads the step's values: call it outside jit"):
-        jax.jit(traced)(jax.tree.map(jnp.asarray, rt))
+        jax.jit(traced)(jax.tree.map(jnp.asarray, step_meta))
 
 
 def test_a_row_across_data_parallel_slices_is_not_read_safe():

@@ -38,8 +38,8 @@ FIELDS = ["prefill_length", "prefill_position", "prefill_page_table", "decodes_p
           "slot_mapping", "positions", "query_start_loc", "page_table", "context_lens", "num_seqs"]
 
 
-def _arrays(rt):
-    return [getattr(rt, name) for name in FIELDS]
+def _arrays(step_meta):
+    return [getattr(step_meta, name) for name in FIELDS]
 
 
 def _pages(num_pages, seed=0):
@@ -55,9 +55,9 @@ def test_a_constructor_leaves_the_callers_arrays_as_they_were():
     built = [PagedAttentionMetadata.for_mixed(table, cached, new, cache_metadata=META),
              PagedAttentionMetadata.for_decode(table, positions, cache_metadata=META),
              PagedAttentionMetadata.for_prefill(table[1], 3, start=8, cache_metadata=META)]
-    for rt in built:
-        assert host_checked(rt) is rt.checked is not None
-        for array in _arrays(rt):  # the step's own arrays, read-only, sharing no memory with the caller's
+    for step_meta in built:
+        assert host_checked(step_meta) is step_meta.checked is not None
+        for array in _arrays(step_meta):  # the step's own arrays, read-only, sharing no memory with the caller's
             assert not array.flags.writeable
             assert not any(np.shares_memory(array, mine) for mine in given_arrays)
     for mine, was in zip(given_arrays, before):
@@ -92,24 +92,24 @@ def test_marking_copies_a_writable_array_and_never_freezes_it():
 
 
 def test_the_proof_is_no_field_and_no_leaf_so_every_rebuild_drops_it():
-    rt = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1], [0, 1, 2, -1]], [5, 9], [1, 1], cache_metadata=META)
-    assert rt.checked is not None
-    assert [f.name for f in dataclasses.fields(rt)] == FIELDS
-    assert len(jax.tree.leaves(rt)) == len(jax.tree.leaves(rt.replace())) == len(FIELDS)
-    assert "proof" not in rt.to_dict() and "checked" not in rt.to_dict()
+    step_meta = PagedAttentionMetadata.for_mixed([[3, 7, -1, -1], [0, 1, 2, -1]], [5, 9], [1, 1], cache_metadata=META)
+    assert step_meta.checked is not None
+    assert [f.name for f in dataclasses.fields(step_meta)] == FIELDS
+    assert len(jax.tree.leaves(step_meta)) == len(jax.tree.leaves(step_meta.replace())) == len(FIELDS)
+    assert "proof" not in step_meta.to_dict() and "checked" not in step_meta.to_dict()
     rebuilt = {
-        "replace": rt.replace(),
-        "replace, same arrays": rt.replace(positions=rt.positions, page_table=rt.page_table),
-        "dataclasses.replace": dataclasses.replace(rt),
-        "JSON": type(rt).from_json(rt.to_json()),
-        "tree.map": jax.tree.map(lambda a: a, rt),
-        "jit": jax.jit(lambda m: m)(rt),
-        "increment_cache_lengths": increment_cache_lengths(rt, page_size=4, num_pages=12),
-        "stack_metadata": stack_metadata([rt, rt]),
+        "replace": step_meta.replace(),
+        "replace, same arrays": step_meta.replace(positions=step_meta.positions, page_table=step_meta.page_table),
+        "dataclasses.replace": dataclasses.replace(step_meta),
+        "JSON": type(step_meta).from_json(step_meta.to_json()),
+        "tree.map": jax.tree.map(lambda a: a, step_meta),
+        "jit": jax.jit(lambda m: m)(step_meta),
+        "increment_cache_lengths": increment_cache_lengths(step_meta, page_size=4, num_pages=12),
+        "stack_metadata": stack_metadata([step_meta, step_meta]),
     }
     for how, copy in rebuilt.items():
         assert copy.checked is None and host_checked(copy) is None, how
-    assert rt == rt.replace()  # the proof takes no part in equality
+    assert step_meta == step_meta.replace()  # the proof takes no part in equality
 
 
 def test_a_proof_names_its_attention_kind():
@@ -137,21 +137,23 @@ def _sliding_manager_step():
 
 
 def test_a_hole_inside_the_window_of_a_marked_step_is_refused_not_read():
-    rt = _sliding_manager_step()
-    assert rt.checked.reads and rt.checked.attention is AttentionKind.SLIDING
-    assert rt.page_table[0, 0] == -1 and (rt.page_table[0, 1:3] >= 0).all()
+    step_meta = _sliding_manager_step()
+    assert step_meta.checked.reads and step_meta.checked.attention is AttentionKind.SLIDING
+    assert step_meta.page_table[0, 0] == -1 and (step_meta.page_table[0, 1:3] >= 0).all()
     k, v = _pages(6)
-    q = np.random.default_rng(1).standard_normal((rt.num_tokens, 4, 8)).astype(np.float32)
-    good = paged_attention(q, k, v, rt, sliding_window=5)
-    np.testing.assert_allclose(np.asarray(good), np.asarray(paged_attention_reference(q, k, v, rt, sliding_window=5)),
+    q = np.random.default_rng(1).standard_normal((step_meta.num_tokens, 4, 8)).astype(np.float32)
+    good = paged_attention(q, k, v, step_meta, sliding_window=5)
+    np.testing.assert_allclose(np.asarray(good), np.asarray(paged_attention_reference(q, k, v, step_meta,
+                                                                                      sliding_window=5)),
                                atol=2e-6)
     # Its issuer released the window's first page one step early and issued the proof anyway.
-    early = rt.page_table.copy()
+    early = step_meta.page_table.copy()
     early[0, 1] = -1
     with pytest.raises(ValueError, match=r"proof= carries the proof of another step's arrays"):
-        dataclasses.replace(rt, page_table=early, proof=rt.checked)  # nobody else can move a proof onto it
-    bad = mark_checked(dataclasses.replace(rt, page_table=early), rt.checked)
-    assert host_checked(bad) == rt.checked
+        dataclasses.replace(step_meta, page_table=early,
+                            proof=step_meta.checked)  # nobody else can move a proof onto it
+    bad = mark_checked(dataclasses.replace(step_meta, page_table=early), step_meta.checked)
+    assert host_checked(bad) == step_meta.checked
     with pytest.raises(ValueError, match=r"metadata.page_table\[0, 1\] = -1 is not a page of the pool \(0..5\) but "
                                          r"sequence 0 of the step reads it \(keys 4.. up to position 9\), and the step "
                                          r"is marked as checked"):
@@ -162,20 +164,21 @@ def test_a_hole_inside_the_window_of_a_marked_step_is_refused_not_read():
 def test_a_hole_anywhere_a_marked_step_reads_is_refused(form):
     table = np.array([[3, 7, 5, -1], [0, 1, 2, 4]], np.int32)
     if form == "mixed":
-        rt = PagedAttentionMetadata.for_mixed(table, [9, 13], [1, 2], cache_metadata=META)
-        name, holed = "page_table", dict(page_table=np.where(np.arange(4) == 1, -1, rt.page_table))
+        step_meta = PagedAttentionMetadata.for_mixed(table, [9, 13], [1, 2], cache_metadata=META)
+        name, holed = "page_table", dict(page_table=np.where(np.arange(4) == 1, -1, step_meta.page_table))
     else:
-        rt = PagedAttentionMetadata.for_decode(table, [9, 14], cache_metadata=META)
+        step_meta = PagedAttentionMetadata.for_decode(table, [9, 14], cache_metadata=META)
         name, holed = "decodes_page_table", dict(decodes_page_table=np.where(np.arange(4) == 1, -1, table))
     k, v = _pages(12)
-    q = np.zeros((rt.num_tokens, 4, 8), np.float32)
-    paged_attention(q, k, v, rt)
-    bad = mark_checked(dataclasses.replace(rt, **holed), rt.checked)  # an issuer in error
+    q = np.zeros((step_meta.num_tokens, 4, 8), np.float32)
+    paged_attention(q, k, v, step_meta)
+    bad = mark_checked(dataclasses.replace(step_meta, **holed), step_meta.checked)  # an issuer in error
     with pytest.raises(ValueError, match=rf"metadata.{name}\[0, 1\] = -1 is not a page of the pool .* but sequence 0 "
                                          r"of the step reads it"):
         paged_attention(q, k, v, bad)
-    far = mark_checked(dataclasses.replace(rt, **{name: np.where(np.arange(4) == 0, 12, getattr(rt, name))}),
-                       rt.checked)
+    far = mark_checked(dataclasses.replace(step_meta, **{name: np.where(np.arange(4) == 0, 12, getattr(step_meta,
+                                                                                                       name))}),
+                       step_meta.checked)
     with pytest.raises(ValueError, match=rf"metadata.{name}\[0, 0\] = 12 is not a page of the pool \(0..11\)"):
         paged_attention(q, k, v, far)
 
@@ -194,19 +197,19 @@ def _count(monkeypatch, *where):
 
 
 def test_a_marked_step_entering_attention_is_checked_in_one_pass(monkeypatch):
-    rt = PagedAttentionMetadata.for_decode([[3, 7, -1, -1], [0, 1, 2, -1]], [5, 10], cache_metadata=META)
+    step_meta = PagedAttentionMetadata.for_decode([[3, 7, -1, -1], [0, 1, 2, -1]], [5, 10], cache_metadata=META)
     k, v = _pages(12)
     q = np.zeros((2, 4, 8), np.float32)
     calls = _count(monkeypatch, (runtime_metadata, "step_form"), (runtime_checks, "host_checked"),
                    (runtime_checks, "int_field"), (runtime_checks, "check_vouched_reads"),
                    (runtime_checks, "bad_read"))
-    paged_attention(q, k, v, rt)
+    paged_attention(q, k, v, step_meta)
     # the form and the proof once; the two fields of EasyDeL's decode form once each (the mixed
     # form built from them is not checked again); the pages read once, and found readable
     assert calls == {"step_form": 1, "host_checked": 1, "int_field": 2, "check_vouched_reads": 1, "bad_read": 0}
-    paged_attention(q, k, v, rt)  # the next layer: the same step's pages read are not checked again
+    paged_attention(q, k, v, step_meta)  # the next layer: the same step's pages read are not checked again
     assert calls["check_vouched_reads"] == 1 and calls["step_form"] == 2
-    paged_attention(q, k, v, rt, sliding_window=3)  # another read of the same step: its pages are checked
+    paged_attention(q, k, v, step_meta, sliding_window=3)  # another read of the same step: its pages are checked
     assert calls["check_vouched_reads"] == 2
 
 

@@ -66,32 +66,32 @@ def test_increment_cache_lengths_drops_tokens_on_hostile_pages_inside_jit(layout
     table = np.full((len(HOSTILE_PAGES), 4), -1, np.int32)
     table[:, 0] = np.arange(len(HOSTILE_PAGES))  # the first token of each sequence: a real page
     table[:, 1] = HOSTILE_PAGES  # the next one: hostile
-    rt = PagedAttentionMetadata.for_mixed(table[:, :1], [PAGE_SIZE - 1] * len(HOSTILE_PAGES),
+    step_meta = PagedAttentionMetadata.for_mixed(table[:, :1], [PAGE_SIZE - 1] * len(HOSTILE_PAGES),
                                           [1] * len(HOSTILE_PAGES), cache_metadata=meta)
-    rt = rt.replace(page_table=table)  # crafted after validation, as a device computation could
+    step_meta = step_meta.replace(page_table=table)  # crafted after validation, as a device computation could
     keys = random_tokens(rng, (LAYERS, len(HOSTILE_PAGES), meta.num_kv_heads, 8))
 
     @jax.jit
-    def step(cache, rt, keys):
-        nxt = increment_cache_lengths(rt, page_size=PAGE_SIZE)  # no num_pages: bounded by int32 reach
+    def step(cache, step_meta, keys):
+        nxt = increment_cache_lengths(step_meta, page_size=PAGE_SIZE)  # no num_pages: bounded by int32 reach
         return cache.write(keys, keys, nxt), nxt
 
     before = snapshot(cache)
-    (cache, dropped), nxt = step(cache, jax.tree.map(jnp.asarray, rt), keys)
+    (cache, dropped), nxt = step(cache, jax.tree.map(jnp.asarray, step_meta), keys)
     assert int(dropped) == len(HOSTILE_PAGES)
     # invalid at once where the page's slots pass int32, else beyond the pool (the write drops them)
     assert all(s == INVALID_SLOT or s >= PAGES * PAGE_SIZE for s in np.asarray(nxt.slot_mapping).tolist())
     for view, (k, v) in zip(cache, before):
         assert np.array_equal(bits(view.key_pages), bits(k)) and np.array_equal(bits(view.value_pages), bits(v))
-    nxt = increment_cache_lengths(rt, page_size=PAGE_SIZE, num_pages=PAGES)  # the pool known: invalid at once
+    nxt = increment_cache_lengths(step_meta, page_size=PAGE_SIZE, num_pages=PAGES)  # the pool known: invalid at once
     assert np.asarray(nxt.slot_mapping).tolist() == [INVALID_SLOT] * len(HOSTILE_PAGES)
 
 
 def test_the_last_position_cannot_move_on_by_wrapping():
-    rt = PagedAttentionMetadata(slot_mapping=np.array([0], np.int32), positions=np.array([INT32.max], np.int32),
+    step_meta = PagedAttentionMetadata(slot_mapping=np.array([0], np.int32), positions=np.array([INT32.max], np.int32),
                                 query_start_loc=np.array([0, 1], np.int32), page_table=np.array([[0]], np.int32),
                                 context_lens=np.array([1], np.int32), num_seqs=np.asarray(1, np.int32))
-    nxt = increment_cache_lengths(rt, page_size=PAGE_SIZE)
+    nxt = increment_cache_lengths(step_meta, page_size=PAGE_SIZE)
     assert nxt.slot_mapping.tolist() == [INVALID_SLOT] and nxt.positions.tolist() == [-1]
 
 

@@ -144,8 +144,9 @@ def test_writes_reads_and_attention_follow_each_groups_format(layout):
     rng = np.random.default_rng(7)
     for i in range(LAYERS):
         g = meta.groups[meta.group_of(i)[0]]
-        rt = rts[meta.group_of(i)[0]]
-        q = rng.standard_normal((rt.slot_mapping.shape[0], 2 * g.num_kv_heads, g.key_head_dim)).astype(np.float32)
+        step_meta = rts[meta.group_of(i)[0]]
+        q = rng.standard_normal((step_meta.slot_mapping.shape[0], 2 * g.num_kv_heads,
+                                 g.key_head_dim)).astype(np.float32)
         out = np.asarray(easykv.view_attention(jnp.asarray(q, meta.group_dtype(g)), cache.views[i], rts), np.float64)
         keys = np.concatenate([stored(meta, i, toks[i][0]), stored(meta, i, new[i][0])])
         values = keys[..., : g.value_head_dim] if g.latent else np.concatenate(

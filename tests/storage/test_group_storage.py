@@ -250,7 +250,8 @@ def test_bad_grouped_input_is_refused_before_anything_changes():
     # skips the host check) and refuses the page itself
     from easykv.step.checks import host_checked
 
-    assert [host_checked(rt).num_pages for rt in step_metadata(meta, tables(meta), [0, 0], [1, 1])] == [16, 24, 24]
+    assert [host_checked(step_meta).num_pages for step_meta in step_metadata(meta, tables(meta), [0, 0],
+                                                                             [1, 1])] == [16, 24, 24]
     with pytest.raises(ValueError, match=r"page_table.* 20.*16"):
         PagedAttentionMetadata.for_mixed([[20, -1, -1, -1, -1, -1, -1, -1]], [0], [1], cache_metadata=meta, group=0)
     with pytest.raises(ValueError, match=r"group must .*got 3 \(valid: 0..2"):

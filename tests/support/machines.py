@@ -29,17 +29,17 @@ class Device:
             store[d] = store[s].copy()  # every source read before any destination is written
             store[z] = -1
 
-    def write(self, rt, tokens):
-        for store, meta in zip(self.stores, rt, strict=True):
+    def write(self, step_meta, tokens):
+        for store, meta in zip(self.stores, step_meta, strict=True):
             slots = np.asarray(meta.slot_mapping)[: len(tokens)]
             assert (slots >= 0).all()
             store.reshape(-1)[slots] = tokens
 
     def run(self, pm, seq, tokens):
         """One step of ``seq`` writing ``tokens``, as an engine runs it."""
-        rt = pm.build_step_metadata([seq], [len(tokens)])
+        step_meta = pm.build_step_metadata([seq], [len(tokens)])
         self.apply(pm)
-        self.write(rt, tokens)
+        self.write(step_meta, tokens)
         pm.step([seq], [list(tokens)])
 
     def views(self, pm):
@@ -92,12 +92,12 @@ class TruncateMachine(RuleBasedStateMachine):
         [s] = self.pm.claim(1)
         done = self.pm.match_prefix(s, list(prompt))
         try:
-            rt = self.pm.build_step_metadata([s], [len(prompt) - done])
+            step_meta = self.pm.build_step_metadata([s], [len(prompt) - done])
         except CacheFullError:
             self.pm.release(s)
             return
         self.dev.apply(self.pm)
-        self.dev.write(rt, prompt[done:])
+        self.dev.write(step_meta, prompt[done:])
         self.pm.step([s], [list(prompt[done:])])
         self.model[s] = list(prompt)
 
@@ -110,11 +110,11 @@ class TruncateMachine(RuleBasedStateMachine):
             return
         tokens = [token + i for i in range(n)]
         try:
-            rt = self.pm.build_step_metadata([s], [n])
+            step_meta = self.pm.build_step_metadata([s], [n])
         except CacheFullError:
             return
         self.dev.apply(self.pm)
-        self.dev.write(rt, tokens)
+        self.dev.write(step_meta, tokens)
         self.pm.step([s], [tokens])
         self.model[s] += tokens
 

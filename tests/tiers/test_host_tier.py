@@ -57,9 +57,9 @@ class TierDevice(Device):
 
 
 def run(pm, dev, seq, tokens):
-    rt = pm.build_step_metadata([seq], [len(tokens)])
+    step_meta = pm.build_step_metadata([seq], [len(tokens)])
     dev.apply(pm)
-    dev.write(rt, tokens)
+    dev.write(step_meta, tokens)
     pm.step([seq], [list(tokens)])
 
 

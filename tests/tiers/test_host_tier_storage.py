@@ -60,7 +60,7 @@ def serve(cache, tier, manager, prompts, dtype, rounds=2, first=None):
         for i, prompt in enumerate(prompts):
             [s] = manager.claim(1)
             done = manager.match_prefix(s, prompt)
-            rt = manager.build_step_metadata([s], [len(prompt) - done])
+            step_meta = manager.build_step_metadata([s], [len(prompt) - done])
             cache, _ = manager.apply_pending(cache, host=tier)
             if done:
                 for (a, k, v), (a0, k0, v0) in zip(read(cache, manager, s, done), first[i]):
@@ -69,7 +69,7 @@ def serve(cache, tier, manager, prompts, dtype, rounds=2, first=None):
                     np.testing.assert_array_equal(k[lo:done], k0[lo:done])
                     np.testing.assert_array_equal(v[lo:done], v0[lo:done])
             k, v = kv_of(i, len(prompt), dtype)
-            cache, _ = cache.write(k[:, done:], v[:, done:], rt)
+            cache, _ = cache.write(k[:, done:], v[:, done:], step_meta)
             manager.step([s], [prompt[done:]])
             manager.check_invariants()
             if i not in first:
@@ -106,10 +106,10 @@ def test_a_sliding_and_full_cache_brings_back_the_pages_each_group_needs():
 def _written(cache, tier, manager, n, seed):
     """A new sequence with ``n`` tokens written (K/V ``kv_of(seed, n)``, ids 100 * seed ...)."""
     [s] = manager.claim(1)
-    rt = manager.build_step_metadata([s], [n])
+    step_meta = manager.build_step_metadata([s], [n])
     cache, _ = manager.apply_pending(cache, host=tier)
     k, v = kv_of(seed, n, jnp.bfloat16)
-    cache, _ = cache.write(k, v, rt)
+    cache, _ = cache.write(k, v, step_meta)
     manager.step([s], [list(range(100 * seed, 100 * seed + n))])
     return cache, s
 
@@ -139,9 +139,9 @@ def test_a_host_tier_refuses_another_cache_and_keeps_the_work_pending():
     cache, tier, manager = setup()
     other, other_tier, _ = setup(quantizer="int8")
     [s] = manager.claim(1)
-    rt = manager.build_step_metadata([s], [9])
+    step_meta = manager.build_step_metadata([s], [9])
     k, v = kv_of(1, 9, jnp.bfloat16)
-    cache, _ = cache.write(k, v, rt)
+    cache, _ = cache.write(k, v, step_meta)
     manager.step([s], [list(range(9))])
     manager.swap_out(s)
     with pytest.raises(ValueError, match="HostTier of another cache"):

@@ -50,11 +50,11 @@ def kv(side, tokens, start, n):
 def write(cache, tier, manager, seq, side, tokens, start):
     """Write ``tokens[start:]`` of ``seq`` (reserving, applying the pending work first)."""
     n = len(tokens) - start
-    rt = manager.build_step_metadata([seq], [n], pad_tokens_to=PAD, pad_seqs_to=4)
+    step_meta = manager.build_step_metadata([seq], [n], pad_tokens_to=PAD, pad_seqs_to=4)
     cache, _ = manager.apply_pending(cache, host=tier)
     k, v = kv(side, tokens, start, n)
     pad = [(0, 0), (0, PAD - n), (0, 0), (0, 0)]
-    cache, _ = cache.write(jnp.asarray(np.pad(k, pad)), jnp.asarray(np.pad(v, pad)), rt)
+    cache, _ = cache.write(jnp.asarray(np.pad(k, pad)), jnp.asarray(np.pad(v, pad)), step_meta)
     manager.step([seq], [list(tokens[start:])])
     return cache
 

@@ -26,9 +26,12 @@ import os
 import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from easykv.errors import FileRefusedError
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 _KIND = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a link"}
@@ -104,7 +107,7 @@ def read_regular(path: str | os.PathLike[str], *, max_bytes: int, follow_links: 
         return read_exactly(fd, info.st_size, path)
 
 
-def read_into(fd: int, offset: int, buffer: Any, path: str | os.PathLike[str]) -> None:
+def read_into(fd: int, offset: int, buffer: WriteableBuffer, path: str | os.PathLike[str]) -> None:
     """Fill ``buffer`` (a writable, C-contiguous bytes-like object) from ``offset`` of an open
     regular file, all of it; FileRefusedError when the file ends first (it shrank while read).
     Unlike a memory map, a file truncated meanwhile cannot end the process (SIGBUS)."""

@@ -20,6 +20,7 @@ import reprlib
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -32,7 +33,7 @@ _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 48, 48, 48
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A short repr of a bad value for a message: an int of 10,000 digits or a list nested
     10,000 deep must neither flood the message nor exhaust the stack."""
     return _REPR.repr(value)
@@ -93,21 +94,21 @@ def is_scalar(value: Any) -> bool:
         return False
 
 
-def non_negative_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
+def non_negative_int(name: str, value: object, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
     return integer(name, value, lo=0, hi=hi, hint=hint)
 
 
-def positive_int(name: str, value: Any, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
+def positive_int(name: str, value: object, *, hi: int | None = INT32_MAX, hint: str = "") -> int:
     return integer(name, value, lo=1, hi=hi, hint=hint)
 
 
-def optional_int(name: str, value: Any, *, lo: int | None = 0, hi: int | None = INT32_MAX,
+def optional_int(name: str, value: object, *, lo: int | None = 0, hi: int | None = INT32_MAX,
                  hint: str = "") -> int | None:
     return None if value is None else integer(name, value, lo=lo, hi=hi, hint=hint)
 
 
-def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | None = 0,
-                  hi: int | None = INT32_MAX, dtype: Any = np.int32, hint: str = "") -> np.ndarray:
+def integer_array(name: str, value: object, *, ndim: int | None = None, lo: int | None = 0,
+                  hi: int | None = INT32_MAX, dtype: DTypeLike = np.int32, hint: str = "") -> np.ndarray:
     """``value`` (a list, numpy array or concrete jax array of ints) as a new ``dtype`` array
     whose every entry lies in ``lo..hi`` (None: the dtype's own limit); a ValueError names the
     first bad entry. The bounds are checked on exact values (uint64 entries are not read as
@@ -154,7 +155,8 @@ def integer_array(name: str, value: Any, *, ndim: int | None = None, lo: int | N
     return arr.astype(dtype)
 
 
-def page_ids(name: str, value: Any, *, num_pages: int, ndim: int | None = None, pad: str = "for padding") -> np.ndarray:
+def page_ids(name: str, value: object, *, num_pages: int, ndim: int | None = None,
+             pad: str = "for padding") -> np.ndarray:
     """Host page ids of a pool of ``num_pages``: each in ``0 .. num_pages - 1`` or -1 (``pad``
     says what -1 means where they are read), as int32."""
     return integer_array(name, value, ndim=ndim, lo=-1, hi=num_pages - 1,
@@ -178,7 +180,7 @@ def _refuse_bools(name: str, items: list[Any] | tuple[Any, ...], where: tuple[in
                 _refuse_bools(name, e, where + (i,), lo, hi, hint)
 
 
-def real(name: str, value: Any, *, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False,
+def real(name: str, value: object, *, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False,
          hint: str = "") -> float:
     """``value`` as a finite Python float in the interval (bools, strings, nan refused)."""
     interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
@@ -207,7 +209,7 @@ def as_dtype(name: str, value: Any, *, choices: str = "") -> np.dtype:
     return dtype
 
 
-def boolean(name: str, value: Any) -> bool:
+def boolean(name: str, value: object) -> bool:
     """A real bool (numpy's too); ``1``, ``"yes"`` and None are refused, not guessed."""
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be True or False, got {show(value)} of type {type(value).__name__}")

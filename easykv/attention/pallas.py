@@ -25,8 +25,6 @@ it, and is neither clipped onto another page nor read.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +32,7 @@ import numpy as np
 from easykv.attention.checks import Config, gpu_blocks
 from easykv.attention.rows import Rows
 from easykv.quantization import QuantizedPages
-from easykv.storage.pages import from_storage
+from easykv.storage.pages import StoredPages, from_storage
 
 
 def _kernel_lengths_and_table(rows: Rows, num_pages: int, page_size: int) -> tuple[jax.Array, jax.Array]:
@@ -75,7 +73,7 @@ def pallas_decode_local(
     return jnp.where((rows.positions >= 0)[:, None, None], out, 0).astype(q.dtype)
 
 
-def _kernel_pages(pages: Any, layer: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array | None]:
+def _kernel_pages(pages: StoredPages, layer: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array | None]:
     """One layer's pages as the GPU kernel reads them: values in their own dtype (raw bits
     reinterpreted; no cast) and the compact per-token scales (None for plain pages)."""
     if isinstance(pages, QuantizedPages):
@@ -83,8 +81,8 @@ def _kernel_pages(pages: Any, layer: jax.Array, dtype: np.dtype) -> tuple[jax.Ar
     return from_storage(pages[layer], dtype), None
 
 
-def pallas_gpu_decode_local(q: jax.Array, kp: Any, vp: Any, rows: Rows, sinks: jax.Array, layer: jax.Array, *,
-                            cfg: Config, interpret: bool = False) -> jax.Array:
+def pallas_gpu_decode_local(q: jax.Array, kp: StoredPages, vp: StoredPages, rows: Rows, sinks: jax.Array,
+                            layer: jax.Array, *, cfg: Config, interpret: bool = False) -> jax.Array:
     """Decode through JAX's Pallas GPU kernel on one device's heads (see the module doc); the
     query is scaled in float32 and given to the kernel in the pages' logical dtype (the kernel
     casts int8 / fp8 codes to it and multiplies the logits and weights by the scales)."""
@@ -92,7 +90,11 @@ def pallas_gpu_decode_local(q: jax.Array, kp: Any, vp: Any, rows: Rows, sinks: j
 
     keys, key_scales = _kernel_pages(kp, layer, cfg.dtype)
     values, value_scales = _kernel_pages(vp, layer, cfg.dtype)
-    splits, pages = gpu_blocks(rows.table.shape[1], cfg.page_size)
+    blocks = gpu_blocks(rows.table.shape[1], cfg.page_size)
+    if blocks is None:  # the dispatch's fit check (checks.py, _gpu_unfit) routes such tables elsewhere
+        raise ValueError(f"page tables {rows.table.shape[1]} pages wide with page_size {cfg.page_size} give the "
+                         "Pallas GPU kernel no block; use implementation='xla' or a page table width with one")
+    splits, pages = blocks
     lengths, table = _kernel_lengths_and_table(rows, keys.shape[1], cfg.page_size)
     out = pallas_paged(
         (q.astype(jnp.float32) * cfg.scale).astype(cfg.dtype), keys, values, table, lengths,

@@ -67,6 +67,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from easykv.checkpoint.format import (
     FORMAT,
@@ -83,7 +84,7 @@ from easykv.checkpoint.format import (
     orbax_manager,
 )
 from easykv.checkpoint.integrity import FINGERPRINT_ALGORITHM, PendingFingerprints
-from easykv.checkpoint.orbax_types import OrbaxManager
+from easykv.checkpoint.orbax_types import CheckpointDir, OrbaxManager
 from easykv.checkpoint.record import EXTRA_MAX_DEPTH, leaf_role, nest, page_leaves
 from easykv.checkpoint.restore import RestoredCache, restore_cache
 from easykv.checkpoint.save_checks import check_placement, check_record_to_write
@@ -94,6 +95,7 @@ from easykv.errors import (
 )
 from easykv.manager.manager import PageManager
 from easykv.manager.state import summarize_state
+from easykv.sharding import PartitionManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.cache import PagedAttentionCache
 from easykv.validation import boolean, optional_int, parse_json
@@ -286,7 +288,7 @@ class CacheCheckpointer:
         restore cannot then verify the pages.
     """
 
-    def __init__(self, directory: str | Any, *, max_to_keep: int | None = None, async_save: bool = True,
+    def __init__(self, directory: CheckpointDir, *, max_to_keep: int | None = None, async_save: bool = True,
                  integrity: bool = True):
         max_to_keep = optional_int("max_to_keep", max_to_keep, lo=1, hi=None, hint="None keeps every step")
         async_save, integrity = boolean("async_save", async_save), boolean("integrity", integrity)
@@ -323,7 +325,7 @@ class CacheCheckpointer:
 
     # ---- saving ------------------------------------------------------------------------------
     @_one_call_at_a_time
-    def save(self, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
+    def save(self, cache: PagedAttentionCache, manager: PageManager | None = None, *, step: int | None = None,
              extra_metadata: Mapping[str, Any] | None = None) -> int:
         """Save ``cache`` (and ``manager``'s state) as ``step``.
 
@@ -415,7 +417,7 @@ class CacheCheckpointer:
     def __enter__(self) -> CacheCheckpointer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- reading -----------------------------------------------------------------------------
@@ -431,7 +433,7 @@ class CacheCheckpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, *, mesh: Any, partition_manager: Any = None, step: int | None = None,
+    def restore(self, *, mesh: Mesh, partition_manager: PartitionManager | None = None, step: int | None = None,
                 **kwargs: Any) -> RestoredCache:
         """`restore_cache` from this directory (waits for pending saves first).
 
@@ -484,8 +486,8 @@ def _easykv_version() -> str:
     return getattr(easykv, "__version__", "unknown")
 
 
-def save_cache(directory: str | Any, cache: PagedAttentionCache, manager: Any = None, *, step: int | None = None,
-               extra_metadata: Mapping[str, Any] | None = None, integrity: bool = True) -> int:
+def save_cache(directory: CheckpointDir, cache: PagedAttentionCache, manager: PageManager | None = None, *,
+               step: int | None = None, extra_metadata: Mapping[str, Any] | None = None, integrity: bool = True) -> int:
     """Save ``cache`` (and the PageManager ``manager``) as ``step`` of ``directory`` and wait
     until it is committed (a `CacheCheckpointer` with ``async_save=False``, closed on return).
 

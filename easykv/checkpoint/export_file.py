@@ -28,7 +28,7 @@ import math
 import os
 import zipfile
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, Self, TypeVar
+from typing import IO, Any, Generic, Self, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ import numpy as np
 
 from easykv.checked_files import check_zip_directory, open_regular, show_names
 from easykv.errors import FileRefusedError
-from easykv.quantization import QuantizedPages, get_quantizer, scale_dtype, scales_per_page
+from easykv.quantization import QuantizedPages, Quantizer, get_quantizer, is_compressing, scale_dtype, scales_per_page
 from easykv.spec.dtypes import SUPPORTED_DTYPES, canonical_dtype
 from easykv.validation import INT32_MAX, integer_array, parse_json
 
@@ -63,6 +63,9 @@ _Loaded = TypeVar("_Loaded", bound="ExportFile[Any]")
 MemberCheck = Callable[[tuple[int, ...], np.dtype], "str | None"]
 #: ``read(name, check)``: the file's member ``name`` as stored, once ``check`` accepts it.
 MemberReader = Callable[[str, MemberCheck], np.ndarray]
+#: An export's keys or values: dense values, or a raw export's codes and scales
+#: (``{"values": ..., "scales": ...}``).
+ExportPart: TypeAlias = np.ndarray | dict[str, np.ndarray]
 
 
 class ExportFile(Generic[_Loaded]):
@@ -107,7 +110,7 @@ class ExportFile(Generic[_Loaded]):
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in jax.tree.leaves(self._arrays()))
 
-    def save(self, file: Any) -> None:
+    def save(self, file: str | os.PathLike[str] | IO[bytes]) -> None:
         """Write to a path or binary file (numpy .npz of the export's format version; bf16/fp8
         stored as their raw bits). ValueError, with nothing written, for an export that `load`
         would refuse for its size: more members than `MOST_MEMBERS` or a header over its bound."""
@@ -135,7 +138,7 @@ class ExportFile(Generic[_Loaded]):
         return buf.getvalue()
 
     @classmethod
-    def load(cls, file: Any) -> _Loaded:
+    def load(cls, file: str | bytes | os.PathLike[str] | IO[bytes]) -> _Loaded:
         """Read what `save` wrote (a path or a binary file): `SequenceExport.load` reads an
         export of either kind, `GroupedSequenceExport.load` only a grouped one. Everything in
         the file is checked before it is used: ValueError names what is wrong when the file is
@@ -227,18 +230,20 @@ def _check_zip_end(file: Any, source: str, path: str | None) -> None:
                          "directory record; SequenceExport.save writes an .npz)")
 
 
-def unknown_format(fmt: Any, source: str) -> ValueError:
+def unknown_format(fmt: object, source: str) -> ValueError:
     return ValueError(f"{source} is not an easykv sequence export: header format {fmt!r:.80}, expected "
                       f"{EXPORT_FORMAT!r}, {WINDOW_FORMAT!r} or {GROUPED_FORMAT!r}")
 
 
 # ---- fields ----------------------------------------------------------------------------------------
-def member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np.dtype, quantizer: Any,
+def member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np.dtype, quantizer: Quantizer,
                  raw: bool) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``"keys.dense"`` / ``"values.scales"`` ... -> (shape, dtype) that the other fields imply:
     the one description of an export's arrays, used by the constructors and by the loader."""
     base = (layers, tokens, heads)
     if raw:
+        if not is_compressing(quantizer):  # the exports check this first, naming their field
+            raise ValueError(f"a raw export holds codes and scales, which quantizer {quantizer.name!r} has not")
         value_tail, value_dtype = quantizer.value_shape(head_dim)
         parts = {"values": (base + tuple(value_tail), np.dtype(value_dtype)),
                  "scales": (base + tuple(quantizer.scale_shape(head_dim)), scale_dtype(quantizer))}
@@ -247,7 +252,7 @@ def member_specs(tokens: int, layers: int, heads: int, head_dim: int, dtype: np.
     return {f"{part}.{sub}": spec for part in ("keys", "values") for sub, spec in parts.items()}
 
 
-def check_raw_exportable(quantizer: Any, what: str) -> None:
+def check_raw_exportable(quantizer: Quantizer, what: str) -> None:
     """A raw export holds codes and scales token by token; a quantizer whose scales are per page
     (``int4-ch``) has no such form: ValueError naming ``what`` asked for one."""
     if scales_per_page(quantizer):
@@ -260,7 +265,7 @@ def stored_dtype(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.kind in "iu" else np.dtype(f"u{dtype.itemsize}")
 
 
-def cache_dtype(name: str, value: Any) -> np.dtype:
+def cache_dtype(name: str, value: object) -> np.dtype:
     choices = ", ".join(SUPPORTED_DTYPES)
     if not isinstance(value, (str, np.dtype, type)):
         raise ValueError(f"{name} must be a cache dtype ({choices}), got {value!r:.60} of type {type(value).__name__}")
@@ -275,7 +280,7 @@ def cache_dtype(name: str, value: Any) -> np.dtype:
     return dtype
 
 
-def quantizer_for(name: str, value: Any, head_dim: int, dtype: np.dtype) -> Any:
+def quantizer_for(name: str, value: object, head_dim: int, dtype: np.dtype) -> Quantizer:
     """The quantizer named ``value`` (field ``name``), checked for ``head_dim`` and ``dtype``."""
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a quantizer name (e.g. 'none', 'int8', 'fp8', 'int4'), got {value!r:.60} "
@@ -310,8 +315,8 @@ def _checked_array(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtyp
     return arr
 
 
-def checked_part(name: str, data: Any, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], prefix: str,
-                 raw: bool, what: str) -> Any:
+def checked_part(name: str, data: object, specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], prefix: str,
+                 raw: bool, what: str) -> ExportPart:
     """Keys or values (field ``name``) as ``specs`` says member ``prefix`` must be: one dense
     array, or (``raw``) a dict of the codes and scales."""
     if not raw:
@@ -324,7 +329,7 @@ def checked_part(name: str, data: Any, specs: Mapping[str, tuple[tuple[int, ...]
             for sub in ("values", "scales")}
 
 
-def checked_token_ids(owner: str, token_ids: Any, length: int) -> np.ndarray | None:
+def checked_token_ids(owner: str, token_ids: object, length: int) -> np.ndarray | None:
     """An export's ``token_ids``: None, or one int32 id per token of its ``length``."""
     if token_ids is None:
         return None
@@ -335,8 +340,13 @@ def checked_token_ids(owner: str, token_ids: Any, length: int) -> np.ndarray | N
     return ids
 
 
-def dequantized(part: Any, quantizer: Any, dtype: np.dtype) -> np.ndarray:
-    """Raw codes and scales (a dict) as dense values in ``dtype``."""
+def dense_part(part: ExportPart, quantizer: Quantizer, dtype: np.dtype) -> np.ndarray:
+    """An export's keys or values as dense values in ``dtype``: dense ones as they are (checked in
+    it when the export was built), raw codes and scales (a dict) dequantized."""
+    if isinstance(part, np.ndarray):
+        return part
+    if not is_compressing(quantizer):  # a raw export's quantizer, checked when it was built
+        raise ValueError(f"raw codes and scales need a compressing quantizer, not {quantizer.name!r}")
     return np.asarray(QuantizedPages(jnp.asarray(part["values"]), jnp.asarray(part["scales"]),
                                      quantizer).dequantize(dtype))
 
@@ -355,7 +365,7 @@ def header_dtype(header: Mapping[str, Any], field: str) -> np.dtype:
     return cache_dtype(f"{field} 'dtype'", header["dtype"])
 
 
-def read_arrays(header: Mapping[str, Any], members: Mapping[str, Any], read: MemberReader,
+def read_arrays(header: Mapping[str, Any], members: Mapping[str, zipfile.ZipInfo], read: MemberReader,
                 specs: Mapping[str, tuple[tuple[int, ...], np.dtype]], source: str, field: str, *,
                 shown: int) -> dict[str, np.ndarray]:
     """The arrays ``specs`` names, once the header's 'dtypes' (quoted up to ``shown``
@@ -384,7 +394,7 @@ def _read_array(read: MemberReader, name: str, shape: tuple[int, ...], dtype: np
     return read(name, check).view(dtype)
 
 
-def read_token_ids(read: MemberReader, members: Mapping[str, Any], length: int) -> np.ndarray | None:
+def read_token_ids(read: MemberReader, members: Mapping[str, zipfile.ZipInfo], length: int) -> np.ndarray | None:
     """The ``token_ids`` member when the file has one: ``length`` integer ids."""
     if "token_ids" not in members:
         return None

@@ -54,7 +54,7 @@ from etils import epath
 
 from easykv.checked_files import open_regular
 from easykv.checkpoint.integrity import PendingFingerprints
-from easykv.checkpoint.orbax_types import EPath, OrbaxManager, OrbaxPyTreeHandler
+from easykv.checkpoint.orbax_types import CheckpointDir, EPath, OrbaxManager, OrbaxPyTreeHandler
 from easykv.checkpoint.record import (
     FORMAT,
     FORMAT_VERSION,
@@ -182,7 +182,7 @@ def orbax_manager(directory: EPath, *, read_only: bool, max_to_keep: int | None 
     return mngr
 
 
-def check_step(step: Any) -> int:
+def check_step(step: object) -> int:
     return integer("step", step, lo=0, hi=None, hint="a checkpoint step number")
 
 
@@ -227,7 +227,7 @@ def check_not_foreign(directory: EPath) -> None:
 STORAGE_PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")
 
 
-def checkpoint_path(directory: Any) -> EPath:
+def checkpoint_path(directory: object) -> EPath:
     """A checkpoint directory argument (a str, a path, or an epath for object stores)."""
     if isinstance(directory, (str, os.PathLike, epath.Path)) and str(directory):
         return epath.Path(directory)
@@ -292,7 +292,7 @@ def resolve_step(directory: EPath, step: int | None) -> tuple[int, list[int]]:
     return step, complete
 
 
-def check_fingerprints(record: Mapping[str, Any], got: list[str], step: int, directory: Any) -> None:
+def check_fingerprints(record: Mapping[str, Any], got: list[str], step: int, directory: EPath) -> None:
     """Compare each array's fingerprint as read (``got``, in the record's order) with the
     (schema-checked) record; CheckpointIntegrityError names the first damaged array (and
     counts the others)."""
@@ -311,7 +311,7 @@ def fingerprint_grid(record: Mapping[str, Any]) -> int:
     return 3 if is_stacked(record["format_version"]) else 2
 
 
-def list_steps(directory: str | Any) -> list[int]:
+def list_steps(directory: CheckpointDir) -> list[int]:
     """Complete steps of an easykv checkpoint directory, ascending.
 
     Args:

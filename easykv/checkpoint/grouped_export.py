@@ -29,13 +29,14 @@ from easykv.checkpoint.export_file import (
     MOST_GROUPS,
     WINDOW_FORMAT,
     ExportFile,
+    ExportPart,
     MemberReader,
     cache_dtype,
     check_header_keys,
     check_raw_exportable,
     checked_part,
     checked_token_ids,
-    dequantized,
+    dense_part,
     header_dtype,
     member_specs,
     quantizer_for,
@@ -43,7 +44,7 @@ from easykv.checkpoint.export_file import (
     read_token_ids,
     unknown_format,
 )
-from easykv.quantization import get_quantizer, is_compressing
+from easykv.quantization import Quantizer, get_quantizer, is_compressing
 from easykv.validation import boolean, integer, optional_int, positive_int, show
 
 _HEADER_FIELDS = ("format", "length", "dtype", "quantization", "raw", "source_page_size", "groups", "dtypes")
@@ -84,12 +85,12 @@ class ExportedGroup:
     value_head_dim: int
     latent: bool
     first_position: int
-    keys: Any
-    values: Any
-    dtype: Any = None
+    keys: ExportPart
+    values: ExportPart | None
+    dtype: np.dtype | None = None
     quantization: str | None = None
 
-    def geometry(self) -> tuple[Any, ...]:
+    def geometry(self) -> tuple[tuple[int, ...], int, int, int, bool]:
         """``(layers, num_kv_heads, key_head_dim, value_head_dim, latent)``: what the importing
         cache's group must equal."""
         return (self.layers, self.num_kv_heads, self.key_head_dim, self.value_head_dim, self.latent)
@@ -158,7 +159,7 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
     def num_hidden_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
 
-    def group_format(self, i: int) -> tuple[np.dtype, Any]:
+    def group_format(self, i: int) -> tuple[np.dtype, Quantizer]:
         """(dtype, quantizer) of group ``i``'s tokens: its own, else the export's.
 
         Args:
@@ -184,11 +185,7 @@ class GroupedSequenceExport(ExportFile["GroupedSequenceExport"]):
         out: list[tuple[np.ndarray, np.ndarray | None]] = []
         for i, g in enumerate(self.groups):
             dtype, q = self.group_format(i)
-            if self.group_raw(i):
-                values = None if g.values is None else dequantized(g.values, q, dtype)
-                out.append((dequantized(g.keys, q, dtype), values))
-            else:
-                out.append((g.keys, g.values))
+            out.append((dense_part(g.keys, q, dtype), None if g.values is None else dense_part(g.values, q, dtype)))
         return out
 
     # ---- what ExportFile asks of its classes ------------------------------------------------------
@@ -304,7 +301,7 @@ def _group_specs(g: int, tokens: int, layers: int, heads: int, key_dim: int, val
     return out
 
 
-def _format(g: ExportedGroup, dtype: np.dtype, quantizer: Any) -> tuple[np.dtype, Any]:
+def _format(g: ExportedGroup, dtype: np.dtype, quantizer: Quantizer) -> tuple[np.dtype, Quantizer]:
     """(dtype, quantizer) of a checked group of an export of ``dtype`` and ``quantizer``."""
     return (dtype if g.dtype is None else g.dtype,
             quantizer if g.quantization is None else get_quantizer(g.quantization))

@@ -23,7 +23,7 @@ import numpy as np
 
 from easykv.checked_files import file_kind
 from easykv.checkpoint import format as fmt
-from easykv.checkpoint.orbax_types import EPath
+from easykv.checkpoint.orbax_types import CheckpointDir, EPath
 from easykv.checkpoint.reader import read_arrays
 from easykv.checkpoint.record import is_legacy, legacy_note
 from easykv.errors import CheckpointError, CheckpointIntegrityError, NotACheckpointError
@@ -52,7 +52,7 @@ def _disk_bytes(path: EPath) -> int | None:
     return total
 
 
-def verify_step(directory: Any, step: int, record: dict[str, Any] | None = None) -> int:
+def verify_step(directory: CheckpointDir, step: int, record: dict[str, Any] | None = None) -> int:
     """Re-read every array of ``step`` (one at a time, onto one device) and check its
     fingerprint; returns the number of arrays checked or raises CheckpointIntegrityError."""
     directory = fmt.checkpoint_path(directory)
@@ -154,7 +154,7 @@ def _step_report(directory: EPath, step: int, verify: bool) -> tuple[list[str], 
     return lines, ok
 
 
-def inspect_report(directory: Any, *, verify: bool = True) -> tuple[str, bool]:
+def inspect_report(directory: CheckpointDir, *, verify: bool = True) -> tuple[str, bool]:
     """(the report `easykv inspect DIR` prints, whether every step is intact). A damaged marker
     (a FIFO or link in place of ``easykv_checkpoint.json``) is reported, not raised: the directory
     is not intact, and the steps holding an easykv record are still described."""
@@ -212,7 +212,7 @@ def _step_names_not_directories(directory: EPath) -> list[tuple[str, str]]:
     return sorted(odd, key=lambda item: int(item[0]))
 
 
-def inspect_checkpoint(directory: Any, *, verify: bool = True) -> str:
+def inspect_checkpoint(directory: CheckpointDir, *, verify: bool = True) -> str:
     """The report `easykv inspect DIR` prints (see the module doc): the steps (and interrupted
     saves), and per step the cache shape and format, sizes, mesh, page-manager summary and extra
     metadata. Damage is reported in the text, not raised.

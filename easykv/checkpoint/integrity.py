@@ -201,7 +201,7 @@ class PendingFingerprints:
     thread.
     """
 
-    def __init__(self, arrays: Sequence[jax.Array], *, on_device: bool = False,
+    def __init__(self, arrays: Sequence[jax.Array | np.ndarray], *, on_device: bool = False,
                  algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2, start: bool = True):
         check_algorithm(algorithm, grid)
         self._jobs: list[tuple[str, Any]] = []
@@ -259,7 +259,7 @@ def _fill(host: list[tuple[np.ndarray, list[tuple[tuple[slice, ...], np.ndarray]
             cells[idx] = host_cells(block, algorithm, grid)
 
 
-def fingerprints(arrays: Sequence[Any], *, on_device: bool = False,
+def fingerprints(arrays: Sequence[jax.Array | np.ndarray], *, on_device: bool = False,
                  algorithm: str = FINGERPRINT_ALGORITHM, grid: int = 2) -> list[str]:
     """The fingerprint of each array (jax or numpy), computed now."""
     return PendingFingerprints(arrays, on_device=on_device, algorithm=algorithm, grid=grid).result()

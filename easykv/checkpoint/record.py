@@ -35,7 +35,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias, overload
 
 import jax
 import numpy as np
@@ -47,7 +47,7 @@ from easykv.checkpoint.orbax_types import EPath
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError, FileRefusedError, SerializationError
 from easykv.manager.state import max_state_bytes, summarize_state
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
-from easykv.storage.pages import group_templates, page_template
+from easykv.storage.pages import PageTemplate, StoredPages, group_templates, page_template
 from easykv.validation import INT32_MAX, INT64_MAX, JSON_MAX_DEPTH, integer, parse_json, show
 
 FORMAT = "easykv.checkpoint"
@@ -97,7 +97,23 @@ def is_stacked(version: int) -> bool:
     return version >= STACKED_VERSION
 
 
-def page_leaves(pairs: Sequence[tuple[Any, Any]], *, stacked: bool = True) -> list[tuple[str, tuple[str, ...], Any]]:
+#: One item's (K pages, V pages; None for a latent group): stored arrays, or their templates.
+PagePair: TypeAlias = tuple[StoredPages, StoredPages | None]
+TemplatePair: TypeAlias = tuple[PageTemplate, PageTemplate | None]
+
+
+@overload
+def page_leaves(pairs: Sequence[PagePair], *, stacked: bool = True) -> list[tuple[str, tuple[str, ...], jax.Array]]: ...
+
+
+@overload
+def page_leaves(pairs: Sequence[TemplatePair], *, stacked: bool = True
+                ) -> list[tuple[str, tuple[str, ...], jax.ShapeDtypeStruct]]: ...
+
+
+def page_leaves(pairs: Sequence[PagePair] | Sequence[TemplatePair], *, stacked: bool = True
+                ) -> (list[tuple[str, tuple[str, ...], jax.Array]]
+                      | list[tuple[str, tuple[str, ...], jax.ShapeDtypeStruct]]):
     """(name, path, leaf) of every saved array of ``pairs``, one (K pages, V pages) per layer
     group (``stacked``, format 3) or per layer (formats 1-2), each an array or `QuantizedPages`
     (of arrays or ShapeDtypeStructs).
@@ -117,21 +133,21 @@ def page_leaves(pairs: Sequence[tuple[Any, Any]], *, stacked: bool = True) -> li
     return out
 
 
-def page_pairs(templates: Sequence[tuple[Any, Any]], leaves: Sequence[Any]) -> list[tuple[Any, Any]]:
+def page_pairs(templates: Sequence[TemplatePair], leaves: Sequence[jax.Array]) -> list[PagePair]:
     """The inverse of `page_leaves`: ``leaves`` (in its order) as (K pages, V pages) per item,
     with the structure of ``templates`` (`expected_templates`; V None for a latent group)."""
-    pairs: list[tuple[Any, Any]] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(templates)), leaves)
+    pairs: list[PagePair] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(list(templates)), leaves)
     return pairs
 
 
-def stored_template(meta: PagedAttentionCacheMetaData, platform: str) -> Any:
+def stored_template(meta: PagedAttentionCacheMetaData, platform: str) -> PageTemplate:
     """Shapes and storage dtypes of one layer's page array (K or V) of ``meta`` on ``platform``,
     as checkpoint formats 1-2 hold them (uniform caches only)."""
     shape = (meta.num_kv_heads, meta.num_pages_per_layer, meta.page_size, meta.kv_head_dim_size)
-    return page_template(shape, meta.dtype, meta.quantizer, platform)
+    return page_template(shape, known_dtype(meta.dtype), meta.quantizer, platform)
 
 
-def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[tuple[Any, Any]]:
+def expected_templates(meta: PagedAttentionCacheMetaData, platform: str, version: int) -> list[TemplatePair]:
     """The (K, V) page templates of each item of a record of ``version``: per layer group in its
     own geometry (stacked), or per layer (formats 1-2, uniform caches only)."""
     if is_stacked(version):
@@ -144,7 +160,7 @@ def leaf_role(path: Sequence[str]) -> str:
     return path[-1] if len(path) == 3 else "pages"
 
 
-def nest(leaves: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+def nest(leaves: Iterable[tuple[Sequence[str], object]]) -> dict[str, Any]:
     """The nested dict (the PyTree orbax saves) holding each leaf at its path."""
     tree: dict[str, Any] = {}
     for path, leaf in leaves:
@@ -157,14 +173,14 @@ def nest(leaves: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
 
 
 def expected_leaves(meta: PagedAttentionCacheMetaData, platform: str,
-                    version: int = FORMAT_VERSION) -> list[tuple[str, tuple[str, ...], Any]]:
+                    version: int = FORMAT_VERSION) -> list[tuple[str, tuple[str, ...], jax.ShapeDtypeStruct]]:
     """(name, path, ShapeDtypeStruct in ``platform`` storage) of every array of ``meta`` in a
     record of ``version``."""
     return page_leaves(expected_templates(meta, platform, version), stacked=is_stacked(version))
 
 
 # ---- sealing (save side) -------------------------------------------------------------------------
-def canonical(value: Any) -> bytes:
+def canonical(value: object) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
@@ -183,7 +199,7 @@ def seal(record: dict[str, Any], manager_state: Mapping[str, Any] | None) -> tup
 
 
 # ---- reading ---------------------------------------------------------------------------------------
-def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIntegrityError:
+def _damaged(message: str, step: int, directory: EPath, **kw: Any) -> CheckpointIntegrityError:
     return CheckpointIntegrityError(f"{message}; step {step} of {directory} is damaged — restore another step",
                                     step=step, directory=str(directory), **kw)
 
@@ -191,7 +207,7 @@ def _damaged(message: str, step: int, directory: Any, **kw: Any) -> CheckpointIn
 RECORD_MAX_BYTES = 16 << 20  # a record lists a few hundred bytes per array
 
 
-def read_small_file(path: EPath, limit: int, step: int, directory: Any) -> bytes | None:
+def read_small_file(path: EPath, limit: int, step: int, directory: EPath) -> bytes | None:
     """A small file of a step (JSON, orbax's metadata), or None when it does not exist;
     `CheckpointIntegrityError` saying why it cannot be read (`small_file`)."""
     data, problem = small_file(path, limit)
@@ -235,7 +251,7 @@ def refused(path: str, err: FileRefusedError, what: str) -> str:
     return f"{path} is {what}: it {why.removeprefix(path + ' ')}" if why.startswith(path + " ") else f"{path}: {why}"
 
 
-def _read_json(path: EPath, data: bytes, step: int, directory: Any) -> Any:
+def _read_json(path: EPath, data: bytes, step: int, directory: EPath) -> Any:
     try:
         return parse_json(data.decode("utf-8"), what=str(path))
     except (ValueError, UnicodeDecodeError) as err:
@@ -243,7 +259,7 @@ def _read_json(path: EPath, data: bytes, step: int, directory: Any) -> Any:
                        directory) from None
 
 
-def read_record(directory: Any, step: int) -> dict[str, Any]:
+def read_record(directory: EPath, step: int) -> dict[str, Any]:
     """The record of ``step``: parsed, its seal verified, every field checked (`check_record`).
     CheckpointIntegrityError for damage, CheckpointMismatchError for a newer format."""
     path = epath.Path(directory) / str(step) / STATE_ITEM / RECORD_FILE
@@ -282,13 +298,13 @@ def is_legacy(record: Mapping[str, Any]) -> bool:
     return legacy
 
 
-def legacy_note(step: int, directory: Any) -> str:
+def legacy_note(step: int, directory: EPath) -> str:
     return (f"step {step} in {directory} has checkpoint format version 1 (easykv 0.1): its record and page-"
             "manager state carry no fingerprints and were checked for consistency only (the page arrays are "
             "verified); save it again with this easykv to fingerprint every byte")
 
 
-def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+def read_manager_state(directory: EPath, step: int, record: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The saved PageManager state of ``step`` (None when the record says none was saved),
     verified against the record: its bytes' sha256 (version >= 2), its presence, and the
     manager summary. The state's own fields are checked by `PageManager.from_state_dict`."""
@@ -317,7 +333,7 @@ def read_manager_state(directory: Any, step: int, record: Mapping[str, Any] | No
     return state
 
 
-def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
+def saved_metadata(record: Mapping[str, Any], step: int, directory: EPath) -> PagedAttentionCacheMetaData:
     """The cache metadata of a record; CheckpointIntegrityError when it cannot be rebuilt."""
     try:
         meta = PagedAttentionCacheMetaData.from_dict(record["metadata"])
@@ -330,18 +346,18 @@ def saved_metadata(record: Mapping[str, Any], step: int, directory: Any) -> Page
 
 
 # ---- the schema ------------------------------------------------------------------------------------
-def _bad(field: str, problem: str, step: int, directory: Any, **kw: Any) -> CheckpointIntegrityError:
+def _bad(field: str, problem: str, step: int, directory: EPath, **kw: Any) -> CheckpointIntegrityError:
     return _damaged(f"record field {field} {problem}", step, directory, **kw)
 
 
-def _int(value: Any, field: str, step: int, directory: Any, *, lo: int | None = 0, hi: int | None = INT64_MAX) -> int:
+def _int(value: Any, field: str, step: int, directory: EPath, *, lo: int | None = 0, hi: int | None = INT64_MAX) -> int:
     try:
         return integer(f"record field {field}", value, lo=lo, hi=hi)
     except ValueError as err:
         raise _damaged(str(err), step, directory) from None
 
 
-def _dict(value: Any, field: str, step: int, directory: Any, keys: frozenset[str] | None = None,
+def _dict(value: Any, field: str, step: int, directory: EPath, keys: frozenset[str] | None = None,
           optional: frozenset[str] = frozenset()) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise _bad(field, f"must be a JSON object, got {show(value)}", step, directory)
@@ -353,13 +369,13 @@ def _dict(value: Any, field: str, step: int, directory: Any, keys: frozenset[str
     return value
 
 
-def _list(value: Any, field: str, step: int, directory: Any, *, max_len: int = 1 << 20) -> list[Any]:
+def _list(value: Any, field: str, step: int, directory: EPath, *, max_len: int = 1 << 20) -> list[Any]:
     if not isinstance(value, list) or len(value) > max_len:
         raise _bad(field, f"must be a list of at most {max_len} items, got {show(value)}", step, directory)
     return value
 
 
-def _str(value: Any, field: str, step: int, directory: Any, *, pattern: re.Pattern[str] | None = _NAME,
+def _str(value: Any, field: str, step: int, directory: EPath, *, pattern: re.Pattern[str] | None = _NAME,
          max_len: int = 64, allowed: Any = None) -> str:
     ok = isinstance(value, str) and len(value) <= max_len and (pattern is None or pattern.fullmatch(value))
     if ok and allowed is not None:
@@ -376,7 +392,7 @@ def _optional(value: Any, check: Any, *args: Any, **kw: Any) -> Any:
     return None if value is None else check(value, *args, **kw)
 
 
-def check_record(record: Mapping[str, Any], step: int, directory: Any) -> PagedAttentionCacheMetaData:
+def check_record(record: Mapping[str, Any], step: int, directory: EPath) -> PagedAttentionCacheMetaData:
     """Every field of a parsed record, its type, range and agreement with the metadata;
     CheckpointIntegrityError names the first bad field (CheckpointMismatchError for an
     unknown fingerprint algorithm, which a newer easykv may write). Returns the metadata."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax.typing import DTypeLike
+
 from easykv.errors import CheckpointMismatchError
-from easykv.quantization import get_quantizer
+from easykv.quantization import Quantizer, get_quantizer
 from easykv.spec.dtypes import canonical_dtype
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 
@@ -44,7 +46,8 @@ def _geometry(meta: PagedAttentionCacheMetaData) -> list[tuple[Any, ...]]:
              g.num_pages) for g in meta.groups]
 
 
-def check_format(saved: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any, convert: bool, *,
+def check_format(saved: PagedAttentionCacheMetaData, dtype: DTypeLike | None, quantizer: str | Quantizer | None,
+                 convert: bool, *,
                  like: PagedAttentionCacheMetaData | None) -> PagedAttentionCacheMetaData:
     """``saved`` in the format a restore asks for: each layer group's dtype and quantizer as in
     ``like`` (the target metadata; None: as saved), then ``dtype`` / ``quantizer`` for every group

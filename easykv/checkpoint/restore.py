@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from easykv.checkpoint.format import (
     STORAGE_PLATFORMS,
@@ -29,12 +30,14 @@ from easykv.checkpoint.format import (
     resolve_step,
     saved_metadata,
 )
-from easykv.checkpoint.orbax_types import EPath
+from easykv.checkpoint.orbax_types import CheckpointDir, EPath
 from easykv.checkpoint.reader import read_arrays
 from easykv.checkpoint.record import expected_templates, group_index, is_legacy, is_stacked, legacy_note, page_pairs
 from easykv.checkpoint.reshard import check_format, check_same_cache
 from easykv.errors import CheckpointIntegrityError, CheckpointMismatchError
 from easykv.manager.manager import PageManager
+from easykv.quantization import Quantizer
+from easykv.sharding import PartitionManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.spec.relayout import target_metadata
 from easykv.storage.cache import PagedAttentionCache
@@ -62,7 +65,7 @@ class RestoredCache:
     """
 
     cache: PagedAttentionCache
-    manager: Any  # PageManager, or None when none was saved (or restore_manager=False)
+    manager: PageManager | None  # None when none was saved (or restore_manager=False)
     metadata: PagedAttentionCacheMetaData  # the restored cache's (laid out for the target mesh)
     step: int
     saved_metadata: PagedAttentionCacheMetaData
@@ -75,14 +78,14 @@ class RestoredCache:
 
 
 def restore_cache(
-    directory: str | Any,
+    directory: CheckpointDir,
     *,
-    mesh: Any,
-    partition_manager: Any = None,
+    mesh: Mesh,
+    partition_manager: PartitionManager | None = None,
     step: int | None = None,
     metadata: PagedAttentionCacheMetaData | None = None,
-    dtype: Any = None,
-    quantizer: Any = None,
+    dtype: DTypeLike | None = None,
+    quantizer: str | Quantizer | None = None,
     convert: bool = False,
     verify: bool = True,
     restore_manager: bool = True,
@@ -171,7 +174,7 @@ def _restore_manager(directory: EPath, step: int, saved: PagedAttentionCacheMeta
         raise CheckpointIntegrityError(f"the page-manager state of step {step} in {directory} cannot be rebuilt: "
                                        f"{err}", step=step, directory=str(directory)) from err
     try:
-        return manager.reshard(target)
+        return manager.clone(target)
     except ValueError as err:
         raise CheckpointMismatchError(f"the page manager of step {step} in {directory} cannot follow the pages "
                                       f"onto the target mesh: {err}") from err
@@ -212,7 +215,8 @@ def _build_cache(arrays: list[jax.Array], saved: PagedAttentionCacheMetaData, ta
             k_tmpl, v_tmpl = dst_templates[g]
             src, dst = known_dtype(same_format.group_formats[g][0]), known_dtype(target.group_formats[g][0])
             k = convert_pages(k, src, dst, k_tmpl, group_layout)
-            v = None if v is None else convert_pages(v, src, dst, v_tmpl, group_layout)
+            # A latent group has neither saved values nor a value template (the same groups, other formats).
+            v = None if v is None or v_tmpl is None else convert_pages(v, src, dst, v_tmpl, group_layout)
         keys.append(k)
         values.append(v)
     return PagedAttentionCache(target, tuple(keys), tuple(values), layout)

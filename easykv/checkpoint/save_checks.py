@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from easykv.checkpoint.orbax_types import EPath
 from easykv.checkpoint.record import MANAGER_SEAL, RECORD_SEAL, check_record, group_index, page_leaves
 from easykv.errors import CheckpointError
 from easykv.storage.cache import PagedAttentionCache
@@ -130,7 +131,7 @@ def _where(sharding: Sharding) -> str:
     return f"on {devices} ({type(sharding).__name__}){memory}"
 
 
-def check_record_to_write(record: Mapping[str, Any], *, manager_saved: bool, directory: Any) -> None:
+def check_record_to_write(record: Mapping[str, Any], *, manager_saved: bool, directory: EPath) -> None:
     """Refuse a record (as `CacheCheckpointer.save` builds it, before the writer adds the
     fingerprints and seals) that a restore would refuse: it is read back through JSON, the
     values the writer adds later are stood in by values of their form, and `check_record` --

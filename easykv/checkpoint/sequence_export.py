@@ -28,13 +28,14 @@ from easykv.checkpoint.export_file import (
     GROUPED_FORMAT,
     WINDOW_FORMAT,
     ExportFile,
+    ExportPart,
     MemberReader,
     cache_dtype,
     check_header_keys,
     check_raw_exportable,
     checked_part,
     checked_token_ids,
-    dequantized,
+    dense_part,
     header_dtype,
     member_specs,
     quantizer_for,
@@ -91,8 +92,8 @@ class SequenceExport(ExportFile["SequenceExport | GroupedSequenceExport"]):
     dtype: np.dtype
     quantization: str
     raw: bool
-    keys: Any
-    values: Any
+    keys: ExportPart
+    values: ExportPart
     token_ids: np.ndarray | None = None
     source_page_size: int | None = None
     first_position: int = 0
@@ -129,10 +130,8 @@ class SequenceExport(ExportFile["SequenceExport | GroupedSequenceExport"]):
 
     def dense(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, values) as dense ``(layers, length - first_position, kv_heads, head_dim)`` in ``dtype``."""
-        if not self.raw:
-            return self.keys, self.values
         q = get_quantizer(self.quantization)
-        return dequantized(self.keys, q, self.dtype), dequantized(self.values, q, self.dtype)
+        return dense_part(self.keys, q, self.dtype), dense_part(self.values, q, self.dtype)
 
     # ---- what ExportFile asks of its classes ------------------------------------------------------
     def _scalars(self) -> tuple[Any, ...]:

@@ -76,7 +76,7 @@ class SavedArray:
         or the name of an ml_dtypes type (``bfloat16``; numpy's string, ``<V2``, would not say)."""
         return str(self.dtype.str if self.dtype.isbuiltin == 1 else self.dtype.name)  # 2: a registered type
 
-    def chunks_problem(self, chunks: Any) -> str | None:
+    def chunks_problem(self, chunks: object) -> str | None:
         """Why ``chunks`` (from a file) is not a chunk shape this array was saved in (None: it is)."""
         if (not isinstance(chunks, list) or len(chunks) != len(self.shape)
                 or not all(type(c) is int and c >= 1 for c in chunks)):
@@ -97,7 +97,7 @@ class SavedArray:
         return tuple(-(-n // c) for n, c in zip(self.shape, chunks))
 
 
-def saved_arrays(record: Mapping[str, Any], step: int, directory: Any) -> list[SavedArray]:
+def saved_arrays(record: Mapping[str, Any], step: int, directory: EPath) -> list[SavedArray]:
     """Every array of a (schema-checked) record, in its order, with the shard it was saved in:
     its heads split over its layer group's kv-head mesh axes and its pages over the page mesh
     axes of the recorded mesh (`easykv.storage.placement.group_layouts`); the whole array when
@@ -125,7 +125,7 @@ def saved_arrays(record: Mapping[str, Any], step: int, directory: Any) -> list[S
     return out
 
 
-def _mesh_size(sizes: Mapping[str, int], names: Sequence[str], array: str, step: int, directory: Any) -> int:
+def _mesh_size(sizes: Mapping[str, int], names: Sequence[str], array: str, step: int, directory: EPath) -> int:
     missing = [n for n in names if n not in sizes]
     if missing:
         raise _damaged(f"array {array} is split over mesh axes {missing} that the record's mesh {dict(sizes)} lacks",
@@ -246,7 +246,7 @@ def _in_grid(name: str, grid: Sequence[int]) -> bool:
 
 
 # ---- comparison -----------------------------------------------------------------------------------
-def difference(got: Any, want: Any, where: str) -> str | None:
+def difference(got: object, want: object, where: str) -> str | None:
     """The first place where parsed JSON ``got`` is not ``want``, in words (None: equal). Types
     count (``0`` is not ``false``); a dict's keys are compared as a set first; a list of numbers
     (a shape) is shown whole."""
@@ -280,7 +280,7 @@ def _cut(value: Any, n: int = 100) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
-def _damaged(message: str, step: int, directory: Any, array: str | None = None) -> CheckpointIntegrityError:
+def _damaged(message: str, step: int, directory: EPath, array: str | None = None) -> CheckpointIntegrityError:
     return CheckpointIntegrityError(f"{message}; the step's files are damaged — restore another step", array=array,
                                     step=step, directory=str(directory))
 

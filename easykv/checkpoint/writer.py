@@ -27,7 +27,6 @@ import errno as errno_codes
 import os
 import re
 import socket
-from typing import Any
 
 from easykv.checkpoint.orbax_types import EPath
 from easykv.errors import CheckpointLockedError, CheckpointWriteError
@@ -133,7 +132,7 @@ def errno_of(err: BaseException) -> int | None:
     return None
 
 
-def write_error(err: BaseException, *, step: int | None, directory: Any,
+def write_error(err: BaseException, *, step: int | None, directory: EPath,
                 doing: str | None = None) -> CheckpointWriteError:
     """A `CheckpointWriteError` for ``err`` (raise it ``from err``)."""
     code = errno_of(err)

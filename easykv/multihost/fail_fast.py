@@ -84,7 +84,7 @@ class _ExitHook:
         self.seen_uncaught = getattr(sys, "last_value", None)
         self.sys_exit = sys.exit
 
-    def record_exit(self, status: Any = None, /) -> None:
+    def record_exit(self, status: Any = None, /) -> NoReturn:
         """Stands in for ``sys.exit``: remembers the status, then exits as ``sys.exit`` does."""
         if threading.current_thread() is threading.main_thread():  # elsewhere it ends a thread only
             self.exit_status = status
@@ -178,7 +178,9 @@ def install_fail_fast() -> None:
         return
     # The main thread's outermost frame of the __main__ module, found from any thread.
     main = sys.modules.get("__main__")
-    frame, found = sys._current_frames().get(threading.main_thread().ident), None
+    main_ident = threading.main_thread().ident  # None only before the thread starts, never for the main one
+    frame = sys._current_frames().get(main_ident) if main_ident is not None else None
+    found = None
     while frame is not None:
         if main is not None and frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
             found = frame

@@ -190,7 +190,7 @@ class _Workers:
     def __init__(self, paths: list[str], mark_dir: str):
         self.paths = paths
         self.marks = [os.path.join(mark_dir, f"process-{i}") for i in range(len(paths))]
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.started = time.monotonic()
 
     def start(self, argv: list[str], env: dict[str, str], guard: _SignalGuard) -> None:
@@ -237,8 +237,9 @@ class _Workers:
         failed = [i for i, c in enumerate(codes) if c not in (None, 0) or (c is None and marks[i] is not None)]
 
         def order(i: int) -> tuple[bool, float, int]:
-            follower = marks[i] is None and self._follower(i, codes[i])
-            return follower, running_at[i] if marks[i] is None else marks[i], i
+            mark = marks[i]
+            follower = mark is None and self._follower(i, codes[i])
+            return follower, running_at[i] if mark is None else mark, i
 
         first = min(failed, key=order)
         return first, marks[first] is not None, codes[first] is not None and not order(first)[0]
@@ -279,7 +280,7 @@ class _Workers:
             proc.wait()
 
 
-def _exit_status(proc: subprocess.Popen) -> int | None:
+def _exit_status(proc: subprocess.Popen[bytes]) -> int | None:
     """A worker's exit status (negative: killed by that signal), None while it runs; not reaped."""
     if not hasattr(os, "waitid"):
         return proc.poll()

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from easykv.quantization._logstep import nibbles as unpacked_nibbles
 from easykv.quantization._logstep import pack
@@ -53,7 +54,7 @@ class _Rotating:
     def _into_basis(self, x: jax.Array) -> jax.Array:
         return Rotation(x.shape[-1]).apply(x) if self.rotate else x
 
-    def _out_of_basis(self, values: jax.Array, dtype: Any, rotated: bool) -> jax.Array:
+    def _out_of_basis(self, values: jax.Array, dtype: DTypeLike, rotated: bool) -> jax.Array:
         if self.rotate and not rotated:
             values = Rotation(values.shape[-1]).undo(values)
         return values.astype(dtype)
@@ -91,7 +92,7 @@ class _BytePerValueQuantizer(_Rotating):
     def validate(self, head_dim: int, dtype: np.dtype) -> None:
         return None
 
-    def quantize(self, x: jax.Array) -> QuantizedPages:
+    def quantize(self, x: jax.Array) -> QuantizedPages[jax.Array]:
         grid = self._grid
         xg = _grouped(self._into_basis(x), 1)
         scale = _absmax_scale(xg, grid.qmax)
@@ -99,7 +100,7 @@ class _BytePerValueQuantizer(_Rotating):
         codes = jnp.clip(jnp.round(scaled) if grid.rounds else scaled, -grid.qmax, grid.qmax).astype(grid.dtype)
         return QuantizedPages(codes.reshape(x.shape), scale[..., 0], self)
 
-    def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
         return self._out_of_basis(q.values.astype(jnp.float32) * q.scales[..., None], dtype, rotated)
 
 
@@ -164,7 +165,7 @@ class Int4Quantizer(_Rotating):
                 f"int4 group_size={self.group_size} must be a positive even divisor of head_dim={head_dim}"
             )
 
-    def quantize(self, x: jax.Array) -> QuantizedPages:
+    def quantize(self, x: jax.Array) -> QuantizedPages[jax.Array]:
         xg = _grouped(self._into_basis(x), self._groups(x.shape[-1]))
         if self.asymmetric:
             lo = jnp.min(xg, axis=-1)
@@ -179,7 +180,7 @@ class Int4Quantizer(_Rotating):
             scales = scales[..., 0, :] if self.asymmetric else scales[..., 0]
         return QuantizedPages(packed, scales, self)
 
-    def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
         packed = q.values
         nibbles = unpacked_nibbles(packed)
         scales = q.scales if self.group_size is not None else q.scales[..., None, :] if self.asymmetric \

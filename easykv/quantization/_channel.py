@@ -26,11 +26,12 @@ requantized to the grown step (``requantize``). Each growth rounds the earlier t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from easykv.quantization._logstep import inverse_steps, needed_codes, pack, steps, unpack
 from easykv.quantization._pages import QuantizedPages
@@ -83,13 +84,13 @@ class Int4ChannelQuantizer:
         return pack(jnp.clip(jnp.floor(unpack(packed) * ratio), -8, 7))
 
     # ---- whole pages -----------------------------------------------------------------------------
-    def quantize(self, x: jax.Array) -> QuantizedPages:
+    def quantize(self, x: jax.Array) -> QuantizedPages[jax.Array]:
         """Whole pages ``(..., page_size, head_dim)`` -> values ``(..., page_size, head_dim // 2)`` and
         scale codes ``(..., head_dim)`` (the max over each page's tokens)."""
         codes = jnp.max(self.needed_codes(x), axis=-2)
         return QuantizedPages(self.encode(x, codes[..., None, :]), codes, self)
 
-    def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
         """Pages ``(..., page_size, head_dim // 2)`` with scales ``(..., head_dim)`` -> ``(...,
         page_size, head_dim)`` in ``dtype``."""
         return (unpack(q.values) * self.steps(q.scales)[..., None, :]).astype(dtype)

@@ -27,11 +27,12 @@ byte each, so head_dim is at most 256.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from easykv.quantization._logstep import inverse_steps, needed_codes, nibbles, pack, steps, unpack
 from easykv.quantization._pages import QuantizedPages
@@ -77,7 +78,7 @@ class Int4OutlierQuantizer:
             raise ValueError(f"{self.name} keeps {self.outliers} outliers per token, more than half of head_dim "
                              f"{head_dim}; take fewer (int4-ol<K>, K even) or int8")
 
-    def quantize(self, x: jax.Array) -> QuantizedPages:
+    def quantize(self, x: jax.Array) -> QuantizedPages[jax.Array]:
         """Tokens ``(..., head_dim)`` -> values ``(..., head_dim // 2)`` and side bytes ``(...,
         2 + k + k // 2)``. Ties in magnitude go to the lower channel. The shape is checked as
         `validate` checks a cache's (a static check: a direct call with head_dim 512 would store
@@ -111,7 +112,7 @@ class Int4OutlierQuantizer:
                                 pack(low)], axis=-1)
         return QuantizedPages(pack(codes), side, self)
 
-    def dequantize(self, q: QuantizedPages, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
         """Values ``(..., head_dim // 2)`` with side bytes -> ``(..., head_dim)`` in ``dtype``."""
         k = self.outliers
         side = q.scales

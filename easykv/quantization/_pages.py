@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Generic, Protocol, TypeGuard, TypeVar, cast, runtime_checkable
 
 import jax
 import numpy as np
+from jax.typing import DTypeLike
 
 from easykv.quantization._rotation import Rotation
 
 SCALE_DTYPE = np.dtype("float32")
+
+#: What a `QuantizedPages` holds as values and scales: ``jax.Array`` for pages and new tokens,
+#: ``jax.ShapeDtypeStruct`` in a page template, ``np.ndarray`` in a host copy.
+Leaf = TypeVar("Leaf", bound="jax.Array | jax.ShapeDtypeStruct | np.ndarray")
 
 
 @runtime_checkable
@@ -58,27 +63,65 @@ class CompressingQuantizer(Quantizer, Protocol):
         """Trailing shape of the scales for one token-head (``()``: one scale)."""
         ...
 
-    def quantize(self, x: jax.Array) -> QuantizedPages:
+    def quantize(self, x: jax.Array) -> QuantizedPages[jax.Array]:
         """(..., head_dim) -> values (..., packed) and scales (..., *scale_shape)."""
         ...
 
-    def dequantize(self, q: QuantizedPages, dtype: Any) -> jax.Array:
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike) -> jax.Array:
         """The inverse of quantize, in ``dtype``."""
         ...
 
 
-def scales_per_page(quantizer: Any) -> bool:
+@runtime_checkable
+class RotatingQuantizer(CompressingQuantizer, Protocol):
+    """A compressing quantizer that rotates tokens before quantizing (``_rotation.py``): its
+    dequantized values can stay in the rotated basis, where attention rotates the query instead."""
+
+    def rotation(self, head_dim: int) -> Rotation | None:
+        """The rotation applied to tokens of ``head_dim`` values (None: this one rotates none)."""
+        ...
+
+    def dequantize(self, q: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
+        """The inverse of quantize, in ``dtype``; ``rotated``: left in the rotated basis."""
+        ...
+
+
+@runtime_checkable
+class PageScaledQuantizer(CompressingQuantizer, Protocol):
+    """A compressing quantizer with its scales per page (``scales_per_page = True``, as
+    ``int4-ch``): a write is a read-modify-write of the pages it lands in
+    (``easykv.storage.writes``), through these three, and sizing counts bytes per page."""
+
+    def needed_codes(self, x: jax.Array) -> jax.Array:
+        """The smallest scale code that holds each of ``x``'s values."""
+        ...
+
+    def requantize(self, packed: jax.Array, old: jax.Array, new: jax.Array) -> jax.Array:
+        """Codes under scale codes ``old`` -> the same values under the larger ``new``."""
+        ...
+
+    def encode(self, x: jax.Array, codes: jax.Array) -> jax.Array:
+        """Tokens under scale codes broadcastable to them -> stored codes."""
+        ...
+
+    def bytes_per_page_head(self, page_size: int, head_dim: int, dtype: np.dtype) -> int:
+        """Stored bytes of one page of one kv head, codes and scales."""
+        ...
+
+
+def scales_per_page(quantizer: Quantizer) -> TypeGuard[PageScaledQuantizer]:
     """Whether ``quantizer`` keeps its scales per page (``(..., num_pages, *scale_shape)``, e.g.
-    ``int4-ch``) rather than per token (``(..., num_pages, page_size, *scale_shape)``)."""
+    ``int4-ch``: a `PageScaledQuantizer`) rather than per token (``(..., num_pages, page_size,
+    *scale_shape)``)."""
     return bool(getattr(quantizer, "scales_per_page", False))
 
 
-def scale_dtype(quantizer: Any) -> np.dtype:
+def scale_dtype(quantizer: Quantizer) -> np.dtype:
     """The dtype of ``quantizer``'s stored scales (float32 unless it says otherwise)."""
     return np.dtype(getattr(quantizer, "scale_dtype", SCALE_DTYPE))
 
 
-def page_head_bytes(quantizer: Any, page_size: int, head_dim: int, dtype: np.dtype) -> int:
+def page_head_bytes(quantizer: Quantizer, page_size: int, head_dim: int, dtype: np.dtype) -> int:
     """Stored bytes of one page of one kv head: values and scales, per-page scales included."""
     per_page = getattr(quantizer, "bytes_per_page_head", None)
     if callable(per_page):
@@ -86,7 +129,7 @@ def page_head_bytes(quantizer: Any, page_size: int, head_dim: int, dtype: np.dty
     return page_size * int(quantizer.bytes_per_token_head(head_dim, dtype))
 
 
-def rotation_of(quantizer: Any, head_dim: int) -> Rotation | None:
+def rotation_of(quantizer: Quantizer, head_dim: int) -> Rotation | None:
     """The rotation ``quantizer`` applies to tokens of ``head_dim`` values (None: none)."""
     rotation = getattr(quantizer, "rotation", None)
     return rotation(head_dim) if callable(rotation) else None
@@ -94,7 +137,7 @@ def rotation_of(quantizer: Any, head_dim: int) -> Rotation | None:
 
 @partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=["quantizer"])
 @dataclasses.dataclass(frozen=True)
-class QuantizedPages:
+class QuantizedPages(Generic[Leaf]):
     """Stored values plus compact scales, for pages or for a batch of new tokens. A pytree: the
     arrays are its leaves, the quantizer static.
 
@@ -106,13 +149,16 @@ class QuantizedPages:
         unless it says otherwise); a quantizer with scales per page (``int4-ch``) has no
         ``page_size`` axis: ``(..., num_pages, *scale_shape)``.
       quantizer: the compressing quantizer that made them (and dequantizes them).
+
+    The type parameter is what values and scales are (`Leaf`): ``QuantizedPages[jax.Array]``
+    for pages and tokens, ``QuantizedPages[jax.ShapeDtypeStruct]`` for a page template.
     """
 
-    values: Any
-    scales: Any
-    quantizer: Any
+    values: Leaf
+    scales: Leaf
+    quantizer: CompressingQuantizer
 
-    def dequantize(self, dtype: Any, *, rotated: bool = False) -> jax.Array:
+    def dequantize(self: QuantizedPages[jax.Array], dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
         """The values these codes stand for, ``(*lead, head_dim)`` in ``dtype``.
 
         Args:
@@ -120,13 +166,10 @@ class QuantizedPages:
           rotated: a rotating quantizer's values are left in its rotated basis (attention rotates
             the query instead); for any other quantizer it changes nothing. Default False.
         """
-        # ``quantizer`` is any compressing quantizer (duck-typed: a rotating one takes ``rotated``).
-        values: jax.Array
         if rotated and self.rotation is not None:
-            values = self.quantizer.dequantize(self, dtype, rotated=True)
-        else:
-            values = self.quantizer.dequantize(self, dtype)
-        return values
+            # cast: `rotation_of` found the quantizer's ``rotation``, so it rotates and takes ``rotated``.
+            return cast(RotatingQuantizer, self.quantizer).dequantize(self, dtype, rotated=True)
+        return self.quantizer.dequantize(self, dtype)
 
     @property
     def rotation(self) -> Rotation | None:

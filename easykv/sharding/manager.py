@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from easykv.sharding.axes import PartitionAxis
 from easykv.sharding.mesh import mesh_axis_size
@@ -90,7 +90,7 @@ class PartitionManager:
         return cast(PartitionAxis, self.paxis)
 
     def resolve_with_report(
-        self, axes: Sequence[str | None], shape: Sequence[int], *, mesh: Mesh
+        self, axes: Sequence[str | None], shape: Sequence[int], *, mesh: Mesh | AbstractMesh
     ) -> tuple[PartitionSpec, tuple[str, ...]]:
         """The PartitionSpec for `shape` on `mesh`, plus one message per adjustment made.
 
@@ -101,7 +101,7 @@ class PartitionManager:
           axes: one logical axis name (or None: never sharded) per dimension, e.g.
             ``("kv_head", "page", None, None)``.
           shape: the array's shape, as many non-negative ints as ``axes``.
-          mesh: the `Mesh` to shard over.
+          mesh: the `Mesh` (or `AbstractMesh`: only axis names and sizes are read) to shard over.
 
         Returns:
           The ``PartitionSpec`` and a tuple of messages, one per mesh axis dropped.

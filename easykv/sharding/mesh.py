@@ -70,6 +70,7 @@ def _parse_axis_dims(axis_dims: AxisDims) -> list[tuple[str, int]]:
     return out
 
 
+# ``devices``: jax.Device objects; Any because jaxlib, which defines the class, gives mypy no types for it.
 def create_mesh(axis_dims: AxisDims, *, devices: Sequence[Any] | None = None) -> Mesh:
     """Build a `Mesh` with `Auto` axis types over all devices (or the ones given).
 

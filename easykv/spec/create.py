@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
 
 from easykv.quantization import get_quantizer
 from easykv.sharding import ShardingAdjustedWarning
@@ -19,9 +20,21 @@ from easykv.spec.layout import LayoutPlan, plan_layout
 from easykv.spec.memory import MemoryBudget, device_memory_budget, devices_per_host
 from easykv.validation import INT32_MAX, positive_int, show
 
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
 
-def create_metadata(cls: type, mesh: Any, *, host_memory_bytes: int | None, layer_groups: Any, stacklevel: int,
-                    **args: Any) -> Any:
+
+class _Metadata(Protocol):
+    """What `create_metadata` needs of the metadata class it builds (`PagedAttentionCacheMetaData`)."""
+
+    def with_host_memory(self, host_memory_bytes: int, devices_per_host: int) -> Self: ...
+
+
+_M = TypeVar("_M", bound=_Metadata)
+
+
+def create_metadata(cls: Callable[..., _M], mesh: Mesh | AbstractMesh, *, host_memory_bytes: int | None,
+                    layer_groups: Sequence[LayerGroup] | None, stacklevel: int, **args: Any) -> _M:
     """`PagedAttentionCacheMetaData.create` (see its doc) for class ``cls``; ``args`` are its
     other arguments, by name. ``stacklevel``: the code that asked for the metadata, as
     `warnings.warn` counts frames from here; the mesh plan's adjustments are warned there, and
@@ -30,9 +43,12 @@ def create_metadata(cls: type, mesh: Any, *, host_memory_bytes: int | None, laye
         meta = create_metadata(cls, mesh, host_memory_bytes=None, layer_groups=layer_groups,
                                stacklevel=stacklevel + 1, **args)
         return meta.with_host_memory(host_memory_bytes, devices_per_host(mesh))
+    created: _M
     if layer_groups is not None:
-        return _create_grouped(cls, mesh, layer_groups, args, stacklevel + 1)
-    return _create_uniform(cls, mesh, stacklevel=stacklevel + 1, **args)
+        created = _create_grouped(cls, mesh, layer_groups, args, stacklevel + 1)
+    else:
+        created = _create_uniform(cls, mesh, stacklevel=stacklevel + 1, **args)
+    return created
 
 
 def _plan(mesh: Any, num_kv_heads: int, partition_manager: Any, stacklevel: int) -> LayoutPlan:
@@ -44,7 +60,7 @@ def _plan(mesh: Any, num_kv_heads: int, partition_manager: Any, stacklevel: int)
     return plan
 
 
-def _create_uniform(cls: type, mesh: Any, *, batch_size: int, num_hidden_layers: int, max_sequences: int,
+def _create_uniform(cls: Callable[..., Any], mesh: Any, *, batch_size: int, num_hidden_layers: int, max_sequences: int,
                     page_size: int, num_kv_heads: int, kv_head_dim_size: int, hbm_utilization: float, dtype: Any,
                     partition_manager: Any, quantizer: Any, memory_bytes_per_device: int | None,
                     num_pages_per_layer: int | None, stacklevel: int) -> Any:
@@ -89,7 +105,8 @@ def _budget(mesh: Any, probe: Any, memory_bytes_per_device: int | None) -> Memor
     return device_memory_budget(devices, probe.hbm_utilization, memory_bytes_per_device=memory_bytes_per_device)
 
 
-def _create_grouped(cls: type, mesh: Any, layer_groups: Any, args: dict[str, Any], stacklevel: int) -> Any:
+def _create_grouped(cls: Callable[..., Any], mesh: Any, layer_groups: Any, args: dict[str, Any],
+                    stacklevel: int) -> Any:
     """`create` with layer groups: each group's head split on ``mesh``, then its pool sized."""
     if isinstance(layer_groups, LayerGroup) or not isinstance(layer_groups, (tuple, list)) or not layer_groups:
         raise ValueError(f"layer_groups must be a non-empty sequence of LayerGroup, got {show(layer_groups)}")

@@ -5,16 +5,15 @@ its logical dtype for what reads give back."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import DTypeLike
 
 from easykv.validation import as_dtype
 
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-def canonical_dtype(dtype: Any) -> np.dtype:
+def canonical_dtype(dtype: DTypeLike) -> np.dtype:
     """The numpy dtype for a user's dtype argument, or a ValueError naming the choices."""
     choices = f"{', '.join(SUPPORTED_DTYPES)} (int8/fp8/int4 storage is chosen with quantizer=...)"
     dt = as_dtype("dtype", dtype, choices=choices)

@@ -10,10 +10,13 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager, ShardingAdjustedWarning
 from easykv.validation import positive_int, show
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,7 @@ class LayoutPlan:
 
 
 def plan_layout(
-    mesh: Any,
+    mesh: Mesh | AbstractMesh,
     *,
     num_kv_heads: int,
     partition_manager: PartitionManager | None,

@@ -13,12 +13,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from easykv.errors import MemoryUnavailableError
 from easykv.validation import INT64_MAX, positive_int, real
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
 
 _GIB = 2**30
 _CGROUP_V1_UNLIMITED = 2**60  # v1 reports "no limit" as a huge page-rounded number
@@ -184,7 +187,7 @@ def _from_stats(name: str, stats: dict[str, Any], util: float) -> tuple[int, str
 
 
 def device_memory_budget(
-    devices: Sequence[Any],
+    devices: Sequence[Any],  # jax.Device: Any, jaxlib gives mypy no types for the class
     hbm_utilization: float,
     *,
     memory_bytes_per_device: int | None = None,
@@ -263,7 +266,7 @@ def device_memory_budget(
     return MemoryBudget(budget, source, f"{detail} = {_gib(budget)} per device")
 
 
-def devices_per_host(mesh: Any) -> int:
+def devices_per_host(mesh: Mesh | AbstractMesh) -> int:
     """Devices of ``mesh`` on this process, which share its host memory (an abstract mesh, planned
     from one machine: all of them)."""
     from jax.sharding import Mesh

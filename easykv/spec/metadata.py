@@ -14,9 +14,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, cast, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast, overload
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from easykv.errors import SerializationError
 from easykv.quantization import Quantizer, get_quantizer, page_head_bytes
@@ -28,6 +29,9 @@ from easykv.spec.layout import LayoutPlan, plan_layout  # re-exported: the metad
 from easykv.spec.memory import MemoryBudget  # re-exported
 from easykv.spec.serialization import Serializable
 from easykv.validation import INT32_MAX, INT64_MAX, positive_int, real, show
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
 
 _EASYDEL_FIELDS = (
     "batch_size", "num_hidden_layers", "num_pages_per_layer", "num_pages_per_sequence",
@@ -420,8 +424,8 @@ class PagedAttentionCacheMetaData(Serializable):
         """Each group's ``(dtype, quantizer name)``, in group order."""
         return tuple((self.group_dtype(g), self.group_quantizer(g).name) for g in self.groups)
 
-    def with_formats(self, formats: Sequence[tuple[Any, Any]], *, dtype: Any,
-                     quantization: Any) -> PagedAttentionCacheMetaData:
+    def with_formats(self, formats: Sequence[tuple[np.dtype | None, str | Quantizer | None]], *,
+                     dtype: DTypeLike | None, quantization: str | Quantizer | None) -> PagedAttentionCacheMetaData:
         """This metadata with group ``i`` storing ``formats[i]``, and the cache's own format (that
         of groups that do not choose theirs). A uniform cache has one group: its format is the
         cache's (``dtype`` / ``quantization`` are then unused).
@@ -501,7 +505,7 @@ class PagedAttentionCacheMetaData(Serializable):
     @classmethod
     def create(
         cls,
-        mesh: Any,
+        mesh: Mesh | AbstractMesh,
         batch_size: int,
         num_hidden_layers: int,
         max_sequences: int,
@@ -509,7 +513,7 @@ class PagedAttentionCacheMetaData(Serializable):
         num_kv_heads: int,
         kv_head_dim_size: int,
         hbm_utilization: float,
-        dtype: Any = np.dtype("bfloat16"),
+        dtype: DTypeLike = np.dtype("bfloat16"),
         *,
         partition_manager: PartitionManager | None = None,
         quantizer: str | Quantizer | None = None,

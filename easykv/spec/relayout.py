@@ -7,18 +7,23 @@ ids (and the page manager's state) stay valid.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from easykv.errors import CheckpointMismatchError
 from easykv.spec.groups import known_size
 from easykv.spec.layout import plan_layout
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
+
+    from easykv.sharding import PartitionManager
+
 
 def target_metadata(
     saved: PagedAttentionCacheMetaData,
-    mesh: Any,
-    partition_manager: Any,
+    mesh: Mesh | AbstractMesh,
+    partition_manager: PartitionManager | None,
 ) -> PagedAttentionCacheMetaData:
     """``saved`` laid out for ``mesh`` (see the module doc); CheckpointMismatchError when the
     pool cannot be split that way."""

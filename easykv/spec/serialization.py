@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import ml_dtypes  # noqa: F401  registers bfloat16 / float8 / int4 names with numpy.dtype
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from easykv.errors import SerializationError
 from easykv.validation import parse_json, show
@@ -65,17 +66,17 @@ def _check_json_safe(value: Any, where: str) -> None:
         "plain value")
 
 
-def encode_dtype(value: Any, field: str = "dtype") -> str:
+def encode_dtype(value: DTypeLike, field: str = "dtype") -> str:
     """The canonical name of a numpy/jax dtype (``jnp.bfloat16`` -> ``"bfloat16"``)."""
     try:
-        name: str = np.dtype(value).name  # numpy's overloads give Any for an Any argument
+        name = np.dtype(value).name
     except (TypeError, ValueError, RecursionError) as e:
         raise SerializationError(
             f"field {show(field)}: {show(value)} is not a dtype ({e}); use e.g. jnp.bfloat16") from None
     return name
 
 
-def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
+def decode_dtype(name: object, field: str = "dtype") -> np.dtype:
     """``np.dtype`` from its name; bfloat16 / float8 names resolve through ml_dtypes."""
     if not isinstance(name, str):
         raise SerializationError(
@@ -89,7 +90,7 @@ def decode_dtype(name: Any, field: str = "dtype") -> np.dtype:
             f"{_DTYPE_EXAMPLES}") from None
 
 
-def encode_array(value: Any, field: str = "array") -> dict[str, Any]:
+def encode_array(value: ArrayLike, field: str = "array") -> dict[str, Any]:
     """An array as JSON: its dtype name, its shape and its bytes (C order, base64). Never
     ``str(array)``, which drops digits and elides the middle of large arrays."""
     try:
@@ -104,7 +105,7 @@ def encode_array(value: Any, field: str = "array") -> dict[str, Any]:
     return {_ARRAY_KEY: data, "dtype": arr.dtype.name, "shape": list(arr.shape)}
 
 
-def decode_array(data: Any, field: str = "array") -> np.ndarray:
+def decode_array(data: object, field: str = "array") -> np.ndarray:
     """The array `encode_array` wrote; a SerializationError names what does not fit (the
     bytes must be exactly what dtype and shape imply, so nothing larger is ever allocated)."""
     if not isinstance(data, Mapping) or set(data) != {_ARRAY_KEY, "dtype", "shape"}:
@@ -278,7 +279,7 @@ class Serializable:
                 f"text starts {_head(text)}")
         return cls.from_dict(data)
 
-    def replace(self: _T, **changes: Any) -> _T:
+    def replace(self: _T, **changes: object) -> _T:
         """A copy with ``changes`` applied; ``__post_init__`` re-validates the result."""
         fields = self._init_fields()
         unknown = sorted(set(changes) - set(fields))

@@ -3,14 +3,12 @@ memory holds. Both count what one device stores for one page in every layer."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.validation import INT64_MAX, non_negative_int, positive_int
 
 
-def estimated_memory_size(metadata: Any, available_cache_memory: int, *, max_batch_size: int | None = None,
-                          max_seq_len: int | None = None) -> int:
+def estimated_memory_size(metadata: PagedAttentionCacheMetaData, available_cache_memory: int, *,
+                          max_batch_size: int | None = None, max_seq_len: int | None = None) -> int:
     """Bytes per device the pool should take: pages for ``max_batch_size`` sequences of
     ``max_seq_len`` tokens (defaults: the metadata's), never more than that batch can use
     and never more than ``available_cache_memory`` (per device) holds."""
@@ -19,7 +17,8 @@ def estimated_memory_size(metadata: Any, available_cache_memory: int, *, max_bat
     budget = non_negative_int("available_cache_memory", available_cache_memory, hi=INT64_MAX) // per_page
     return min(-(-batch // shards) * per_seq, budget) * per_page
 
-def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_seq_len: int | None = None) -> int:
+def infer_optimal_batch_size(metadata: PagedAttentionCacheMetaData, available_cache_memory: int, *,
+                             max_seq_len: int | None = None) -> int:
     """How many sequences of ``max_seq_len`` tokens (default the metadata's max_sequences)
     ``available_cache_memory`` bytes per device hold, over all data-parallel replicas."""
     per_page, per_seq, shards = _page_cost(metadata, max_seq_len)
@@ -31,7 +30,7 @@ def infer_optimal_batch_size(metadata: Any, available_cache_memory: int, *, max_
     return shards * (pages // per_seq)
 
 
-def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> float:
+def tokens_per_gib(metadata: PagedAttentionCacheMetaData, context: int, *, uniform: bool = False) -> float:
     """Tokens of ``context``-token sequences one GiB of a device holds, once the pages that
     left a window are released; ``uniform``: the same model with every layer full attention
     (its groups' geometry kept), the baseline a grouped cache is measured against.
@@ -52,7 +51,7 @@ def tokens_per_gib(metadata: Any, context: int, *, uniform: bool = False) -> flo
     return 2**30 / per_sequence * context
 
 
-def _page_cost(metadata: Any, max_seq_len: int | None) -> tuple[int, int, int]:
+def _page_cost(metadata: PagedAttentionCacheMetaData, max_seq_len: int | None) -> tuple[int, int, int]:
     """(bytes per page on one device across layers, pages per sequence, data-parallel replicas)."""
     if not isinstance(metadata, PagedAttentionCacheMetaData):
         raise ValueError(f"metadata must be a PagedAttentionCacheMetaData, got {type(metadata).__name__}")

@@ -6,15 +6,13 @@ A checkpoint restore uses both; nothing here knows where the arrays came from.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from easykv.errors import CheckpointMismatchError
 from easykv.quantization import QuantizedPages
-from easykv.storage.pages import PageLayout, decode_pages, encode_pages, to_storage
+from easykv.storage.pages import PageLayout, PageTemplate, StoredPages, decode_pages, encode_pages, to_storage
 
 _BITCAST = jax.jit(lambda tree, dtypes: jax.tree.map(to_storage, tree, dtypes), static_argnums=1, donate_argnums=0)
 
@@ -31,19 +29,20 @@ def to_storage_dtypes(arrays: list[jax.Array], dtypes: list[np.dtype]) -> list[j
     return list(_BITCAST(tuple(arrays), tuple(np.dtype(d) for d in dtypes)))
 
 
-def convert_pages(pages: Any, src_dtype: np.dtype, dst_dtype: np.dtype, dst_template: Any,
-                  layout: PageLayout) -> Any:
+def convert_pages(pages: StoredPages, src_dtype: np.dtype, dst_dtype: np.dtype, dst_template: PageTemplate,
+                  layout: PageLayout) -> StoredPages:
     """One page array of logical ``src_dtype`` re-encoded as ``dst_template`` of ``dst_dtype``
     (dequantize, cast, quantize); lossy where the target is coarser. Runs as one jit with the
     target shardings."""
     out_shardings = jax.tree.map(lambda t: layout.sharding_for(len(t.shape)), dst_template)
 
-    def run(p: Any) -> Any:
+    def run(p: StoredPages) -> StoredPages:
         # Quantized pages dequantize straight to float32: a detour through src_dtype would round twice.
         values = decode_pages(p, jnp.float32) if isinstance(p, QuantizedPages) else decode_pages(p, src_dtype)
         return encode_pages(values.astype(jnp.float32).astype(dst_dtype), dst_template)
 
-    return jax.jit(run, out_shardings=out_shardings)(pages)
+    converted: StoredPages = jax.jit(run, out_shardings=out_shardings)(pages)
+    return converted
 
 
 __all__ = ["convert_pages", "to_storage_dtypes"]

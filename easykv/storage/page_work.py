@@ -16,13 +16,13 @@ whose source or destination is padding writes nothing (`copy_pages_local`, `zero
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
-from easykv.storage.pages import PageLayout, copy_pages_local, zero_pages_local
+from easykv.storage.pages import PageLayout, PageTree, copy_pages_local, zero_pages_local
 
 # Host-tier transfers move at most this many pages per replica in one call (`HostTier.apply`
 # splits larger ones): the staging arrays of a call are ``min(bucket, TRANSFER_CHUNK)`` pages,
@@ -40,7 +40,7 @@ def work_bucket(n: int, most: int) -> int:
     return min(size, most) if n <= most else size
 
 
-def padded_ids(ids: Any, size: int, fill: int = -1) -> np.ndarray:
+def padded_ids(ids: ArrayLike, size: int, fill: int = -1) -> np.ndarray:
     """``ids`` (host ints) as an int32 array of ``size`` entries, the rest ``fill``."""
     ids = np.asarray(ids, np.int32).reshape(-1)
     out = np.full(size, fill, np.int32)
@@ -48,27 +48,28 @@ def padded_ids(ids: Any, size: int, fill: int = -1) -> np.ndarray:
     return out
 
 
-def page_work_local(pages: Any, _: Any, src: jax.Array, dst: jax.Array, scrubs: jax.Array, *,
-                    layout: PageLayout | None, between: Callable[[Any], Any] | None = None) -> Any:
+def page_work_local(pages: PageTree, _: object, src: jax.Array, dst: jax.Array, scrubs: jax.Array, *,
+                    layout: PageLayout | None, between: Callable[[PageTree], PageTree] | None = None) -> PageTree:
     """Copy ``src[i] -> dst[i]`` (sources read before destinations are written), then zero
     ``scrubs``, in every layer of every stacked array of ``pages`` (one shard; global ids, -1
     padding). A half with nothing real to do is skipped on the device (``lax.cond``), so a call
     that only zeroes gathers no pages for its padded copies, and the other way round.
     ``between``: work on ``pages`` after the copies and before the zeroing (the host tier's
     onloads)."""
-    def copy(p: Any) -> Any:
+    def copy(p: PageTree) -> PageTree:
         return copy_pages_local(p, None, src, dst, layout=layout)
 
-    def zero(p: Any) -> Any:
+    def zero(p: PageTree) -> PageTree:
         return zero_pages_local(p, None, scrubs, layout=layout)
 
-    def keep(p: Any) -> Any:
+    def keep(p: PageTree) -> PageTree:
         return p
 
     pages = jax.lax.cond(jnp.any((src >= 0) & (dst >= 0)), copy, keep, pages)
     if between is not None:
         pages = between(pages)
-    return jax.lax.cond(jnp.any(scrubs >= 0), zero, keep, pages)
+    done: PageTree = jax.lax.cond(jnp.any(scrubs >= 0), zero, keep, pages)
+    return done
 
 
 __all__ = ["TRANSFER_CHUNK", "padded_ids", "page_work_local", "work_bucket"]

@@ -24,25 +24,34 @@ import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.typing import DTypeLike
 
 from easykv.quantization import QuantizedPages, Quantizer, is_compressing, scale_dtype, scales_per_page
 from easykv.spec.groups import LayerGroup
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 
 #: One stacked page array's template (shapes and storage dtypes): a ShapeDtypeStruct, or a
 #: QuantizedPages of them (values and scales).
-PageTemplate = jax.ShapeDtypeStruct | QuantizedPages
+PageTemplate: TypeAlias = jax.ShapeDtypeStruct | QuantizedPages[jax.ShapeDtypeStruct]
+#: One stacked page array (K or V) as stored: the dtype itself or its raw bits (CPU), or a
+#: QuantizedPages of values and scales.
+StoredPages: TypeAlias = jax.Array | QuantizedPages[jax.Array]
+#: A layer of stacked pages: an int, an integer scalar, or a traced index.
+Layer: TypeAlias = int | np.integer | jax.Array | np.ndarray
+#: A pytree of stacked page arrays (a group's K and V, ...): what a shard-local page operation
+#: takes and returns in the same structure.
+PageTree = TypeVar("PageTree")
 
 
-def storage_dtype(dtype: Any, platform: str) -> np.dtype:
+def storage_dtype(dtype: DTypeLike, platform: str) -> np.dtype:
     """The dtype pages of logical ``dtype`` are stored in on ``platform`` (see module doc)."""
-    dt: np.dtype = np.dtype(dtype)  # numpy's overloads give Any for an Any argument
+    dt = np.dtype(dtype)
     if platform == "cpu" and jnp.issubdtype(dt, jnp.floating) and dt.itemsize < 4:
         return np.dtype(f"uint{8 * dt.itemsize}")
     return dt
@@ -114,14 +123,14 @@ def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
 
 
 def run_local(
-    fn: Callable[..., Any],
+    fn: Callable[..., PageTree],
     layout: PageLayout | None,
-    pages: Any,
-    per_head: Any = (),
-    replicated: tuple[Any, ...] = (),
+    pages: PageTree,
+    per_head: object = (),
+    replicated: tuple[jax.Array, ...] = (),
     *,
     head_axis: int = 0,
-) -> Any:
+) -> PageTree:
     """Apply ``fn(pages, per_head, *replicated)`` to each device's shard of ``pages``.
 
     ``pages`` is a pytree of stacked page arrays laid out as ``layout`` (the result keeps that
@@ -144,7 +153,7 @@ def run_local(
 
 
 def page_template(
-    shape: tuple[int, ...], dtype: Any, quantizer: Quantizer, platform: str
+    shape: tuple[int, ...], dtype: DTypeLike, quantizer: Quantizer, platform: str
 ) -> PageTemplate:
     """Shapes and storage dtypes of one stacked page array (K or V) of logical ``shape``
     ``(layers, heads, pages, page_size, head_dim)`` (or one layer's, as checkpoint formats 1-2
@@ -167,7 +176,7 @@ def group_page_templates(meta: PagedAttentionCacheMetaData, group: LayerGroup, p
     """(key, value) templates of layer group ``group``'s stacked pages of ``meta`` on
     ``platform``, in the group's geometry and format (value None for a latent group, which
     stores none)."""
-    dtype, quantizer = meta.group_dtype(group), meta.group_quantizer(group)
+    dtype, quantizer = known_dtype(meta.group_dtype(group)), meta.group_quantizer(group)
     key = page_template(meta.group_pages_shape(group), dtype, quantizer, platform)
     value_shape = meta.group_pages_shape(group, values=True)  # None: a latent group
     return key, None if value_shape is None else page_template(value_shape, dtype, quantizer, platform)
@@ -178,18 +187,20 @@ def group_templates(meta: PagedAttentionCacheMetaData, platform: str) -> list[tu
     return [group_page_templates(meta, g, platform) for g in meta.groups]
 
 
-def allocate_pages(templates: Any, layout: PageLayout) -> Any:
-    """Zero-filled page arrays for a pytree of ShapeDtypeStructs, created by the devices
-    themselves: each device (and each host) materializes only its own shard; nothing of pool
-    size passes through host memory."""
+def allocate_pages(templates: tuple[PageTemplate, PageTemplate | None], layout: PageLayout
+                   ) -> tuple[StoredPages, StoredPages | None]:
+    """Zero-filled (key, value) page arrays of a group's templates (`group_page_templates`; None
+    for a latent group's values), created by the devices themselves: each device (and each host)
+    materializes only its own shard; nothing of pool size passes through host memory."""
     make = jax.jit(
         lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), templates),
         out_shardings=jax.tree.map(lambda t: layout.sharding_for(len(t.shape)), templates),
     )
-    return make()
+    pages: tuple[StoredPages, StoredPages | None] = make()
+    return pages
 
 
-def encode_tokens(new: jax.Array, pages: Any) -> Any:
+def encode_tokens(new: jax.Array, pages: StoredPages | PageTemplate) -> StoredPages:
     """New tokens (..., head_dim) in the logical dtype -> what ``pages`` stores for token rows:
     quantized values + scales, or the raw bits of the values. Pages with a scale per page
     (``int4-ch``) take the tokens themselves: their write quantizes against the pages' scales
@@ -203,7 +214,7 @@ def encode_tokens(new: jax.Array, pages: Any) -> Any:
     return to_storage(new, pages.dtype)
 
 
-def encode_pages(x: jax.Array, pages: Any) -> Any:
+def encode_pages(x: jax.Array, pages: StoredPages | PageTemplate) -> StoredPages:
     """Whole pages ``(..., page_size, head_dim)`` in the logical dtype -> what ``pages`` (a
     template or stored pages) stores for them; unlike ``encode_tokens``, a format with a scale
     per page quantizes each page against its own tokens."""
@@ -214,7 +225,7 @@ def encode_pages(x: jax.Array, pages: Any) -> Any:
     return encode_tokens(x, pages)
 
 
-def take_pages(x: jax.Array, ids: jax.Array, layer: Any = 0) -> jax.Array:
+def take_pages(x: jax.Array, ids: jax.Array, layer: Layer = 0) -> jax.Array:
     """``x[layer][:, ids]`` of a stacked array ``x`` ``(layers, heads, pages, ...)``, gathered
     from the stack itself (no slice of the layer is ever formed), as ``(heads, len(ids), ...)``.
     An id outside ``0 .. pages - 1`` reads zeros. Never another page: ``jnp.take`` would read
@@ -225,7 +236,8 @@ def take_pages(x: jax.Array, ids: jax.Array, layer: Any = 0) -> jax.Array:
     return jnp.moveaxis(picked, 0, 1)
 
 
-def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0, *, rotated: bool = False) -> jax.Array:
+def read_pages(pages: StoredPages, ids: jax.Array, dtype: DTypeLike, layer: Layer = 0, *,
+               rotated: bool = False) -> jax.Array:
     """Pages ``ids`` of layer ``layer`` of one stacked page array as (heads, len(ids),
     page_size, head_dim) in the logical ``dtype``; only those pages are read (and dequantized);
     ids outside the array read as zeros. ``rotated``: a rotating quantizer's values stay in its
@@ -237,7 +249,7 @@ def read_pages(pages: Any, ids: jax.Array, dtype: Any, layer: Any = 0, *, rotate
     return decode_pages(take_pages(pages, ids, layer), dtype)
 
 
-def decode_pages(pages: Any, dtype: Any, *, rotated: bool = False) -> jax.Array:
+def decode_pages(pages: StoredPages, dtype: DTypeLike, *, rotated: bool = False) -> jax.Array:
     """Stored pages (an array or QuantizedPages, as ``pages`` holds them) as values in ``dtype``:
     quantized ones dequantized into it, raw bits reinterpreted as it (`read_pages`)."""
     if isinstance(pages, QuantizedPages):
@@ -254,8 +266,8 @@ def _local_page_ids(ids: jax.Array, layout: PageLayout | None, pages_per_shard: 
 
 
 def copy_pages_local(
-    pages: Any, _: Any, src: jax.Array, dst: jax.Array, *, layout: PageLayout | None
-) -> Any:
+    pages: PageTree, _: object, src: jax.Array, dst: jax.Array, *, layout: PageLayout | None
+) -> PageTree:
     """Copy page ``src[i]`` onto page ``dst[i]`` in every layer of every stacked array of
     ``pages`` (one shard).
 
@@ -270,10 +282,11 @@ def copy_pages_local(
         d = jnp.where(s < n, d, n)
         return leaf.at[:, :, d].set(leaf[:, :, jnp.minimum(s, n - 1)], mode="drop")
 
-    return jax.tree.map(one, pages)
+    copied: PageTree = jax.tree.map(one, pages)
+    return copied
 
 
-def zero_pages_local(pages: Any, _: Any, ids: jax.Array, *, layout: PageLayout | None) -> Any:
+def zero_pages_local(pages: PageTree, _: object, ids: jax.Array, *, layout: PageLayout | None) -> PageTree:
     """Zero the pages ``ids`` (global ids, -1 padding) in every layer of every stacked array of
     ``pages`` (one shard)."""
 
@@ -281,9 +294,10 @@ def zero_pages_local(pages: Any, _: Any, ids: jax.Array, *, layout: PageLayout |
         local = _local_page_ids(ids, layout, leaf.shape[2])
         return leaf.at[:, :, local].set(jnp.zeros((), leaf.dtype), mode="drop")
 
-    return jax.tree.map(one, pages)
+    zeroed: PageTree = jax.tree.map(one, pages)
+    return zeroed
 
 
-def page_op(layout: PageLayout | None, op: Callable[..., Any]) -> Callable[..., Any]:
+def page_op(layout: PageLayout | None, op: Callable[..., PageTree]) -> Callable[..., PageTree]:
     """Bind ``op(pages, *ids, layout=)`` to run shard-locally under ``layout``."""
     return lambda pages, *ids: run_local(partial(op, layout=layout), layout, pages, (), ids)

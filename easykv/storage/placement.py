@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, cast, overload
+from typing import cast, overload
 
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from easykv.errors import MemoryUnavailableError
 from easykv.quantization import Quantizer, get_quantizer
@@ -48,7 +49,7 @@ def group_layouts(meta: PagedAttentionCacheMetaData, layout: PageLayout | None) 
 
 def checked_layout(
     mesh: Mesh,
-    dtype: Any,
+    dtype: DTypeLike,
     metadata: PagedAttentionCacheMetaData,
     partition_manager: PartitionManager | None,
     quantizer: str | Quantizer | None,
@@ -110,7 +111,8 @@ def cache_layout(mesh: Mesh, meta: PagedAttentionCacheMetaData) -> PageLayout:
     return PageLayout(mesh=mesh, head_axes=head_axes, page_axes=meta.page_mesh_axes)
 
 
-def _checked_format(metadata: PagedAttentionCacheMetaData, dtype: Any, quantizer: Any) -> np.dtype:
+def _checked_format(metadata: PagedAttentionCacheMetaData, dtype: DTypeLike, quantizer: str | Quantizer | None
+                    ) -> np.dtype:
     """``dtype`` as a cache dtype, once it and ``quantizer`` are the format the pool was sized for."""
     dt = canonical_dtype(dtype)
     if metadata.dtype is not None and dt != metadata.dtype:
@@ -128,7 +130,7 @@ def _checked_format(metadata: PagedAttentionCacheMetaData, dtype: Any, quantizer
 
 
 def _check_split(mesh: Mesh, metadata: PagedAttentionCacheMetaData, what: str, plan: LayoutPlan,
-                 head_axes: Any, head_shards: Any) -> None:
+                 head_axes: tuple[str, ...] | None, head_shards: int | None) -> None:
     """Refuse a mesh that splits ``what`` otherwise than the metadata was sized for (``head_axes``
     / ``head_shards`` None: the metadata leaves the head split to the mesh)."""
     def splitting(axes: tuple[str, ...]) -> tuple[str, ...]:

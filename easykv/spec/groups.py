@@ -10,6 +10,9 @@ pages have their own size and its sequences keep their own number of them:
   ``[k*C, (k+1)*C)`` (Llama 4's local layers). C must be a multiple of the page size, so no page
   straddles two chunks and a sequence holds exactly the pages of its current chunk.
 
+Each kind's rule (what a query reads, so which pages leave) is written once, in
+`easykv.spec.windows`; a group's is ``LayerGroup.rule``.
+
 Geometry: ``num_kv_heads`` heads of ``key_head_dim`` keys and ``value_head_dim`` values, or, with
 ``latent=True``, one vector of ``key_head_dim`` per token and head and no value pages (DeepSeek's
 MLA: one head of 512 + 64; attention reads the first ``value_head_dim`` dims as the value).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Any, ClassVar, cast, overload
 
@@ -32,6 +36,7 @@ import numpy as np
 from easykv.quantization import get_quantizer
 from easykv.spec.dtypes import canonical_dtype
 from easykv.spec.serialization import Serializable
+from easykv.spec.windows import AttentionRule, ChunkedRule, FullAttentionRule, SlidingWindowRule
 from easykv.validation import INT32_MAX, boolean, integer, positive_int, show
 
 
@@ -65,42 +70,36 @@ class AttentionKind(enum.StrEnum):
         """Whether sequences release the pages that left the window (sliding or chunked)."""
         return self is not AttentionKind.FULL
 
-    @overload
-    def first_needed_position(self, next_position: int, window: int | None) -> int: ...
-    @overload
-    def first_needed_position(self, next_position: np.ndarray, window: int | None) -> np.ndarray: ...
-
-    def first_needed_position(self, next_position: int | np.ndarray, window: int | None) -> int | np.ndarray:
-        """The first position a query at ``next_position`` or later reads (an int, or
-        elementwise for a numpy array of positions).
+    def rule(self, window: int | None) -> AttentionRule:
+        """The window rule of this kind (`easykv.spec.windows`): which keys a query at position p
+        reads, so which pages a sequence may release. The one map from a kind to its rule.
 
         Args:
-          next_position: the position of the sequence's next query, an int or a numpy array.
-          window: the sliding window or chunk size, in tokens (unused for full attention).
-        """
-        if self is AttentionKind.FULL:
-            return 0 if isinstance(next_position, int) else np.zeros_like(next_position)
-        size = cast(int, window)  # a sliding or chunked group always has one (LayerGroup checks it)
-        if self is AttentionKind.SLIDING:
-            first = np.maximum(next_position - size + 1, 0)
-            return int(first) if isinstance(next_position, int) else first
-        return (next_position // size) * size
+          window: the sliding window or chunk size, in tokens (None for full attention).
 
-    def pages_kept(self, full_pages: int, window: int | None, page_size: int) -> int:
-        """Pages a sequence of ``full_pages`` pages keeps at once: a window of W consecutive
-        tokens touches at most ``ceil((W - 1) / page_size) + 1`` pages, a page-aligned chunk of C
-        tokens exactly ``C / page_size``.
-
-        Args:
-          full_pages: the pages the sequence holds under full attention (the most it keeps).
-          window: the sliding window or chunk size, in tokens (unused for full attention).
-          page_size: tokens per page.
+        Raises:
+          ValueError: ``window`` is given for full attention, or is no positive int for a
+            sliding or chunked one.
         """
-        if self is AttentionKind.SLIDING:
-            return min(full_pages, math.ceil((known_size(window) - 1) / page_size) + 1)
-        if self is AttentionKind.CHUNKED:
-            return min(full_pages, known_size(window) // page_size)
-        return full_pages
+        if window is None or isinstance(window, (int, np.integer)):
+            return _cached_rule(self, window)  # a step's proof asks on every build: one rule per kind and window
+        return _new_rule(self, window)  # no int (nor hashable, maybe): the rule's check refuses it
+
+
+def _new_rule(kind: AttentionKind, window: int | None) -> AttentionRule:
+    """`AttentionKind.rule`, uncached."""
+    if kind is AttentionKind.SLIDING:
+        return SlidingWindowRule(cast(int, window))  # the rule checks it is a positive int
+    if kind is AttentionKind.CHUNKED:
+        return ChunkedRule(cast(int, window))
+    if window is not None:
+        raise ValueError(f"full attention takes no window, got window={show(window)}; use attention='sliding' "
+                         "or 'chunked'")
+    return FullAttentionRule()
+
+
+# typed: a window of True is refused, never served as the cached rule of window 1.
+_cached_rule = functools.lru_cache(maxsize=256, typed=True)(_new_rule)
 
 
 ATTENTION_KINDS: tuple[str, ...] = tuple(kind.value for kind in AttentionKind)
@@ -248,16 +247,22 @@ class LayerGroup(Serializable):
         return dataclasses.replace(self, dtype=None if self.dtype == dtype else self.dtype,
                                    quantization=None if self.quantization == quantization else self.quantization)
 
+    @property
+    def rule(self) -> AttentionRule:
+        """The group's window rule (`AttentionKind.rule` of its kind and window): what its
+        queries read, so which pages its sequences release."""
+        return self.attention.rule(self.window)
+
     def pages_per_sequence(self, max_tokens: int, page_size: int) -> int:
         """Pages one sequence of up to ``max_tokens`` keeps at once in one layer of this group
         once the pages that left its window are released (the sizing unit of the group;
-        `AttentionKind.pages_kept`).
+        `AttentionRule.pages_kept`).
 
         Args:
           max_tokens: the sequence's most tokens.
           page_size: tokens per page.
         """
-        return self.attention.pages_kept(math.ceil(max_tokens / page_size), self.window, page_size)
+        return self.rule.pages_kept(math.ceil(max_tokens / page_size), page_size)
 
     @overload
     def first_needed_position(self, next_position: int) -> int: ...
@@ -265,12 +270,13 @@ class LayerGroup(Serializable):
     def first_needed_position(self, next_position: np.ndarray) -> np.ndarray: ...
 
     def first_needed_position(self, next_position: int | np.ndarray) -> int | np.ndarray:
-        """The first token position a query at ``next_position`` or later can still read.
+        """The first token position a query at ``next_position`` or later can still read
+        (`AttentionRule.first_needed_position`).
 
         Args:
           next_position: an int position, or a numpy array of positions (then elementwise).
         """
-        return self.attention.first_needed_position(next_position, self.window)
+        return self.rule.first_needed_position(next_position)
 
     @property
     def windowed(self) -> bool:

@@ -1,15 +1,17 @@
 """Paged attention: queries attend to keys and values read through page tables.
 
-One entry point serves the three forms of :class:`~easykv.step.metadata.PagedAttentionMetadata`:
+One entry point serves a :class:`~easykv.step.ragged.RaggedStep` (the page manager's steps) and the
+three forms of EasyDeL's :class:`~easykv.step.metadata.PagedAttentionMetadata`, each converted once to
+the ragged form where it enters (``checks.prepare``):
 
 * **decode** (EasyDeL's decode form): ``q`` is ``(batch, num_q_heads, head_dim)``, one query per
   sequence; sequence ``b`` sees keys ``0 .. decodes_position[b]`` (its new token already written).
 * **chunked prefill** (EasyDeL's prefill form): ``q`` is ``(padded_len, num_q_heads, head_dim)``;
   query ``t`` at ``prefill_position[t]`` sees keys ``0 .. prefill_position[t]`` (the cached prefix
   and the chunk itself, causally). Rows ``>= prefill_length`` are padding.
-* **mixed** (continuous batching): ``q`` is ``(num_tokens, num_q_heads, head_dim)``; token ``t`` of
-  sequence ``b`` (``query_start_loc[b] <= t < query_start_loc[b + 1]``, ``b < num_seqs``) sees keys
-  ``0 .. positions[t]`` of sequence ``b``.
+* **mixed** (continuous batching; a `RaggedStep`): ``q`` is ``(num_tokens, num_q_heads,
+  head_dim)``; token ``t`` of sequence ``b`` (``query_start_loc[b] <= t < query_start_loc[b + 1]``,
+  ``b < num_seqs``) sees keys ``0 .. positions[t]`` of sequence ``b``.
 
 Padding rows (position -1, or outside every sequence) come back as zeros. Options: grouped-query
 attention (q heads a multiple of kv heads; q head ``i`` reads kv head ``i // group``), a sliding
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 from numpy.typing import DTypeLike
 
-from easykv.attention.checks import Config, Layer, Pages, prepare, view_pages
+from easykv.attention.checks import Config, Pages, prepare, view_pages
 from easykv.attention.options import (
     IMPLEMENTATIONS,
     AttentionKeywords,
@@ -50,8 +52,9 @@ from easykv.attention.xla import attend_local
 from easykv.quantization import Rotation
 from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.step.checks import Array
-from easykv.step.metadata import PagedAttentionMetadata, group_runtime
-from easykv.storage.pages import PageLayout
+from easykv.step.metadata import StepInput, group_runtime
+from easykv.step.ragged import RaggedStep
+from easykv.storage.pages import Layer, PageLayout
 
 if TYPE_CHECKING:
     from easykv.storage.view import PagedAttentionCacheView
@@ -70,7 +73,7 @@ def paged_attention(
     q: Array,
     key_pages: Pages,
     value_pages: Pages | None,
-    metadata: PagedAttentionMetadata,
+    metadata: StepInput,
     sinks: Array | None = None,
     layer: Layer | None = None,
     *,
@@ -96,8 +99,9 @@ def paged_attention(
         ``v_head_dim``; the output then has it. ``None``: a latent cache (DeepSeek's MLA stores
         one vector per token, no separate values): the values are the first ``value_head_dim``
         dims of each key, read with it, never stored twice.
-      metadata: a decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values
-        are checked against the pool before anything runs.
+      metadata: the step: a :class:`RaggedStep` (an item of the page manager's ``plan.metadata``) or a
+        decode, prefill or mixed :class:`PagedAttentionMetadata`. Host (numpy) values are checked
+        against the pool before anything runs (but for what the step's builder proved).
       layer: the pages are a layer group's stack ``(layers, num_kv_heads, num_pages, page_size,
         head_dim)`` (as a cache stores them) and layer ``layer`` is read: an int, or a traced
         index inside a ``lax.scan`` over the layers. Only that layer's pages named by the page
@@ -135,7 +139,7 @@ def paged_attention(
 
 
 def view_attention(q: Array, view: PagedAttentionCacheView,
-                   metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata],
+                   metadata: StepInput | Sequence[StepInput],
                    **options: Unpack[ViewKeywords]) -> jax.Array:
     """:func:`paged_attention` over one layer's :class:`~easykv.storage.cache.PagedAttentionCacheView`:
     its group's stacked pages read at its layer, its layout and its logical dtype. The view's
@@ -147,8 +151,9 @@ def view_attention(q: Array, view: PagedAttentionCacheView,
         `paged_attention` (decode ``(batch, ...)``, prefill ``(padded_len, ...)``).
       view: the layer's `PagedAttentionCacheView` (``cache[i]``, or ``view.at_layer(i)`` in a
         scan over a group's layers).
-      metadata: one decode, prefill or mixed `PagedAttentionMetadata` for every layer group, or
-        a sequence of one per layer group of the view's cache (the view's group's is used).
+      metadata: one step for every layer group (a `RaggedStep`, or a decode, prefill or mixed
+        `PagedAttentionMetadata`), or a sequence of one per layer group of the view's cache (the
+        plan's ``plan.metadata``; the view's group's is used).
       **options: `paged_attention`'s keywords but ``layer``, ``layout`` and ``dtype`` (taken from
         the view; passing one is a ValueError).
 
@@ -165,7 +170,7 @@ def view_attention(q: Array, view: PagedAttentionCacheView,
         options = cast(ViewKeywords, {**options, **_group_options(group, options)})
     # A view of no layer group (duck-typed) passes its metadata on as it is: paged_attention
     # refuses anything but one step by name.
-    return paged_attention(q, keys, values, cast(PagedAttentionMetadata, metadata), layer=layer, layout=view.layout,
+    return paged_attention(q, keys, values, cast(StepInput, metadata), layer=layer, layout=view.layout,
                            dtype=view.dtype, **options)
 
 
@@ -195,7 +200,7 @@ def paged_attention_implementation(
     q: Array,
     key_pages: Pages,
     value_pages: Pages | None,
-    metadata: PagedAttentionMetadata,
+    metadata: StepInput,
     **options: Unpack[ImplementationKeywords],
 ) -> str:
     """The implementation ``paged_attention`` (same arguments) would run: ``"xla"`` or
@@ -216,7 +221,7 @@ def paged_attention_implementation(
 
 
 def paged_attention_reference(
-    q: Array, key_pages: Pages, value_pages: Pages | None, metadata: PagedAttentionMetadata,
+    q: Array, key_pages: Pages, value_pages: Pages | None, metadata: StepInput,
     sinks: Array | None = None, layer: Layer | None = None, **options: Unpack[ReferenceKeywords]
 ) -> jax.Array:
     """Dense reference: gather every sequence's whole page-table row into contiguous keys and
@@ -229,7 +234,7 @@ def paged_attention_reference(
       key_pages: ``(num_kv_heads, num_pages, page_size, head_dim)`` (or a layer group's stack
         ``(layers, ...)`` with ``layer``), as in `paged_attention`.
       value_pages: as ``key_pages``; ``None`` for a latent cache (with ``value_head_dim``).
-      metadata: a decode, prefill or mixed `PagedAttentionMetadata`.
+      metadata: a `RaggedStep`, or a decode, prefill or mixed `PagedAttentionMetadata`.
       sinks: ``(num_q_heads,)`` float sink logits, or ``None``; as in `paged_attention`.
       layer: the layer of stacked pages to read (``None``: one layer's pages).
       **options: ``scale``, ``sliding_window``, ``chunk_size``, ``value_head_dim``,
@@ -287,10 +292,10 @@ def _local_path(cfg: Config) -> Callable[..., jax.Array]:
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def run(q: Array, key_pages: Pages, value_pages: Pages | None, step_meta: PagedAttentionMetadata,
+def run(q: Array, key_pages: Pages, value_pages: Pages | None, step_meta: RaggedStep,
         sinks: Array | None = None,
         layer: Layer | None = None, *, cfg: Config) -> jax.Array:
-    """The checked call: ``step_meta`` in the mixed form, ``sinks`` None or checked, ``layer`` None
+    """The checked call: ``step_meta`` in the ragged form, ``sinks`` None or checked, ``layer`` None
     (one layer's pages) or the layer of stacked pages, ``cfg`` from `checks.prepare`."""
     q = jnp.asarray(q)
     # Pages may be pytrees (quantized values + scales): every leaf is split like the pages on

@@ -1,8 +1,9 @@
 """Validation for paged attention, in the order a call meets it: every shape and dtype
 (`check_inputs`), the options resolved against the pages (`resolve_layout`, `resolve_options`;
-the options are checked on their own in ``options.py``), the step metadata checked once against
-the pool (``step.metadata.as_mixed`` and `MixedStep.check_reads`), then the implementation
-(`choose_implementation`); `prepare` runs them and returns the static configuration of the call.
+the options are checked on their own in ``options.py``), the step metadata converted once to the
+ragged form and checked against the pool (``step.metadata.as_mixed`` and
+`StepEntry.check_reads`), then the implementation (`choose_implementation`); `prepare` runs them
+and returns the static configuration of the call.
 
 Split from the computation (api.py, xla.py, pallas.py, reference.py) so it reads on its own;
 messages quote what they got.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from easykv.attention.options import FLOAT_DTYPES, AttentionOptions
 from easykv.quantization import (
@@ -29,15 +30,16 @@ from easykv.quantization import (
     scales_per_page,
 )
 from easykv.step.checks import Array, dtype_of, shape_of
-from easykv.step.metadata import PagedAttentionMetadata, as_mixed
-from easykv.storage.pages import PageLayout
+from easykv.step.metadata import StepInput, as_mixed
+from easykv.step.ragged import RaggedStep
+from easykv.storage.pages import Layer, PageLayout
 from easykv.validation import integer
 
 if TYPE_CHECKING:
     from easykv.storage.view import PagedAttentionCacheView
 
-Pages = jax.Array | np.ndarray | QuantizedPages  # one layer's pages, or a layer group's stack of them
-Layer = int | np.integer | jax.Array | np.ndarray  # a layer of stacked pages: an int or an integer scalar
+# One layer's pages, or a layer group's stack of them.
+Pages = jax.Array | np.ndarray | QuantizedPages[jax.Array] | QuantizedPages[np.ndarray]
 _FLOATS = frozenset(np.dtype(name) for name in FLOAT_DTYPES)
 
 
@@ -127,7 +129,8 @@ def _infer_layout(pages: Any, stacked: bool) -> PageLayout | None:
     """The PageLayout of concrete pages placed with a NamedSharding (a stack's layer axis
     unsplit); None otherwise."""
     sharding = getattr(pages, "sharding", None) if isinstance(pages, jax.Array) else None
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+    # An abstract mesh (no devices) says nothing about where concrete pages live.
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh) or sharding.mesh.size == 1:
         return None
     spec = tuple(sharding.spec) + (None,) * (pages.ndim - len(sharding.spec))
     if stacked:
@@ -180,33 +183,33 @@ def prepare(
     q: Array,
     key_pages: Pages,
     value_pages: Pages | None,
-    metadata: PagedAttentionMetadata,
+    metadata: StepInput,
     options: AttentionOptions,
     *,
     sinks: Array | None = None,
     layer: Layer | None = None,
     infer_layout: bool = True,
-) -> tuple[Config, PagedAttentionMetadata]:
+) -> tuple[Config, RaggedStep]:
     """Check every shape and dtype (`check_inputs`), resolve ``options`` (already checked on
     their own when built) against the pages (`resolve_layout`, `resolve_options`), check the
-    metadata once against the pool (`as_mixed`, then `MixedStep.check_reads`: values a validated
-    constructor proved for this pool are not checked again but for the pages read) and choose
-    the implementation (`choose_implementation`). Returns the static config and the metadata in
-    the mixed form. ``layer``: the pages are stacked ``(layers, ...)`` and this layer is read
-    (None: one layer's pages). ``infer_layout=False``: no layout is read off the pages'
+    metadata once against the pool (`as_mixed`, attention's one conversion of EasyDeL's forms,
+    then `StepEntry.check_reads`: values its builder proved for this pool are not checked again
+    but for the pages read) and choose the implementation (`choose_implementation`). Returns the
+    static config and the step in the ragged form. ``layer``: the pages are stacked ``(layers,
+    ...)`` and this layer is read (None: one layer's pages). ``infer_layout=False``: no layout is read off the pages'
     sharding (the dense reference)."""
     inputs = check_inputs(q, key_pages, value_pages, options, sinks=sinks, layer=layer)
     layout = resolve_layout(options, inputs, stored_pages(key_pages) if infer_layout else None)
-    step = as_mixed(metadata, page_size=inputs.page_size, num_pages=inputs.num_pages)
-    step.check_reads(tokens=inputs.tokens, num_pages=inputs.num_pages, page_size=inputs.page_size,
-                     page_shards=1 if layout is None else layout.page_shards, window=options.sliding_window,
-                     chunk=options.chunk_size)
-    cfg = resolve_options(options, inputs, layout, decode_only=step.decode_only, sinks=sinks is not None)
-    fit = _Fit(cfg, stored=inputs.stored, head_dims=(inputs.head_dim, inputs.value_dim), form=step.form,
-               platform=_platform(layout, stored_pages(key_pages)), table_width=shape_of(step.step_meta.page_table)[1],
+    entry = as_mixed(metadata, page_size=inputs.page_size, num_pages=inputs.num_pages)
+    entry.check_reads(tokens=inputs.tokens, num_pages=inputs.num_pages, page_size=inputs.page_size,
+                      page_shards=1 if layout is None else layout.page_shards, window=options.sliding_window,
+                      chunk=options.chunk_size)
+    cfg = resolve_options(options, inputs, layout, decode_only=entry.decode_only, sinks=sinks is not None)
+    fit = _Fit(cfg, stored=inputs.stored, head_dims=(inputs.head_dim, inputs.value_dim), form=entry.form,
+               platform=_platform(layout, stored_pages(key_pages)), table_width=shape_of(entry.step_meta.page_table)[1],
                quantizer=inputs.key_quantizer)
     chosen = choose_implementation(options.implementation, fit)
-    return (cfg if chosen == cfg.implementation else dataclasses.replace(cfg, implementation=chosen)), step.step_meta
+    return (cfg if chosen == cfg.implementation else dataclasses.replace(cfg, implementation=chosen)), entry.step_meta
 
 
 # ---- shapes and dtypes --------------------------------------------------------------------------
@@ -459,7 +462,7 @@ def _logical_page_shape(pages: Any, head_dim: int) -> tuple[int, ...]:
     return shape_of(pages)
 
 
-def _quantized_head_dim(pages: QuantizedPages, fallback: int) -> int:
+def _quantized_head_dim(pages: QuantizedPages[jax.Array] | QuantizedPages[np.ndarray], fallback: int) -> int:
     """The logical head_dim of quantized pages (`QuantizedPages.head_dim`); ``fallback`` when
     their shapes fit none (then `_check_quantized` names the mismatch)."""
     try:

@@ -10,16 +10,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from easykv.attention.checks import Config, Layer, Pages
+from easykv.attention.checks import Config, Pages
 from easykv.step.checks import Array
-from easykv.step.metadata import PagedAttentionMetadata
-from easykv.storage.pages import read_pages
+from easykv.step.ragged import RaggedStep
+from easykv.storage.pages import Layer, read_pages
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def dense_reference(q: Array, key_pages: Pages, value_pages: Pages | None, md: PagedAttentionMetadata,
+def dense_reference(q: Array, key_pages: Pages, value_pages: Pages | None, md: RaggedStep,
                     sinks: Array | None = None, layer: Layer = 0, *, cfg: Config) -> jax.Array:
-    """Dense masked softmax attention over ``md`` (the mixed form) on layer ``layer`` of stacked
+    """Dense masked softmax attention over ``md`` (the ragged form) on layer ``layer`` of stacked
     pages, written independently of the fast path's row layout; a sink is one more softmax
     column with no value."""
     q = jnp.asarray(q)

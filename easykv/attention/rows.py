@@ -1,6 +1,7 @@
-"""The mixed form of a step (every form becomes it: ``step.metadata.as_mixed``) as sequences of query
-rows. ``api.run`` builds :class:`Rows` inside jit and hands them, replicated, to the per-device
-paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one signature.
+"""The ragged form of a step (`RaggedStep`: every form becomes it, ``step.metadata.as_mixed``) as
+sequences of query rows. ``api.run`` builds :class:`Rows` inside jit and hands them, replicated, to
+the per-device paths (``xla.attend_local``, ``pallas.pallas_decode_local``), which so share one
+signature.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from easykv.step.metadata import PagedAttentionMetadata
+from easykv.step.ragged import RaggedStep
 
 
 class Rows(NamedTuple):
@@ -23,8 +24,8 @@ class Rows(NamedTuple):
     num_seqs: jax.Array  # () int32: how many of the S sequences are real
 
 
-def query_rows(md: PagedAttentionMetadata, tokens: int) -> Rows:
-    """``md`` (the mixed form, with ``tokens`` query rows) as :class:`Rows`."""
+def query_rows(md: RaggedStep, tokens: int) -> Rows:
+    """``md`` (the ragged form, with ``tokens`` query rows) as :class:`Rows`."""
     i32 = jnp.int32
     qsl = jnp.asarray(md.query_start_loc, i32)
     num = jnp.asarray(md.num_seqs, i32)

@@ -36,6 +36,7 @@ import numpy as np
 from easykv.attention.checks import Config, stored_pages
 from easykv.attention.rows import Rows
 from easykv.quantization import QuantizedPages
+from easykv.spec.windows import first_seen, read_rules
 from easykv.storage.pages import read_pages
 
 
@@ -127,29 +128,19 @@ def attend_local(q: jax.Array, kp: Any, vp: Any, rows: Rows, sinks: jax.Array, l
     return out
 
 
-def _first_seen(pos: jax.Array, window: int | None, chunk: int | None) -> jax.Array:
-    """The first key a query at ``pos`` sees (its window's or its chunk's start)."""
-    lo = jnp.zeros_like(pos)
-    if window is not None:
-        lo = jnp.maximum(lo, pos - window + 1)
-    if chunk is not None:
-        lo = jnp.maximum(lo, pos - pos % chunk)
-    return lo
-
-
 def _attend_block(sh: _Shard, qblk: jax.Array, pos: jax.Array, row: jax.Array) -> jax.Array:
     """Query rows ``qblk`` (rows, heads, group, dim) at ``pos`` (rows,; -1 invalid) over one
     sequence's pages ``row``: (rows, heads, group, dim) float32, zeros for invalid rows."""
     cfg, heads, group, page_size = sh.cfg, sh.heads, sh.group, sh.page_size
-    window, chunk, f32 = cfg.window, cfg.chunk, jnp.float32
+    rules, f32 = read_rules(cfg.window, cfg.chunk), jnp.float32  # a query at p reads first_seen(p) .. p
     latent, rotated = cfg.latent_value_dim is not None, cfg.rotation is not None
     blk = sh.pb * page_size
     rows = qblk.shape[0]
     valid = pos >= 0
     hi = jnp.max(jnp.where(valid, pos, -1)) + 1  # keys [lo, hi) can be seen by some row
     lo: jax.Array | int = 0
-    if window is not None or chunk is not None:
-        lo = jnp.min(jnp.where(valid, _first_seen(pos, window, chunk), _BIG))
+    if rules:
+        lo = jnp.min(jnp.where(valid, first_seen(pos, rules, jnp), _BIG))
     first, last = lo // blk, (hi + blk - 1) // blk
     if sh.split_pages:
         # The replica holding the page of the last key computes this block; others skip it.
@@ -174,8 +165,8 @@ def _attend_block(sh: _Shard, qblk: jax.Array, pos: jax.Array, row: jax.Array) -
         if cfg.cap is not None:
             s = cfg.cap * jnp.tanh(s / cfg.cap)
         seen = usable[None, :] & (kpos[None, :] <= pm[:, None])
-        if window is not None or chunk is not None:
-            seen &= kpos[None, :] >= _first_seen(pm, window, chunk)[:, None]
+        if rules:
+            seen &= kpos[None, :] >= first_seen(pm, rules, jnp)[:, None]
         s = jnp.where(seen[None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

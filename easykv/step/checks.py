@@ -6,14 +6,14 @@ Two kinds, as in JAX's ragged paged attention (``static_validate_inputs`` /
 every call, traced or not; *value* checks read host (numpy) arrays and run where the values are
 known before anything is written or read. Device values are not pulled to the host on the way
 (inside jit a bad slot is dropped and counted and a page outside the pool reads nothing); the
-opt-in ``PagedAttentionMetadata.check_values`` pulls them and runs the same rules.
+opt-in ``check_values`` of a step pulls them and runs the same rules.
 
-What a validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``) or the page manager
-proved is a :class:`HostChecked`, declared on the metadata: `mark_checked` issues it for the
-step's arrays, ``.checked`` reads it, and ``PagedAttentionMetadata(..., proof=...)`` carries it
-only over those very arrays (a proof written by hand, or moved onto other arrays, is refused).
-The write and attention then
-skip the value checks it covers: a decode step's table is checked once, not once more per layer.
+What the page manager or a validated constructor (``for_mixed``, ``for_decode``, ``for_prefill``)
+proved is a :class:`HostChecked`, declared on the step (`CarriesProof`: a ``RaggedStep``, or
+EasyDeL's ``PagedAttentionMetadata``): `mark_checked` issues it for the step's arrays,
+``.checked`` reads it, and ``proof=`` carries it only over those very arrays (a proof written by
+hand, or moved onto other arrays, is refused). The write and attention then skip the value
+checks it covers: a decode step's table is checked once, not once more per layer.
 The proof is neither a pytree leaf nor a dataclass field, so a ``replace``, a JSON round trip,
 ``jax.tree.map`` or a trip through jit builds the metadata anew without it. The arrays it rests on
 are the metadata's own and read-only (a caller's writable array is copied, never frozen); one made
@@ -27,6 +27,7 @@ released one step early) raises, rather than attention silently reading a hole.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -35,6 +36,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from easykv.spec.groups import AttentionKind
+from easykv.spec.windows import first_seen, read_rules
 from easykv.validation import integer_array, optional_int, page_ids
 
 if TYPE_CHECKING:
@@ -277,9 +279,10 @@ def read_spans(pos: np.ndarray, qsl: np.ndarray, num_seqs: int, *, page_size: in
     seqs = qsl.shape[0] - 1
     bounds = qsl[: num_seqs + 1]
     last = np.full(seqs, -1, np.int64)
+    rules = read_rules(window, chunk)
     # Without a window or chunk every row reads from its first key; one without a query has
     # end = 0, so it reads nothing all the same.
-    lo = np.zeros(seqs, np.int64) if window is None and chunk is None else np.full(seqs, _NEVER, np.int64)
+    lo = np.full(seqs, _NEVER, np.int64) if rules else np.zeros(seqs, np.int64)
     if num_seqs and bounds[-1] > 0:
         counts = np.diff(bounds)
         # Reduce per segment of tokens; a sequence without tokens must not open one (reduceat
@@ -288,13 +291,9 @@ def read_spans(pos: np.ndarray, qsl: np.ndarray, num_seqs: int, *, page_size: in
         at = bounds[:-1][rows]
         pos = pos[: bounds[-1]]
         last[rows] = np.maximum.reduceat(pos, at)
-        if window is not None or chunk is not None:
+        if rules:
             pos = pos.astype(np.int64)
-            start = np.zeros_like(pos)  # each query's first visible key
-            if window is not None:
-                start = np.maximum(start, pos - window + 1)
-            if chunk is not None:
-                start = np.maximum(start, pos - pos % chunk)
+            start = first_seen(pos, rules, np)  # each query's first visible key
             lo[rows] = np.minimum.reduceat(np.where(pos >= 0, start, _NEVER), at)
     return lo // page_size, (last + page_size) // page_size, last
 
@@ -495,12 +494,9 @@ class HostChecked:
 
     def covers(self, window: int | None, chunk: int | None) -> bool:
         """Whether a read with a sliding ``window`` and ``chunk`` (None: unbounded) starts no
-        earlier than this table reaches, for every query position."""
-        if self.attention is AttentionKind.SLIDING:
-            return window is not None and self.window is not None and window <= self.window
-        if self.attention is AttentionKind.CHUNKED:
-            return chunk is not None and self.window is not None and self.window % chunk == 0
-        return True
+        earlier than this table reaches, for every query position (`AttentionRule.covers` of
+        ``attention`` with ``window``)."""
+        return self.attention.rule(self.window).covers(window, chunk)
 
     def vouches_for(self, num_pages: int, page_size: int, page_shards: int, window: int | None,
                     chunk: int | None) -> bool:
@@ -538,6 +534,49 @@ class Issue:
         self.mark = mark
 
 
+class CarriesProof:
+    """The proof half of a step class (`RaggedStep`, and EasyDeL's `PagedAttentionMetadata` at the
+    edge), written once for both: the ``proof=`` init value bound to the step's own arrays, read
+    back as ``checked``, and the memo of the reads whose pages were checked against it."""
+
+    def _bind_proof(self, proof: HostChecked | Issue | None, fields: tuple[str, ...]) -> None:
+        """Carry ``proof`` over the arrays of ``fields`` (the class's ``__post_init__`` calls it):
+        an `Issue` is bound to them now (a caller's writable array is first replaced by a
+        read-only copy of its own); a `HostChecked` only when issued for these very arrays."""
+        if proof is None:
+            return
+        if isinstance(proof, Issue):  # issued now, by the code that made the checks
+            own = tuple(held(getattr(self, name)) for name in fields)
+            for name, array in zip(fields, own):
+                object.__setattr__(self, name, array)
+            proof = dataclasses.replace(proof.mark, arrays=own)
+        elif not isinstance(proof, HostChecked):
+            raise ValueError(f"proof must be a HostChecked (what a validated constructor proved), got "
+                             f"{type(proof).__name__}")
+        elif proof.arrays is None or len(proof.arrays) != len(fields) or any(
+                mine is not getattr(self, name) for name, mine in zip(fields, proof.arrays)):
+            raise ValueError("proof= carries the proof of another step's arrays (or of none): a proof is issued by "
+                             "a validated constructor (for_mixed, for_decode, for_prefill) or the PageManager for "
+                             "the arrays it checked, and only a step of those very arrays carries it; build this "
+                             "step with a constructor instead")
+        object.__setattr__(self, "_checked", proof)
+
+    @property
+    def checked(self) -> HostChecked | None:
+        """The proof this step was built with, None without one (`host_checked` also says
+        whether its arrays are still read-only)."""
+        mark: HostChecked | None = self.__dict__.get("_checked")
+        return mark
+
+    @functools.cached_property
+    def _reads_vouched(self) -> set[ReadKey]:
+        """The reads (pool, page size, replicas, window, chunk) whose pages have been checked
+        against this step's proof (`check_vouched_reads`): a step attended layer after layer
+        has its pages read checked once. A memo of one instance: a ``replace``, a copy through
+        jit or JSON starts without it (and without the proof)."""
+        return set()
+
+
 def mark_checked(step_meta: _Step, mark: HostChecked) -> _Step:
     """``step_meta`` with ``mark`` as its proof, issued by the caller (a validated constructor, the page
     manager), who made the checks it states: a new metadata over read-only arrays of its own;
@@ -555,10 +594,9 @@ def host_checked(step_meta: object) -> HostChecked | None:
 
 
 __all__ = [
-    "Array", "HostChecked", "ReadKey", "Shaped", "StepReads", "any_unreadable", "bad_read", "check_decode_fields",
-    "check_distinct_slots", "check_extent", "check_padding", "check_pages_assigned", "check_positions",
-    "check_prefill_fields", "check_slots", "check_step", "check_vouched_reads", "dtype_of", "host_checked",
-    "held", "host_slots", "int_field", "is_host", "mark_checked", "max_tokens", "page_table", "read_spans",
-    "reads_assigned", "sealed",
-    "shape_of",
+    "Array", "CarriesProof", "HostChecked", "ReadKey", "Shaped", "StepReads", "any_unreadable", "bad_read",
+    "check_decode_fields", "check_distinct_slots", "check_extent", "check_padding", "check_pages_assigned",
+    "check_positions", "check_prefill_fields", "check_slots", "check_step", "check_vouched_reads", "dtype_of",
+    "held", "host_checked", "host_slots", "int_field", "is_host", "mark_checked", "max_tokens", "page_table",
+    "read_spans", "reads_assigned", "sealed", "shape_of",
 ]

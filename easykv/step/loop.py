@@ -13,23 +13,24 @@ it shares with a fork, holds anything it did not commit.
 Call it inside the caller's jit (with the cache donated), so the whole loop is one compiled call.
 Every argument is checked before the loop is built (its shapes and static values; a numpy array's
 values too), so a bad one is a TypeError or ValueError naming it, never an error from inside jax.
-This module imports jax, ``step.metadata`` and ``validation`` only.
+This module imports jax, ``step.ragged`` and ``validation`` only: the loop runs on the ragged form.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, increment_cache_lengths
+from easykv.step.ragged import PAD_SLOT, RaggedFields, increment_cache_lengths, is_ragged
 from easykv.validation import INT32_MAX, integer, integer_array, is_scalar, show
 
 # step(state, tokens: (rows,) int32, metadata: tuple of one per layer group) -> (logits: (rows, vocab), state)
-StepFn = Callable[[Any, jax.Array, tuple[PagedAttentionMetadata, ...]], tuple[jax.Array, Any]]
+StepFn = Callable[[Any, jax.Array, tuple[RaggedFields, ...]], tuple[jax.Array, Any]]
+_Ragged = TypeVar("_Ragged", bound=RaggedFields)  # the class of the steps given (a RaggedStep, as a rule) is kept
 # sample(logits: (rows, vocab), key) -> ((rows,) int32 token ids, (rows,) float32 log-probabilities of them)
 SampleFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
@@ -92,32 +93,33 @@ def with_temperature(temperature: float) -> SampleFn:
     return sample
 
 
-def per_group(metadata: Any, num_groups: int) -> tuple[PagedAttentionMetadata, ...]:
-    """``metadata`` as a tuple of one `PagedAttentionMetadata` per layer group: the tuple itself, or,
-    for a cache of one group, its one metadata given bare (wrapped here, once, for every use after).
+def per_group(metadata: _Ragged | tuple[_Ragged, ...], num_groups: int) -> tuple[_Ragged, ...]:
+    """``metadata`` as a tuple of one step per layer group, each in the ragged form (a `RaggedStep`,
+    or ``PagedAttentionMetadata.for_mixed``'s): the tuple itself, or, for a cache of one group,
+    its one step given bare (wrapped here, once, for every use after).
 
     Args:
-      metadata: a tuple of one `PagedAttentionMetadata` per layer group, or one bare for one group.
+      metadata: a tuple of one step per layer group (the plan's ``plan.metadata``), or one bare for
+        one group.
       num_groups: the cache's layer groups.
 
     Raises:
       ValueError: anything else, named, with the form to pass.
     """
-    if num_groups == 1 and isinstance(metadata, PagedAttentionMetadata):
-        return (metadata,)
-    if not isinstance(metadata, tuple) or len(metadata) != num_groups \
-            or not all(isinstance(m, PagedAttentionMetadata) for m in metadata):
+    if num_groups == 1 and is_ragged(metadata):
+        return (cast(_Ragged, metadata),)  # is_ragged: it holds the six fields
+    if not isinstance(metadata, tuple) or len(metadata) != num_groups or not all(is_ragged(m) for m in metadata):
         got = type(metadata).__name__
         if isinstance(metadata, tuple):
             got = f"a tuple of {len(metadata)}: {', '.join(type(m).__name__ for m in metadata[:4])}"
         raise ValueError(f"this manager has {num_groups} layer group(s): pass a tuple of {num_groups} step metadata, "
-                         "one PagedAttentionMetadata per group (what build_decode_metadata and plan_decode give"
-                         f"{'; or the one metadata bare' if num_groups == 1 else ''}), got {got}")
+                         "one RaggedStep per group (the plan's plan.metadata, what schedule_decode gives"
+                         f"{'; or the one step bare' if num_groups == 1 else ''}), got {got}")
     return metadata
 
 
-def increment_groups(metadata: Any, *, page_size: int,
-                     num_pages: tuple[int, ...]) -> tuple[PagedAttentionMetadata, ...]:
+def increment_groups(metadata: _Ragged | tuple[_Ragged, ...], *, page_size: int,
+                     num_pages: tuple[int, ...]) -> tuple[_Ragged, ...]:
     """`increment_cache_lengths` of each layer group's decode metadata (``num_pages``: each group's
     pool; numpy or jax, inside jit too); a cache of one group also takes its one metadata bare
     (`per_group`)."""
@@ -125,10 +127,10 @@ def increment_groups(metadata: Any, *, page_size: int,
     return tuple(increment_cache_lengths(m, page_size=page_size, num_pages=p) for m, p in zip(metadata, num_pages))
 
 
-def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) -> tuple[PagedAttentionMetadata, ...]:
+def _only_live(metadata: tuple[RaggedFields, ...], live: jax.Array) -> tuple[RaggedFields, ...]:
     """The step's metadata with the stopped rows' writes dropped (token ``i`` is row ``i``): a
     row that stopped writes nothing more, not even into its own pages."""
-    def keep(m: PagedAttentionMetadata) -> PagedAttentionMetadata:
+    def keep(m: RaggedFields) -> RaggedFields:
         slots = jnp.asarray(m.slot_mapping)  # a traced array inside the loop
         rows = live.shape[0]
         return m.replace(slot_mapping=slots.at[:rows].set(jnp.where(live, slots[:rows], PAD_SLOT)))
@@ -137,7 +139,7 @@ def _only_live(metadata: tuple[PagedAttentionMetadata, ...], live: jax.Array) ->
 
 
 def decode_loop(step: StepFn, state: Any, tokens: jax.Array,
-                metadata: tuple[PagedAttentionMetadata, ...] | PagedAttentionMetadata, *,
+                metadata: tuple[RaggedFields, ...] | RaggedFields, *,
                 num_steps: int, page_size: int, num_pages: tuple[int, ...], limits: jax.Array,
                 eos_id: int | tuple[int, ...] | None = None, sample: SampleFn = greedy,
                 key: jax.Array | None = None) -> DecodeOutput:
@@ -150,9 +152,9 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array,
       state: the step function's state (the cache), carried through the loop.
       tokens: ``(rows,)`` ints (a jax array, traced too, or numpy) each row's next token to write (the
         last one it sampled).
-      metadata: the plan's first step, a tuple of one `PagedAttentionMetadata` per layer group
-        (``plan.metadata``), in the mixed decode form; a cache of one group also takes its one
-        metadata bare (``step`` gets the one-tuple either way).
+      metadata: the plan's first step, a tuple of one `RaggedStep` per layer group
+        (``plan.metadata``; ``PagedAttentionMetadata.for_mixed``'s decode steps run too); a cache of
+        one group also takes its one step bare (``step`` gets the one-tuple either way).
       num_steps: the plan's ``plan.num_steps``, a static int, ``1 ..`` the positions the page
         table holds per sequence (its columns times ``page_size``).
       page_size: the plan's ``plan.page_size``, static.
@@ -209,7 +211,7 @@ def decode_loop(step: StepFn, state: Any, tokens: jax.Array,
 
 # ---- argument checks: every one before the loop is built ------------------------------------------
 class _Arguments(NamedTuple):
-    metadata: tuple[PagedAttentionMetadata, ...]
+    metadata: tuple[RaggedFields, ...]
     rows: int
     num_steps: int
     page_size: int
@@ -240,7 +242,7 @@ def _checked(step: Any, tokens: Any, metadata: Any, *, num_steps: Any, page_size
     page_size = integer("page_size", page_size, lo=1, hint="tokens per page, the plan's plan.page_size")
     metadata = per_group(metadata, len(pools))
     for g, m in enumerate(metadata):
-        if not m.is_mixed_mode() or np.ndim(m.page_table) != 2:
+        if np.ndim(m.page_table) != 2:
             raise ValueError(f"metadata[{g}] is not one decode step in the mixed form (page_table of shape "
                              f"{np.shape(m.page_table)}); pass the plan's first step, plan.metadata")
     rows = int(np.shape(metadata[0].page_table)[0])

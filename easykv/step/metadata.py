@@ -1,29 +1,24 @@
-"""Per-step runtime metadata: which slot each new token goes to and which pages each sequence reads.
+"""EasyDeL's step metadata at the edge: `PagedAttentionMetadata` and the one conversion of its forms
+to the ragged form the core knows (`RaggedStep`, in ``ragged.py``).
 
 `PagedAttentionMetadata` keeps EasyDeL's five fields (one prefill sequence, or a batch of decodes)
-and adds a mixed form for continuous batching: a ragged batch of prefill chunks and decodes in
-one step, described by a slot per new token plus a page table and a length per sequence.
-
-Arrays are built on the host with numpy (small int32 arrays) and validated there, so a bad page
-id or an over-long sequence is reported before anything reaches the device. Inside jit the write
-path still drops, and counts, any slot outside the pool: it never clips into another page.
-
-Conventions (all int32):
-  * a *slot* is ``page_id * page_size + offset``; ``PAD_SLOT`` (-1) marks a padding token and
-    ``INVALID_SLOT`` (-2) a real token with no valid destination (dropped and counted);
-  * a page table entry of ``PAD_PAGE`` (-1) is an unassigned page;
-  * a position is the token's index inside its sequence; -1 marks padding.
+with EasyDeL's conventions (an absent form is a shape-() array; ``is_prefill_mode`` /
+``is_decode_mode``, ``init_empty``, the dict and JSON forms), and adds a mixed form (the ragged
+form's six fields) and validated host constructors (``for_prefill``, ``for_decode``,
+``for_mixed``). Arrays are built on the host with numpy (small int32 arrays) and validated there,
+so a bad page id or an over-long sequence is reported before anything reaches the device.
 
 Host checks (the ``for_*`` constructors, rules in `easykv.step.checks`): every id and length
 is bounded exactly before any arithmetic, a table row never names one physical page twice, and no
 two real tokens of a step share a slot (a write would keep one of them, silently). What they
 proved is the result's declared proof (``proof=``, read back as ``checked``), so the write and
-attention do not check it again (but for the pages a step reads: see `checks`). Device side,
-`slots_from_table` bounds every page id before multiplying it by the page size, so no page id,
-however large, can wrap around int32 into another page.
+attention do not check it again (but for the pages a step reads: see `checks`).
 
-One internal form: `as_mixed` turns EasyDeL's prefill and decode forms into the mixed form at the
-entry of every write and attention call; `step_form` is the one place the forms are told apart.
+One internal form: `as_mixed` is the one conversion, run where a step enters a write or attention
+(`token_slots`, attention's `prepare`): a `RaggedStep` passes as it is, EasyDeL's mixed form
+becomes one over the same arrays, its decode and prefill forms are derived (slots read through
+the table, bounded); `step_form` is the one place the forms are told apart. The core names of
+``ragged.py`` are re-exported here, where the page manager and older code import them from.
 """
 
 from __future__ import annotations
@@ -31,26 +26,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 import jax
 import numpy as np
 
 from easykv.spec.serialization import Serializable
 from easykv.step import checks
-from easykv.step.checks import Array, HostChecked, check_distinct_slots, check_padding, mark_checked
-from easykv.validation import INT32_MAX, integer, integer_array, optional_int
+from easykv.step.checks import Array, CarriesProof, HostChecked, check_distinct_slots, check_padding, mark_checked
+from easykv.step.ragged import (  # re-exported: the core's names, imported from here before the split
+    INVALID_SLOT,
+    PAD_PAGE,
+    PAD_POSITION,
+    PAD_SLOT,
+    RAGGED_FIELDS,
+    RAGGED_NAMES,
+    Form,
+    RaggedStep,
+    StepEntry,
+    array_module,
+    build_mixed,
+    increment_cache_lengths,
+    on_host,
+    slots_from_table,
+    stack_metadata,
+)
+from easykv.validation import integer, integer_array, optional_int
 
 if TYPE_CHECKING:
     from easykv.spec.metadata import PagedAttentionCacheMetaData
-
-Form = Literal["mixed", "decode", "prefill"]
-
-PAD_SLOT = checks.PAD_SLOT
-INVALID_SLOT = -2
-PAD_PAGE = checks.PAD_PAGE
-PAD_POSITION = -1
 
 
 def _absent() -> np.ndarray:
@@ -67,15 +71,18 @@ def _present(x: Array) -> bool:
     return np.ndim(x) > 0
 
 
-def _array_field() -> Any:  # a dataclasses.field, typed Any by dataclasses itself so it fits any annotation
-    return dataclasses.field(default_factory=_absent, metadata={"codec": "array"})
+def _array_field() -> Array:  # a dataclasses.field, typed as the value it defaults to so it fits the annotation
+    field: Array = dataclasses.field(default_factory=_absent, metadata={"codec": "array"})
+    return field
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedAttentionMetadata(Serializable):
-    """The device-side description of one engine step: EasyDeL's prefill (``prefill_*``) or decode
-    (``decodes_*``) form, or the mixed form (continuous batching). Absent parts are shape-() arrays.
+class PagedAttentionMetadata(CarriesProof, Serializable):
+    """EasyDeL's description of one engine step: its prefill (``prefill_*``) or decode
+    (``decodes_*``) form, or the mixed form (continuous batching, the six fields of a
+    `RaggedStep`). Absent parts are shape-() arrays. A write or attention converts it once, where
+    it enters, to a `RaggedStep` (`as_mixed`); ``from_ragged`` goes the other way.
 
     ``to_dict`` / ``to_json`` write every array exactly (dtype, shape, bytes); ``from_dict`` /
     ``from_json`` give numpy arrays back.
@@ -104,52 +111,28 @@ class PagedAttentionMetadata(Serializable):
     SCHEMA: ClassVar[str] = "easykv.PagedAttentionMetadata"
     SCHEMA_VERSION: ClassVar[int] = 1
 
-    prefill_length: jax.Array | np.ndarray = _array_field()
-    prefill_position: jax.Array | np.ndarray = _array_field()
-    prefill_page_table: jax.Array | np.ndarray = _array_field()
-    decodes_position: jax.Array | np.ndarray = _array_field()
-    decodes_page_table: jax.Array | np.ndarray = _array_field()
-    slot_mapping: jax.Array | np.ndarray = _array_field()
-    positions: jax.Array | np.ndarray = _array_field()
-    query_start_loc: jax.Array | np.ndarray = _array_field()
-    page_table: jax.Array | np.ndarray = _array_field()
-    context_lens: jax.Array | np.ndarray = _array_field()
-    num_seqs: jax.Array | np.ndarray = _array_field()
+    prefill_length: Array = _array_field()
+    prefill_position: Array = _array_field()
+    prefill_page_table: Array = _array_field()
+    decodes_position: Array = _array_field()
+    decodes_page_table: Array = _array_field()
+    slot_mapping: Array = _array_field()
+    positions: Array = _array_field()
+    query_start_loc: Array = _array_field()
+    page_table: Array = _array_field()
+    context_lens: Array = _array_field()
+    num_seqs: Array = _array_field()
     # Reads None on every instance (the class default), so dataclasses.replace passes None on.
     proof: dataclasses.InitVar[HostChecked | checks.Issue | None] = None
 
     def __post_init__(self, proof: HostChecked | checks.Issue | None) -> None:
-        if proof is None:
-            return
-        if isinstance(proof, checks.Issue):  # issued now, by the code that made the checks
-            held = tuple(checks.held(getattr(self, name)) for name in _ARRAY_FIELDS)
-            for name, array in zip(_ARRAY_FIELDS, held):
-                object.__setattr__(self, name, array)
-            proof = dataclasses.replace(proof.mark, arrays=held)
-        elif not isinstance(proof, HostChecked):
-            raise ValueError(f"proof must be a HostChecked (what a validated constructor proved), got "
-                             f"{type(proof).__name__}")
-        elif proof.arrays is None or any(mine is not getattr(self, name)
-                                         for name, mine in zip(_ARRAY_FIELDS, proof.arrays)):
-            raise ValueError("proof= carries the proof of another step's arrays (or of none): a proof is issued by "
-                             "a validated constructor (for_mixed, for_decode, for_prefill) or the PageManager for "
-                             "the arrays it checked, and only a step of those very arrays carries it; build this "
-                             "step with a constructor instead")
-        object.__setattr__(self, "_checked", proof)
-
-    @property
-    def checked(self) -> HostChecked | None:
-        """The proof this step was built with, None without one (`checks.host_checked` also
-        says whether its arrays are still read-only)."""
-        return self.__dict__.get("_checked")
+        self._bind_proof(proof, _ARRAY_FIELDS)
 
     @functools.cached_property
-    def _reads_vouched(self) -> set[checks.ReadKey]:
-        """The reads (pool, page size, replicas, window, chunk) whose pages have been checked
-        against this step's proof (`checks.check_vouched_reads`): a step attended layer after
-        layer has its pages read checked once. A memo of one instance: a ``replace``, a copy
-        through jit or JSON starts without it (and without the proof)."""
-        return set()
+    def _entries(self) -> dict[tuple[int, int | None, int | None], StepEntry]:
+        """The ragged form of this proved step per pool (`as_mixed`): a memo of one instance,
+        dropped with the proof by a ``replace``, JSON, ``jax.tree.map`` or jit."""
+        return {}
 
     # ---- EasyDeL's API -------------------------------------------------------------------
     @classmethod
@@ -199,18 +182,24 @@ class PagedAttentionMetadata(Serializable):
           sliding_window: check only the pages a query with this window reads (None: no window).
           chunk_size: as ``sliding_window``, for chunked-local attention of this chunk size."""
         meta = cache_metadata
-        window = optional_int("sliding_window", sliding_window, lo=1)
-        chunk = optional_int("chunk_size", chunk_size, lo=1)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(self)):
-            raise ValueError("check_values reads the step's values: call it outside jit (inside, its arrays are "
-                             "traced and have none yet)")
-        host = jax.tree.map(np.asarray, jax.device_get(self))
-        step = as_mixed(host, page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
-                        pages_per_sequence=meta.num_pages_per_sequence)
-        checks.check_slots(step.step_meta.slot_mapping, meta.tokens_per_layer)
-        if step.form != "mixed" or checks.shape_of(host.positions) != ():  # a slots-only step reads nothing
-            step.check_reads(num_pages=meta.num_pages_per_layer, page_size=meta.page_size,
-                             page_shards=meta.page_shards, window=window, chunk=chunk)
+        entry = as_mixed(on_host(self), page_size=meta.page_size, num_pages=meta.num_pages_per_layer,
+                         pages_per_sequence=meta.num_pages_per_sequence)
+        entry.check_values(meta, sliding_window=sliding_window, chunk_size=chunk_size)
+
+    @classmethod
+    def from_ragged(cls, step: RaggedStep) -> PagedAttentionMetadata:
+        """``step`` (the page manager's ``plan.metadata`` item) as EasyDeL's class, in the mixed
+        form, over the same arrays, its proof kept: for code that wants this class's API
+        (``is_mixed_mode``, ``to_json``, ...). The write and attention take either.
+
+        Args:
+          step: a `RaggedStep` (ValueError for anything else)."""
+        if not isinstance(step, RaggedStep):
+            raise ValueError(f"from_ragged takes a RaggedStep (the page manager's plan.metadata item), got "
+                             f"{type(step).__name__}")
+        proof = checks.host_checked(step)
+        return cls(**{f: getattr(step, f) for f in RAGGED_FIELDS},
+                   proof=None if proof is None else checks.Issue(proof))  # the same arrays: nothing copied
 
     # ---- host-side constructors (validated) ---------------------------------------------
     @classmethod
@@ -331,12 +320,11 @@ class PagedAttentionMetadata(Serializable):
                 f"sequence {b} reaches {int(ends[b])} tokens, which needs {int(needed[b])} pages, but "
                 f"the page table has only {table.shape[1]} columns; widen the table"
             )
-        step_meta = build_mixed(
-            table, cached, new, page_size=cache_metadata.page_size,
-            pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to,
-        )
+        ragged = build_mixed(table, cached, new, page_size=cache_metadata.page_size, pad_tokens_to=pad_tokens_to,
+                             pad_seqs_to=pad_seqs_to)
+        step_meta = cls(**{f: getattr(ragged, f) for f in RAGGED_FIELDS})
         rows = np.repeat(np.arange(table.shape[0]), new)  # the real tokens lead the token axis
-        positions, slots = np.asarray(step_meta.positions), np.asarray(step_meta.slot_mapping)  # build_mixed's: numpy
+        positions, slots = np.asarray(ragged.positions), np.asarray(ragged.slot_mapping)  # build_mixed's: numpy
         return _checked(step_meta, table, positions[: rows.size, None], needed, cache_metadata, "mixed", rows,
                         slots=slots,
                         pool=pool)
@@ -380,78 +368,44 @@ def _checked(step_meta: PagedAttentionMetadata, table: np.ndarray, positions: np
                                         page_shards=meta.page_shards))
 
 
-def build_mixed(
-    page_table: np.ndarray,
-    cached_lens: np.ndarray,
-    new_lens: np.ndarray,
-    *,
-    page_size: int,
-    pad_tokens_to: int | None = None,
-    pad_seqs_to: int | None = None,
-) -> PagedAttentionMetadata:
-    """Vectorized, unvalidated construction of the mixed form (the page manager's hot path).
+# ---- the edge: EasyDeL's forms, told apart and converted once ---------------------------------------
+#: What a write or attention takes for one layer group: the core's `RaggedStep` (the page manager's
+#: plans), or EasyDeL's `PagedAttentionMetadata` in any of its forms (converted where it enters).
+StepInput: TypeAlias = RaggedStep | PagedAttentionMetadata
 
-    Callers guarantee int32 inputs with pages assigned for every new token and paddings
-    checked by `check_padding`; `for_mixed` is the validated public entry point. The arrays are
-    new and read-only (a step is a value), so a proof can rest on them without a copy: the page
-    manager's table is the largest array of a step.
-    """
-    num_seqs = page_table.shape[0]
-    total = int(new_lens.sum())
-    tokens = total if pad_tokens_to is None else pad_tokens_to
-    seqs = num_seqs if pad_seqs_to is None else pad_seqs_to
-
-    starts = np.zeros(seqs + 1, np.int32)
-    np.cumsum(new_lens, out=starts[1 : num_seqs + 1])
-    starts[num_seqs + 1 :] = total
-    owner = np.repeat(np.arange(num_seqs, dtype=np.int32), new_lens)
-    pos = cached_lens[owner] + (np.arange(total, dtype=np.int32) - starts[owner])
-    pages = page_table[owner, pos // page_size]
-
-    slot_mapping = np.full(tokens, PAD_SLOT, np.int32)
-    slot_mapping[:total] = pages * page_size + pos % page_size
-    positions = np.full(tokens, PAD_POSITION, np.int32)
-    positions[:total] = pos
-    table = np.full((seqs, page_table.shape[1]), PAD_PAGE, np.int32)
-    table[:num_seqs] = page_table
-    context = np.zeros(seqs, np.int32)
-    context[:num_seqs] = cached_lens + new_lens
-    count = np.asarray(num_seqs, np.int32)
-    checks.sealed(slot_mapping, positions, starts, table, context, count)
-    return PagedAttentionMetadata(slot_mapping=slot_mapping, positions=positions, query_start_loc=starts,
-                                  page_table=table, context_lens=context, num_seqs=count)
-
-
-# ---- the one internal form ---------------------------------------------------------------------
 # Each form by the fields a message names: the one whose length is the step's token rows, the
 # positions and the page table. `step_form` is the one place the three forms are told apart.
 FORM_FIELDS: dict[str, dict[str, str]] = {
-    "mixed": {"tokens": "slot_mapping", "positions": "positions", "page_table": "page_table"},
+    "mixed": RAGGED_NAMES,
     "decode": {"tokens": "decodes_position", "positions": "decodes_position", "page_table": "decodes_page_table"},
     "prefill": {"tokens": "prefill_position", "positions": "prefill_position", "page_table": "prefill_page_table"},
 }
 
 
-def group_runtime(metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata], num_groups: int,
-                  group: int) -> PagedAttentionMetadata:
+def group_runtime(metadata: StepInput | Sequence[StepInput], num_groups: int, group: int) -> StepInput:
     """The step metadata of layer group ``group`` of a cache of ``num_groups`` groups: the one
     ``metadata`` every group shares, or item ``group`` of a tuple holding one per group (groups
     of their own pools have their own page tables and slots)."""
     if isinstance(metadata, (tuple, list)):
         if len(metadata) != num_groups:
             raise ValueError(f"the step metadata holds {len(metadata)} item(s) but the cache has {num_groups} layer "
-                             "group(s); give one PagedAttentionMetadata per group, in the metadata's group order")
+                             "group(s); give one step per group (the plan's plan.metadata), in the metadata's group "
+                             "order")
         metadata = metadata[group]
-    if not isinstance(metadata, PagedAttentionMetadata):
-        raise ValueError(f"step metadata must be a PagedAttentionMetadata (or one per layer group), got "
-                         f"{type(metadata).__name__}")
+    if not isinstance(metadata, (RaggedStep, PagedAttentionMetadata)):
+        raise ValueError(f"step metadata must be a RaggedStep or a PagedAttentionMetadata (or one per layer group), "
+                         f"got {type(metadata).__name__}")
     return metadata
 
 
 def step_form(metadata: object) -> Form:
-    """``"mixed"``, ``"decode"`` or ``"prefill"``; anything else is refused by name."""
+    """``"mixed"`` (a `RaggedStep`, or EasyDeL's class with ``slot_mapping``), ``"decode"`` or
+    ``"prefill"``; anything else is refused by name."""
+    if isinstance(metadata, RaggedStep):
+        return "mixed"
     if not isinstance(metadata, PagedAttentionMetadata):
-        raise ValueError(f"the runtime metadata must be a PagedAttentionMetadata, got {type(metadata).__name__}")
+        raise ValueError(f"the step metadata must be a RaggedStep or a PagedAttentionMetadata, got "
+                         f"{type(metadata).__name__}")
     if metadata.is_mixed_mode():
         return "mixed"
     if metadata.is_decode_mode():
@@ -465,35 +419,12 @@ def step_form(metadata: object) -> Form:
     )
 
 
-class MixedStep(NamedTuple):
-    """A step in the one form the write and attention read (see `as_mixed`)."""
-
-    step_meta: PagedAttentionMetadata  # the mixed form
-    decode_only: bool  # EasyDeL's decode form: query row b is sequence b's one token (a static hint)
-    names: dict[str, str]  # the caller's names of the token, position and page-table fields
-    form: Form  # the caller's form
-    proof: HostChecked | None  # the caller's proof, verified once (`checks.host_checked`); ``step_meta`` carries it
-    source: PagedAttentionMetadata  # what the caller passed (``step_meta`` itself for the mixed form)
-
-    def check_reads(self, *, num_pages: int, page_size: int, page_shards: int = 1, window: int | None = None,
-                    chunk: int | None = None, tokens: int | None = None) -> None:
-        """`checks.check_step` of this step read by ``tokens`` query rows: its fields' shapes
-        unless `as_mixed` derived them from fields it checked, its values unless its proof
-        covers them (then the pages read, once per step and read: the memo is the caller's
-        metadata's, the converted form being new on every call)."""
-        step_meta = self.step_meta
-        reads = checks.StepReads(step_meta.positions, step_meta.query_start_loc, step_meta.page_table,
-                                 step_meta.context_lens, step_meta.num_seqs)
-        checks.check_step(reads, self.names, num_pages=num_pages, page_size=page_size, page_shards=page_shards,
-                          window=window, chunk=chunk, tokens=tokens, proof=self.proof,
-                          shapes_checked=self.form != "mixed",
-                          vouched=None if self.proof is None else self.source._reads_vouched)
-
-
-def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int | None = None,
-             pages_per_sequence: int | None = None) -> MixedStep:
-    """``metadata`` in the mixed form: EasyDeL's decode form as ``B`` one-token sequences, its
-    prefill form as one sequence of ``prefill_length`` tokens (rows past it are padding).
+def as_mixed(metadata: StepInput, *, page_size: int, num_pages: int | None = None,
+             pages_per_sequence: int | None = None) -> StepEntry:
+    """``metadata`` in the ragged form, as a write or attention takes it: a `RaggedStep` as it
+    is; EasyDeL's mixed form as a `RaggedStep` over the same arrays; its decode form as ``B``
+    one-token sequences, its prefill form as one sequence of ``prefill_length`` tokens (rows
+    past it are padding).
 
     Works on numpy arrays (host results stay numpy and keep their dtype, so value checks see
     what the caller passed) and on jax arrays, inside jit too. Slots of the converted forms come
@@ -503,21 +434,41 @@ def as_mixed(metadata: PagedAttentionMetadata, *, page_size: int, num_pages: int
     ``prefill_length`` must lie in ``0 .. padded length``. A validated constructor's proof
     carries over to the result.
     """
-    form = step_form(metadata)
-    names = FORM_FIELDS[form]
+    if isinstance(metadata, RaggedStep):
+        return metadata.entry()
     proof = checks.host_checked(metadata)
+    pool = (page_size, num_pages, pages_per_sequence)
+    if proof is not None and pool in metadata._entries:  # converted for this pool already, from the same arrays
+        return metadata._entries[pool]
+    form = step_form(metadata)
+    entry = _converted(metadata, form, proof, page_size=page_size, num_pages=num_pages,
+                       pages_per_sequence=pages_per_sequence)
+    if proof is not None and all(isinstance(getattr(entry.step_meta, f), np.ndarray) for f in RAGGED_FIELDS):
+        # A proved step's arrays are read-only (`host_checked` says so on every call), so its
+        # conversion holds for every layer of the step: converted once, not once per layer.
+        metadata._entries[pool] = entry
+    return entry
+
+
+def _converted(metadata: PagedAttentionMetadata, form: Form, proof: HostChecked | None, *, page_size: int,
+               num_pages: int | None, pages_per_sequence: int | None) -> StepEntry:
+    """`as_mixed` of EasyDeL's class in ``form``, its proof carried (the new arrays rest on the
+    fields it checked) and its memo of the reads checked against it shared."""
+    names = FORM_FIELDS[form]
+    issue = None if proof is None else checks.Issue(proof)
+    vouched = None if proof is None else metadata._reads_vouched
     if form == "mixed":
-        return MixedStep(metadata, False, names, form, proof, metadata)
+        ragged = RaggedStep(**{f: getattr(metadata, f) for f in RAGGED_FIELDS}, proof=issue)
+        return StepEntry(ragged, False, names, form, proof, vouched)
     pos, table, owner_table, qsl, context = (_decode_rows if form == "decode" else _prefill_rows)(metadata)
     slots = slots_from_table(owner_table, pos, page_size=page_size, num_pages=num_pages,
                              pages_per_sequence=pages_per_sequence)
     num = np.asarray(table.shape[0], np.int32)
     if proof is not None:
         checks.sealed(slots, qsl, context, num, pos)  # built here, or the caller's already read-only arrays
-    step_meta = PagedAttentionMetadata(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table,
-                                context_lens=context, num_seqs=num,
-                                proof=None if proof is None else checks.Issue(proof))  # derived from checked fields
-    return MixedStep(step_meta, form == "decode", names, form, proof, metadata)
+    ragged = RaggedStep(slot_mapping=slots, positions=pos, query_start_loc=qsl, page_table=table, context_lens=context,
+                        num_seqs=num, proof=issue)
+    return StepEntry(ragged, form == "decode", names, form, proof, vouched)
 
 
 _Rows = tuple[Array, Array, Array, Array, Array]  # positions, table, each token's table row, offsets, lengths
@@ -544,77 +495,10 @@ def _prefill_rows(md: PagedAttentionMetadata) -> _Rows:
     return pos, table, xp.broadcast_to(table, (padded, table.shape[1])), qsl, context
 
 
-def slots_from_table(table: Array, positions: Array, *, page_size: int, num_pages: int | None,
-                     pages_per_sequence: int | None = None) -> Array:
-    """Slots of tokens at ``positions`` (-1: padding) read through per-token table rows, on the
-    host (numpy) or the device (jax, inside jit too).
+MixedStep = StepEntry  # its name before the ragged form had a class of its own (easykv.runtime re-exports it)
 
-    A real token whose logical page lies past the table (or past ``pages_per_sequence``), or
-    whose page is unassigned or outside the pool, gets ``INVALID_SLOT``: dropped and counted by
-    the write, never clipped or wrapped onto another page. With ``num_pages=None`` the pool size
-    is unknown here: pages whose slots would not fit int32 are invalid, larger ones the write
-    drops against the pool it knows."""
-    xp = array_module(table, positions)
-    logical = positions // page_size
-    width = table.shape[-1] if pages_per_sequence is None else min(table.shape[-1], pages_per_sequence)
-    in_table = (positions >= 0) & (logical < width)
-    page = xp.take_along_axis(table, xp.where(in_table, logical, 0)[..., None], axis=-1)[..., 0]
-    last = (INT32_MAX + 1) // page_size - 1  # the last page whose every slot fits int32
-    ok = in_table & (page >= 0) & (page <= (last if num_pages is None else min(num_pages - 1, last)))
-    slot = xp.where(ok, xp.where(ok, page, 0) * page_size + positions % page_size, INVALID_SLOT)
-    slots: Array = xp.where(positions == PAD_POSITION, PAD_SLOT, slot).astype(np.int32)
-    return slots
-
-
-def increment_cache_lengths(metadata: PagedAttentionMetadata, *, page_size: int,
-                            num_pages: int | None = None) -> PagedAttentionMetadata:
-    """The next decode step from a decode-only mixed-form step: every real token moves one
-    position on, its slot is read from the (already reserved) page table, context lengths above 0 grow
-    by one (padding rows stay 0). Works on numpy and jax arrays alike, inside jit too, so a multi-step loop runs
-    without a host round trip [MAX: increment_cache_lengths]. A token whose next page the
-    table lacks, or names outside the pool (``num_pages``), gets ``INVALID_SLOT``: the write
-    drops and counts it, never writes another sequence's page.
-
-    Args:
-      metadata: mixed-form decode metadata, one token per sequence (``build_decode_metadata``).
-      page_size: tokens per page.
-      num_pages: the pool's pages (None: only slots past int32 are invalid).
-    """
-    if not isinstance(metadata, PagedAttentionMetadata) or not metadata.is_mixed_mode():
-        raise ValueError(f"increment_cache_lengths takes mixed-form decode metadata (build_decode_metadata, "
-                         f"for_mixed), got {type(metadata).__name__}")
-    page_size = integer("page_size", page_size, lo=1)
-    num_pages = optional_int("num_pages", num_pages, lo=1)
-    xp = array_module(metadata.positions)
-    pos = metadata.positions
-    table = metadata.page_table
-    if pos.shape[0] > table.shape[0]:
-        raise ValueError(f"{pos.shape[0]} tokens for {table.shape[0]} sequences: increment_cache_lengths "
-                         "takes decode-only metadata (one token per sequence)")
-    real = (pos >= 0) & (pos < INT32_MAX)  # the last position cannot move on without wrapping
-    nxt = xp.where(real, pos + 1, PAD_POSITION)
-    slots = slots_from_table(table[: pos.shape[0]], nxt, page_size=page_size, num_pages=num_pages)
-    return metadata.replace(
-        positions=nxt.astype(np.int32),
-        slot_mapping=xp.where(pos >= 0, xp.where(real, slots, INVALID_SLOT), PAD_SLOT).astype(np.int32),
-        context_lens=(metadata.context_lens + (metadata.context_lens > 0)).astype(np.int32),
-    )
-
-
-_MIXED_FIELDS = ("slot_mapping", "positions", "query_start_loc", "page_table", "context_lens", "num_seqs")
-
-
-def stack_metadata(steps: Sequence[PagedAttentionMetadata]) -> PagedAttentionMetadata:
-    """One metadata whose mixed-form fields gain a leading step axis (absent fields stay absent)."""
-    return steps[0].replace(**{f: np.stack([np.asarray(getattr(m, f)) for m in steps]) for f in _MIXED_FIELDS})
-
-
-def array_module(*arrays: object) -> ModuleType:
-    """numpy when every array is numpy (host work stays on the host), else jax.numpy."""
-    if all(isinstance(a, np.ndarray) for a in arrays):
-        return np
-    import jax.numpy as jnp  # only when handed device arrays
-
-    return jnp
-
-
+__all__ = [
+    "FORM_FIELDS", "INVALID_SLOT", "PAD_PAGE", "PAD_POSITION", "PAD_SLOT", "MixedStep", "PagedAttentionMetadata",
+    "RaggedStep", "StepEntry", "StepInput", "array_module", "as_mixed", "build_mixed", "group_runtime",
+    "increment_cache_lengths", "slots_from_table", "stack_metadata", "step_form",
+]

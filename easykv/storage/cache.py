@@ -14,26 +14,36 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, SupportsIndex
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
+from numpy.typing import ArrayLike
 
 from easykv.quantization import Quantizer
 from easykv.sharding import PartitionManager
 from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.step.metadata import PagedAttentionMetadata, group_runtime
+from easykv.step.checks import Array
+from easykv.step.metadata import group_runtime
 from easykv.storage.cache_json import EasyDeLForms, cache_to_dict, cache_view_dicts
 from easykv.storage.page_work import padded_ids, page_work_local, work_bucket
-from easykv.storage.pages import PageLayout, allocate_pages, encode_tokens, page_op, read_pages
+from easykv.storage.pages import PageLayout, StoredPages, allocate_pages, encode_tokens, page_op, read_pages
 from easykv.storage.placement import cache_layout, check_fits, checked_layout, group_layouts
 from easykv.storage.view import CacheViews, PagedAttentionCacheView
-from easykv.storage.writes import check_layer_rows, count_dropped, scatter_encoded, token_slots
+from easykv.storage.writes import (
+    LayerRows,
+    WriteMetadata,
+    check_layer_rows,
+    count_dropped,
+    scatter_encoded,
+    token_slots,
+)
 from easykv.validation import integer, page_ids
 
 
@@ -58,8 +68,8 @@ class PagedAttentionCache(EasyDeLForms):
     """
 
     metadata: PagedAttentionCacheMetaData
-    key_pages: tuple[Any, ...]
-    value_pages: tuple[Any, ...]
+    key_pages: tuple[StoredPages, ...]
+    value_pages: tuple[StoredPages | None, ...]
     layout: PageLayout | None = None
 
     def __post_init__(self) -> None:
@@ -107,19 +117,19 @@ class PagedAttentionCache(EasyDeLForms):
         """
         return group_layouts(self.metadata, self.layout)[group]
 
-    def _locate(self, layer: Any) -> tuple[int, int, int]:
+    def _locate(self, layer: SupportsIndex) -> tuple[int, int, int]:
         n = self.metadata.num_hidden_layers
         i = integer("layer", layer, lo=-n, hi=n - 1, hint=f"the cache has {n} layers") % n
         return (i, *self.metadata.group_of(i))
 
-    def __getitem__(self, layer: int) -> PagedAttentionCacheView:
+    def __getitem__(self, layer: SupportsIndex) -> PagedAttentionCacheView:
         i, g, j = self._locate(layer)
         view = PagedAttentionCacheView(self.metadata, i, self.key_pages[g], self.value_pages[g], j, self.layout_of(g),
                                        g)
         view._owner = (self, g)
         return view
 
-    def __setitem__(self, layer: int, view: Any) -> None:
+    def __setitem__(self, layer: SupportsIndex, view: PagedAttentionCacheView) -> None:
         i, g, j = self._locate(layer)
         if not isinstance(view, PagedAttentionCacheView):
             raise ValueError(f"cache.views[{i}] must be a PagedAttentionCacheView, got {type(view).__name__}")
@@ -207,7 +217,7 @@ class PagedAttentionCache(EasyDeLForms):
         return cache_to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, *, mesh: Mesh | None = None,
+    def from_dict(cls, data: object, *, mesh: Mesh | None = None,
                   partition_manager: PartitionManager | None = None) -> PagedAttentionCache:
         """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one.
 
@@ -221,7 +231,7 @@ class PagedAttentionCache(EasyDeLForms):
                                for v in cache_view_dicts(data)])
 
     @classmethod
-    def init_empty(cls, *args: Any, **kwargs: Any) -> None:
+    def init_empty(cls, *args: object, **kwargs: object) -> None:
         """EasyDeL's placeholder: a paged cache is only made by init_cache. Returns None.
 
         Args:
@@ -234,7 +244,7 @@ class PagedAttentionCache(EasyDeLForms):
     def init_cache(
         cls,
         mesh: Mesh,
-        dtype: Any,
+        dtype: DTypeLike,
         metadata: PagedAttentionCacheMetaData,
         partition_manager: PartitionManager | None = None,
         quantizer: str | Quantizer | None = None,
@@ -265,7 +275,7 @@ class PagedAttentionCache(EasyDeLForms):
         return cls(metadata, tuple(k for k, _ in pages), tuple(v for _, v in pages), layout)
 
     @classmethod
-    def from_views(cls, views: Any) -> PagedAttentionCache:
+    def from_views(cls, views: Iterable[PagedAttentionCacheView]) -> PagedAttentionCache:
         """A cache of per-layer views (layers 0..n-1 of one metadata and layout, each its own
         one-layer group, as ``PagedAttentionCacheView.init`` or the JSON form makes them),
         stacked into the cache's groups: a copy of every page. For small caches and tests.
@@ -300,7 +310,8 @@ class PagedAttentionCache(EasyDeLForms):
         return cls(meta, tuple(keys), tuple(values), layout)
 
     # ---- all layers in one jit -----------------------------------------------------------
-    def write(self, keys: Any, values: Any, metadata: PagedAttentionMetadata) -> tuple[PagedAttentionCache, jax.Array]:
+    def write(self, keys: LayerRows, values: LayerRows | None, metadata: WriteMetadata
+              ) -> tuple[PagedAttentionCache, jax.Array]:
         """Write every layer's new tokens in one jitted, donating call: one scatter per device
         and layer group.
 
@@ -310,8 +321,9 @@ class PagedAttentionCache(EasyDeLForms):
             layer's logical dtype.
           values: as ``keys`` with the value head dim; None in a latent layer's place (None for
             all when every group is latent).
-          metadata: the step's `PagedAttentionMetadata`, one for every group or a tuple of one
-            per group; its slots give ``num_tokens``.
+          metadata: the step, one for every group or a tuple of one per group (a plan's
+            ``plan.metadata``): each a `RaggedStep`, or EasyDeL's `PagedAttentionMetadata` in any
+            form (converted here, once); its slots give ``num_tokens``.
 
         Returns:
           The updated cache (this cache's buffers are donated: do not use it afterwards) and the
@@ -327,12 +339,13 @@ class PagedAttentionCache(EasyDeLForms):
             raise ValueError(f"metadata.slot_mapping must be 1-D (one per token) and the same length for every "
                              f"layer group, got shapes {[np.shape(s) for s in slots]}")
         num_tokens = int(np.shape(slots[0])[0])
-        keys = check_layer_rows(keys, "keys", meta, num_tokens, values=False)
-        values = check_layer_rows(values, "values", meta, num_tokens, values=True)
-        written: tuple[PagedAttentionCache, jax.Array] = write_all(self, keys, values, slots)  # jit: typed here
+        checked_keys = check_layer_rows(keys, "keys", meta, num_tokens, values=False)
+        checked_values = check_layer_rows(values, "values", meta, num_tokens, values=True)
+        written: tuple[PagedAttentionCache, jax.Array] = write_all(self, checked_keys, checked_values,
+                                                                   slots)  # jit: typed here
         return written
 
-    def copy_pages(self, src: Any, dst: Any) -> PagedAttentionCache:
+    def copy_pages(self, src: ArrayLike, dst: ArrayLike) -> PagedAttentionCache:
         """Copy pages ``src[i] -> dst[i]`` in every layer (copy-on-write); -1 pairs are padding.
         One jitted, donating call; sources are read before destinations are written. Host ids
         are padded with -1 to a power of two (at most the pool's pages; `easykv.storage.page_work`),
@@ -366,7 +379,7 @@ class PagedAttentionCache(EasyDeLForms):
                         f"split into {meta.page_shards} slices of {per_shard}; copy within a replica's slice")
         return _run_page_work(self, srcs, dsts, None)
 
-    def zero_pages(self, pages: Any) -> PagedAttentionCache:
+    def zero_pages(self, pages: ArrayLike) -> PagedAttentionCache:
         """Zero ``pages`` in every layer (scrubbing released pages); -1 entries are padding. Padded
         and compiled as `copy_pages` (one program for both).
 
@@ -404,7 +417,8 @@ _set_layer = jax.jit(_set_layer_pages, static_argnums=5, donate_argnums=(0, 1))
 
 
 @partial(jax.jit, donate_argnums=0)  # public for the write benchmark and tests: cache.write without host checks
-def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: tuple[Any, ...]
+def write_all(cache: PagedAttentionCache, keys: Array | tuple[Array | None, ...] | None,
+              values: Array | tuple[Array | None, ...] | None, slots: tuple[Array, ...]
               ) -> tuple[PagedAttentionCache, jax.Array]:
     """Every group's new K and V (``slots``: one array per group) in one jit: one shard_map and
     one scatter per stacked array and device."""
@@ -427,7 +441,8 @@ def write_all(cache: PagedAttentionCache, keys: Any, values: Any, slots: tuple[A
     return PagedAttentionCache(meta, tuple(keys_out), tuple(values_out), cache.layout), jnp.max(jnp.stack(dropped))
 
 
-def _apply_page_op(cache: PagedAttentionCache, *ids: tuple[jax.Array, ...], op: Any) -> PagedAttentionCache:
+def _apply_page_op(cache: PagedAttentionCache, *ids: tuple[Array, ...],
+                   op: Callable[..., tuple[StoredPages, StoredPages | None]]) -> PagedAttentionCache:
     keys, values = [], []
     for g in range(len(cache.metadata.groups)):
         k, v = page_op(cache.layout_of(g), op)((cache.key_pages[g], cache.value_pages[g]), *(i[g] for i in ids))
@@ -437,15 +452,15 @@ def _apply_page_op(cache: PagedAttentionCache, *ids: tuple[jax.Array, ...], op: 
 
 
 @partial(jax.jit, donate_argnums=0)  # its name is what compile counters see (tests, bench_load)
-def page_work(cache: PagedAttentionCache, srcs: tuple[Any, ...], dsts: tuple[Any, ...], scrubs: tuple[Any, ...]
+def page_work(cache: PagedAttentionCache, srcs: tuple[Array, ...], dsts: tuple[Array, ...], scrubs: tuple[Array, ...]
               ) -> PagedAttentionCache:
     """Every group's copies, then its scrubs (one id array of each per group, all of one
     length), in one program (`page_work_local`): `copy_pages` and `zero_pages` run it."""
     return _apply_page_op(cache, srcs, dsts, scrubs, op=page_work_local)
 
 
-def _run_page_work(cache: PagedAttentionCache, srcs: tuple[Any, ...] | None, dsts: tuple[Any, ...] | None,
-                   scrubs: tuple[Any, ...] | None) -> PagedAttentionCache:
+def _run_page_work(cache: PagedAttentionCache, srcs: tuple[Array, ...] | None, dsts: tuple[Array, ...] | None,
+                   scrubs: tuple[Array, ...] | None) -> PagedAttentionCache:
     """`page_work` on checked ids, one array per group (None: no copies, or no scrubs). Host ids
     are padded with -1 to one bucket (`work_bucket`) for every array of every group; device ids
     are not read back to pad them: they run in the length given."""
@@ -459,7 +474,7 @@ def _run_page_work(cache: PagedAttentionCache, srcs: tuple[Any, ...] | None, dst
             return cache  # nothing to copy or zero: no program (nor its compile)
         sizes = [size] * len(given)
 
-    def padded(ids: tuple[Any, ...] | None) -> tuple[Any, ...]:
+    def padded(ids: tuple[Array, ...] | None) -> tuple[Array, ...]:
         if ids is None:  # the other half: all padding, skipped on the device
             return tuple(np.full(n, -1, np.int32) for n in sizes)
         return tuple(a if isinstance(a, jax.Array) else padded_ids(a, n) for a, n in zip(ids, sizes))
@@ -480,7 +495,7 @@ def _stacker(layout: PageLayout | None) -> Any:
 def gather_kv(
     cache: PagedAttentionCache | PagedAttentionCacheView,
     layer: int,
-    page_table_row: Any,
+    page_table_row: ArrayLike,
     length: int,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The contiguous keys and values of one sequence. Reads only the ``ceil(length /
@@ -535,7 +550,7 @@ def _gather(view: PagedAttentionCacheView, ids: jax.Array, length: int) -> tuple
     return read(view.group_key_pages), None if view.group_value_pages is None else read(view.group_value_pages)
 
 
-def _group_page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> tuple[Any, ...]:
+def _group_page_ids(ids: ArrayLike, name: str, meta: PagedAttentionCacheMetaData) -> tuple[Array, ...]:
     """Page ids for every layer group: one array for all (checked against every group's
     pool), or a tuple of one per group. Host ids checked (-1 padding); device ids are bounded
     inside the copy/zeroing."""
@@ -549,7 +564,7 @@ def _group_page_ids(ids: Any, name: str, meta: PagedAttentionCacheMetaData) -> t
     return tuple(_page_ids(ids, name, known_size(g.num_pages)) for g in meta.groups)
 
 
-def _page_ids(ids: Any, name: str, num_pages: int) -> Any:
+def _page_ids(ids: ArrayLike, name: str, num_pages: int) -> Array:
     if isinstance(ids, jax.Array):
         if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be a 1-D array of integer page ids, got {ids.dtype} of shape {ids.shape}")

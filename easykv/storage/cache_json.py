@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 import jax
 import numpy as np
@@ -29,7 +29,7 @@ from easykv.quantization import QuantizedPages
 from easykv.sharding import PartitionManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.spec.serialization import decode_array, encode_array
-from easykv.storage.pages import group_page_templates
+from easykv.storage.pages import StoredPages, group_page_templates
 from easykv.storage.placement import checked_layout, group_layouts
 from easykv.validation import integer, parse_json, show
 
@@ -37,6 +37,29 @@ VIEW_SCHEMA = "easykv.PagedAttentionCacheView"
 CACHE_SCHEMA = "easykv.PagedAttentionCache"
 _VERSION = 1
 _V = TypeVar("_V")
+
+
+class _View(Protocol):
+    """What the dict form reads of a `PagedAttentionCacheView` (this module never imports it)."""
+
+    @property
+    def metadata(self) -> PagedAttentionCacheMetaData: ...
+
+    @property
+    def layer_index(self) -> int | None: ...
+
+    @property
+    def key_pages(self) -> StoredPages: ...
+
+    @property
+    def value_pages(self) -> StoredPages | None: ...
+
+
+class _Cache(Protocol):
+    """What the dict form reads of a `PagedAttentionCache`: its views."""
+
+    @property
+    def views(self) -> Iterable[_View]: ...
 
 
 class EasyDeLForms:
@@ -47,14 +70,14 @@ class EasyDeLForms:
     if TYPE_CHECKING:  # the view and the cache are dataclasses: `dataclasses.replace` takes them
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
-    def replace(self, **changes: Any) -> Self:
+    def replace(self, **changes: object) -> Self:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         raise NotImplementedError
 
     @classmethod
-    def from_dict(cls, data: Any, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None
+    def from_dict(cls, data: object, *, mesh: Mesh | None = None, partition_manager: PartitionManager | None = None
                   ) -> Self:
         raise NotImplementedError
 
@@ -68,7 +91,7 @@ class EasyDeLForms:
                              mesh=mesh, partition_manager=partition_manager)
 
 
-def _encode_pages(pages: Any, field: str) -> Any:
+def _encode_pages(pages: StoredPages | None, field: str) -> Any:
     if pages is None:  # a latent group's values
         return None
     if isinstance(pages, QuantizedPages):
@@ -77,19 +100,19 @@ def _encode_pages(pages: Any, field: str) -> Any:
     return encode_array(pages, field)
 
 
-def view_to_dict(view: Any) -> dict[str, Any]:
+def view_to_dict(view: _View) -> dict[str, Any]:
     """The dict form of a `PagedAttentionCacheView`: its metadata and its layer's pages."""
     return {"__schema__": VIEW_SCHEMA, "__version__": _VERSION, "metadata": view.metadata.to_dict(),
             "layer_index": view.layer_index, "key_pages": _encode_pages(view.key_pages, "key_pages"),
             "value_pages": _encode_pages(view.value_pages, "value_pages")}
 
 
-def cache_to_dict(cache: Any) -> dict[str, Any]:
+def cache_to_dict(cache: _Cache) -> dict[str, Any]:
     """The dict form of a `PagedAttentionCache`: the dict of each of its views."""
     return {"__schema__": CACHE_SCHEMA, "__version__": _VERSION, "views": [view_to_dict(v) for v in cache.views]}
 
 
-def _header(data: Any, schema: str, keys: tuple[str, ...]) -> dict[str, Any]:
+def _header(data: object, schema: str, keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SerializationError(f"a {schema} dict is needed, got {type(data).__name__}")
     if data.get("__schema__") != schema:
@@ -124,7 +147,8 @@ def _decode_pages(data: Any, template: Any, field: str) -> Any:
     return arr.view(want)
 
 
-def view_from_dict(cls: Callable[..., _V], data: Any, mesh: Mesh | None, partition_manager: Any) -> _V:
+def view_from_dict(cls: Callable[..., _V], data: object, mesh: Mesh | None, partition_manager: PartitionManager | None
+                   ) -> _V:
     """A view of class ``cls`` (`PagedAttentionCacheView`) read from its dict form, its pages
     placed on ``mesh`` by the rule `init_cache` follows, or on one device without a mesh."""
     data = _header(data, VIEW_SCHEMA, ("metadata", "layer_index", "key_pages", "value_pages"))
@@ -154,7 +178,7 @@ def view_from_dict(cls: Callable[..., _V], data: Any, mesh: Mesh | None, partiti
                group=g)
 
 
-def cache_view_dicts(data: Any) -> list[Any]:
+def cache_view_dicts(data: object) -> list[object]:
     """The view dicts of a cache's dict form (each read by `view_from_dict`)."""
     data = _header(data, CACHE_SCHEMA, ("views",))
     views = data["views"]

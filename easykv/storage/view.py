@@ -14,24 +14,27 @@ never imports the cache's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import Any, NoReturn, Protocol, SupportsIndex, overload
+from typing import Any, NoReturn, Protocol, SupportsIndex, cast, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
+from numpy.typing import ArrayLike
 
-from easykv.quantization import QuantizedPages, Quantizer
+from easykv.quantization import Quantizer
 from easykv.sharding import PartitionManager
 from easykv.spec.groups import LayerGroup, known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
-from easykv.step.metadata import PagedAttentionMetadata, group_runtime
+from easykv.step.checks import Array
+from easykv.step.metadata import group_runtime, step_form
 from easykv.storage.cache_json import EasyDeLForms, view_from_dict, view_to_dict
-from easykv.storage.pages import PageLayout, allocate_pages
+from easykv.storage.pages import Layer, PageLayout, StoredPages, allocate_pages
 from easykv.storage.placement import check_fits, checked_layout, group_layouts
-from easykv.storage.writes import check_new_tokens, check_slots_on_host, scatter_kv, token_slots
+from easykv.storage.writes import WriteMetadata, check_new_tokens, check_slots_on_host, scatter_kv, token_slots
 from easykv.validation import integer
 
 
@@ -43,9 +46,9 @@ class _Cache(Protocol):
     def metadata(self) -> PagedAttentionCacheMetaData: ...
 
     # ``layer``: anything int-like; the cache checks it (`validation.integer`).
-    def __getitem__(self, layer: Any) -> PagedAttentionCacheView: ...
+    def __getitem__(self, layer: SupportsIndex) -> PagedAttentionCacheView: ...
 
-    def __setitem__(self, layer: Any, view: Any) -> None: ...
+    def __setitem__(self, layer: SupportsIndex, view: PagedAttentionCacheView) -> None: ...
 
     def _check_current(self, g: int, view: PagedAttentionCacheView, name: str) -> None: ...
 
@@ -92,9 +95,9 @@ class PagedAttentionCacheView(EasyDeLForms):
 
     metadata: PagedAttentionCacheMetaData
     layer_index: int | None
-    group_key_pages: Any
-    group_value_pages: Any
-    layer: Any = 0
+    group_key_pages: StoredPages
+    group_value_pages: StoredPages | None
+    layer: Layer = 0
     layout: PageLayout | None = None
     group: int = 0
 
@@ -111,10 +114,10 @@ class PagedAttentionCacheView(EasyDeLForms):
         return known_dtype(self.metadata.group_dtype(self.layer_group))
 
     @property
-    def key_pages(self) -> jax.Array | QuantizedPages:
+    def key_pages(self) -> StoredPages:
         """This layer's key pages ``(num_kv_heads, num_pages, page_size, head_dim)`` (storage
         dtype): a slice of the stack (outside jit, a copy; attention reads the stack itself)."""
-        pages: jax.Array | QuantizedPages = jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+        pages: StoredPages = jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
         return pages
 
     @property
@@ -123,12 +126,12 @@ class PagedAttentionCacheView(EasyDeLForms):
         return self.metadata.groups[self.group]
 
     @property
-    def value_pages(self) -> jax.Array | QuantizedPages | None:
+    def value_pages(self) -> StoredPages | None:
         """This layer's value pages, as ``key_pages``; None for a latent group (it stores none)."""
-        pages: jax.Array | QuantizedPages | None = jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+        pages: StoredPages | None = jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
         return pages
 
-    def at_layer(self, layer: Any) -> PagedAttentionCacheView:
+    def at_layer(self, layer: SupportsIndex | jax.Array) -> PagedAttentionCacheView:
         """The view of layer ``layer`` (index in the group) of the same group arrays: an int, or
         a traced index for a model that runs the group's layers under ``lax.scan`` (carry
         ``cache.group_view(g)``, call ``view.at_layer(i)`` each iteration, write and attend,
@@ -150,7 +153,7 @@ class PagedAttentionCacheView(EasyDeLForms):
         return dataclasses.replace(self, layer=i, layer_index=index)
 
     @classmethod
-    def init(cls, mesh: Mesh, dtype: Any, metadata: PagedAttentionCacheMetaData, layer_index: int,
+    def init(cls, mesh: Mesh, dtype: DTypeLike, metadata: PagedAttentionCacheMetaData, layer_index: int,
              partition_manager: PartitionManager | None = None,
              quantizer: str | Quantizer | None = None) -> PagedAttentionCacheView:
         """Allocate one layer's pages (a stack of one layer, in its group's geometry) directly on
@@ -185,7 +188,7 @@ class PagedAttentionCacheView(EasyDeLForms):
         return view_to_dict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, *, mesh: Mesh | None = None,
+    def from_dict(cls, data: object, *, mesh: Mesh | None = None,
                   partition_manager: PartitionManager | None = None) -> PagedAttentionCacheView:
         """Rebuilt on ``mesh`` (laid out as the metadata says), or on one device without one.
 
@@ -198,7 +201,7 @@ class PagedAttentionCacheView(EasyDeLForms):
         view: PagedAttentionCacheView = view_from_dict(cls, data, mesh, partition_manager)
         return view
 
-    def concatenate_to_cache(self, *args: Any, **kwargs: Any) -> None:
+    def concatenate_to_cache(self, *args: object, **kwargs: object) -> None:
         """EasyDeL's contiguous-cache write: always raises NotImplementedError (a paged cache has
         no contiguous buffer); use the ``write_*`` methods.
 
@@ -212,7 +215,7 @@ class PagedAttentionCacheView(EasyDeLForms):
         )
 
     # ---- writes (EasyDeL's: they update this view and return it) -------------------------------
-    def write_tokens(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+    def write_tokens(self, key: Array, value: Array | None, slots: ArrayLike) -> PagedAttentionCacheView:
         """Write token rows at ``slots`` into this layer; returns this view, updated.
 
         Args:
@@ -224,7 +227,8 @@ class PagedAttentionCacheView(EasyDeLForms):
         capacity = known_size(self.layer_group.num_pages) * self.metadata.page_size
         return self._write(key, value, check_slots_on_host(slots, capacity))
 
-    def write_prefill_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+    def write_prefill_to_cache(self, key: Array, value: Array | None, metadata: WriteMetadata
+                               ) -> PagedAttentionCacheView:
         """Write a prefill chunk into this layer; returns this view, updated.
 
         Args:
@@ -236,7 +240,8 @@ class PagedAttentionCacheView(EasyDeLForms):
         """
         return self._write_mode(key, value, metadata, "prefill", "for_prefill")
 
-    def write_decodes_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+    def write_decodes_to_cache(self, key: Array, value: Array | None, metadata: WriteMetadata
+                               ) -> PagedAttentionCacheView:
         """Write one token per sequence into this layer; returns this view, updated.
 
         Args:
@@ -248,26 +253,28 @@ class PagedAttentionCacheView(EasyDeLForms):
         """
         return self._write_mode(key, value, metadata, "decode", "for_decode")
 
-    def write_mixed_to_cache(self, key: Any, value: Any, metadata: PagedAttentionMetadata) -> PagedAttentionCacheView:
+    def write_mixed_to_cache(self, key: Array, value: Array | None, metadata: WriteMetadata
+                             ) -> PagedAttentionCacheView:
         """Write a mixed step's new tokens into this layer; returns this view, updated.
 
         Args:
           key: ``(num_tokens, num_kv_heads, head_dim)`` of the group, in its logical dtype,
             written at ``metadata.slot_mapping``.
           value: as ``key`` with the value head dim; None for a latent group.
-          metadata: mixed `PagedAttentionMetadata` (`PagedAttentionMetadata.for_mixed`), or a
-            tuple of one per layer group (this view's is used).
+          metadata: a `RaggedStep` (the page manager's step) or mixed `PagedAttentionMetadata`
+            (`PagedAttentionMetadata.for_mixed`), or a tuple of one per layer group (this view's is used).
         """
         return self._write_mode(key, value, metadata, "mixed", "for_mixed")
 
-    def _write_mode(self, key: Any, value: Any, metadata: Any, mode: str, maker: str) -> PagedAttentionCacheView:
+    def _write_mode(self, key: Array, value: Array | None, metadata: WriteMetadata, mode: str, maker: str
+                    ) -> PagedAttentionCacheView:
         step_meta = group_runtime(metadata, len(self.metadata.groups), self.group)
-        if not getattr(step_meta, f"is_{mode}_mode")():
+        if step_form(step_meta) != mode:
             name = "decodes" if mode == "decode" else mode
             raise ValueError(f"write_{name}_to_cache needs {mode} metadata (PagedAttentionMetadata.{maker})")
         return self._write(key, value, token_slots(step_meta, self.metadata, self.group))
 
-    def _write(self, key: Any, value: Any, slots: Any) -> PagedAttentionCacheView:
+    def _write(self, key: Array, value: Array | None, slots: Array) -> PagedAttentionCacheView:
         """``write_tokens`` on slots already checked (host) or bounded in the scatter (device)."""
         if np.ndim(slots) != 1:
             raise ValueError(f"slots must be 1-D (one per token), got shape {np.shape(slots)}")
@@ -301,7 +308,7 @@ class CacheViews(list[PagedAttentionCacheView]):
     def __bool__(self) -> bool:
         return len(self) > 0
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, CacheViews) and other._cache is self._cache
 
     __hash__ = None
@@ -320,10 +327,17 @@ class CacheViews(list[PagedAttentionCacheView]):
             return [self[i] for i in range(len(self))[index]]
         return self._cache[index]
 
-    def __setitem__(self, index: Any, view: Any) -> None:
+    @overload
+    def __setitem__(self, index: SupportsIndex, view: PagedAttentionCacheView) -> None: ...
+
+    @overload
+    def __setitem__(self, index: slice, view: Iterable[PagedAttentionCacheView]) -> None: ...
+
+    def __setitem__(self, index: SupportsIndex | slice, view: object) -> None:
         if isinstance(index, slice):
             raise ValueError("assign views one at a time: cache.views[i] = view")
-        self._cache[index] = view
+        # cast, not a check: the cache checks that ``view`` is a view of its layer and names a wrong one.
+        self._cache[index] = cast(PagedAttentionCacheView, view)
 
     def __iter__(self) -> Iterator[PagedAttentionCacheView]:
         return (self[i] for i in range(len(self)))

@@ -6,61 +6,76 @@ neighbouring page. Prefill, decode and mixed writes only differ in how they deri
 Pages with a scale per page (``int4-ch``) are written by a read-modify-write of the pages the
 tokens land in (``scatter_page_scaled_local``); every other format is a plain scatter of rows.
 
-Values of host-side (numpy) metadata are checked before anything is written; inside jit, where
-values are unknown until run time, the count of dropped tokens is returned instead.
+A write reads a step in the ragged form (`RaggedStep`); EasyDeL's forms are converted once where they
+enter (`token_slots`, through ``step.metadata.as_mixed``). Values of host-side (numpy) metadata are
+checked before anything is written; inside jit, where values are unknown until run time, the count
+of dropped tokens is returned instead.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
 from easykv.quantization import QuantizedPages, scales_per_page
 from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
-from easykv.step.checks import check_slots, host_checked
-from easykv.step.metadata import PAD_SLOT, PagedAttentionMetadata, array_module, as_mixed
-from easykv.storage.pages import PageLayout, encode_tokens, run_local
+from easykv.step.checks import Array, check_slots
+from easykv.step.metadata import StepInput, as_mixed
+from easykv.step.ragged import PAD_SLOT, array_module
+from easykv.storage.pages import Layer, PageLayout, PageTree, StoredPages, encode_tokens, run_local
+
+#: New keys (or values) of every layer: one ``(num_layers, num_tokens, num_kv_heads, head_dim)``
+#: array, or one ``(num_tokens, num_kv_heads, head_dim)`` array per layer (None: a latent layer's values).
+LayerRows: TypeAlias = Array | list[Array | None] | tuple[Array | None, ...]
+#: The step metadata a write takes: one for every layer group, or a sequence of one per group (a plan's
+#: ``plan.metadata``); each a `RaggedStep` or EasyDeL's `PagedAttentionMetadata`.
+WriteMetadata: TypeAlias = StepInput | Sequence[StepInput]
 
 
-def token_slots(metadata: PagedAttentionMetadata, meta: PagedAttentionCacheMetaData, group: int = 0) -> Any:
+def token_slots(metadata: StepInput, meta: PagedAttentionCacheMetaData, group: int = 0) -> Array:
     """The slot of every token row a write with ``metadata`` into layer group ``group``'s pool
-    receives, shape (num_tokens,), checked on the host (numpy) unless a validated constructor
-    already checked them against this pool; device slots pass through (their bad ones are
-    dropped and counted in the write)."""
+    receives, shape (num_tokens,), checked on the host (numpy) unless the step's builder (the
+    page manager, a validated constructor) already checked them against this pool; device slots
+    pass through (their bad ones are dropped and counted in the write). The write's entry: an
+    EasyDeL form is converted here, once (`as_mixed`)."""
     pages = known_size(meta.groups[group].num_pages)
-    step_meta = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
-                  pages_per_sequence=meta.num_pages_per_sequence).step_meta
-    mark = host_checked(step_meta)
+    entry = as_mixed(metadata, page_size=meta.page_size, num_pages=pages,
+                     pages_per_sequence=meta.num_pages_per_sequence)
+    slots = entry.step_meta.slot_mapping
+    mark = entry.proof
     if mark is not None and (mark.num_pages, mark.page_size) == (pages, meta.page_size):
-        return step_meta.slot_mapping
-    return check_slots_on_host(step_meta.slot_mapping, pages * meta.page_size)
+        return slots
+    return check_slots_on_host(slots, pages * meta.page_size)
 
 
-def count_dropped(slots: Any, capacity: int) -> Any:
+def count_dropped(slots: Array, capacity: int) -> Array:
     """Real tokens (not padding) whose slot lies outside ``[0, capacity)``."""
     xp = array_module(slots)
-    return xp.sum((slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))).astype(np.int32)
+    dropped: Array = xp.sum((slots != PAD_SLOT) & ((slots < 0) | (slots >= capacity))).astype(np.int32)
+    return dropped
 
 
-def check_slots_on_host(slots: Any, capacity: int) -> Any:
+def check_slots_on_host(slots: ArrayLike, capacity: int) -> Array:
     """Host slots (a list or numpy array) checked before anything is written (see
     `step.checks.check_slots`) and returned as int32; device arrays pass through."""
     return slots if isinstance(slots, jax.Array) else check_slots(slots, capacity)
 
 
-def check_new_tokens(key: Any, value: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int,
+def check_new_tokens(key: Array, value: Array | None, *, metadata: PagedAttentionCacheMetaData, num_tokens: int,
                      group: int = 0) -> None:
     """New K/V of one layer of group ``group``: see :func:`check_token_rows`."""
     check_token_rows(key, metadata=metadata, num_tokens=num_tokens, group=group, values=False, name="key")
     check_token_rows(value, metadata=metadata, num_tokens=num_tokens, group=group, values=True, name="value")
 
 
-def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_tokens: int, group: int, values: bool,
-                     name: str) -> None:
+def check_token_rows(x: Array | jax.ShapeDtypeStruct | None, *, metadata: PagedAttentionCacheMetaData,
+                     num_tokens: int, group: int, values: bool, name: str) -> None:
     """New keys (or values) of a layer of group ``group`` must be (num_tokens, num_kv_heads,
     head_dim) of the group in the cache dtype; a latent group takes no values (None)."""
     g = metadata.groups[group]
@@ -72,10 +87,11 @@ def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_token
                              "(the values are its first value_head_dim dims); write the latent as the key")
         return
     want = (num_tokens, g.num_kv_heads, g.value_head_dim if values else g.key_head_dim)
-    shape, dtype = tuple(getattr(x, "shape", np.shape(x))), getattr(x, "dtype", None)
-    if x is None or shape != want:
-        got = "None" if x is None else f"shape {shape}"
-        raise ValueError(f"{name} has {got}, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
+    if x is None:
+        raise ValueError(f"{name} has None, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
+    shape, dtype = tuple(np.shape(x)), getattr(x, "dtype", None)
+    if shape != want:
+        raise ValueError(f"{name} has shape {shape}, expected (num_tokens, num_kv_heads, head_dim) = {want}{where}")
     stores = known_dtype(metadata.group_dtype(g))
     if dtype is None or np.dtype(dtype) != stores:
         raise ValueError(
@@ -84,7 +100,8 @@ def check_token_rows(x: Any, *, metadata: PagedAttentionCacheMetaData, num_token
         )
 
 
-def check_layer_rows(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int, *, values: bool) -> Any:
+def check_layer_rows(x: LayerRows | None, name: str, meta: PagedAttentionCacheMetaData, num_tokens: int, *,
+                     values: bool) -> Array | tuple[Array | None, ...] | None:
     """Check the new keys (or values) of every layer (`PagedAttentionCache.write`) without
     slicing them on the host: a stacked array stays one array (sliced inside the jit, checked
     once per group), a sequence stays a tuple (checked per layer). Latent groups take no values:
@@ -92,34 +109,38 @@ def check_layer_rows(x: Any, name: str, meta: PagedAttentionCacheMetaData, num_t
     latent_only = values and not any(g.has_values for g in meta.groups)
     if x is None and latent_only:
         return None
+    items: tuple[Array | None, ...] | None = None
+    whole: Array | None = None  # one array for every layer
     if isinstance(x, (list, tuple)):
         count, items = len(x), tuple(x)
-    elif np.ndim(x) == 4:
-        count, items = int(np.shape(x)[0]), None
+    elif x is not None and np.ndim(x) == 4:
+        count, whole = int(np.shape(x)[0]), x
     else:
+        got = () if x is None else np.shape(x)
         raise ValueError(
             f"{name} must be (num_layers, num_tokens, num_kv_heads, head_dim) or a sequence of "
-            f"per-layer arrays{' (None for latent layers)' if values else ''}, got shape {np.shape(x)}")
+            f"per-layer arrays{' (None for latent layers)' if values else ''}, got shape {got}")
     if count != meta.num_hidden_layers:
         raise ValueError(
             f"{name} holds {count} layers but the cache has num_hidden_layers={meta.num_hidden_layers}"
         )
-    if items is None:  # one array for every layer: every group must take its shape
+    checks: list[tuple[int, Array | jax.ShapeDtypeStruct | None, str]]
+    if whole is not None:  # one array for every layer: every group must take its shape
         if values and any(not g.has_values for g in meta.groups):
             raise ValueError(f"{name} is one array for every layer, but layers "
                              f"{[g.span for g in meta.groups if not g.has_values]} are latent and take no values; "
                              "give a sequence of per-layer arrays with None for latent layers")
-        one = jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], x.dtype)
+        one = jax.ShapeDtypeStruct(tuple(np.shape(whole))[1:], whole.dtype)
         checks = [(g, one, name) for g in range(len(meta.groups))]
     else:
-        checks = [(meta.group_of(i)[0], item, f"{name}[{i}]") for i, item in enumerate(items)]
+        checks = [(meta.group_of(i)[0], item, f"{name}[{i}]") for i, item in enumerate(items or ())]
     for g, item, label in checks:
         check_token_rows(item, metadata=meta, num_tokens=num_tokens, group=g, values=values, name=label)
-    return items if items is not None else x
+    return items if items is not None else whole
 
 
-def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = None, *,
-                          layout: PageLayout | None) -> Any:
+def scatter_encoded_local(pages: PageTree, new: object, slots: jax.Array, layer: Layer | None = None, *,
+                          layout: PageLayout | None) -> PageTree:
     """One shard: put token rows ``new`` at ``slots`` (local slots only) into stacked ``pages``
     ``(layers, heads, pages, page_size, ...)``: rows ``(layers, tokens, heads, ...)`` into every
     layer when ``layer`` is None, else rows ``(tokens, heads, ...)`` into layer ``layer`` (an int
@@ -152,15 +173,16 @@ def scatter_encoded_local(pages: Any, new: Any, slots: jax.Array, layer: Any = N
             return scatter_page_scaled_local(p, upd, slots, layer, layout=layout)
         return jax.tree.map(one, p, upd)
 
-    return jax.tree.map(entry, pages, new, is_leaf=lambda x: isinstance(x, QuantizedPages))
+    written: PageTree = jax.tree.map(entry, pages, new, is_leaf=lambda x: isinstance(x, QuantizedPages))
+    return written
 
 
 # Pages whose earlier tokens are requantized per pass of the write's loop (see below).
 _REQUANT_CHUNK = 256
 
 
-def scatter_page_scaled_local(pages: QuantizedPages, rows: jax.Array, slots: jax.Array, layer: Any = None, *,
-                              layout: PageLayout | None) -> QuantizedPages:
+def scatter_page_scaled_local(pages: QuantizedPages[jax.Array], rows: jax.Array, slots: jax.Array,
+                              layer: Layer | None = None, *, layout: PageLayout | None) -> QuantizedPages[jax.Array]:
     """One shard: write token rows (floats in the logical dtype) into pages whose scales are
     per page and channel (``int4-ch``): a read-modify-write of the pages touched.
 
@@ -171,10 +193,12 @@ def scatter_page_scaled_local(pages: QuantizedPages, rows: jax.Array, slots: jax
     and each page is requantized once, whatever the order of the slots; cost grows with the
     tokens written (and the pages they land in), never with the pool.
     """
+    q = pages.quantizer
+    if not scales_per_page(q):
+        raise ValueError(f"{q.name} pages keep their scales per token; write them with scatter_encoded_local")
     t = slots.shape[0]
     if t == 0:
         return pages
-    q = pages.quantizer
     values, scales = pages.values, pages.scales  # (L, H, P, S, d/2), (L, H, P, d)
     num_layers, _, p, s = values.shape[:4]
     base = layout.local_page_offset(p) * s if layout is not None else 0
@@ -230,15 +254,15 @@ def scatter_page_scaled_local(pages: QuantizedPages, rows: jax.Array, slots: jax
 
 
 def scatter_kv(
-    key_pages: Any,
-    value_pages: Any,
-    key: jax.Array,
-    value: jax.Array,
-    slots: Any,
-    layer: Any = None,
+    key_pages: StoredPages,
+    value_pages: StoredPages | None,
+    key: Array,
+    value: Array | None,
+    slots: Array,
+    layer: Layer | None = None,
     *,
     layout: PageLayout | None,
-) -> tuple[Any, Any]:
+) -> tuple[StoredPages, StoredPages | None]:
     """Write token rows ``key[..., t, :, :]``/``value[..., t, :, :]`` at ``slots[t]`` into
     stacked pages: ``(layers, tokens, heads, head_dim)`` into every layer (``layer=None``) or
     ``(tokens, heads, head_dim)`` into layer ``layer``.
@@ -248,11 +272,12 @@ def scatter_kv(
     """
     new_k = encode_tokens(jnp.asarray(key), key_pages)
     new_v = None if value_pages is None else encode_tokens(jnp.asarray(value), value_pages)  # None: a latent group
-    written: tuple[Any, Any] = scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
+    written = scatter_encoded((key_pages, value_pages), (new_k, new_v), slots, layer, layout=layout)
     return written
 
 
-def scatter_encoded(pages: Any, new: Any, slots: Any, layer: Any = None, *, layout: PageLayout | None) -> Any:
+def scatter_encoded(pages: PageTree, new: object, slots: Array, layer: Layer | None = None, *,
+                    layout: PageLayout | None) -> PageTree:
     """Token rows ``new`` already in the pages' storage form (``encode_tokens``, or a quantized
     sequence's raw codes and scales) written at ``slots`` into ``pages``, a pytree of stacked
     page arrays matched leaf for leaf by ``new`` (every layer's rows, or layer ``layer``'s): one

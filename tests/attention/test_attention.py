@@ -303,7 +303,8 @@ def _bad_cases():
     yield (q, k, k, dec), {"implementation": "cuda"}, r"implementation='cuda'; use one of 'auto', 'xla', 'pallas_tpu'"
     yield (q, k, k, dec), {"pages_per_block": 0}, r"pages_per_block must be a positive int, got 0"
     yield (q, k, k, dec), {"layout": "tp"}, r"layout must be a PageLayout or None, got str"
-    yield (q, k, k, {"positions": 1}), {}, r"metadata must be a PagedAttentionMetadata, got dict"
+    yield (q, k, k, {"positions": 1}), {}, (r"the step metadata must be a RaggedStep or a PagedAttentionMetadata, "
+                                            r"got dict")
     yield (q, k, k, PagedAttentionMetadata()), {}, r"metadata names no step: it is empty \(init_empty\)"
     # decode
     yield (q[:5], k, k, dec), {}, r"q has 5 rows but metadata.decodes_position has 6; give one query row per token"

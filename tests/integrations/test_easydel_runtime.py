@@ -1,5 +1,5 @@
 """easykv.integrations.easydel.runtime_from_easydel without EasyDeL installed: EasyDeL 0.3's
-per-step RaggedPagesMetadata fields -> easykv's mixed form, checked against a plain loop, also
+per-step RaggedPagesMetadata fields -> easykv's ragged form (a RaggedStep), checked against a plain loop, also
 for crafted metadata (query_start_loc out of order or off the token axis, page ids outside the
 pool or the row), and padding tokens (before query_start_loc[0], past the real sequences)
 written through a cache, checked bit for bit against a numpy model of the pool."""
@@ -11,7 +11,10 @@ import jax
 import numpy as np
 import pytest
 
+from easykv import PagedAttentionCacheMetaData, PagedAttentionMetadata, PageManager
+from easykv.integrations._easydel_runtime import easydel_fields_from_easykv
 from easykv.integrations.easydel import runtime_from_easydel
+from easykv.step.ragged import RaggedStep
 from tests.support import pools
 
 PAGE, PAGES, TOKENS = 4, 16, 12
@@ -154,3 +157,31 @@ def test_host_num_seqs_outside_the_sequences_is_refused():
     # past the real sequences, starts are EasyDeL's free padding: never refused
     step_meta = convert([0, 1, 40, -5], [1, 1, 1], table, 1, traced=False)
     np.testing.assert_array_equal(step_meta.query_start_loc, [0, 1, 1, 1])
+
+
+def test_the_bridge_speaks_the_ragged_form_both_ways():
+    """EasyDeL's step becomes a RaggedStep (what the write and attention take as it is, with no
+    absent fields to carry), and EasyDeL's fields come from the page manager's RaggedStep and
+    from EasyDeL's own class in its mixed form alike; its decode form is refused by name."""
+    table = np.array([[3, 7, -1], [0, 1, 2]], np.int32)
+    for traced in (True, False):
+        step = convert([0, 2, 3], [5, 1], table, 2, traced=traced)
+        assert type(step) is RaggedStep and len(jax.tree.leaves(step)) == 6
+        assert np.asarray(step.positions)[:3].tolist() == [3, 4, 0]
+    meta = PagedAttentionCacheMetaData(batch_size=2, num_hidden_layers=1, num_pages_per_layer=PAGES,
+                                       num_pages_per_sequence=3, max_sequences=12, page_size=PAGE, num_kv_heads=2,
+                                       kv_head_dim_size=8, hbm_utilization=0.9)
+    m = PageManager(meta)
+    seqs = m.claim(2)
+    (planned,) = m.schedule(seqs, [5, 2]).metadata
+    assert type(planned) is RaggedStep
+    for version in ("v2", "v3"):
+        ours = easydel_fields_from_easykv(planned, page_size=PAGE, version=version)
+        seeds = easydel_fields_from_easykv(PagedAttentionMetadata.from_ragged(planned), page_size=PAGE,
+                                           version=version)
+        assert ours.keys() == seeds.keys()
+        assert all(np.array_equal(ours[k], seeds[k]) for k in ours)
+    decode = PagedAttentionMetadata.for_decode(table, [4, 7], cache_metadata=meta)
+    with pytest.raises(ValueError, match=r"easydel metadata is built from easykv's ragged form \(a RaggedStep, the "
+                                         r"page manager's plan.metadata item, or PagedAttentionMetadata.for_mixed\)"):
+        easydel_fields_from_easykv(decode, page_size=PAGE)

@@ -75,21 +75,28 @@ def _prefilled(cfg, prompts, *, pages=96):
     model = CompiledModel(DemoModel(cfg))
     cache, m = setup(cfg, pages=pages)
     seqs = m.claim(len(prompts))
-    md = m.build_step_metadata(seqs, [len(p) for p in prompts], pad_tokens_to=32, pad_seqs_to=4)
+    plan = m.schedule(seqs, [len(p) for p in prompts], pad_tokens_to=32, pad_seqs_to=4)
     tokens = np.zeros(32, np.int32)
     flat = [t for p in prompts for t in p]
     tokens[: len(flat)] = flat
-    logits, cache = model.paged_step(cache, jnp.asarray(tokens), md)
-    m.step(seqs, prompts)
+
+    def prefill(cache, plan):
+        logits, cache = model.paged_step(cache, jnp.asarray(tokens), plan.metadata)
+        return cache, logits
+
+    runner = easykv.Runner(m, cache)
+    logits = runner.run(plan, prefill, token_ids=prompts)
     ends = np.cumsum([len(p) for p in prompts]) - 1
-    return model, cache, m, seqs, np.argmax(np.asarray(logits)[ends], -1).astype(np.int32)
+    return model, runner.cache, m, seqs, np.argmax(np.asarray(logits)[ends], -1).astype(np.int32)
 
 
 def _loop(model, cache, m, seqs, first, k, limits, eos_id=None):
-    plan = m.plan_decode(seqs, k, pad_seqs_to=4)
+    """The device loop of ``k`` decode steps of ``seqs``; its open plan (the caller commits) and the loop's output."""
+    runner = easykv.Runner(m, cache)
+    plan = runner.schedule_decode(seqs, k, pad_seqs_to=4)  # its device work applied before the loop writes
     tokens = np.zeros(4, np.int32)
     tokens[: len(seqs)] = first
-    out = model.paged_decode(cache, jnp.asarray(tokens), plan, jnp.asarray(limits, jnp.int32), eos_id=eos_id)
+    out = model.paged_decode(runner.cache, jnp.asarray(tokens), plan, jnp.asarray(limits, jnp.int32), eos_id=eos_id)
     return plan, out
 
 
@@ -99,6 +106,7 @@ def test_a_row_stops_at_its_end_token_and_gives_back_the_pages_it_did_not_write(
     free_before = m.metrics.free_pages
     plan, out = _loop(model, cache, m, seqs, first, 12, [12, 12, 0, 0])
     free_greedy = np.asarray(out.sampled)
+    m.abort(plan)  # only its sampled tokens are kept
     # the same run again, with row 0's third sampled token as the end token
     model, cache, m, seqs, first = _prefilled(UNIFORM, prompts)
     eos = int(free_greedy[0, 2])
@@ -110,7 +118,7 @@ def test_a_row_stops_at_its_end_token_and_gives_back_the_pages_it_did_not_write(
         np.testing.assert_array_equal(np.asarray(out.sampled)[r, : counts[r]], free_greedy[r, : counts[r]])
         np.testing.assert_array_equal(np.asarray(out.written)[r, 1 : counts[r]], free_greedy[r, : counts[r] - 1])
     assert int(out.steps) == max(counts)
-    m.commit_decode(plan, out.written, out.num_written)
+    m.commit(plan, out.written, out.num_written)
     assert [m.length(s) for s in seqs] == [len(p) + c for p, c in zip(prompts, counts[:2])]
     assert m.metrics.free_pages == free_before - sum(-(-m.length(s) // 8) - -(-len(p) // 8)
                                                      for s, p in zip(seqs, prompts))  # fmt: skip
@@ -122,7 +130,7 @@ def test_rows_with_no_limit_write_nothing_and_the_loop_ends_when_every_row_stopp
     pages = [m.pages(s) for s in seqs]
     plan, out = _loop(model, cache, m, seqs, first, 16, [3, 0, 0, 0])
     assert np.asarray(out.num_written).tolist() == [3, 0, 0, 0] and int(out.steps) == 3
-    m.commit_decode(plan, out.written, out.num_written)
+    m.commit(plan, out.written, out.num_written)
     assert [m.length(s) for s in seqs] == [6, 4] and m.pages(seqs[1]) == pages[1]
     assert m.pages(seqs[0]) == pages[0]  # 6 tokens still fit the first page of 8
 
@@ -152,7 +160,7 @@ def test_with_temperature_refuses_what_is_not_a_positive_number(bad):
 
 def test_decode_loop_refuses_steps_shapes_and_metadata_it_cannot_run():
     _, cache, m, seqs, first = _prefilled(UNIFORM, [[1, 2, 3]])
-    plan = m.plan_decode(seqs, 2, pad_seqs_to=4)
+    plan = m.schedule_decode(seqs, 2, pad_seqs_to=4)
     step = lambda state, tokens, md: (jnp.zeros((4, 8)), state)  # noqa: E731
     args = dict(page_size=plan.page_size, num_pages=plan.num_pages)
     ok = (jnp.zeros(4, jnp.int32), plan.metadata)
@@ -162,14 +170,20 @@ def test_decode_loop_refuses_steps_shapes_and_metadata_it_cannot_run():
         decode_loop(step, cache, jnp.zeros(3, jnp.int32), plan.metadata, num_steps=2, limits=jnp.ones(4), **args)
     with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*got a tuple of 2"):
         decode_loop(step, cache, ok[0], plan.metadata * 2, num_steps=2, limits=jnp.ones(4), **args)
-    with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*or the one metadata bare\), got a tuple "
-                                         r"of 1: dict"):
+    with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata, one RaggedStep per group.*or the one step "
+                                         r"bare\), got a tuple of 1: dict"):
         decode_loop(step, cache, ok[0], ({"page_table": 1},), num_steps=2, limits=jnp.ones(4), **args)
+    # EasyDeL's decode form is no ragged step: the loop derives each next step from the ragged form alone
+    easydel_decode = easykv.PagedAttentionMetadata.for_decode(np.asarray(plan.metadata[0].page_table), [3, -1, -1, -1],
+                                                              cache_metadata=cache.metadata)
+    with pytest.raises(ValueError, match=r"one RaggedStep per group .*got PagedAttentionMetadata$"):
+        decode_loop(step, cache, ok[0], easydel_decode, num_steps=2, limits=jnp.ones(4), **args)
     with pytest.raises(ValueError, match=r"pass a tuple of 1 step metadata.*got list"):
         decode_loop(step, cache, ok[0], list(plan.metadata), num_steps=2, limits=jnp.ones(4), **args)
     out = decode_loop(step, cache, *ok, num_steps=2, limits=jnp.asarray([2, 0, 0, 0]), **args)
     assert np.asarray(out.num_written).tolist() == [2, 0, 0, 0]  # the constant step samples token 0 twice
     assert np.asarray(out.sampled)[0].tolist() == [0, 0]
+    m.abort(plan)  # the constant step wrote no page
 
 
 def test_decode_loop_takes_a_one_group_cache_s_metadata_bare_or_as_its_one_tuple():
@@ -177,7 +191,7 @@ def test_decode_loop_takes_a_one_group_cache_s_metadata_bare_or_as_its_one_tuple
     cache, then the loop indexed it (TypeError: not subscriptable). Both forms now run the same
     loop, and the step function gets the one-tuple either way."""
     _, cache, m, seqs, first = _prefilled(UNIFORM, [[1, 2, 3], [4, 5]])
-    plan = m.plan_decode(seqs, 3, pad_seqs_to=4)
+    plan = m.schedule_decode(seqs, 3, pad_seqs_to=4)
     seen = []
 
     def step(state, tokens, md):
@@ -193,7 +207,7 @@ def test_decode_loop_takes_a_one_group_cache_s_metadata_bare_or_as_its_one_tuple
     assert np.asarray(outs[1].num_written).tolist() == [3, 2, 0, 0]
     assert np.asarray(outs[1].written)[0].tolist() == [int(first[0]), 5, 5]
     assert seen[0] == seen[1] and seen[0][:2] == (tuple, 1)  # traced once per form, each a one-tuple
-    m.commit_decode(plan, outs[1].written, outs[1].num_written)
+    m.commit(plan, outs[1].written, outs[1].num_written)
     assert [m.length(s) for s in seqs] == [6, 4]
 
 
@@ -235,8 +249,10 @@ def test_a_row_with_nothing_to_write_leaves_the_page_it_shares_with_its_fork_unt
     model, cache, m, seqs, first = _prefilled(UNIFORM, [[5, 6, 7, 8, 9], [40, 41, 42]])
     parent = seqs[0]
     child = m.fork(parent)
-    plan = m.plan_decode([parent, child, seqs[1]], 4, max_tokens=[0, 4, 4], pad_seqs_to=4)
-    cache, _ = m.apply_pending(cache)
+    runner = easykv.Runner(m, cache)
+    plan = runner.schedule_decode([parent, child, seqs[1]], 4, max_tokens=[0, 4, 4], pad_seqs_to=4)
+    assert plan.work.num_copies == 1  # the child's private copy of the shared page, applied with the plan
+    cache = runner.cache
     page, offset = m.pages(parent)[-1], m.length(parent) % 8
     before = np.asarray(cache.key_pages[0])[:, :, page].copy()
     tokens = np.asarray([first[0], first[0], first[1], 0], np.int32)
@@ -245,7 +261,7 @@ def test_a_row_with_nothing_to_write_leaves_the_page_it_shares_with_its_fork_unt
     after = np.asarray(out.state.key_pages[0])[:, :, page]
     np.testing.assert_array_equal(after, before)  # offset 5.. of the parent's page: still what it was
     assert offset == 5
-    m.commit_decode(plan, out.written, out.num_written)
+    m.commit(plan, out.written, out.num_written)
     assert m.length(parent) == 5 and m.length(child) == 9
 
 
@@ -261,8 +277,9 @@ def test_a_failed_device_loop_closes_its_plan_so_the_engine_s_sequences_stay_usa
     monkeypatch.setattr(model, "paged_decode", broken)
     with pytest.raises(RuntimeError, match="the device loop failed"):
         engine.run(requests)
-    assert not manager._seqs.open_plans and not manager._seqs.plan_of.any()
+    assert manager.metrics.open_plans == 0
+    manager.check_invariants()  # and no row names a plan: the rows agree with the open plans
     for r in requests:  # nothing reserved for the failed loop is left, and every sequence can go
-        assert manager.capacity(r.seq) == -(-manager.length(r.seq) // 8) * 8
+        assert manager.sequence(r.seq).capacity == -(-manager.length(r.seq) // 8) * 8
         manager.release(r.seq)
     manager.check_invariants()

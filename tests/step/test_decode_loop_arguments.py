@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from easykv.step.loop import decode_loop, greedy
+from easykv.step.ragged import stack_metadata
 from tests.support.managers import make, prefill
 
 VOCAB = 11
@@ -39,7 +40,7 @@ def planned():
     m = make(batch=4, pages=20, max_len=32)
     a, b = m.claim(2)
     prefill(m, a, [1, 2, 3, 4, 5])
-    return m, m.plan_decode([a], 3, pad_seqs_to=2)
+    return m, m.schedule_decode([a], 3, pad_seqs_to=2)
 
 
 def good(plan):
@@ -118,7 +119,7 @@ def test_a_bad_argument_is_named_before_the_step_runs_and_the_plan_is_untouched(
         run(plan, step, **changes)
     assert step.calls == 0  # refused before the step function was even traced
     assert m.state_dict() == before and not plan.committed
-    m.commit_decode(plan, np.full((1, 3), TOKEN), 3)  # the plan is as it was: it commits
+    m.commit(plan, np.full((1, 3), TOKEN), 3)  # the plan is as it was: it commits
     m.check_invariants()
 
 
@@ -141,17 +142,22 @@ def test_a_step_or_eos_id_that_does_not_fit_is_named_when_the_step_is_traced_bef
         decode_loop(step, None, kw.pop("tokens"), kw.pop("metadata"), **kw)
     assert m.state_dict() == before and not plan.committed
     assert step is None or step.calls <= 1  # traced once at most; the loop never ran
+    m.abort(plan)  # the plan is as it was: it ends
+    m.check_invariants()
 
 
 def test_a_stacked_metadata_is_refused_as_not_one_step():
     m = make(batch=4, pages=20, max_len=32)
     [a] = m.claim(1)
     prefill(m, a, [1, 2, 3])
-    stacked = m.build_decode_metadata([a], 2, stacked=True)
+    plan = m.schedule_decode([a], 2)
+    # both steps of the plan stacked on a leading step axis: what a caller passing every step at once would give
+    stacked = tuple(stack_metadata(steps) for steps in zip(plan.metadata, plan.next_metadata(plan.metadata)))
     with pytest.raises(ValueError, match=r"metadata\[0\] is not one decode step in the mixed form \(page_table of "
                                          r"shape \(2, 1, 8\)\); pass the plan's first step, plan\.metadata"):
         decode_loop(Step(), None, jnp.zeros(1, jnp.int32), stacked, num_steps=2, page_size=4, num_pages=(20,),
                     limits=jnp.ones(1, jnp.int32))
+    m.abort(plan)
 
 
 def test_every_accepted_form_runs_the_same_loop_in_and_out_of_jit():
@@ -173,5 +179,5 @@ def test_every_accepted_form_runs_the_same_loop_in_and_out_of_jit():
     np.testing.assert_array_equal(traced(jnp.asarray([7, 0], jnp.int32), jnp.asarray(plan.limits)), want.written)
     assert np.asarray(want.num_written).tolist() == [3, 0]
     assert np.asarray(want.written)[0].tolist() == [7, TOKEN, TOKEN]
-    m.commit_decode(plan, want.written, want.num_written)
+    m.commit(plan, want.written, want.num_written)
     assert m.length(plan.seq_ids[0]) == 8

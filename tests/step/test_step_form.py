@@ -167,10 +167,15 @@ def test_manager_metadata_is_marked(monkeypatch):
     calls = _counting(monkeypatch)
     pm = PageManager(META)
     a, b = pm.claim(2)
-    (step_meta,) = pm.build_step_metadata([a, b], [6, 3])
+    plan = pm.schedule([a, b], [6, 3])
+    (step_meta,) = plan.metadata
     assert _checks_run(calls, step_meta) == {"attention": 0, "write": 0}
-    pm.step([a, b], [list(range(6)), list(range(3))])
-    steps = [step for (step,) in pm.build_decode_metadata([a, b], num_steps=3)]
+    pm.commit(plan, [list(range(6)), list(range(3))])
+    steps = []  # three decode steps, each scheduled by the manager (a loop's later steps are derived on the device)
+    for token in range(3):
+        plan = pm.schedule_decode([a, b], 1)
+        steps.append(plan.metadata[0])
+        pm.commit(plan, [[token], [token]])
     assert all(host_checked(s) is not None for s in steps)
     assert _checks_run(calls, steps[2]) == {"attention": 0, "write": 0}
 

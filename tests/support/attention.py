@@ -14,7 +14,7 @@ import numpy as np
 
 from easykv import PagedAttentionMetadata
 from easykv.sharding import create_mesh
-from easykv.step.metadata import build_mixed
+from easykv.step.metadata import build_mixed, step_form
 from easykv.storage.pages import PageLayout
 
 PAGES, PS, D, WIDTH = 48, 4, 16, 6  # pool pages, page size, head dim, page-table columns
@@ -98,9 +98,10 @@ MAKERS = {"decode": decode_md, "prefill": prefill_md, "mixed": mixed_md}
 def release_before_window(md, window):
     """Unassign (-1) every page wholly before each sequence's window, as an engine that frees
     pages falling out of a sliding window does: attention must not need them."""
-    if md.is_decode_mode():
+    form = step_form(md)  # a RaggedStep (build_mixed's) is the mixed form
+    if form == "decode":
         table, seq, pos = md.decodes_page_table.copy(), np.arange(len(md.decodes_position)), md.decodes_position
-    elif md.is_prefill_mode():
+    elif form == "prefill":
         table, pos = md.prefill_page_table[None].copy(), md.prefill_position[: md.prefill_length]
         seq = np.zeros(len(pos), int)
     else:
@@ -110,18 +111,19 @@ def release_before_window(md, window):
         mine = pos[(seq == b) & (pos >= 0)]
         if mine.size:
             table[b, : max(int(mine.min()) - window + 1, 0) // PS] = -1
-    if md.is_decode_mode():
+    if form == "decode":
         return md.replace(decodes_page_table=table)
-    if md.is_prefill_mode():
+    if form == "prefill":
         return md.replace(prefill_page_table=table[0])
     return md.replace(page_table=table)
 
 
 def real_rows(md):
     """Which query rows of ``md`` are real tokens (not padding)."""
-    if md.is_decode_mode():
+    form = step_form(md)
+    if form == "decode":
         return md.decodes_position >= 0
-    if md.is_prefill_mode():
+    if form == "prefill":
         return np.arange(md.prefill_position.shape[0]) < md.prefill_length
     return np.arange(md.positions.shape[0]) < md.query_start_loc[md.num_seqs]
 

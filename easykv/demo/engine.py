@@ -1,40 +1,51 @@
 """The engine loop behind `easykv demo`: continuous batching over the paged cache.
 
 Each step the scheduler takes the running decodes (one token each) and fills the rest of a
-fixed token budget with prefill chunks of waiting prompts; the page manager reserves pages and
-builds the step's mixed metadata; pending copy-on-write copies are applied; one jitted call
-writes and attends for all layers; the sampled tokens are committed to the manager (which enters
-full pages into the prefix cache). Requests arrive over time, finish, and free their pages.
+fixed token budget with prefill chunks of waiting prompts; the page manager schedules the step
+(`PageManager.schedule`: pages reserved, a frozen plan of the step's metadata and device work);
+the engine's `easykv.Runner` carries the plan out: pending copy-on-write copies, then one jitted
+call that writes and attends for all layers, then the commit of the written tokens (which enters
+full pages into the prefix cache), or the abort of the plan when anything failed, so every
+sequence stays usable. Requests arrive over time, finish, and free their pages.
 
 Sampling is greedy, except that a forked request (parallel sampling) takes the second most
 likely token at its first step and then follows greedily, so the fork diverges from its parent
 through a copy-on-write of their shared last page.
 
 With ``decode_steps=k > 1``, a step that schedules only decodes runs up to ``k`` of them in one
-device loop (the manager plans them at once, sampling happens on the device) and returns to the
-host once; a request stops inside the loop at its ``max_new_tokens``.
+device loop (`PageManager.schedule_decode` plans them at once, sampling happens on the device)
+and returns to the host once; a request stops inside the loop at its ``max_new_tokens``.
 
 With a host-memory tier (``host=``, an `easykv.HostTier`), a step whose pages do not fit
 preempts: the running request that arrived last is swapped out to host memory and swapped back
 in, ahead of new requests, once its pages fit again; it continues where it stopped (no prefill
 is repeated).
+
+`DenseEngine`, the baseline the benchmark compares with, shares the scheduler (`BatchingEngine`)
+but runs each step over dense per-request rows, without pages, plans or a runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from easykv.demo.model import CompiledModel
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
+from easykv.manager.step_plan import StepPlan
+from easykv.quantization import CompressingQuantizer
+from easykv.runner import Runner
+from easykv.step.loop import DecodeOutput
 from easykv.step.metadata import PAD_POSITION
 from easykv.storage.cache import PagedAttentionCache
+from easykv.tiers.host import HostTier
 
 
 @dataclasses.dataclass
@@ -57,6 +68,13 @@ class Request:
     swapped: bool = False  # preempted to the host tier
     prompt_logits: np.ndarray | None = None  # logits after the last prompt token (for forks)
 
+    @property
+    def seq_id(self) -> int:
+        """``seq``, once the engine admitted the request (InvariantError before: an engine bug)."""
+        if self.seq is None:
+            raise InvariantError(f"request {self.rid} has no sequence yet", where="demo engine")
+        return self.seq
+
 
 @dataclasses.dataclass
 class StepRecord:
@@ -68,29 +86,47 @@ class StepRecord:
     group_pages: tuple[int, ...] = ()  # pages in use per layer group
 
 
-class Engine:
-    """Runs requests to completion through one model, one paged cache and one page manager."""
+# One step's work: each scheduled request with the token ids it writes this step.
+Batch = list[tuple[Request, list[int]]]
 
-    def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
-                 token_budget: int, max_seqs: int, prefill_chunk: int, host: Any = None,
-                 decode_steps: int = 1) -> None:  # fmt: skip
+
+class BatchingEngine:
+    """The continuous-batching scheduler both engines share: admission (forks at their fork
+    points, swapped-out requests first), the step's batch (decodes, then prefill chunks within the
+    token budget), sampling and the requests' bookkeeping. How a step runs is the subclass's
+    (`_forward`; `_decode_loop` for several decode steps at once).
+
+    Args:
+      model: the compiled demo model.
+      manager: the `PageManager` whose sequence slots the requests take.
+      token_budget: tokens per step (decodes and prefill chunks together).
+      max_seqs: sequences per step, at most ``token_budget``.
+      prefill_chunk: the most prompt tokens of one request per step, at most ``token_budget``.
+      decode_steps: decode steps per device loop (1: back to the host after every token).
+    """
+
+    def __init__(self, model: CompiledModel, manager: PageManager, *, token_budget: int, max_seqs: int,
+                 prefill_chunk: int, decode_steps: int = 1) -> None:  # fmt: skip
         if prefill_chunk > token_budget:
             raise ValueError(f"prefill_chunk={prefill_chunk} exceeds token_budget={token_budget}")
         if max_seqs > token_budget:
             raise ValueError(f"max_seqs={max_seqs} exceeds token_budget={token_budget}: one decode token each must fit")
         if not isinstance(decode_steps, int) or isinstance(decode_steps, bool) or decode_steps < 1:
             raise ValueError(f"decode_steps={decode_steps!r} must be an int >= 1 (decode steps per device loop)")
-        self.model, self.cache, self.manager = model, cache, manager
+        self.model = model
+        self._manager = manager
         self.decode_steps = decode_steps
         self.token_budget, self.max_seqs, self.prefill_chunk = token_budget, max_seqs, prefill_chunk
         self.step_index = 0
         self.history: list[StepRecord] = []
-        self.copies = 0
-        self.host = host
-        self.preemptions = 0
+
+    @property
+    def manager(self) -> PageManager:
+        """The `PageManager` the requests' sequences live in."""
+        return self._manager
 
     def run(self, requests: list[Request], *, until_step: int | None = None,
-            on_step: Callable[[Engine, list[Request]], None] | None = None) -> None:  # fmt: skip
+            on_step: Callable[[Self, list[Request]], None] | None = None) -> None:  # fmt: skip
         """Advance until every request is done (or ``until_step`` is reached)."""
         while not all(r.done for r in requests):
             if until_step is not None and self.step_index >= until_step:
@@ -100,9 +136,9 @@ class Engine:
             if not batch and not any(r.arrival > self.step_index for r in requests if not r.done):
                 # Nothing ran and nothing is still to arrive: the next step would be this one again.
                 raise self._stalled(requests)
-            ran = self._decode_steps(batch, self._horizon(requests, until_step)) if batch else None
+            ran = self._decode_loop(batch, self._horizon(requests, until_step)) if batch else None
             if batch and ran is None:
-                self._step(batch, requests)
+                self._step(batch)
             self.step_index += ran or 1
             if on_step is not None:
                 on_step(self, requests)
@@ -128,12 +164,14 @@ class Engine:
         by_id = {r.rid: r for r in requests}
         for r in (r for r in requests if r.swapped):  # preempted ones first, in arrival order
             try:
-                self.manager.swap_in(r.seq)
+                self.manager.swap_in(r.seq_id)
             except CacheFullError:
                 break
             r.swapped = False
         waiting = [r for r in requests if r.seq is None and not r.done and r.arrival <= self.step_index]
-        for r in (r for r in waiting if r.fork_of is not None):
+        for r in waiting:
+            if r.fork_of is None:
+                continue
             parent = by_id[r.fork_of]
             if parent.swapped:
                 continue  # forks once its parent is back
@@ -145,7 +183,9 @@ class Engine:
             if len(parent.output) != 1 or parent.done:
                 raise InvariantError(f"request {r.rid} missed its fork point (parent {parent.rid})",
                                      where="demo engine")
-            r.seq = self.manager.fork(parent.seq)
+            child = self.manager.fork(parent.seq_id)
+            assert isinstance(child, int)  # one child (n=None) comes as an int
+            r.seq = child
             r.fed, r.cached = len(r.prompt), parent.cached
             r.output.append(_sample(parent.prompt_logits, second=True))
         pending_forks = sum(1 for r in requests if r.fork_of is not None and r.seq is None and not r.done)
@@ -155,9 +195,9 @@ class Engine:
             r.seq = self.manager.claim(1)[0]
             r.cached = r.fed = self.manager.match_prefix(r.seq, r.prompt)
 
-    def _schedule(self, requests: list[Request]) -> list[tuple[Request, list[int]]]:
+    def _schedule(self, requests: list[Request]) -> Batch:
         """(request, token ids to write this step): decodes first, then prefill chunks."""
-        batch: list[tuple[Request, list[int]]] = []
+        batch: Batch = []
         budget = self.token_budget
         for r in requests:
             if r.seq is not None and not r.done and not r.swapped and r.fed >= len(r.prompt) and r.output:
@@ -172,51 +212,6 @@ class Engine:
                 budget -= n
         return batch[: self.max_seqs]
 
-    # ---- one device step --------------------------------------------------------------------
-    def _step(self, batch: list[tuple[Request, list[int]]], requests: list[Request]) -> None:
-        mgr = self.manager
-        while True:
-            seqs = [r.seq for r, _ in batch]
-            counts = [len(t) for _, t in batch]
-            try:
-                meta = mgr.build_step_metadata(seqs, counts, pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
-                break
-            except CacheFullError:
-                if self.host is None or len(batch) == 1:
-                    raise
-                victim = max(batch, key=lambda item: (item[0].arrival, item[0].rid))[0]
-                self.cache, copied = mgr.apply_pending(self.cache, host=self.host)  # its pages complete first
-                self.copies += copied
-                mgr.swap_out(victim.seq)
-                victim.swapped = True
-                self.preemptions += 1
-                batch = [item for item in batch if item[0] is not victim]
-        step_meta = meta[0]  # one per layer group: the same positions
-        tokens = np.zeros(self.token_budget, np.int32)
-        flat = [t for _, ids in batch for t in ids]
-        tokens[: len(flat)] = flat
-        if not np.all((step_meta.positions != PAD_POSITION)[: len(flat)]):
-            raise InvariantError("a scheduled token got a padding position", where="demo engine")
-        logits = self._device_step(tokens, meta, np.repeat(seqs, counts))
-        ends = np.asarray(step_meta.query_start_loc[1 : len(batch) + 1]) - 1
-        last = np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))
-        mgr.step(seqs, [ids for _, ids in batch])
-        for (r, ids), row in zip(batch, last):
-            if r.fed < len(r.prompt):
-                r.fed += len(ids)
-                if r.fed < len(r.prompt):
-                    continue  # mid-prompt chunk: no token sampled yet
-            if not r.output:
-                r.prompt_logits = row
-            r.output.append(_sample(row, second=False))
-            if len(r.output) >= r.max_new_tokens:
-                r.done = True
-                mgr.release(r.seq)
-        m = mgr.metrics
-        self.history.append(StepRecord(self.step_index, len(flat), len(batch), m.used_pages, m.cached_pages,
-                                       tuple(g.used_pages for g in m.groups)))
-
-
     def _horizon(self, requests: list[Request], until_step: int | None) -> int:
         """Steps a device loop may run before the host is needed: the next arrival of a request
         still to come, or ``until_step``."""
@@ -225,66 +220,214 @@ class Engine:
             ends.append(until_step)
         return max(1, min(ends, default=self.step_index + self.decode_steps) - self.step_index)
 
-    def _decode_steps(self, batch: list[tuple[Request, list[int]]], horizon: int) -> int | None:
+    # ---- one step ---------------------------------------------------------------------------
+    def _step(self, batch: Batch) -> None:
+        """Run ``batch`` (`_forward`), then sample each request whose prompt is written."""
+        batch, last = self._forward(batch)
+        for (r, ids), row in zip(batch, last):
+            if r.fed < len(r.prompt):
+                r.fed += len(ids)
+                if r.fed < len(r.prompt):
+                    continue  # mid-prompt chunk: no token sampled yet
+            if not r.output:
+                r.prompt_logits = row
+            r.output.append(_sample(row, second=False))
+            self._finish_if_done(r)
+        self._record(sum(len(ids) for _, ids in batch), len(batch))
+
+    def _forward(self, batch: Batch) -> tuple[Batch, np.ndarray]:
+        """Write ``batch``'s tokens and attend, all layers. Returns the batch that ran (a subclass
+        may leave requests out: preempted) and each one's logits after its last token, ``(len, vocab)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how a step runs: define _forward")
+
+    def _decode_loop(self, batch: Batch, horizon: int) -> int | None:
+        """Several decode steps of ``batch`` at once: the steps run, or None (one step runs). The
+        scheduler's own: always one step."""
+        return None
+
+    def _finish_if_done(self, r: Request) -> None:
+        if len(r.output) >= r.max_new_tokens:
+            r.done = True
+            self.manager.release(r.seq_id)
+
+    def _record(self, tokens: int, running: int) -> None:
+        m = self.manager.metrics
+        self.history.append(StepRecord(self.step_index, tokens, running, m.used_pages, m.cached_pages,
+                                       tuple(g.used_pages for g in m.groups)))
+
+
+class Engine(BatchingEngine):
+    """Runs requests to completion through one model, one paged cache and one page manager: each
+    step is a plan of the manager (`PageManager.schedule` / `schedule_decode`) that the engine's
+    `easykv.Runner` carries out (device work, the jitted step, commit; abort on failure).
+
+    Args:
+      model, manager, token_budget, max_seqs, prefill_chunk, decode_steps: as `BatchingEngine`'s.
+      cache: the live `PagedAttentionCache` of ``manager``'s pool; the engine's runner holds it
+        (``engine.cache`` gives the current one).
+      host: the cache's `HostTier` when the manager has a host-memory tier (the engine preempts to
+        it), else None.
+    """
+
+    def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
+                 token_budget: int, max_seqs: int, prefill_chunk: int, host: HostTier | None = None,
+                 decode_steps: int = 1) -> None:  # fmt: skip
+        super().__init__(model, manager, token_budget=token_budget, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
+                         decode_steps=decode_steps)
+        self.runner = Runner(manager, cache, host=host)
+        self.preemptions = 0
+        self._earlier_copies = 0  # pages copied by the runners `restore` replaced
+
+    @property
+    def cache(self) -> PagedAttentionCache:
+        """The live cache, as the last step left it."""
+        return self.runner.cache
+
+    @property
+    def host(self) -> HostTier | None:
+        """The cache's `HostTier`, or None without a host-memory tier."""
+        return self.runner.host
+
+    @property
+    def copies(self) -> int:
+        """Device pages copied (copy-on-write) so far."""
+        return self._earlier_copies + self.runner.copies
+
+    def restore(self, cache: PagedAttentionCache, manager: PageManager, *, host: HostTier | None = None) -> None:
+        """Go on with ``cache`` and ``manager`` (a restored checkpoint: the requests' sequences are
+        in it). Checked as the constructor checks (`easykv.Runner`); nothing changes on a refusal.
+
+        Args:
+          cache: a live cache of ``manager``'s pool.
+          manager: the restored `PageManager`.
+          host: the cache's `HostTier` when ``manager`` has a host-memory tier, else None."""
+        runner = Runner(manager, cache, host=host)
+        self._earlier_copies += self.runner.copies
+        self.runner, self._manager = runner, manager
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _forward(self, batch: Batch) -> tuple[Batch, np.ndarray]:
+        """The batch's plan (preempting while it does not fit), carried out by the runner."""
+        plan, batch = self._plan(batch)
+        flat = [t for _, ids in batch for t in ids]
+        tokens = np.zeros(self.token_budget, np.int32)
+        tokens[: len(flat)] = flat
+
+        def step(cache: PagedAttentionCache, plan: StepPlan) -> tuple[PagedAttentionCache, np.ndarray]:
+            if not np.all((plan.metadata[0].positions != PAD_POSITION)[: len(flat)]):  # one per group: same positions
+                raise InvariantError("a scheduled token got a padding position", where="demo engine")
+            logits, cache = self.model.paged_step(cache, jnp.asarray(tokens), plan.metadata)
+            return cache, _last_rows(logits, batch)
+
+        return batch, self.runner.run(plan, step, token_ids=[ids for _, ids in batch])
+
+    def _plan(self, batch: Batch) -> tuple[StepPlan, Batch]:
+        """The step's plan; while its pages do not fit and a host tier can take a request, the
+        running request that arrived last is swapped out (preempted) and left out of the step."""
+        while True:
+            try:
+                plan = self.manager.schedule([r.seq_id for r, _ in batch], [len(ids) for _, ids in batch],
+                                             pad_tokens_to=self.token_budget, pad_seqs_to=self.max_seqs)
+                return plan, batch
+            except CacheFullError:
+                if self.host is None or len(batch) == 1:
+                    raise
+            victim = max(batch, key=lambda item: (item[0].arrival, item[0].rid))[0]
+            self.runner.apply_pending()  # its pages complete first
+            self.manager.swap_out(victim.seq_id)
+            victim.swapped = True
+            self.preemptions += 1
+            batch = [item for item in batch if item[0] is not victim]
+
+    def _decode_loop(self, batch: Batch, horizon: int) -> int | None:
         """With ``decode_steps > 1`` and only decodes scheduled: up to ``decode_steps`` steps of
-        them in one device loop (`PageManager.plan_decode`, `CompiledModel.paged_decode`), each
-        request stopping at its ``max_new_tokens``. Returns the steps run; None when this step
+        them in one device loop (`PageManager.schedule_decode`, `CompiledModel.paged_decode`),
+        each request stopping at its ``max_new_tokens``. Returns the steps run; None when this step
         is not all decodes or the plan does not fit (the one-step path runs it, preempting).
         ``horizon``: no request samples more tokens than this (an arrival is due then)."""
         if self.decode_steps == 1 or any(r.fed < len(r.prompt) for r, _ in batch):
             return None
-        mgr, k = self.manager, self.decode_steps
-        seqs = [r.seq for r, _ in batch]
+        k = self.decode_steps
         most = [min(k, horizon, r.max_new_tokens - len(r.output)) for r, _ in batch]
         try:
-            plan = mgr.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=self.max_seqs)
+            plan = self.manager.schedule_decode([r.seq_id for r, _ in batch], k, max_tokens=most,
+                                                pad_seqs_to=self.max_seqs)
         except CacheFullError:
             return None
-        try:
-            self.cache, copied = mgr.apply_pending(self.cache, host=self.host)
-            self.copies += copied
-            tokens = np.zeros(self.max_seqs, np.int32)
-            tokens[: len(batch)] = [ids[0] for _, ids in batch]
-            out = self.model.paged_decode(self.cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
-            self.cache = out.state
-            written, sampled, counts = jax.device_get((out.written, out.sampled, out.num_written))
-        except BaseException:  # the plan closes with nothing written: its sequences stay usable
-            mgr.commit_decode(plan, np.zeros((plan.padded_rows, k), np.int64), np.zeros(plan.padded_rows, np.int64))
-            raise
-        mgr.commit_decode(plan, written, counts)
+        tokens = np.zeros(self.max_seqs, np.int32)
+        tokens[: len(batch)] = [ids[0] for _, ids in batch]
+
+        def loop(cache: PagedAttentionCache, plan: StepPlan) -> tuple[PagedAttentionCache, DecodeOutput]:
+            out = self.model.paged_decode(cache, jnp.asarray(tokens), plan, jnp.asarray(plan.limits))
+            return out.state, jax.device_get(out._replace(state=None))  # on the host, the cache left out
+
+        out = self.runner.run(plan, loop, token_ids=lambda out: out.written, num_tokens=lambda out: out.num_written)
         for i, (r, _) in enumerate(batch):
-            r.output.extend(sampled[i, : counts[i]].tolist())
-            if len(r.output) >= r.max_new_tokens:
-                r.done = True
-                mgr.release(r.seq)
-        m = mgr.metrics
-        self.history.append(StepRecord(self.step_index, int(counts.sum()), len(batch), m.used_pages, m.cached_pages,
-                                       tuple(g.used_pages for g in m.groups)))
+            r.output.extend(out.sampled[i, : out.num_written[i]].tolist())
+            self._finish_if_done(r)
+        self._record(int(out.num_written.sum()), len(batch))
         return int(out.steps)
 
-    def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
-        """Apply pending copy-on-write copies, then write and attend for all layers in one jit."""
-        self.cache, copied = self.manager.apply_pending(self.cache, host=self.host)
-        self.copies += copied
-        logits, self.cache = self.model.paged_step(self.cache, jnp.asarray(tokens), meta)
-        return logits
 
-
-class DenseEngine(Engine):
+class DenseEngine(BatchingEngine):
     """The baseline: the same scheduler, but every request owns a dense cache row preallocated
     at ``max_len`` tokens and attends over all of it. ``cache`` is (keys, values), each
-    (layers, batch_size, max_len, kv_heads, head_dim). No forks (a fork would copy a whole row)."""
+    (layers, rows, max_len, kv_heads, head_dim), a row per sequence slot of ``manager`` (which
+    only hands out the slots: no pages are reserved, no plan is made). No forks (a fork would copy
+    a whole row), one step per device call.
 
-    def _device_step(self, tokens: np.ndarray, meta: Any, rows: np.ndarray) -> jax.Array:
-        padded = np.zeros(self.token_budget, np.int32)
-        padded[: rows.size] = rows
-        keys, values = self.cache
-        step_meta = meta[0]
-        logits, keys, values = self.model.dense_batch_step(
-            keys, values, jnp.asarray(tokens), jnp.asarray(padded), jnp.asarray(step_meta.positions)
-        )
+    Args:
+      model, manager, token_budget, max_seqs, prefill_chunk: as `BatchingEngine`'s.
+      cache: the dense (keys, values); donated at each step (``engine.cache`` is the current one).
+    """
+
+    def __init__(self, model: CompiledModel, cache: tuple[jax.Array, jax.Array], manager: PageManager, *,
+                 token_budget: int, max_seqs: int, prefill_chunk: int) -> None:  # fmt: skip
+        keys, values = cache
+        if keys.shape != values.shape or keys.ndim != 5 or keys.shape[1] < manager.batch_size:
+            raise ValueError(f"the dense cache holds keys {keys.shape} and values {values.shape}; both must be "
+                             f"(layers, rows, max_len, kv_heads, head_dim) with rows >= the manager's "
+                             f"batch_size={manager.batch_size} (one row per sequence slot)")
+        super().__init__(model, manager, token_budget=token_budget, max_seqs=max_seqs, prefill_chunk=prefill_chunk)
         self.cache = (keys, values)
-        return logits
+
+    def run(self, requests: list[Request], *, until_step: int | None = None,
+            on_step: Callable[[Self, list[Request]], None] | None = None) -> None:  # fmt: skip
+        """`BatchingEngine.run`; a fork is refused before anything runs."""
+        forks = [r.rid for r in requests if r.fork_of is not None]
+        if forks:
+            raise ValueError(f"requests {forks} are forks, which the dense baseline does not run (a fork would copy a "
+                             "whole dense row); make the requests with fork=False, or run them on Engine")
+        super().run(requests, until_step=until_step, on_step=on_step)
+
+    def _forward(self, batch: Batch) -> tuple[Batch, np.ndarray]:
+        """One dense step: each token written into its sequence's row at its position (the tokens
+        the request wrote before it: its prompt chunks, then its prompt and outputs but the last)."""
+        max_len = self.cache[0].shape[2]
+        rows = np.zeros(self.token_budget, np.int32)
+        positions = np.full(self.token_budget, PAD_POSITION, np.int32)
+        tokens = np.zeros(self.token_budget, np.int32)
+        at = 0
+        for r, ids in batch:
+            start = r.fed if r.fed < len(r.prompt) else len(r.prompt) + len(r.output) - 1
+            if start + len(ids) > max_len:
+                raise ValueError(f"request {r.rid} reaches position {start + len(ids) - 1} but the dense cache holds "
+                                 f"max_len={max_len} tokens per row; make the cache rows longer")
+            rows[at : at + len(ids)] = r.seq_id
+            positions[at : at + len(ids)] = np.arange(start, start + len(ids))
+            tokens[at : at + len(ids)] = ids
+            at += len(ids)
+        keys, values = self.cache
+        logits, keys, values = self.model.dense_batch_step(keys, values, jnp.asarray(tokens), jnp.asarray(rows),
+                                                           jnp.asarray(positions))
+        self.cache = (keys, values)
+        return batch, _last_rows(logits, batch)
+
+
+def _last_rows(logits: jax.Array, batch: Batch) -> np.ndarray:
+    """Each request's logits after its last token this step, on the host: ``(len(batch), vocab)``."""
+    ends = np.cumsum([len(ids) for _, ids in batch]) - 1
+    return np.asarray(jax.device_get(_rows(logits, jnp.asarray(ends))))
 
 
 @jax.jit
@@ -305,15 +448,16 @@ def _sample(row: np.ndarray, *, second: bool) -> int:
 NEAR_TIE = 1e-3
 
 
-def reference_generate(model: CompiledModel, request: Request, *, max_len: int, dtype: Any,
-                       quantizer: Any = None) -> list[int]:  # fmt: skip
+def reference_generate(model: CompiledModel, request: Request, *, max_len: int, dtype: DTypeLike,
+                       quantizer: CompressingQuantizer | None = None) -> list[int]:  # fmt: skip
     """The same request generated with a plain dense per-request cache, one token per call."""
     return [choice for choice, _ in _reference_steps(model, request, max_len=max_len, dtype=dtype,
                                                      quantizer=quantizer)]
 
 
-def reference_disagreements(model: CompiledModel, request: Request, *, max_len: int, dtype: Any,
-                            quantizer: Any = None, near_tie: float = NEAR_TIE) -> list[int]:  # fmt: skip
+def reference_disagreements(model: CompiledModel, request: Request, *, max_len: int, dtype: DTypeLike,
+                            quantizer: CompressingQuantizer | None = None,
+                            near_tie: float = NEAR_TIE) -> list[int]:  # fmt: skip
     """The steps at which the engine's token (``request.output``) is not the dense reference's
     choice given the same history (the reference is fed the engine's tokens) and trails it in
     the reference's logits by more than ``near_tie``; a missing or extra token counts as one."""
@@ -324,7 +468,8 @@ def reference_disagreements(model: CompiledModel, request: Request, *, max_len: 
     return wrong + ([min(len(out), len(steps))] if len(out) != len(steps) else [])
 
 
-def _reference_steps(model: CompiledModel, request: Request, *, max_len: int, dtype: Any, quantizer: Any,
+def _reference_steps(model: CompiledModel, request: Request, *, max_len: int, dtype: DTypeLike,
+                     quantizer: CompressingQuantizer | None,
                      forced: list[int] | None = None) -> list[tuple[int, np.ndarray]]:  # fmt: skip
     """The dense reference's (choice, logits row) before each generated token; the token fed
     back is its own choice, or ``forced[i]`` (teacher forcing) while there is one."""
@@ -335,6 +480,8 @@ def _reference_steps(model: CompiledModel, request: Request, *, max_len: int, dt
     for pos, tok in enumerate(request.prompt):
         logits, keys, values = model.dense_step(keys, values, jnp.asarray([tok], jnp.int32), jnp.int32(pos), quantizer)
         row = np.asarray(logits[0])
+    if row is None:
+        raise ValueError(f"request {request.rid} has an empty prompt; the reference starts from one token at least")
     steps: list[tuple[int, np.ndarray]] = []
     for i in range(request.max_new_tokens):
         choice = _sample(row, second=(request.fork_of is not None and i == 0))

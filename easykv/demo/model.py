@@ -29,8 +29,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from easykv.attention.api import view_attention
+from easykv.manager.step_plan import StepPlan
+from easykv.quantization import CompressingQuantizer
+from easykv.spec.groups import LayerGroup
 from easykv.step.loop import DecodeOutput, decode_loop
-from easykv.step.metadata import PagedAttentionMetadata
+from easykv.step.ragged import RaggedStep
 from easykv.storage.cache import PagedAttentionCache
 
 VOCAB = 256  # bytes
@@ -65,7 +68,7 @@ class DemoConfig:
         """The sliding window of ``layer``, None for a full-attention layer."""
         return self.window if self.pattern[layer % len(self.pattern)] == "S" else None
 
-    def layer_groups(self) -> tuple[Any, ...] | None:
+    def layer_groups(self) -> tuple[LayerGroup, ...] | None:
         """The cache's layer groups (None: one full-attention group, a uniform cache)."""
         if set(self.pattern) == {"F"}:
             return None
@@ -110,6 +113,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+DenseKV = tuple[jax.Array, jax.Array]  # a dense cache's (keys, values)
 
 
 def _block(cfg: DemoConfig, blk: Block, x: jax.Array, positions: jax.Array, state: Any, layer: Any,
@@ -177,7 +181,7 @@ def _scanned_forward(model: DemoModel, block_def: Any, stacked: list[Any], cache
 
 
 def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array,
-                metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:
+                metadata: tuple[RaggedStep, ...]) -> tuple[jax.Array, PagedAttentionCache]:
     """One engine step for all layers in one jit: write each layer's new K/V into its pages
     (the cache is donated) and attend through the page tables of the mixed metadata."""
 
@@ -187,7 +191,8 @@ def _paged_step(model: DemoModel, cache: PagedAttentionCache, tokens: jax.Array,
         out, _ = paged(i, q, k, v, cache[i])  # the view writes through to the cache
         return out, cache
 
-    positions = metadata[0].positions  # one metadata per layer group: the same positions
+    # One metadata per layer group: the same positions (asarray: no operation on the traced array).
+    positions = jnp.asarray(metadata[0].positions)
     return _forward(model, tokens, positions, cache, attend)
 
 
@@ -198,7 +203,8 @@ def _visible(keys: jax.Array, queries: jax.Array, window: int | None) -> jax.Arr
 
 
 def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
-               kv_round_trip: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+               kv_round_trip: CompressingQuantizer | None = None,
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """Reference step for ONE sequence with a dense cache (layers, max_len, kv_heads, head_dim):
     tokens (n,) at positions start..start+n-1 are written, then attend causally to 0..pos.
     ``kv_round_trip`` (a quantizer) makes the dense cache hold what a quantized cache holds."""
@@ -207,7 +213,7 @@ def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: ja
     positions = start + jnp.arange(n, dtype=jnp.int32)
     group = cfg.q_heads // cfg.kv_heads
 
-    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: DenseKV) -> tuple[jax.Array, DenseKV]:
         kc, vc = kv
         if kv_round_trip is not None:
             k = kv_round_trip.quantize(k.astype(kc.dtype)).dequantize(kc.dtype)
@@ -231,7 +237,7 @@ def _dense_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: ja
 # splits the model once and jits pure functions of (graphdef, params) instead.
 @partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _paged_jit(graphdef: Any, params: Any, cache: PagedAttentionCache, tokens: jax.Array,
-               metadata: PagedAttentionMetadata) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
+               metadata: tuple[RaggedStep, ...]) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
     return _paged_step(nnx.merge(graphdef, params), cache, tokens, metadata)
 
 
@@ -243,7 +249,7 @@ def _scanned_jit(graphdef: Any, params: Any, block_def: Any, stacked: list[Any],
 
 @partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2, 3))
 def _dense_jit(graphdef: Any, params: Any, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
-               kv_round_trip: Any) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+               kv_round_trip: CompressingQuantizer | None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     return _dense_step(nnx.merge(graphdef, params), keys, values, tokens, start, kv_round_trip)
 
 
@@ -295,35 +301,44 @@ class CompiledModel:
             placed = self._replicated[mesh] = (weights, self.params)
         return placed[0]
 
-    def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: Any
+    def paged_step(self, cache: PagedAttentionCache, tokens: jax.Array, metadata: tuple[RaggedStep, ...]
                    ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
         """See `_paged_step` (`_scanned_forward` for a scanned model); the cache is donated.
-        ``metadata``: one step metadata per layer group (`PageManager.build_step_metadata`)."""
+        ``metadata``: one step metadata per layer group (`StepPlan.metadata`)."""
         params, stacked = self._weights_for(cache)
+        out: tuple[jax.Array, PagedAttentionCache]
         if self.cfg.scan:
-            return _scanned_jit(self.graphdef, params, self.block_def, stacked, cache, tokens, metadata)
-        return _paged_jit(self.graphdef, params, cache, tokens, metadata)
+            out = _scanned_jit(self.graphdef, params, self.block_def, stacked, cache, tokens, metadata)
+        else:
+            out = _paged_jit(self.graphdef, params, cache, tokens, metadata)
+        return out
 
-    def paged_decode(self, cache: PagedAttentionCache, tokens: jax.Array, plan: Any, limits: jax.Array, *,
+    def paged_decode(self, cache: PagedAttentionCache, tokens: jax.Array, plan: StepPlan, limits: jax.Array, *,
                      eos_id: int | None = None) -> DecodeOutput:
-        """``plan``'s decode steps (`PageManager.plan_decode`) in one jitted device loop with greedy
+        """``plan``'s decode steps (`PageManager.schedule_decode`) in one jitted device loop with greedy
         sampling (`easykv.step.loop.decode_loop`); the cache is donated and comes back as the
         output's ``state``. ``tokens``, ``limits``: ``(plan.padded_rows,)``."""
         params, stacked = self._weights_for(cache)
         block_def = self.block_def if self.cfg.scan else None
-        return _decode_jit(self.graphdef, params, block_def, stacked, cache, tokens, plan.metadata, limits,
-                           num_steps=plan.num_steps, page_size=plan.page_size, num_pages=plan.num_pages,
-                           eos_id=eos_id)
+        out: DecodeOutput = _decode_jit(self.graphdef, params, block_def, stacked, cache, tokens, plan.metadata,
+                                        limits, num_steps=plan.num_steps, page_size=plan.page_size,
+                                        num_pages=plan.num_pages, eos_id=eos_id)
+        return out
 
     def dense_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, start: jax.Array,
-                   kv_round_trip: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+                   kv_round_trip: CompressingQuantizer | None = None,
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
         """See `_dense_step`; keys and values are donated."""
-        return _dense_jit(self.graphdef, self.params, keys, values, tokens, start, kv_round_trip)
+        out: tuple[jax.Array, jax.Array, jax.Array] = _dense_jit(self.graphdef, self.params, keys, values, tokens,
+                                                                 start, kv_round_trip)
+        return out
 
     def dense_batch_step(self, keys: jax.Array, values: jax.Array, tokens: jax.Array, rows: jax.Array,
                          positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
         """See `_dense_batch_step` (the baseline the benchmark compares with)."""
-        return _dense_batch_jit(self.graphdef, self.params, keys, values, tokens, rows, positions)
+        out: tuple[jax.Array, jax.Array, jax.Array] = _dense_batch_jit(self.graphdef, self.params, keys, values,
+                                                                       tokens, rows, positions)
+        return out
 
 
 def _dense_batch_step(model: DemoModel, keys: jax.Array, values: jax.Array, tokens: jax.Array, rows: jax.Array,
@@ -336,7 +351,7 @@ def _dense_batch_step(model: DemoModel, keys: jax.Array, values: jax.Array, toke
     max_len = keys.shape[2]
     where = jnp.where(positions >= 0, positions, max_len)  # padding writes are dropped
 
-    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple) -> tuple[jax.Array, tuple]:
+    def attend(i: int, q: jax.Array, k: jax.Array, v: jax.Array, kv: DenseKV) -> tuple[jax.Array, DenseKV]:
         kc, vc = kv
         kc = kc.at[i, rows, where].set(k.astype(kc.dtype), mode="drop")
         vc = vc.at[i, rows, where].set(v.astype(vc.dtype), mode="drop")

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from easykv.quantization import get_quantizer, scales_per_page
+from easykv.quantization import Quantizer, get_quantizer, scales_per_page
 from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.validation import integer, show
 
@@ -103,7 +103,7 @@ def _least(field: str, short: Any) -> int | None:
     return next((value for value in range(low, high + 1) if short(value) is None), None)
 
 
-def demo_quantizer(name: str) -> Any:
+def demo_quantizer(name: str) -> Quantizer:
     """The quantizer ``name`` the demo can check: its dense reference stores each token as the
     quantizer would alone, which a format with per-page scales (``int4-ch``) does not; ValueError."""
     quantizer = get_quantizer(name)

@@ -38,6 +38,7 @@ from easykv.demo.model import CompiledModel, DemoConfig, DemoModel
 from easykv.demo.options import HYBRID_WINDOW, MAX_LEN, DemoOptions, demo_quantizer, pool_pages
 from easykv.demo.weights import load_model, read_weights, shipped_weights
 from easykv.demo.workload import decode, make_requests
+from easykv.errors import InvariantError
 from easykv.manager.manager import PageManager
 from easykv.quantization import is_compressing
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
@@ -161,7 +162,9 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     directory = tempfile.mkdtemp(prefix="easykv-demo-") if options.checkpoint_dir is None else options.checkpoint_dir
     step = save_cache(directory, engine.cache, engine.manager, step=engine.step_index)
     restored = restore_cache(directory, mesh=mesh2, partition_manager=pm)
-    engine.cache, engine.manager = restored.cache, restored.manager
+    if restored.manager is None:  # saved with the manager above: restore_cache returns it
+        raise InvariantError(f"the checkpoint at {directory} came back without its manager", where="demo")
+    engine.restore(restored.cache, restored.manager)
     engine.run(requests, on_step=on_step)
     seconds = time.perf_counter() - t0
     if options.progress:

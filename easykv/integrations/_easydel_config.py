@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from easykv.quantization import Quantizer, get_quantizer
 from easykv.sharding import KV_HEAD, PAGE, PartitionAxis, PartitionManager
@@ -33,6 +35,8 @@ _DEFAULTS: dict[str, Any] = {
     "window_aware_max_num_batched_tokens": -1, "version": "v3", "_kvdtype_str": "bf16", "_mixed_layer_configs": None,
 }  # fmt: skip
 FIELDS = _REQUIRED + tuple(_DEFAULTS)
+# A value of a RaggedPagesCacheConfig's JSON as easykv writes it (`config_dict_from_metadata`).
+ConfigValue: TypeAlias = int | float | str | None
 
 # EasyDeL's dtype strings (eformer's map) for the cache dtypes easykv stores.
 _DTYPE_IN = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -52,7 +56,7 @@ _NOT_RAGGED = {
 
 
 # ---- RaggedPagesCacheConfig <-> PagedAttentionCacheMetaData -------------------------------------
-def config_dict(config: Any) -> dict[str, Any]:
+def config_dict(config: object) -> dict[str, Any]:
     """A RaggedPagesCacheConfig (object, dict or its JSON) as a plain dict of its fields."""
     name = type(config).__name__
     if name in _NOT_RAGGED:
@@ -107,7 +111,7 @@ def default_batch_size(pages_per_sequence: int) -> int:
     return max(1, 1024 * 1024 // 2 // pages_per_sequence // 4)
 
 
-def update_slices(page_size: int, num_kv_heads: int, head_dim: int, dtype: Any) -> int:
+def update_slices(page_size: int, num_kv_heads: int, head_dim: int, dtype: DTypeLike) -> int:
     """The v2 write kernel's slices per 16 MiB processing page, as EasyDeL derives it from one
     page's bytes (K and V heads padded to 32-bit packing, head_dim padded to 128), at most 64."""
     bits = np.dtype(dtype).itemsize * 8
@@ -121,15 +125,15 @@ def update_slices(page_size: int, num_kv_heads: int, head_dim: int, dtype: Any) 
     return min(1 << (slices.bit_length() - 1), 64)
 
 
-def v3_storage_groups(num_kv_heads: int, head_dim: int, dtype: Any) -> int:
+def v3_storage_groups(num_kv_heads: int, head_dim: int, dtype: DTypeLike) -> int:
     """How many packed K/V head groups EasyDeL's v3 layout shards over the kv-head axis."""
     packing = 32 // (np.dtype(dtype).itemsize * 8)
     combined = num_kv_heads if head_dim == 64 else 2 * num_kv_heads
     return -(-combined // packing)
 
 
-def metadata_from_config(config: Any, *, mesh: Any = None, partition_manager: Any = None,
-                         batch_size: int | None = None, quantizer: Any = None) -> PagedAttentionCacheMetaData:
+def metadata_from_config(config: object, *, mesh: Mesh | None = None, partition_manager: object = None,
+                         batch_size: int | None = None, quantizer: object = None) -> PagedAttentionCacheMetaData:
     """See ``easykv.integrations.easydel.metadata_from_easydel_config``."""
     data = _check_fields(config_dict(config))
     version = data["version"]
@@ -178,8 +182,8 @@ def metadata_from_config(config: Any, *, mesh: Any = None, partition_manager: An
                          "split one head's K and V over two devices): easykv shards whole kv heads; use a kv-head "
                          f"mesh axis whose size divides {heads}, or replicate the heads (kv_head_shards=1)")
     pm = partition_manager_from_easydel(partition_manager, mesh=mesh) if partition_manager is not None else None
-    head_axes = _axes_for(head_shards, pm.paxis.mesh_axes(KV_HEAD) if pm else ("tp",), mesh, "kv_head_shards")
-    page_axes = _axes_for(page_shards, pm.paxis.mesh_axes(PAGE) if pm else ("dp",), mesh, "data_parallel_size")
+    head_axes = _axes_for(head_shards, pm.rules.mesh_axes(KV_HEAD) if pm else ("tp",), mesh, "kv_head_shards")
+    page_axes = _axes_for(page_shards, pm.rules.mesh_axes(PAGE) if pm else ("dp",), mesh, "data_parallel_size")
     return PagedAttentionCacheMetaData(
         batch_size=positive_int("batch_size", batch_size), num_hidden_layers=layers, num_pages_per_layer=num_pages,
         num_pages_per_sequence=per_seq, max_sequences=length, page_size=page_size, num_kv_heads=heads,
@@ -189,7 +193,7 @@ def metadata_from_config(config: Any, *, mesh: Any = None, partition_manager: An
     )  # fmt: skip
 
 
-def _axes_for(shards: int, axes: tuple[str, ...], mesh: Any, what: str) -> tuple[str, ...]:
+def _axes_for(shards: int, axes: tuple[str, ...], mesh: Mesh | None, what: str) -> tuple[str, ...]:
     """The mesh axes that split a dimension into ``shards`` (EasyDeL's config keeps only counts)."""
     if shards == 1:
         return ()
@@ -206,7 +210,7 @@ def _axes_for(shards: int, axes: tuple[str, ...], mesh: Any, what: str) -> tuple
     return tuple(axes)
 
 
-def _dtype_from_easydel(name: Any) -> np.dtype:
+def _dtype_from_easydel(name: object) -> np.dtype:
     if not isinstance(name, str):
         raise ValueError(f"_kvdtype_str must be a dtype string such as 'bf16', got {show(name)}")
     if name in _DTYPE_IN:
@@ -218,7 +222,7 @@ def _dtype_from_easydel(name: Any) -> np.dtype:
                      "(fp64 pages: use 'fp32')")
 
 
-def layer_groups_from_model(text_config: Any) -> tuple[LayerGroup, ...] | None:
+def layer_groups_from_model(text_config: object) -> tuple[LayerGroup, ...] | None:
     """The layer groups of an EasyDeL (HF-style) text config whose ``layer_types`` mix
     ``"sliding_attention"`` (window ``sliding_window``) and ``"full_attention"`` layers (gpt-oss,
     Gemma 2/3), as EasyDeL's attention modules read them; None for any other model (its windows,
@@ -242,10 +246,11 @@ def with_model_groups(meta: PagedAttentionCacheMetaData, groups: tuple[LayerGrou
         return meta
     if len(groups) == 1 and not groups[0].windowed:
         return meta
-    same = dict(num_kv_heads=meta.num_kv_heads, key_head_dim=meta.kv_head_dim_size,
-                value_head_dim=meta.kv_head_dim_size, num_pages=meta.num_pages_per_layer,
-                kv_head_mesh_axes=meta.kv_head_mesh_axes, kv_head_shards=meta.kv_head_shards)
-    return meta.replace(layer_groups=tuple(dataclasses.replace(g, **same) for g in groups))
+    return meta.replace(layer_groups=tuple(
+        dataclasses.replace(g, num_kv_heads=meta.num_kv_heads, key_head_dim=meta.kv_head_dim_size,
+                            value_head_dim=meta.kv_head_dim_size, num_pages=meta.num_pages_per_layer,
+                            kv_head_mesh_axes=meta.kv_head_mesh_axes, kv_head_shards=meta.kv_head_shards)
+        for g in groups))
 
 
 def shares_one_table(meta: PagedAttentionCacheMetaData) -> bool:
@@ -256,7 +261,8 @@ def shares_one_table(meta: PagedAttentionCacheMetaData) -> bool:
                (meta.num_kv_heads, meta.kv_head_dim_size, meta.kv_head_dim_size) for g in meta.groups)
 
 
-def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> dict[str, Any]:
+def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str = "v3",
+                              ) -> dict[str, ConfigValue]:
     """See ``easykv.integrations.easydel.easydel_config_json``."""
     if not isinstance(meta, PagedAttentionCacheMetaData):
         raise ValueError(f"expected an easykv PagedAttentionCacheMetaData, got {type(meta).__name__}")
@@ -266,7 +272,7 @@ def config_dict_from_metadata(meta: PagedAttentionCacheMetaData, *, version: str
         raise ValueError(f"the metadata has quantization={meta.quantization!r}: EasyDeL keeps KV quantization in the "
                          "model config (kv_cache_quantization_config), not in RaggedPagesCacheConfig; convert "
                          "dataclasses.replace(meta, quantization='none') and set the quantizer on the model")
-    if meta.dtype is None or getattr(meta, "kv_head_shards", 1) is None:
+    if meta.dtype is None or meta.kv_head_shards is None:
         raise ValueError("the metadata leaves dtype or the kv-head layout open; complete it first "
                          "(PagedAttentionCacheMetaData.create, or the views of an initialised cache)")
     if not meta.is_uniform and not shares_one_table(meta):
@@ -309,7 +315,7 @@ _AXIS_MAP = {"batch_axis": "__BATCH__", "sequence_axis": "__LENGTH__", "head_axi
 _ATTN_DP = "__ATTN_DP__"  # easydel.axis.ATTN_DP: the KV-page data-parallel axis
 
 
-def partition_manager_from_easydel(value: Any, *, mesh: Any = None) -> PartitionManager:
+def partition_manager_from_easydel(value: object, *, mesh: Mesh | None = None) -> PartitionManager:
     """An eformer/EasyDeL ``PartitionManager`` or ``PartitionAxis`` as easykv's `PartitionManager`.
 
     Each rule is resolved in prefill mode, as EasyDeL's ragged cache resolves its page layout:
@@ -327,7 +333,7 @@ def partition_manager_from_easydel(value: Any, *, mesh: Any = None) -> Partition
         return value
     if isinstance(value, PartitionAxis):
         return PartitionManager(value)
-    paxis = getattr(value, "paxis", value)
+    paxis: Any = getattr(value, "paxis", value)  # eformer's PartitionAxis (eformer ships no types)
     resolve = getattr(paxis, "resolve_axis", None)
     if resolve is None or not type(paxis).__module__.startswith("eformer"):
         raise ValueError(f"expected an easykv or eformer/EasyDeL PartitionManager or PartitionAxis, got "
@@ -348,7 +354,7 @@ def partition_manager_from_easydel(value: Any, *, mesh: Any = None) -> Partition
     return PartitionManager(PartitionAxis(**rules))
 
 
-def _mesh_rule(rule: Any, field: str, mesh: Any) -> Any:
+def _mesh_rule(rule: object, field: str, mesh: Mesh | None) -> str | tuple[str, ...] | None:
     """An eformer rule (None, '_', a mesh axis name or a sequence of them) as easykv's; axes of
     size 1 on ``mesh`` are dropped (they split nothing, as EasyDeL's sizing treats them)."""
     items = list(rule) if isinstance(rule, (list, tuple)) else [rule]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,8 @@ from easydel.layers.attention import FlexibleAttentionModule
 from easydel.operations import AttentionOutput, RaggedPageAttnV2, RaggedPageAttnV3
 from easydel.utils.traversals import iter_module_search
 from eformer.pytree import auto_pytree, field
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 import easykv
 from easykv.integrations._easydel_config import (
@@ -30,8 +33,12 @@ from easykv.integrations._easydel_config import (
 from easykv.integrations._easydel_runtime import easydel_fields_from_easykv, ragged_fields, runtime_from_easydel
 from easykv.sharding import PartitionManager
 from easykv.spec.groups import AttentionKind
-from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.storage.pages import PageLayout
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
+from easykv.step.metadata import StepInput
+from easykv.step.ragged import RaggedStep
+from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.pages import PageLayout, StoredPages
+from easykv.storage.view import PagedAttentionCacheView
 from easykv.storage.writes import scatter_kv
 
 RAGGED_MECHANISMS = ("ragged_page_attention_v3", "ragged_page_attention_v2")
@@ -41,7 +48,7 @@ def easydel_config_from_metadata(meta: PagedAttentionCacheMetaData, *, version: 
     return RaggedPagesCacheConfig(**config_dict_from_metadata(meta, version=version))
 
 
-def easydel_metadata_from_easykv(step_meta: Any, *, page_size: int, version: str = "v3",
+def easydel_metadata_from_easykv(step_meta: StepInput, *, page_size: int, version: str = "v3",
                                  padded_num_slices: int | None = None) -> RaggedPagesMetadata:
     fields = easydel_fields_from_easykv(step_meta, page_size=page_size, version=version,
                                         padded_num_slices=padded_num_slices)
@@ -70,58 +77,69 @@ class EasyKVCacheView(RaggedPagesCacheView):
     layer: int = field(pytree_node=False, default=0)
 
     @classmethod
-    def init(cls, *args: Any, **kwargs: Any) -> EasyKVCacheView:
+    def init(cls, *args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError("an easykv view is made with its cache: EasyKVCache.init_cache(...), "
                                   "EasyKVCache.from_easykv(cache) or model.init_operations_cache(...) after use_easykv")
 
     def _owner(self) -> EasyKVCache:
-        cache = getattr(self, "_cache", None)
+        cache: EasyKVCache | None = getattr(self, "_cache", None)  # set by the cache (EasyKVCache.__post_init__)
         if cache is None:
             raise ValueError(f"this EasyKVCacheView (layer {self.layer_index}) belongs to no EasyKVCache; take views "
                              "from the cache (cache.views[i]), which holds the pages")
         return cache
 
-    def to_easykv(self) -> Any:
+    def _metadata(self) -> PagedAttentionCacheMetaData:
+        """``easykv_metadata``, which every view a cache makes has (the field defaults to None only
+        because EasyDeL's view fields come first)."""
+        meta = self.easykv_metadata
+        if meta is None:
+            raise ValueError(f"this EasyKVCacheView (layer {self.layer_index}) has no easykv_metadata; take views "
+                             "from the cache (cache.views[i]), which makes them with it")
+        return meta
+
+    def to_easykv(self) -> PagedAttentionCacheView:
         """This layer as easykv's PagedAttentionCacheView (the same arrays)."""
         return self._owner().to_easykv()[self.layer_index]
 
     @property
     def dtype(self) -> np.dtype:
-        return self.easykv_metadata.dtype
+        return known_dtype(self._metadata().dtype)
 
     @property
-    def group_key_pages(self) -> Any:
+    def group_key_pages(self) -> StoredPages:
         """The layer group's stacked key pages, held by the cache."""
         return self._owner().key_stacks[self.group]
 
     @property
-    def group_value_pages(self) -> Any:
+    def group_value_pages(self) -> StoredPages | None:
         return self._owner().value_stacks[self.group]
 
     @property
-    def key_pages(self) -> Any:
+    def key_pages(self) -> StoredPages:
         """easykv's key pages of this layer ``(num_kv_heads, num_pages, page_size, head_dim)``
         (storage dtype): a slice of the group's stack (a copy outside jit; attention and writes
         index the stack itself)."""
-        return jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+        pages: StoredPages = jax.tree.map(lambda a: a[self.layer], self.group_key_pages)
+        return pages
 
     @property
-    def value_pages(self) -> Any:
-        return jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+    def value_pages(self) -> StoredPages | None:
+        pages: StoredPages | None = jax.tree.map(lambda a: a[self.layer], self.group_value_pages)
+        return pages
 
     k_pages = key_pages
     v_pages = value_pages
 
-    def flattened_kv_pages(self) -> Any:
+    def flattened_kv_pages(self) -> NoReturn:
         raise NotImplementedError("easykv keeps K and V in separate (num_kv_heads, num_pages, page_size, head_dim) "
                                   "arrays, not EasyDeL's interleaved kv_pages; use key_pages / value_pages")
 
-    def _runtime(self, cache_metadata: Any, num_tokens: int) -> Any:
-        meta = self.easykv_metadata
+    def _runtime(self, cache_metadata: object, num_tokens: int) -> RaggedStep:
+        meta = self._metadata()
         return runtime_from_easydel(cache_metadata, num_tokens=num_tokens, page_size=meta.page_size,
                                     num_pages=meta.num_pages_per_layer, pages_per_sequence=meta.num_pages_per_sequence)
 
-    def concatenate_to_cache(self, key: Any, value: Any, cache_metadata: Any) -> EasyKVCacheView:
+    def concatenate_to_cache(self, key: jax.Array, value: jax.Array, cache_metadata: object) -> EasyKVCacheView:
         """Write the step's new K/V (``[batch, tokens, kv_heads, head_dim]``, flattened to the
         ragged token axis) through easykv's one write primitive into this layer of the cache's
         stacks; returns this view. K/V are cast to the cache dtype, as EasyDeL's own ragged
@@ -139,8 +157,11 @@ class EasyKVCacheView(RaggedPagesCacheView):
 
     def __repr__(self) -> str:
         m = self.easykv_metadata
+        if m is None:
+            return f"EasyKVCacheView(layer_index={self.layer_index}, no easykv_metadata)"
         return (f"EasyKVCacheView(layer_index={self.layer_index}, pages=({m.num_kv_heads}, {m.num_pages_per_layer}, "
-                f"{m.page_size}, {m.kv_head_dim_size}), dtype={m.dtype.name}, quantization={m.quantization})")
+                f"{m.page_size}, {m.kv_head_dim_size}), dtype={known_dtype(m.dtype).name}, "
+                f"quantization={m.quantization})")
 
     __str__ = __repr__
 
@@ -153,8 +174,8 @@ class EasyKVCache(RaggedPagesCache):
     easykv's PagedAttentionCache), shared by the views."""
 
     views: list[EasyKVCacheView | None]
-    key_stacks: tuple = field(pytree_node=True, default=())
-    value_stacks: tuple = field(pytree_node=True, default=())
+    key_stacks: tuple[StoredPages, ...] = field(pytree_node=True, default=())
+    value_stacks: tuple[StoredPages | None, ...] = field(pytree_node=True, default=())
 
     def __post_init__(self) -> None:
         # jax rebuilds the cache (and its views) at every transformation: the views follow it.
@@ -162,13 +183,13 @@ class EasyKVCache(RaggedPagesCache):
             if isinstance(view, EasyKVCacheView):
                 object.__setattr__(view, "_cache", self)
 
-    def _put(self, group: int, keys: Any, values: Any) -> None:
+    def _put(self, group: int, keys: StoredPages, values: StoredPages | None) -> None:
         replace = lambda stacks, new: stacks[:group] + (new,) + stacks[group + 1:]  # noqa: E731
         object.__setattr__(self, "key_stacks", replace(tuple(self.key_stacks), keys))
         object.__setattr__(self, "value_stacks", replace(tuple(self.value_stacks), values))
 
     @classmethod
-    def init_cache(cls, mesh: Any, config: Any, partition_manager: Any = None, quantizer: Any = None, *,
+    def init_cache(cls, mesh: Mesh, config: object, partition_manager: object = None, quantizer: object = None, *,
                    batch_size: int | None = None) -> EasyKVCache:
         """An easykv pool sized and laid out as the EasyDeL ``config`` describes (RaggedPagesCache's
         signature; the partition manager and quantizer may be EasyDeL's or easykv's)."""
@@ -177,7 +198,8 @@ class EasyKVCache(RaggedPagesCache):
         return cls.from_easykv(_allocate(mesh, meta, pm), easydel_config=config)
 
     @classmethod
-    def from_easykv(cls, cache: Any, *, version: str = "v3", easydel_config: Any = None) -> EasyKVCache:
+    def from_easykv(cls, cache: PagedAttentionCache, *, version: str = "v3", easydel_config: object = None,
+                    ) -> EasyKVCache:
         """Wrap an easykv PagedAttentionCache (same arrays). ``easydel_config`` defaults to the
         RaggedPagesCacheConfig of its metadata in ``version``."""
         meta = cache.metadata
@@ -197,15 +219,21 @@ class EasyKVCache(RaggedPagesCache):
                  for i in range(meta.num_hidden_layers)]
         return cls(views=views, key_stacks=tuple(cache.key_pages), value_stacks=tuple(cache.value_pages))
 
+    def _last_view(self) -> EasyKVCacheView:
+        view = self.views[-1]
+        if view is None:
+            raise ValueError(f"the last of this EasyKVCache's {len(self.views)} views was set to None; put the view "
+                             "back (cache.views[i] = view): the cache's metadata and layout are read from it")
+        return view
+
     @property
     def easykv_metadata(self) -> PagedAttentionCacheMetaData:
-        return self.views[-1].easykv_metadata
+        return self._last_view()._metadata()
 
-    def to_easykv(self) -> Any:
+    def to_easykv(self) -> PagedAttentionCache:
         """The easykv PagedAttentionCache of these pages (no copy): checkpoint it with
         ``easykv.save_cache``, hand sequences over with ``export_sequence``, ..."""
-        return easykv.PagedAttentionCache(self.easykv_metadata, self.key_stacks, self.value_stacks,
-                                          self.views[-1].layout)
+        return PagedAttentionCache(self.easykv_metadata, self.key_stacks, self.value_stacks, self._last_view().layout)
 
     def __repr__(self) -> str:
         return f"EasyKVCache({len(self.views)} layers, {self.views[-1]!r})"
@@ -213,19 +241,19 @@ class EasyKVCache(RaggedPagesCache):
     __str__ = __repr__
 
 
-def _as_config_dict(config: Any) -> dict[str, Any]:
+def _as_config_dict(config: object) -> dict[str, Any]:
     from easykv.integrations._easydel_config import _check_fields, config_dict
 
     return _check_fields(config_dict(config))
 
 
-def _allocate(mesh: Any, meta: PagedAttentionCacheMetaData, pm: PartitionManager | None) -> Any:
+def _allocate(mesh: Mesh, meta: PagedAttentionCacheMetaData, pm: PartitionManager | None) -> PagedAttentionCache:
     if pm is None:  # the layout recorded in the metadata, as rules
         from easykv.sharding import PartitionAxis
 
         pm = PartitionManager(PartitionAxis(kv_head_axis=meta.kv_head_mesh_axes or None,
                                             page_axis=meta.page_mesh_axes or None))
-    cache = easykv.PagedAttentionCache.init_cache(mesh, meta.dtype, meta, pm, meta.quantization)
+    cache = PagedAttentionCache.init_cache(mesh, known_dtype(meta.dtype), meta, pm, meta.quantization)
     got = cache.metadata
     if (got.kv_head_shards, got.page_shards, got.num_pages_per_layer) != (
             meta.kv_head_shards, meta.page_shards, meta.num_pages_per_layer):
@@ -236,7 +264,13 @@ def _allocate(mesh: Any, meta: PagedAttentionCacheMetaData, pm: PartitionManager
 
 
 # ---- attention ------------------------------------------------------------------------------------
-class _EasyKVAttention:
+if TYPE_CHECKING:  # what the mixin extends (its forward_native falls through to the operation's own)
+    from easydel.operations import RaggedPageAttnV3 as _RaggedPageOperation
+else:
+    _RaggedPageOperation = object
+
+
+class _EasyKVAttention(_RaggedPageOperation):
     """EasyDeL's ragged-page attention, computed by easykv when the view is an easykv view.
 
     Mixed into EasyDeL's two ragged-page operations, so it keeps their names (EasyDeL's own
@@ -245,12 +279,14 @@ class _EasyKVAttention:
     keywords of ``easykv.paged_attention`` (``query_block``, ``pages_per_block``,
     ``implementation``), set by use_easykv."""
 
-    easykv_options: ClassVar[dict[str, Any]] = {}
+    # Set on each operation by install_attention; values of several types (the keywords').
+    easykv_options: Mapping[str, Any] = types.MappingProxyType({})
 
-    def forward_native(self, query: Any, key: Any = None, value: Any = None, cache_view: Any = None,
-                       cache_metadata: Any = None, softmax_scale: float | None = None,
-                       logits_soft_cap: float | None = None, sliding_window: Any = None,
-                       softmax_aux: Any = None, **rest: Any) -> AttentionOutput:
+    def forward_native(self, query: jax.Array, key: jax.Array | None = None, value: jax.Array | None = None,
+                       cache_view: object = None, cache_metadata: object = None, softmax_scale: float | None = None,
+                       logits_soft_cap: float | None = None,
+                       sliding_window: int | tuple[int, int] | list[int] | None = None,
+                       softmax_aux: jax.Array | None = None, **rest: object) -> AttentionOutput:
         if not isinstance(cache_view, EasyKVCacheView):
             return super().forward_native(query=query, key=key, value=value, cache_view=cache_view,
                                           cache_metadata=cache_metadata, softmax_scale=softmax_scale,
@@ -269,10 +305,10 @@ class _EasyKVAttention:
         return AttentionOutput(attention_weights=None, attention_outputs=out, cache_view=cache_view)
 
 
-def _check_window(view: EasyKVCacheView, sliding_window: Any) -> None:
+def _check_window(view: EasyKVCacheView, sliding_window: int | None) -> None:
     """A cache with layer groups declares each layer's window: the window the model attends with
     must be the one its group declares (a grouped checkpoint or export records it)."""
-    meta = view.easykv_metadata
+    meta = view._metadata()
     if meta.is_uniform:
         return  # one full-attention group: the model's run-time window is the only one
     group = meta.groups[view.group]
@@ -295,7 +331,7 @@ class EasyKVRaggedPageAttnV2(_EasyKVAttention, RaggedPageAttnV2):
 ATTENTION_OPTIONS = ("query_block", "pages_per_block", "implementation")
 
 
-def attention_options(options: Any) -> tuple[tuple[str, Any], ...]:
+def attention_options(options: object) -> tuple[tuple[str, int | str | None], ...]:
     """use_easykv's ``attention_options``, checked now (not at trace time inside eSurge) by the
     rules ``easykv.paged_attention`` applies."""
     from easykv.attention.options import AttentionOptions
@@ -310,7 +346,7 @@ def attention_options(options: Any) -> tuple[tuple[str, Any], ...]:
     return tuple((key, getattr(checked, key)) for key in sorted(options))
 
 
-def install_attention(model: Any, options: tuple[tuple[str, Any], ...] = ()) -> int:
+def install_attention(model: Any, options: tuple[tuple[str, int | str | None], ...] = ()) -> int:
     """Swap every FlexibleAttentionModule's ragged-page operation for its easykv-aware twin (all
     checked first: a refusal changes nothing)."""
     swaps = []
@@ -347,7 +383,7 @@ class Settings:
     hbm_utilization: float | None = None
     quantizer: str | None = None  # None: the model config's kv_cache_quantization_config
     partition_manager: PartitionManager | None = None  # None: the model's, mapped
-    attention: tuple[tuple[str, Any], ...] = ()  # extra keywords of easykv.paged_attention
+    attention: tuple[tuple[str, int | str | None], ...] = ()  # extra keywords of easykv.paged_attention
 
 
 class EasyKVModelMixin:
@@ -358,20 +394,23 @@ class EasyKVModelMixin:
     __slots__ = ()  # the model object keeps its layout (its __class__ is reassigned)
     _easykv_settings: ClassVar[Settings]
     _easykv_base: ClassVar[type]
+    # The EasyDeL model's own (EasyDeLBaseModule's): its config, untyped as EasyDeL ships no types, and mesh.
+    config: Any
+    mesh: Mesh
 
     def easykv_partition_manager(self) -> PartitionManager:
         pm = self._easykv_settings.partition_manager
         return pm if pm is not None else partition_manager_from_easydel(
             self.config.get_text_config().partition_manager, mesh=self.mesh)
 
-    def easykv_quantizer(self, quantizer: Any = None) -> str:
+    def easykv_quantizer(self, quantizer: object = None) -> str:
         """The easykv quantizer for the cache: use_easykv's, else the model config's (or the
         EasyQuantizer eSurge passes); both given and different is an error."""
         return resolve_quantizer(self, self._easykv_settings, quantizer)
 
     def easykv_cache_metadata(self, max_length: int, *, page_size: int = 128, hbm_utilization: float = 0.9,
-                              dtype: Any = None, batch_size: int | None = None,
-                              quantizer: Any = None) -> PagedAttentionCacheMetaData:
+                              dtype: DTypeLike | None = None, batch_size: int | None = None,
+                              quantizer: object = None) -> PagedAttentionCacheMetaData:
         """The easykv metadata of this model's cache (sized by easykv from device memory unless
         use_easykv fixed the pool)."""
         from easykv.integrations._easydel_config import default_batch_size
@@ -389,15 +428,16 @@ class EasyKVModelMixin:
         return with_model_groups(meta, layer_groups_from_model(self.config.get_text_config()))
 
     def create_ragged_page_cache_config(self, max_length: int, *, page_size: int = 128,
-                                        hbm_utilization: float = 0.9, dtype: Any = None) -> RaggedPagesCacheConfig:
+                                        hbm_utilization: float = 0.9, dtype: DTypeLike | None = None,
+                                        ) -> RaggedPagesCacheConfig:
         meta = self.easykv_cache_metadata(max_length, page_size=page_size, hbm_utilization=hbm_utilization,
                                           dtype=dtype)
         return easydel_config_from_metadata(dataclasses.replace(meta, quantization="none"), version=cache_version(self))
 
     def init_operations_cache(self, batch_size: int, max_length: int, *, page_size: int = 128,
-                              hbm_utilization: float = 0.9, dtype: Any = None, quantizer: Any = None,
-                              masking_details: Any = None, starts: Any = None, ragged_config: Any = None,
-                              unified_config: Any = None) -> EasyKVCache:
+                              hbm_utilization: float = 0.9, dtype: DTypeLike | None = None, quantizer: object = None,
+                              masking_details: object = None, starts: object = None, ragged_config: object = None,
+                              unified_config: object = None) -> EasyKVCache:
         """An EasyKVCache for this model (eSurge calls this with the config it got from
         ``create_ragged_page_cache_config``). ``masking_details`` and ``starts`` concern
         EasyDeL's dense TransformerCache only; its ragged caches ignore them too."""
@@ -423,7 +463,7 @@ class EasyKVModelMixin:
         return EasyKVCache.from_easykv(_allocate(self.mesh, meta, pm), easydel_config=ragged_config)
 
 
-def resolve_quantizer(model: Any, settings: Settings, quantizer: Any = None) -> str:
+def resolve_quantizer(model: Any, settings: Settings, quantizer: object = None) -> str:
     text = model.config.get_text_config()
     chosen = settings.quantizer
     given = quantizer_from_easydel(quantizer if quantizer is not None else text.kv_cache_quantization_config,
@@ -466,7 +506,7 @@ def cache_version(model: Any) -> str:
     return "v2" if str(getattr(mech, "value", mech)) == "ragged_page_attention_v2" else "v3"
 
 
-def cache_dtype(model: Any, dtype: Any) -> Any:
+def cache_dtype(model: Any, dtype: DTypeLike | None) -> np.dtype:
     if dtype is None:
         dtype = getattr(model.config.get_text_config(), "kvdtype", None) or jnp.bfloat16
     if isinstance(dtype, str):

@@ -1,4 +1,4 @@
-"""EasyDeL 0.3's per-step ``RaggedPagesMetadata`` <-> easykv's mixed-form ``PagedAttentionMetadata``.
+"""EasyDeL 0.3's per-step ``RaggedPagesMetadata`` <-> easykv's ragged form (``RaggedStep``).
 
 EasyDeL (vLLM-style) describes a step by sequence: a page table row, the tokens cached after the
 step (``context_lens``), where each sequence's new tokens start in the token axis
@@ -11,28 +11,44 @@ drive an EasyDeL model from easykv's PageManager).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from easykv.step.checks import is_host
-from easykv.step.metadata import PAD_POSITION, PagedAttentionMetadata, slots_from_table
+from easykv.step.metadata import StepInput
+from easykv.step.ragged import PAD_POSITION, RaggedStep, is_ragged, slots_from_table
 
 
-def ragged_fields(metadata: Any) -> Any:
+class RaggedPagesFields(Protocol):
+    """What easykv reads of EasyDeL's ``RaggedPagesMetadata`` (v2 or v3; EasyDeL ships no types)."""
+
+    @property
+    def pages_tables(self) -> ArrayLike: ...
+    @property
+    def context_lens(self) -> ArrayLike: ...
+    @property
+    def query_start_loc(self) -> ArrayLike: ...
+    @property
+    def num_seqs(self) -> ArrayLike: ...
+
+
+def ragged_fields(metadata: object) -> RaggedPagesFields:
     """The RaggedPagesMetadata inside EasyDeL's OperationsMetadata (or the object itself)."""
     inner = getattr(metadata, "ragged", None) if type(metadata).__name__ == "OperationsMetadata" else metadata
     missing = [f for f in ("pages_tables", "context_lens", "query_start_loc", "num_seqs") if not hasattr(inner, f)]
     if inner is None or missing:
         raise ValueError(f"an easykv view needs EasyDeL's RaggedPagesMetadata (pages_tables, context_lens, "
                         f"query_start_loc, num_seqs); got {type(metadata).__name__}")
-    return inner
+    return cast(RaggedPagesFields, inner)  # its four fields were checked just above
 
 
-def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_pages: int,
-                         pages_per_sequence: int | None = None) -> PagedAttentionMetadata:
-    """easykv's mixed form of an EasyDeL step, traceable (no host sync).
+def runtime_from_easydel(metadata: object, *, num_tokens: int, page_size: int, num_pages: int,
+                         pages_per_sequence: int | None = None) -> RaggedStep:
+    """easykv's ragged form of an EasyDeL step, traceable (no host sync).
 
     Token ``t`` belongs to sequence ``b`` when ``query_start_loc[b] <= t < query_start_loc[b+1]``
     and ``b < num_seqs``; its position is ``context_lens[b] - (query_start_loc[b+1] - t)`` (the
@@ -61,7 +77,7 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
       pages_per_sequence: logical pages a sequence may use; None (default): the table's width.
 
     Returns:
-      the mixed-form `PagedAttentionMetadata`: ``slot_mapping`` and ``positions``
+      the `RaggedStep`: ``slot_mapping`` and ``positions``
       ``(num_tokens,)`` int32, ``query_start_loc`` ``(seqs + 1,)``, ``page_table``
       ``(seqs, pages_per_row)``, ``context_lens`` ``(seqs,)`` and ``num_seqs``.
     """
@@ -87,13 +103,13 @@ def runtime_from_easydel(metadata: Any, *, num_tokens: int, page_size: int, num_
     positions = jnp.where(real, pos, PAD_POSITION).astype(i32)
     slots = slots_from_table(table[owner], positions, page_size=page_size, num_pages=num_pages,
                              pages_per_sequence=pages_per_sequence)
-    return PagedAttentionMetadata(
+    return RaggedStep(
         slot_mapping=slots, positions=positions, query_start_loc=qsl, page_table=table,
         context_lens=jnp.where(jnp.arange(seqs) < num, ctx, 0).astype(i32), num_seqs=num,
     )  # fmt: skip
 
 
-def _real_starts(qsl: Any, num_seqs: Any, num_tokens: int) -> tuple[Any, Any]:
+def _real_starts(qsl: jax.Array, num_seqs: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """(query_start_loc, num_seqs) with the padding sequences empty at the real tokens' end, and
     0 real sequences when the real starts leave the token axis or decrease (traced: the step
     is then all padding, as `runtime_from_easydel` documents)."""
@@ -125,9 +141,10 @@ def _check_host_starts(qsl: np.ndarray, num_seqs: Any, num_tokens: int) -> None:
                              "the starts of the real sequences never decrease")
 
 
-def easydel_fields_from_easykv(step_meta: PagedAttentionMetadata, *, page_size: int, version: str = "v3",
-                               padded_num_slices: int | None = None) -> dict[str, Any]:
-    """RaggedPagesMetadata's fields for a host-side easykv mixed-form step (numpy in, numpy out).
+def easydel_fields_from_easykv(step_meta: StepInput, *, page_size: int, version: str = "v3",
+                               padded_num_slices: int | None = None) -> dict[str, np.ndarray | int | str]:
+    """RaggedPagesMetadata's fields for a host-side easykv step in the ragged form (a `RaggedStep`,
+    or the mixed form of `PagedAttentionMetadata`; numpy in, numpy out).
 
     Unassigned page-table entries (-1) become 0, as EasyDeL's engine leaves them; padding
     positions become 0. v3 gets ``request_distribution`` = [decodes, decodes + prefills,
@@ -135,16 +152,16 @@ def easydel_fields_from_easykv(step_meta: PagedAttentionMetadata, *, page_size: 
     EasyDeL's page-contiguous slices ``[cache start, token start, length]`` padded to
     ``padded_num_slices`` (default: one per token) and ``num_kv_update_slices``.
     """
-    if not step_meta.is_mixed_mode():
-        raise ValueError("easydel metadata is built from easykv's mixed form (PagedAttentionMetadata.for_mixed or "
-                         "PageManager.build_step_metadata)")
+    if not is_ragged(step_meta):
+        raise ValueError("easydel metadata is built from easykv's ragged form (a RaggedStep, the page manager's "
+                         "plan.metadata item, or PagedAttentionMetadata.for_mixed)")
     if version not in ("v2", "v3"):
         raise ValueError(f"version {version!r}: EasyDeL 0.3 ragged-page metadata is 'v2' or 'v3'")
     qsl = np.asarray(step_meta.query_start_loc, np.int32)
     ctx = np.asarray(step_meta.context_lens, np.int32)
     num = int(np.asarray(step_meta.num_seqs))
     positions = np.asarray(step_meta.positions, np.int32)
-    fields: dict[str, Any] = {
+    fields: dict[str, np.ndarray | int | str] = {
         "pages_tables": np.maximum(np.asarray(step_meta.page_table, np.int32), 0), "context_lens": ctx,
         "query_start_loc": qsl, "num_seqs": np.asarray([num], np.int32), "position_ids": np.maximum(positions, 0),
         "page_size": int(page_size), "version": version,
@@ -156,13 +173,17 @@ def easydel_fields_from_easykv(step_meta: PagedAttentionMetadata, *, page_size: 
         fields["request_distribution"] = np.asarray([decode, decode + prefill, num], np.int32)
         return fields
     slots = np.asarray(step_meta.slot_mapping, np.int64)
-    starts, token_starts, lengths = [], [], []
+    starts: list[int] = []
+    token_starts: list[int] = []
+    lengths: list[int] = []
     for t in np.flatnonzero(slots >= 0):  # split runs of consecutive slots at page ends
         s = int(slots[t])
         if lengths and s == starts[-1] + lengths[-1] and s % page_size and t == token_starts[-1] + lengths[-1]:
             lengths[-1] += 1
         else:
-            starts.append(s), token_starts.append(int(t)), lengths.append(1)
+            starts.append(s)
+            token_starts.append(int(t))
+            lengths.append(1)
     width = positions.shape[0] if padded_num_slices is None else int(padded_num_slices)
     if len(starts) > width:
         raise ValueError(f"{len(starts)} slices do not fit padded_num_slices={width}")

@@ -1,8 +1,10 @@
 """Generation with a Tunix model over easykv pages (`TunixPagedEngine`): the prompts' prefixes looked
 up in the prefix cache, the rest prefilled in chunks, the samples of one prompt forked from it after
 its one prefill (GRPO's groups), then decode ``decode_steps`` tokens at a time in one device loop
-(`PageManager.plan_decode`, `easykv.step.loop.decode_loop`), sampling on the device. Private to the
-Tunix integration; imports tunix (through ``_tunix_model``), flax and easykv's public parts.
+(`PageManager.schedule_decode`, `easykv.step.loop.decode_loop`), sampling on the device. Every step
+is a plan the manager schedules and the engine's `easykv.Runner` carries out (its device work, the
+jitted step, the commit; the abort when anything fails). Private to the Tunix integration; imports
+tunix (through ``_tunix_model``), flax and easykv's public parts.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
 from easykv.manager.manager import PageManager
+from easykv.manager.step_plan import StepPlan
+from easykv.quantization import Quantizer
+from easykv.runner import Runner
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
-from easykv.spec.groups import LayerGroup
+from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.loop import DecodeOutput, decode_loop, greedy, log_prob
 from easykv.storage.cache import PagedAttentionCache
@@ -155,9 +162,10 @@ class TunixPagedEngine:
       prefill_tokens: tokens per prefill step, ``1 .. 2**20`` (default 256).
     """
 
-    def __init__(self, model: Any, *, mesh: Any = None, max_length: int = 1024, batch_size: int = 64,
-                 page_size: int = 16, num_pages: int | None = None, hbm_utilization: float = 0.5, dtype: Any = None,
-                 quantizer: Any = None, decode_steps: int = 16, prefill_tokens: int = 256) -> None:  # fmt: skip
+    def __init__(self, model: Any, *, mesh: Mesh | None = None, max_length: int = 1024, batch_size: int = 64,
+                 page_size: int = 16, num_pages: int | None = None, hbm_utilization: float = 0.5,
+                 dtype: DTypeLike | None = None, quantizer: str | Quantizer | None = None, decode_steps: int = 16,
+                 prefill_tokens: int = 256) -> None:  # fmt: skip
         self.family: Family
         self.family, self.model = paged_copy(model)
         self.decode_steps = positive_int("decode_steps", decode_steps, hi=integer("max_length", max_length, lo=1),
@@ -170,9 +178,10 @@ class TunixPagedEngine:
         pm = PartitionManager(PartitionAxis(kv_head_axis="tp" if "tp" in mesh.axis_names else None))
         meta = self._metadata(mesh, pm, max_length=max_length, batch_size=batch_size, page_size=page_size,
                               num_pages=num_pages, hbm_utilization=hbm_utilization, dtype=dtype, quantizer=quantizer)
-        self.cache: PagedAttentionCache | None = PagedAttentionCache.init_cache(mesh, dtype, meta, pm,
-                                                                                 quantizer=quantizer)
         self.manager = PageManager(meta)
+        # Holds the live cache; None while asleep, so no reference keeps the slept pages' buffers alive.
+        self._runner: Runner | None = Runner(self.manager, PagedAttentionCache.init_cache(mesh, dtype, meta, pm,
+                                                                                          quantizer=quantizer))
         self.version = 0
         self.manager.set_weight_version(self.version)
         graphdef, self._state = nnx.split(self.model)
@@ -181,23 +190,24 @@ class TunixPagedEngine:
         self._sleeping: SleepingCache | None = None
         self.peak_pages = 0  # the most pages (every group) the last generate held at once
 
-    def _metadata(self, mesh: Any, pm: PartitionManager, *, max_length: int, batch_size: int, page_size: int,
-                  num_pages: int | None, hbm_utilization: float, dtype: Any, quantizer: Any
+    def _metadata(self, mesh: Mesh, pm: PartitionManager, *, max_length: int, batch_size: int, page_size: int,
+                  num_pages: int | None, hbm_utilization: float, dtype: DTypeLike, quantizer: str | Quantizer | None
                   ) -> PagedAttentionCacheMetaData:  # fmt: skip
         """The cache's metadata: one layer group per distinct window (Gemma 3's local layers slide)."""
         attn = self.model.layers[0].attn
         windows = self.family.windows(self.model)
         groups = None
         if any(w is not None for w in windows):
-            groups = tuple(LayerGroup(tuple(i for i, x in enumerate(windows) if x == w), "full" if w is None else
-                                      "sliding", w, num_pages=num_pages) for w in dict.fromkeys(windows))  # fmt: skip
+            groups = tuple(LayerGroup(tuple(i for i, x in enumerate(windows) if x == w), AttentionKind.FULL if w is None
+                                      else AttentionKind.SLIDING, w, num_pages=num_pages)
+                           for w in dict.fromkeys(windows))  # fmt: skip
         return PagedAttentionCacheMetaData.create(
             mesh, batch_size, len(windows), max_length, page_size, int(attn.num_kv_heads), int(attn.head_dim),
             hbm_utilization, dtype, partition_manager=pm, quantizer=quantizer, layer_groups=groups,
             num_pages_per_layer=num_pages if groups is None else None)
 
     # ---- weights and memory ------------------------------------------------------------------------
-    def update_params(self, params: Any) -> None:
+    def update_params(self, params: nnx.State[Any, Any]) -> None:
         """New weights; the cache's next weight version, so no prefix cached under the old weights
         is found again.
 
@@ -233,15 +243,25 @@ class TunixPagedEngine:
           level: 1 (default) keeps its pages in host memory, 2 discards them.
         """
         if self._sleeping is None:
-            assert self.cache is not None
-            self._sleeping, self.cache = sleep(self.cache, self.manager, level=level), None
+            self._sleeping, self._runner = sleep(self._awake().cache, self.manager, level=level), None
 
     def wake(self) -> None:
         """Put the cache back in device memory (`easykv.wake`); a no-op while awake."""
         if self._sleeping is not None:
-            self.cache, self.manager = wake(self._sleeping)
+            cache, self.manager = wake(self._sleeping)
+            self._runner = Runner(self.manager, cache)  # the woken cache (and manager) from now on
             self._sleeping = None
             self.manager.set_weight_version(self.version)
+
+    @property
+    def cache(self) -> PagedAttentionCache | None:
+        """The live cache (None while asleep)."""
+        return None if self._runner is None else self._runner.cache
+
+    def _awake(self) -> Runner:
+        if self._runner is None:
+            raise RuntimeError("the engine's cache is asleep; wake() it first")
+        return self._runner
 
     @property
     def asleep(self) -> bool:
@@ -249,8 +269,8 @@ class TunixPagedEngine:
         return self._sleeping is not None
 
     # ---- generation --------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
-                 eos_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: Any = 0
+    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int | Sequence[int], *,
+                 eos_ids: Sequence[int] = (), sampling: Sampling = Sampling(), seed: int | jax.Array = 0
                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:  # fmt: skip
         """Continue each prompt by up to ``max_new_tokens`` tokens, stopping at any of ``eos_ids``
         (not returned, as Tunix's ``Sampler`` does). Identical prompts are prefilled once and
@@ -292,7 +312,7 @@ class TunixPagedEngine:
         tokens = [np.asarray(r.out[: len(r.out) - r.ended_by_eos], np.int32) for r in rows]
         return tokens, [np.asarray(r.logp[: len(t)], np.float32) for r, t in zip(rows, tokens)]
 
-    def _rows(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]) -> list[_Row]:
+    def _rows(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int | Sequence[int]) -> list[_Row]:
         meta = self.manager.metadata
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
@@ -337,7 +357,7 @@ class TunixPagedEngine:
 
     def _prefill(self, rows: list[_Row], leaders: dict[int, list[int]]) -> dict[int, jax.Array]:
         """Each leader's uncached prompt tokens, ``prefill_tokens`` a step; its last logits."""
-        mgr, budget_each = self.manager, self.prefill_tokens
+        mgr, runner, budget_each = self.manager, self._awake(), self.prefill_tokens
         todo, last = list(leaders), {}
         while todo:
             batch, budget = [], budget_each
@@ -347,15 +367,13 @@ class TunixPagedEngine:
                     break
                 batch.append((i, rows[i].prompt[rows[i].fed : rows[i].fed + n]))
                 budget -= n
-            seqs = [rows[i].seq for i, _ in batch]
-            md = mgr.build_step_metadata(seqs, [c.size for _, c in batch], pad_tokens_to=budget_each,
-                                         pad_seqs_to=min(_bucket(len(batch)), mgr.batch_size))
-            self.cache, _ = mgr.apply_pending(self.cache)
+            chunks = [c for _, c in batch]
             tokens = np.zeros(budget_each, np.int32)
-            flat = np.concatenate([c for _, c in batch])
+            flat = np.concatenate(chunks)
             tokens[: flat.size] = flat
-            logits, self.cache = self._prefill_step(self._state, self.cache, jnp.asarray(tokens), md)
-            mgr.step(seqs, [c for _, c in batch])
+            plan = mgr.schedule([rows[i].seq for i, _ in batch], [c.size for c in chunks], pad_tokens_to=budget_each,
+                                pad_seqs_to=min(_bucket(len(batch)), mgr.batch_size))
+            logits = runner.run(plan, partial(self._prefill_plan, jnp.asarray(tokens)), token_ids=chunks)
             self._note_pages()
             for j, (i, chunk) in enumerate(batch):
                 rows[i].fed += chunk.size
@@ -364,10 +382,18 @@ class TunixPagedEngine:
             todo = [i for i in todo if rows[i].fed < rows[i].prompt.size]
         return last
 
+    def _prefill_plan(self, tokens: jax.Array, cache: PagedAttentionCache,
+                      plan: StepPlan) -> tuple[PagedAttentionCache, jax.Array]:  # fmt: skip
+        """The runner's step of a prefill plan: ``tokens`` written, the logits after each row's last token."""
+        logits, cache = self._prefill_step(self._state, cache, tokens, plan.metadata)
+        return cache, logits
+
     def _fork(self, rows: list[_Row], leaders: dict[int, list[int]]) -> None:
         for i, members in leaders.items():
             if len(members) > 1:
-                for j, child in zip(members[1:], self.manager.fork(rows[i].seq, len(members) - 1)):
+                children = self.manager.fork(rows[i].seq, len(members) - 1)
+                assert isinstance(children, list)  # fork(seq, n) returns n ids
+                for j, child in zip(members[1:], children, strict=True):
                     rows[j].seq = child
 
     def _first_tokens(self, rows: list[_Row], leaders: dict[int, list[int]], last: dict[int, jax.Array],
@@ -379,29 +405,31 @@ class TunixPagedEngine:
             row.take([t], [lp], eos)
 
     def _decode_round(self, live: list[_Row], key: jax.Array, sampling: Sampling, eos: tuple[int, ...]) -> None:
-        mgr, k = self.manager, self.decode_steps
+        mgr, runner, k = self.manager, self._awake(), self.decode_steps
         seqs, pad = [r.seq for r in live], min(_bucket(len(live)), mgr.batch_size)
         try:
-            plan = mgr.plan_decode(seqs, k, max_tokens=[min(k, r.limit - len(r.out)) for r in live], pad_seqs_to=pad)
+            plan = mgr.schedule_decode(seqs, k, max_tokens=[min(k, r.limit - len(r.out)) for r in live],
+                                       pad_seqs_to=pad)
         except CacheFullError:  # room for one more token each may still be there (same loop, one step)
-            plan = mgr.plan_decode(seqs, k, max_tokens=1, pad_seqs_to=pad)
-        try:
-            self.cache, _ = mgr.apply_pending(self.cache)
-            self._note_pages()
-            tokens = np.zeros(plan.padded_rows, np.int32)
-            tokens[: len(live)] = [r.out[-1] for r in live]
-            out = self._decode_loop(self._state, self.cache, jnp.asarray(tokens), plan.metadata,
-                                    jnp.asarray(plan.limits), key, num_steps=k, page_size=plan.page_size,
-                                    num_pages=plan.num_pages, eos_id=eos, sample=sampling)
-            self.cache = out.state
-            written, sampled, logp, counts = jax.device_get((out.written, out.sampled, out.logprobs,
-                                                             out.num_written))
-        except BaseException:  # the plan closes with nothing written, so its sequences can be released
-            mgr.commit_decode(plan, np.zeros((plan.padded_rows, k), np.int64), np.zeros(plan.padded_rows, np.int64))
-            raise
-        mgr.commit_decode(plan, written, counts)
+            plan = mgr.schedule_decode(seqs, k, max_tokens=1, pad_seqs_to=pad)
+        loop = partial(self._decode_plan, [r.out[-1] for r in live], key, eos=eos, sampling=sampling)
+        written, sampled, logp, counts = runner.run(plan, loop, token_ids=lambda out: out[0],
+                                                    num_tokens=lambda out: out[3])
         for i, row in enumerate(live):
             row.take(sampled[i, : counts[i]].tolist(), logp[i, : counts[i]].tolist(), eos)
+
+    def _decode_plan(self, last: list[int], key: jax.Array, cache: PagedAttentionCache, plan: StepPlan, *,
+                     eos: tuple[int, ...], sampling: Sampling
+                     ) -> tuple[PagedAttentionCache, tuple[np.ndarray, ...]]:  # fmt: skip
+        """The runner's step of a decode plan: its device loop from ``last`` (each sequence's last token); on
+        the host, ``(written, sampled, logprobs, num_written)``, one row per padded row."""
+        self._note_pages()  # the loop's pages are reserved now: the most this round holds
+        tokens = np.zeros(plan.padded_rows, np.int32)
+        tokens[: len(last)] = last
+        out = self._decode_loop(self._state, cache, jnp.asarray(tokens), plan.metadata, jnp.asarray(plan.limits), key,
+                                num_steps=plan.num_steps, page_size=plan.page_size, num_pages=plan.num_pages,
+                                eos_id=eos, sample=sampling)
+        return out.state, tuple(jax.device_get((out.written, out.sampled, out.logprobs, out.num_written)))
 
     def _release_done(self, rows: list[_Row]) -> list[_Row]:
         """Release the rows that are done (their full pages stay findable; a fork's shared pages

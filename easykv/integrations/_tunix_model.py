@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax
@@ -24,22 +25,24 @@ import jax.numpy as jnp
 from flax import nnx
 
 from easykv.attention.api import view_attention
-from easykv.step.metadata import PagedAttentionMetadata
+from easykv.step.ragged import RaggedStep
+from easykv.storage.cache import PagedAttentionCache
+from easykv.storage.view import PagedAttentionCacheView
 
 
 class PagedLayer(NamedTuple):
     """A layer's cache in a paged forward: its view of the pages and the step's metadata (one per
     layer group)."""
 
-    view: Any
-    metadata: tuple[PagedAttentionMetadata, ...]
+    view: PagedAttentionCacheView
+    metadata: tuple[RaggedStep, ...]
 
 
 class LayerCaches(Mapping[str, PagedLayer]):
     """What a paged forward hands the model as its ``cache``: ``cache["layer_i"]`` is layer ``i``'s
     view taken when the model asks for it, so it holds what the layers before it wrote."""
 
-    def __init__(self, cache: Any, metadata: tuple[PagedAttentionMetadata, ...]) -> None:
+    def __init__(self, cache: PagedAttentionCache, metadata: tuple[RaggedStep, ...]) -> None:
         self.cache, self.metadata = cache, metadata
 
     def __getitem__(self, name: str) -> PagedLayer:
@@ -81,7 +84,7 @@ class Family:
     refuse: Callable[[Any], str | None]
     vocab_field: str
 
-    def tunix(self) -> Any:
+    def tunix(self) -> ModuleType:
         return importlib.import_module(self.module)
 
     def vocab(self, model: Any) -> int:
@@ -133,7 +136,7 @@ FAMILIES = (
 )
 
 
-def family_of(model: Any) -> Family:
+def family_of(model: object) -> Family:
     """The family of a Tunix model, checked whole: ValueError naming the class (or the option) easykv
     cannot serve, TypeError for what is not a Tunix model module."""
     if not isinstance(model, nnx.Module):
@@ -153,16 +156,22 @@ def family_of(model: Any) -> Family:
         raise ValueError(f"{type(model).__module__}.{type(model).__qualname__} is not a Tunix model family easykv "
                          f"serves ({names}); its attention is not known to easykv, so it is refused rather than "
                          "run wrong")
+    _check_layers(family, tunix, model)
+    reason = family.refuse(model)
+    if reason is not None:
+        raise ValueError(f"easykv.integrations.tunix cannot serve {reason}")
+    return family
+
+
+def _check_layers(family: Family, tunix: ModuleType, model: Any) -> None:
+    """Every layer of ``model`` (of ``family``, whose module is ``tunix``) is Tunix's own decoder
+    layer and attention, or their paged subclasses."""
     for i, layer in enumerate(model.layers):
         for part, expected in ((layer, tunix.DecoderLayer), (layer.attn, tunix.Attention)):
             if type(part) is not expected and type(part) not in _PAGED.values():
                 raise ValueError(f"layer {i} of the {family.name} model is a {type(part).__qualname__}, not Tunix's "
                                  f"{expected.__qualname__}: easykv reuses Tunix's own module and cannot vouch for a "
                                  "changed one")
-    reason = family.refuse(model)
-    if reason is not None:
-        raise ValueError(f"easykv.integrations.tunix cannot serve {reason}")
-    return family
 
 
 # ---- the paged copy --------------------------------------------------------------------------------
@@ -209,8 +218,8 @@ def paged_copy(model: Any) -> tuple[Family, Any]:
     return family, copy
 
 
-def forward(model: Any, cache: Any, tokens: jax.Array, metadata: tuple[PagedAttentionMetadata, ...]
-            ) -> tuple[jax.Array, Any]:  # fmt: skip
+def forward(model: Any, cache: PagedAttentionCache, tokens: jax.Array, metadata: tuple[RaggedStep, ...]
+            ) -> tuple[jax.Array, PagedAttentionCache]:  # fmt: skip
     """Logits ``(tokens, vocab)`` of a paged copy for one step's ``tokens`` ``(padded_len,)`` (mixed
     metadata); their K/V written into ``cache``, which is returned."""
     positions = jnp.maximum(metadata[0].positions, 0)  # padding tokens: any position, nothing is kept

@@ -40,10 +40,10 @@ given; ``attention_options`` tune easykv's attention (``query_block``: smaller c
 Pages stay in easykv's layout: per layer ``(num_kv_heads, num_pages, page_size, head_dim)`` for K
 and for V, raw bits for bf16/f16 on CPU, ``QuantizedPages`` when quantized; ``cache.to_easykv()``
 and ``EasyKVCache.from_easykv(cache)`` convert without copying. Each step, EasyDeL's
-``RaggedPagesMetadata`` (v2 or v3) is converted on the device to easykv's mixed form
-(:func:`runtime_from_easydel`: a position and a slot per token, page table, lengths): the new
-K/V are written through easykv's one write primitive in the view's ``concatenate_to_cache``,
-and the operation attends with ``easykv.paged_attention``.
+``RaggedPagesMetadata`` (v2 or v3) is converted on the device to easykv's ragged form
+(:func:`runtime_from_easydel`, a ``RaggedStep``: a position and a slot per token, page table,
+lengths): the new K/V are written through easykv's one write primitive in the view's
+``concatenate_to_cache``, and the operation attends with ``easykv.paged_attention``.
 
 Numerics: easykv attends in float32 (scores, softmax, weighted sum) and returns the query dtype,
 as EasyDeL's v3 kernel does; the written K/V bits equal EasyDeL's own cache. EasyDeL's v2 kernel
@@ -94,9 +94,14 @@ EasyDeL's classes raises ImportError naming ``pip install 'easykv[easydel]'``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from jax.sharding import Mesh
 
 from easykv.integrations._easydel_config import (
+    ConfigValue,
     config_dict_from_metadata,
     config_json_from_metadata,
     metadata_from_config,
@@ -106,12 +111,21 @@ from easykv.integrations._easydel_config import (
 from easykv.integrations._easydel_runtime import runtime_from_easydel
 from easykv.manager.coordinator import single_group
 from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.step.metadata import StepInput
+
+if TYPE_CHECKING:  # at run time loaded on first use (`__getattr__`): they need EasyDeL
+    from easykv.integrations._easydel_model import (
+        EasyKVCache,
+        EasyKVCacheView,
+        EasyKVRaggedPageAttnV2,
+        EasyKVRaggedPageAttnV3,
+    )
 
 _INSTALL = "pip install 'easykv[easydel]'"
 _MODEL_NAMES = ("EasyKVCache", "EasyKVCacheView", "EasyKVRaggedPageAttnV2", "EasyKVRaggedPageAttnV3")
 
 
-def _model_module() -> Any:
+def _model_module() -> ModuleType:
     try:
         from easykv.integrations import _easydel_model
     except ImportError as err:
@@ -120,15 +134,16 @@ def _model_module() -> Any:
     return _easydel_model
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type:
     if name in _MODEL_NAMES:
-        return getattr(_model_module(), name)
+        cls: type = getattr(_model_module(), name)
+        return cls
     raise AttributeError(f"module 'easykv.integrations.easydel' has no attribute {name!r}")
 
 
 def use_easykv(model: Any, *, num_pages_per_layer: int | None = None, memory_bytes_per_device: int | None = None,
-               hbm_utilization: float | None = None, quantizer: Any = None, partition_manager: Any = None,
-               attention_options: dict[str, Any] | None = None) -> Any:
+               hbm_utilization: float | None = None, quantizer: object = None, partition_manager: object = None,
+               attention_options: dict[str, int | str | None] | None = None) -> Any:
     """Make an EasyDeL 0.3 model (and eSurge engines built on it) run its paged attention on easykv.
 
     Args:
@@ -189,7 +204,7 @@ def use_easykv(model: Any, *, num_pages_per_layer: int | None = None, memory_byt
     return model
 
 
-def _attention_modules(model: Any) -> Any:
+def _attention_modules(model: Any) -> Iterator[tuple[str, Any]]:
     from easydel.layers.attention import AttentionModule
     from easydel.utils.traversals import iter_module_search
 
@@ -197,8 +212,9 @@ def _attention_modules(model: Any) -> Any:
         yield ".".join(map(str, path)), module
 
 
-def metadata_from_easydel_config(config: Any, *, mesh: Any = None, partition_manager: Any = None,
-                                 batch_size: int | None = None, quantizer: Any = None) -> PagedAttentionCacheMetaData:
+def metadata_from_easydel_config(config: object, *, mesh: Mesh | None = None, partition_manager: object = None,
+                                 batch_size: int | None = None, quantizer: object = None,
+                                 ) -> PagedAttentionCacheMetaData:
     """easykv metadata for an EasyDeL ``RaggedPagesCacheConfig`` (v2 or v3).
 
     EasyDeL's config keeps shard counts, not mesh axes: the axes come from ``partition_manager``.
@@ -236,7 +252,7 @@ def easydel_config_json(meta: PagedAttentionCacheMetaData, *, version: str = "v3
     return config_json_from_metadata(meta, version=version)
 
 
-def easydel_config_dict(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> dict[str, Any]:
+def easydel_config_dict(meta: PagedAttentionCacheMetaData, *, version: str = "v3") -> dict[str, ConfigValue]:
     """:func:`easydel_config_json` as a dict.
 
     Args:
@@ -256,19 +272,19 @@ def easydel_config_from_metadata(meta: PagedAttentionCacheMetaData, *, version: 
     return _model_module().easydel_config_from_metadata(meta, version=version)
 
 
-def easydel_metadata_from_easykv(metadata: Any, *, page_size: int, version: str = "v3",
-                                 padded_num_slices: int | None = None) -> Any:
-    """EasyDeL's ``RaggedPagesMetadata`` for a host-side easykv mixed-form step, to run an EasyDeL
-    model forward on either cache (needs EasyDeL).
+def easydel_metadata_from_easykv(metadata: StepInput | tuple[StepInput, ...], *, page_size: int,
+                                 version: str = "v3", padded_num_slices: int | None = None) -> Any:
+    """EasyDeL's ``RaggedPagesMetadata`` for a host-side easykv step in the ragged form, to run an
+    EasyDeL model forward on either cache (needs EasyDeL).
 
     Unassigned page-table entries (-1) and padding positions become 0, as EasyDeL's engine leaves
     them. v3 gets ``request_distribution`` (decodes, decodes + prefills, sequences); v2 gets
     ``slot_mapping`` as EasyDeL's page-contiguous slices and ``num_kv_update_slices``.
 
     Args:
-      metadata: one mixed-form `PagedAttentionMetadata` with numpy values (e.g.
-        ``PagedAttentionMetadata.for_mixed``), or `PageManager.build_step_metadata`'s tuple of a
-        cache of one layer group (EasyDeL hands every layer one page table; several are refused).
+      metadata: one step with numpy values, a `RaggedStep` or a mixed-form `PagedAttentionMetadata`
+        (``PagedAttentionMetadata.for_mixed``), or a plan's ``plan.metadata``, the tuple of a cache of
+        one layer group (EasyDeL hands every layer one page table; several are refused).
       page_size: tokens per page of the cache.
       version: ``"v3"`` (default) or ``"v2"``.
       padded_num_slices: v2 only: the slices ``slot_mapping`` is padded to, ``(3,
@@ -290,10 +306,10 @@ def unquantized(meta: PagedAttentionCacheMetaData) -> PagedAttentionCacheMetaDat
 
 
 __all__ = [
-    "EasyKVCache",  # noqa: F822 (loaded on first use by __getattr__)
-    "EasyKVCacheView",  # noqa: F822 (loaded on first use by __getattr__)
-    "EasyKVRaggedPageAttnV2",  # noqa: F822 (loaded on first use by __getattr__)
-    "EasyKVRaggedPageAttnV3",  # noqa: F822 (loaded on first use by __getattr__)
+    "EasyKVCache",  # loaded on first use (__getattr__): needs EasyDeL
+    "EasyKVCacheView",  # loaded on first use (__getattr__): needs EasyDeL
+    "EasyKVRaggedPageAttnV2",  # loaded on first use (__getattr__): needs EasyDeL
+    "EasyKVRaggedPageAttnV3",  # loaded on first use (__getattr__): needs EasyDeL
     "easydel_config_dict",
     "easydel_config_from_metadata",
     "easydel_config_json",

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tunix.generate.tokenizer_adapter import TokenizerAdapter
 from tunix.rl import common, reshard
 from tunix.rl.rollout import base_rollout
@@ -64,7 +65,7 @@ class EasyKVRollout(base_rollout.BaseRollout):
         ``batch_size``, ``decode_steps``, ``dtype``, ``quantizer``, ``max_length``, ...).
     """
 
-    def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Any = None,
+    def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Mesh | None = None,
                  rollout_config: base_rollout.RolloutConfig | None = None, *, sleep_level: int | None = None,
                  **engine_options: Any) -> None:  # fmt: skip
         if rollout_actor is None or tokenizer is None:
@@ -84,12 +85,12 @@ class EasyKVRollout(base_rollout.BaseRollout):
         return self._engine
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> Mesh | None:
         """The mesh it was built with (None: one device)."""
         return self._mesh
 
     def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
-                 **kwargs: Any) -> base_rollout.RolloutOutput:  # fmt: skip
+                 **kwargs: object) -> base_rollout.RolloutOutput:  # fmt: skip
         """Tunix's ``generate``: ``prompts`` as strings (tokenized as Tunix's ``Sampler`` does),
         up to ``max_tokens_to_generate`` tokens each; the output as ``VanillaRollout`` gives it
         (completion tokens without the end token, prompts left-padded to ``max_prompt_length``
@@ -127,7 +128,8 @@ class EasyKVRollout(base_rollout.BaseRollout):
         bos = [tok.bos_id()] if tok.bos_id() else []
         return np.asarray(tok.dedup_bos_ids(bos + list(tok.encode(text))), np.int32)
 
-    def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array, **kwargs: Any) -> jax.Array:
+    def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array,
+                            **kwargs: object) -> jax.Array:
         """Tunix's log-probabilities of the completion tokens under the current weights (Tunix's
         own forward, no cache).
 
@@ -140,11 +142,12 @@ class EasyKVRollout(base_rollout.BaseRollout):
           ``(batch, completion_len)`` log-probabilities (gradient stopped).
         """
         graphdef, state = nnx.split(self._engine.model)
-        return common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_tokens,
-                                              completion_tokens=completion_tokens, pad_id=self.pad_id(),
-                                              eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
+        logps: jax.Array = common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_tokens,
+                                                          completion_tokens=completion_tokens, pad_id=self.pad_id(),
+                                                          eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
+        return logps
 
-    def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
+    def update_params(self, params: nnx.State[Any, Any], filter_types: tuple[type, ...] | None = None) -> None:
         """New weights from the trainer; the cache starts a new weight version.
 
         Args:

@@ -149,18 +149,24 @@ def test_scanned_and_unrolled_steps_give_the_same_logits_and_pages():
     meta = easykv.PagedAttentionCacheMetaData.create(mesh, 2, cfg.layers, 64, 8, cfg.kv_heads, cfg.head_dim, 0.9,
                                                      jnp.float32, partition_manager=pm, layer_groups=groups)
     out = {}
+    tokens = jnp.arange(32, dtype=jnp.int32) % 200
     for scan in (True, False):
         model = CompiledModel(DemoModel(dataclasses.replace(cfg, scan=scan)))
         cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
         manager = easykv.PageManager(meta)
+        runner = easykv.Runner(manager, cache)
         a, b = manager.claim(2)
         logits = []
+
+        def step(cache, plan, model=model):
+            step_logits, cache = model.paged_step(cache, tokens, plan.metadata)
+            return cache, step_logits
+
         for counts in ([20, 9], [1, 1], [1, 1]):  # prefill past the window, then decodes
-            rts = manager.build_step_metadata([a, b], counts, pad_tokens_to=32, pad_seqs_to=2)
-            tokens = jnp.arange(32, dtype=jnp.int32) % 200
-            step_logits, cache = model.paged_step(cache, tokens, rts)
+            plan = manager.schedule([a, b], counts, pad_tokens_to=32, pad_seqs_to=2)
+            step_logits = runner.run(plan, step)  # committed without ids: the planned tokens
             logits.append(np.asarray(step_logits)[: sum(counts)])
-            manager.advance([a, b], counts)
+        cache = runner.cache
         out[scan] = logits, [np.asarray(x) for x in jax.tree.leaves((cache.key_pages, cache.value_pages))]
     for x, y in zip(out[True][0], out[False][0]):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)

@@ -1,9 +1,10 @@
 """easykv: a distributed, sharded, paged key/value cache for LLM inference and RL rollouts in JAX.
 
 The top level holds what an engine touches on every path: the metadata, the cache and its
-views, the page manager, the step metadata, attention, quantizers, checkpoints and sequence
-transfer, sleep / wake and the host tier, and the two errors a serving loop handles
-(`CacheFullError`, `CheckpointIntegrityError`; every other one is in `easykv.errors`).
+views, the page manager and its step plans, the runner that applies them, the step metadata,
+attention, quantizers, checkpoints and sequence transfer, sleep / wake and the host tier, and the
+two errors a serving loop handles (`CacheFullError`, `CheckpointIntegrityError`; every other one
+is in `easykv.errors`).
 Everything else lives in its package (`easykv.spec`, `easykv.manager`, `easykv.storage`, ...);
 the names that used to be here too still import for one release, with a DeprecationWarning
 that names their home.
@@ -30,6 +31,7 @@ _LAZY = {
     "inspect_checkpoint": "easykv.checkpoint.inspect",
     **dict.fromkeys(("sleep", "wake"), "easykv.tiers.sleep"),
     "HostTier": "easykv.tiers.host",
+    **dict.fromkeys(("Runner", "apply_pending"), "easykv.runner"),
 }
 
 # Names that were top-level in 0.1 and now live only in their package: still importable from
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # the lazy names' types, for type checkers only (never import
     from easykv.checkpoint.checkpointer import CacheCheckpointer, restore_cache, save_cache
     from easykv.checkpoint.inspect import inspect_checkpoint
     from easykv.checkpoint.transfer import export_sequence, import_sequence
+    from easykv.runner import Runner, apply_pending
     from easykv.tiers.host import HostTier
     from easykv.tiers.sleep import sleep, wake
 
@@ -100,6 +103,8 @@ __all__ = [
     "PagedAttentionCacheView",
     "PagedAttentionMetadata",
     "Quantizer",
+    "Runner",
+    "apply_pending",
     "available_quantizers",
     "errors",
     "export_sequence",

@@ -19,7 +19,7 @@ otherwise the values are dequantized and re-encoded by the target (cast to its d
 
 Token ids: the PageManager keeps digests, not token ids, so pass ``token_ids=`` to
 `export_sequence` (or give the manager a ``token_ids(seq_id)`` method). Without them the
-import commits the tokens with ``manager.advance`` (no prefix caching for that sequence).
+import commits the tokens without ids (no prefix caching for that sequence).
 
 An export is input like any other: a `SequenceExport` checks every field when it is built
 (also by `load`, from a file that may have been crafted; the classes live in
@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.typing import ArrayLike
 
 from easykv.checkpoint.export_file import TOKEN_HINT, check_raw_exportable
 from easykv.checkpoint.grouped_export import ExportedGroup, GroupedSequenceExport
@@ -45,13 +46,19 @@ from easykv.checkpoint.sequence_export import SequenceExport
 from easykv.errors import CacheFullError, InvariantError
 from easykv.manager.manager import PageManager
 from easykv.manager.prefix_hash import salt_digest
+from easykv.manager.step_plan import StepPlan
 from easykv.quantization import QuantizedPages, is_compressing
-from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.runner import Runner
+from easykv.spec.metadata import PagedAttentionCacheMetaData, known_dtype
 from easykv.storage.cache import PagedAttentionCache
-from easykv.storage.pages import encode_tokens, from_storage, read_pages, to_storage
+from easykv.storage.pages import StoredPages, encode_tokens, from_storage, read_pages, to_storage
 from easykv.storage.placement import group_layouts
+from easykv.storage.pool_match import check_cache_of
 from easykv.storage.writes import scatter_encoded  # the encoded-token scatter every write uses
 from easykv.validation import INT32_MAX, boolean, integer, integer_array, show
+
+if TYPE_CHECKING:
+    from easykv.tiers.host import HostTier
 
 
 def _pow2(n: int) -> int:
@@ -71,7 +78,7 @@ def _gather_group(cache: PagedAttentionCache, ids: jax.Array, group: int, dequan
     len(ids) * page_size, heads, dim)`` (values None for a latent group): dequantized into the
     group's dtype, or a quantized group's raw codes and scales. Reads only those pages."""
     meta = cache.metadata
-    dtype = meta.group_dtype(meta.groups[group])
+    dtype = known_dtype(meta.group_dtype(meta.groups[group]))
 
     def read(pages: Any) -> Any:
         if pages is None:
@@ -93,7 +100,7 @@ def _check_pair(cache: Any, manager: Any) -> Any:
         raise ValueError(f"cache must be a PagedAttentionCache, got {type(cache).__name__}")
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the easykv.PageManager of the cache's pool, got {type(manager).__name__}")
-    return manager.check_cache(cache)
+    return check_cache_of(cache, manager.metadata)
 
 
 def _manager_token_ids(manager: Any, seq_id: int) -> Any:
@@ -101,8 +108,9 @@ def _manager_token_ids(manager: Any, seq_id: int) -> Any:
     return fn(seq_id) if callable(fn) else None
 
 
-def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: int, *, token_ids: Any = None,
-                    dequantize: bool = True) -> SequenceExport | GroupedSequenceExport:
+def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: int, *,
+                    token_ids: ArrayLike | None = None, dequantize: bool = True
+                    ) -> SequenceExport | GroupedSequenceExport:
     """Sequence ``seq_id``'s committed tokens (``manager.length``) read from ``cache`` into host
     arrays; only its pages are read. In a sliding or chunked cache the export holds the K/V its
     window still reads (from ``manager.first_kept_position``; ``first_position`` of the
@@ -110,7 +118,7 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     `GroupedSequenceExport`: each group's part in its own geometry, from its own window.
     Reads only: the cache and the manager are unchanged. The manager's pending copies and
     scrubs of the sequence's pages must have been applied
-    (``cache, _ = manager.apply_pending(cache)``).
+    (``runner.apply_pending()``, or ``easykv.apply_pending(manager, cache)``).
 
     Args:
       cache: the `PagedAttentionCache` holding the sequence.
@@ -133,9 +141,9 @@ def export_sequence(cache: PagedAttentionCache, manager: PageManager, seq_id: in
     length = manager.length(seq)  # UnknownSequenceError when not claimed
     if length == 0:
         raise ValueError(f"sequence {seq} has no committed tokens to export; commit them first (manager.step)")
-    if manager.has_host_tier and manager.is_swapped(seq):
-        raise ValueError(f"sequence {seq} is swapped out to the host tier; swap_in({seq}) and apply_pending(cache, "
-                         "host=...) before exporting it")
+    if manager.has_host_tier and seq in manager.swapped_ids:
+        raise ValueError(f"sequence {seq} is swapped out to the host tier; swap_in({seq}) and apply the work "
+                         "(runner.apply_pending()) before exporting it")
     if token_ids is None:
         token_ids = _manager_token_ids(manager, seq)
     if token_ids is not None:
@@ -176,22 +184,20 @@ def _held_pages(manager: PageManager, meta: Any, seq: int, length: int, g: int) 
     no pending copy or scrub still has to reach them."""
     ps = meta.page_size
     group = None if len(meta.groups) == 1 else g
-    first = manager.first_kept_position(seq, group=group)
+    first = manager.sequence(seq).first_kept[g]
     skip = first // ps  # pages released from the window, or never held by a resumed sequence
     ids = np.asarray(manager.pages(seq, group=group), np.int64)[skip: -(-length // ps)]
     pool = meta.groups[g].num_pages
     if (skip + ids.size) * ps < length or np.any((ids < 0) | (ids >= pool)):
         raise InvariantError(f"sequence {seq} holds pages {ids.tolist()} that cannot hold its {length} tokens in a "
                              f"pool of {pool} pages")
-    copies, scrubs = manager.pending_copies()[1][g], manager.pending_scrubs()[g]
-    pending = set(copies.tolist()) | set(scrubs.tolist())
-    if manager.has_host_tier:
-        pending |= set(manager.pending_transfers()[g][3].tolist())  # onloads into its pages
-    late = [p for p in ids.tolist() if p in pending]
-    if late:
-        raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy, onload or scrub, so "
-                         "the cache does not hold its tokens yet; apply it first: cache, _ = "
-                         "manager.apply_pending(cache, host=...)")
+    if manager.has_pending_work:  # what would the work write? (asked of a copy: taking it is a change)
+        pending = set(manager.clone().take_work().written_pages(g).tolist())
+        late = [p for p in ids.tolist() if p in pending]
+        if late:
+            raise ValueError(f"sequence {seq}'s page {late[0]} has a pending copy-on-write copy, onload or scrub, so "
+                             "the cache does not hold its tokens yet; apply it first: runner.apply_pending() (or "
+                             "cache, _ = easykv.apply_pending(manager, cache, host=...))")
     return first, ids
 
 
@@ -218,7 +224,7 @@ def _write_raw(cache: PagedAttentionCache, parts: tuple[tuple[Any, Any], ...],
     for g, (group_layout, (k, v)) in enumerate(zip(group_layouts(cache.metadata, cache.layout), parts)):
         pages, new = [keys[g]], [_as_pages(k, keys[g])]
         if v is not None:
-            pages.append(values[g])
+            pages.append(cast(StoredPages, values[g]))  # rows given: the group stores values
             new.append(_as_pages(v, values[g]))
         out = scatter_encoded(pages, new, slots[g], layout=group_layout)
         keys[g] = out[0]
@@ -344,10 +350,10 @@ def _room(manager: PageManager, meta: PagedAttentionCacheMetaData, length: int, 
 
 
 def _admit(manager: PageManager, seq_id: int | None, tokens: np.ndarray | None, salt: Any,
-           length: int, start: int) -> tuple[int, int, int, Any]:
-    """Claim, match the cached prefix (or resume at ``start``, a page boundary), reserve: (seq,
-    the position writing starts at, tokens to write, step metadata). On any failure the
-    claimed id is released again."""
+           length: int, start: int) -> tuple[int, int, int, StepPlan]:
+    """Claim, match the cached prefix (or resume at ``start``, a page boundary), schedule the
+    write: (seq, the position writing starts at, tokens to write, the step's plan). On any failure
+    the claimed id is released again."""
     if seq_id is None:
         [seq] = manager.claim(1)
     else:
@@ -360,11 +366,11 @@ def _admit(manager: PageManager, seq_id: int | None, tokens: np.ndarray | None, 
         else:
             done = manager.match_prefix(seq, tokens, salt=salt) if tokens is not None else 0
         n = length - done
-        step_meta = manager.build_step_metadata([seq], [n], pad_tokens_to=_pow2(n))
+        plan = manager.schedule([seq], [n], pad_tokens_to=_pow2(n))
     except BaseException:
         manager.release(seq)
         raise
-    return seq, done, n, step_meta
+    return seq, done, n, plan
 
 
 def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
@@ -381,8 +387,9 @@ def _per_layer(meta: Any, spans: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 
 
 def import_sequence(cache: PagedAttentionCache, manager: PageManager,
-                    exported: SequenceExport | GroupedSequenceExport, *, seq_id: int | None = None, salt: Any = None,
-                    reuse_prefix: bool = True, host: Any = None) -> tuple[PagedAttentionCache, int]:
+                    exported: SequenceExport | GroupedSequenceExport, *, seq_id: int | None = None,
+                    salt: str | bytes | int | None = None, reuse_prefix: bool = True, host: HostTier | None = None
+                    ) -> tuple[PagedAttentionCache, int]:
     """Give ``exported`` a sequence id in ``manager``, pages in ``cache``, and write its K/V.
     With token ids and ``reuse_prefix``, pages already cached for the same prefix (same
     ``salt``) are shared instead of written; the written pages enter the prefix cache under
@@ -415,8 +422,8 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager,
     Returns:
       ``(cache, seq_id)``: the written cache and the sequence's id.
     """
-    meta, exported, needed, reuse_prefix, seq_id = _checked_import(cache, manager, exported, seq_id, salt,
-                                                                   reuse_prefix, host)
+    meta, exported, needed, reuse_prefix, seq_id, runner = _checked_import(cache, manager, exported, seq_id, salt,
+                                                                           reuse_prefix, host)
     # A sliding or chunked target keeps the pages from its window's first page on: the sequence
     # resumes there. It, or an export holding only a window, lacks the early tokens that prefix
     # keys are made of: such a sequence is neither matched nor entered in the prefix cache.
@@ -435,31 +442,30 @@ def import_sequence(cache: PagedAttentionCache, manager: PageManager,
         # after match_prefix would not restore its counters and LRU order).
         _admit(manager.clone(), seq_id, match, salt, exported.length, start)
     # Checked: from here on nothing fails for a reason the caller could have avoided.
-    seq, done, n, step_meta = _admit(manager, seq_id, match, salt, exported.length, start)
+    seq, done, n, plan = _admit(manager, seq_id, match, salt, exported.length, start)
     spans = _spans(parts, firsts, done, n)
-    try:
-        cache, _ = manager.apply_pending(cache, host=host)
-        cache = _write_rows(cache, meta, spans, exact, step_meta, seq, n)
+
+    def write(target: PagedAttentionCache, planned: StepPlan) -> tuple[PagedAttentionCache, None]:
+        return _write_rows(target, meta, spans, exact, planned.metadata, seq, n), None
+
+    try:  # the plan's work, the write, the commit (ids known: its full pages enter the prefix cache)
+        runner.run(plan, write, token_ids=[tokens[done:]] if tokens is not None and commit_ids else None)
     except BaseException:
-        manager.release(seq)
+        manager.release(seq)  # the runner aborted the plan: the sequence holds nothing of its own
         raise
-    if tokens is not None and commit_ids:
-        manager.step([seq], [tokens[done:]])
-    else:
-        manager.advance(seq, n)
-    return cache, seq
+    return runner.cache, seq
 
 
 def _checked_import(cache: Any, manager: Any, exported: Any, seq_id: Any, salt: Any, reuse_prefix: Any,
-                    host: Any) -> tuple[Any, SequenceExport | GroupedSequenceExport, list[int], bool, int | None]:
+                    host: Any) -> tuple[Any, SequenceExport | GroupedSequenceExport, list[int], bool, int | None,
+                                    Runner]:
     """`import_sequence`'s arguments checked, nothing changed: (the cache's metadata, the export
     checked again, each group's first needed position (`_check_import`), ``reuse_prefix``,
-    ``seq_id``)."""
+    ``seq_id``, the runner that will write it)."""
     meta = _check_pair(cache, manager)
     if manager.has_host_tier and host is None:
         raise ValueError("this manager has a host-memory tier: pass its HostTier (import_sequence(..., host=tier)); "
                          "the import's pages may bring prefixes back from it or push others to it")
-    manager.check_host(cache, host)  # before the admission below changes prefix counters and LRU order
     exported = _checked_export(exported)
     needed = _check_import(meta, exported)
     reuse_prefix = boolean("reuse_prefix", reuse_prefix)
@@ -474,7 +480,8 @@ def _checked_import(cache: Any, manager: Any, exported: Any, seq_id: Any, salt: 
         raise CacheFullError(f"importing a sequence needs a free sequence slot but all batch_size={meta.batch_size} "
                              "are claimed; release finished sequences first", resource="sequence slots", needed=1,
                              available=0)
-    return meta, exported, needed, reuse_prefix, seq_id
+    # Last, the tier (its check binds it): before the admission changes prefix counters and LRU order.
+    return meta, exported, needed, reuse_prefix, seq_id, Runner(manager, cache, host=host)
 
 
 def _rows_to_write(meta: Any, exported: SequenceExport | GroupedSequenceExport

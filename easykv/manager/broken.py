@@ -1,6 +1,6 @@
 """`Broken`: the one exception a page-manager consistency rule raises when it does not hold.
 
-Every part of the manager (the sequence table, each group's allocator, the host-tier policy)
+Every part of the manager (the sequence table, each group's allocator, each lower tier)
 raises it from its own ``check`` pieces, and `consistency.check_consistency` runs them; the
 manager turns it into `InvariantError` (a live manager: a bug) or `ManagerStateError` (a loaded
 state: bad input). A leaf: it imports nothing, so every part can raise it without an import circle

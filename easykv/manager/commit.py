@@ -2,7 +2,7 @@
 enter the prefix cache under their chained digest, and what left a window is released.
 
 Coordinator code over the parts it is handed (the sequence table, the group allocators, the
-host-tier policy). Imports ``prefix_hash`` and ``validation``; never ``storage``, ``attention``,
+lower tiers). Imports ``prefix_hash`` and ``validation``; never ``storage``, ``attention``,
 ``checkpoint`` or ``tiers``.
 """
 
@@ -18,8 +18,8 @@ from easykv.validation import INT32_MAX, integer_array, is_scalar, show
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator
-    from easykv.manager.host_tier import HostTierPolicy
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
 
 Tokens: TypeAlias = np.ndarray | list[np.ndarray] | None  # (n,) or (n, k) ids, one array per sequence, or unknown
 
@@ -42,29 +42,29 @@ def parse_tokens(token_ids: Any, n: int) -> tuple[np.ndarray, Tokens]:
     return np.array([t.size for t in lists], np.int64), lists
 
 
-def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, rows: np.ndarray,
+def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, rows: np.ndarray,
            counts: np.ndarray, tokens: Tokens, *, caching: bool, current: bytes | None) -> None:
     """``counts[i]`` written tokens of ``rows[i]`` (their ids ``tokens``; None: unknown, which
     ends the rows' prefix caching) become committed. ValueError, with nothing changed, for tokens
     past the room reserved, into a page shared since a fork, or into a page with pending work.
     ``current``: the current weight version (pages of other versions are evicted first)."""
     ps = seqs.page_size
-    host.refuse_swapped(rows, "committing its tokens")
+    tiers.refuse_held(rows, "committing its tokens")
     lens = seqs.lens[rows]
     over = lens + counts > seqs.npages[rows] * ps
     if over.any():
         i = int(np.argmax(over))
         raise ValueError(
             f"sequence {int(rows[i])} has room for {int(seqs.npages[rows[i]]) * ps - int(lens[i])} more tokens "
-            f"but {int(counts[i])} were committed; reserve them first (build_step_metadata / reserve)")
+            f"but {int(counts[i])} were committed; schedule them first (the plan reserves their room)")
     for table in groups:
         table.check_commit(rows, lens, counts)
     # Validated: commit.
     hashes, version = seqs.hashes, seqs.version
     if tokens is None:
-        hashes.hashable[rows[counts > 0]] = False
+        hashes.stop_hashing(rows[counts > 0])
     elif caching and isinstance(tokens, np.ndarray) and tokens.ndim == 1:
-        f_rows, cols, digests = hashes.extend_one(rows, lens, tokens)
+        f_rows, cols, digests = hashes.record_decode_tokens(rows, lens, tokens)
         if digests:
             tags = [version[r] for r in f_rows.tolist()]
             for table in groups:
@@ -74,11 +74,10 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierP
     elif caching:
         for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
             row = int(rows[i])
-            for col, digest in hashes.extend(row, int(lens[i]), tokens[i]):
+            for col, digest in hashes.record_tokens(row, int(lens[i]), tokens[i]):
                 for table in groups:
                     table.pool.commit(int(table.table[row, col]), digest, version[row])
-    seqs.lens[rows] = lens + counts
-    seqs.edits[rows[counts > 0]] += 1
+    seqs.advance(rows, counts)
     groups.release_out_of_window(seqs, rows, current)
 
 

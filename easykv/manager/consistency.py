@@ -3,8 +3,8 @@
 state (`PageManager.from_state_dict`: a broken rule is bad input). `Broken` names the state field
 a rule concerns.
 
-Each part checks its own rules (`SequenceTable.check`, `GroupTable.check`,
-`HostTierPolicy.check_group`); this module runs them in order and holds the rule that spans the
+Each part's rules are checked on their own (`SequenceTable.check`, `group_checks.check_group`,
+each lower tier's `LowerTier.check`); this module runs them in order and holds the rule that spans the
 sequence table and every group's prefix cache (chain digests). It imports neither the manager
 (manager.py) nor ``state`` (the manager imports it), and never ``storage``, ``attention``,
 ``checkpoint`` or ``tiers``.
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from easykv.manager.broken import Broken
+from easykv.manager.group_checks import check_group
 from easykv.manager.prefix_hash import iter_page_digests, version_root
 from easykv.step.metadata import PAD_PAGE
 
@@ -28,13 +29,12 @@ if TYPE_CHECKING:
 
 def check_consistency(parts: ManagerParts) -> None:
     """Raise `Broken` unless the parts' bookkeeping is consistent (see `PageManager.check_invariants`)."""
-    seqs, groups, host = parts.seqs, parts.groups, parts.host
-    swapped = host.swapped_mask(seqs.batch_size)
+    seqs, groups, tiers = parts.seqs, parts.groups, parts.tiers
+    swapped = tiers.held_mask(seqs.batch_size)  # rows a tier holds (swapped out): nothing on the device
     seqs.check(swapped, all_windowed=groups.all_windowed, released=groups.fewest_released(seqs.lens))
     for table in groups:
-        table.check(seqs, swapped, caching=parts.caching, scrub=parts.scrub)
-        if table.host is not None:
-            host.check_group(table, seqs.lens)
+        check_group(table, seqs, swapped, caching=parts.caching, scrub=parts.scrub)
+        tiers.check(table.index, table, seqs)
     _check_chains(seqs, groups, caching=parts.caching)
 
 

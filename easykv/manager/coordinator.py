@@ -1,6 +1,8 @@
 """The layer groups of one manager together: a tuple of their allocators (``groups[g]`` is group
-``g``'s `GroupTable`) with what spans them — the per-group answer's form, capacity per replica,
-releasing a row everywhere, out-of-window releases, the prefix lookup over every group's cache.
+``g``'s table, a per-kind `GroupTable`) with what spans them — the per-group answer's form,
+capacity per replica, releasing a row everywhere, out-of-window releases, the prefix lookup over
+every group's cache and the tiers below it (each group's window lookup is its table's own; each
+table asks the tiers, `lower_tier.LowerTiers`, through their interface).
 
 Like vLLM's kv-cache coordinator over one manager per attention kind: it owns no state of its own
 beyond its allocators, and decides nothing a single group can. Imports of the manager: the
@@ -17,11 +19,11 @@ import numpy as np
 
 from easykv.manager.group_table import GroupTable
 from easykv.manager.prefix_hash import iter_page_digests
-from easykv.step.metadata import PAD_PAGE
 from easykv.validation import integer
 
 if TYPE_CHECKING:
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
 
 T = TypeVar("T")
 # Every per-group answer of the manager (step metadata, pending copies and scrubs): a tuple of one
@@ -31,7 +33,7 @@ PerGroup: TypeAlias = tuple[T, ...]
 
 def single_group(answer: tuple[T, ...]) -> T:
     """The one item of a per-group answer of a cache with one layer group (``meta =
-    single_group(manager.build_step_metadata(...))``); ValueError for an answer of several
+    single_group(manager.schedule(...).metadata)``); ValueError for an answer of several
     groups, which are used per group (``answer[g]``) or as a whole (the cache's ``write``).
 
     Args:
@@ -39,10 +41,10 @@ def single_group(answer: tuple[T, ...]) -> T:
     """
     if not isinstance(answer, tuple):
         raise ValueError(f"single_group takes a per-group answer (a tuple of one item per layer group, what "
-                         f"build_step_metadata returns), got {type(answer).__name__}")
+                         f"a plan's metadata is), got {type(answer).__name__}")
     if len(answer) == 2 and all(type(item) is tuple for item in answer):
-        raise ValueError("single_group takes one per-group answer; pending_copies / take_copies give two, "
-                         "(src_per_group, dst_per_group): unpack each ((src,), (dst,) = manager.take_copies())")
+        raise ValueError("single_group takes one per-group answer; a plan's work.copies() gives two, "
+                         "(src_per_group, dst_per_group): unpack each ((src,), (dst,) = plan.work.copies())")
     if len(answer) != 1:
         raise ValueError(f"single_group: the answer holds one item for each of {len(answer)} layer groups; index it "
                          "by group (answer[g]) or pass it whole (cache.write takes one metadata per group)")
@@ -51,7 +53,7 @@ def single_group(answer: tuple[T, ...]) -> T:
 
 class GroupCoordinator(tuple[GroupTable, ...]):
     """The allocators of every layer group. Owns nothing but them; ``windowed`` (the sliding and
-    chunked ones), ``all_windowed``, ``num_replicas`` and ``has_host`` are fixed at construction.
+    chunked ones), ``all_windowed`` and ``num_replicas`` are fixed at construction.
 
     A tuple, so ``manager._groups[g]`` stays group ``g``'s table for the code that reaches in
     (tests, the host-tier tests), and the hot loops iterate it as fast as a plain tuple."""
@@ -64,7 +66,11 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         self.windowed = tuple(table for table in self if table.windowed)
         self.all_windowed = len(self.windowed) == len(self)
         self.num_replicas = self[0].pool.num_replicas
-        self.has_host = self[0].host is not None
+
+    def set_tiers(self, tiers: LowerTiers) -> None:
+        """Every group's pool has ``tiers`` below it from now on (`GroupTable.set_tiers`)."""
+        for table in self:
+            table.set_tiers(tiers)
 
     def group_index(self, group: Any) -> int:
         """The checked ``group=`` argument of a public call (None: the only group)."""
@@ -100,7 +106,7 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         for table in windowed:
             cols = table.release_out_of_window(rows, lens, seqs.version, current)
             passed &= floor <= cols * table.page_size
-        seqs.floor[rows[passed]] = 0
+        seqs.forget_floors(rows[passed])
 
     def fewest_released(self, lens: np.ndarray) -> np.ndarray:
         """Per length, the fewest columns any group's window has released."""
@@ -109,40 +115,30 @@ class GroupCoordinator(tuple[GroupTable, ...]):
 
     # ---- the prefix caches ---------------------------------------------------------------------------
     def demote(self, version: bytes | None) -> None:
-        """Cached pages of versions other than ``version`` are evicted first, on device and host."""
+        """Cached device pages of versions other than ``version`` are evicted first."""
         for table in self:
             table.pool.demote(version)
-            if table.host is not None:
-                table.host.demote(version)
 
     def forget_prefixes(self) -> int:
-        """Empty every group's prefix cache (the host tier's too); returns the pages it held."""
-        held = 0
-        for table in self:
-            held += table.pool.forget_prefixes()
-            if table.host is not None:
-                table.drop_freed_onloads()
-                held += table.host.forget_prefixes()
-                # Offloads still pending land as plain pages: their digests are forgotten too.
-                table.offloads = {h: (page, None, None) for h, (page, _, _) in table.offloads.items()}
-        return held
+        """Empty every group's device prefix cache; returns the pages it held."""
+        return sum(table.forget_prefixes() for table in self)
 
     def lookup(self, tokens: np.ndarray, salt: bytes, root: bytes, bound: int, *,
-               host: bool = True) -> tuple[int, list[list[int]], bytes]:
+               tiers: bool = True) -> tuple[int, list[list[int]], bytes]:
         """The best replica (``bound``, or any while it is -1), its cached pages for the prompt in
-        every group (``PAD_PAGE`` where a window does not need one; ``-2 - h`` for page ``h`` of
-        the host tier, unless ``host`` is False), and the digest of the last one (``root``: that
-        of none). A hit of ``k`` pages needs every group's pages for it. Best: most pages, then
-        most available pages (in the tightest group), then lowest index."""
+        every group (``PAD_PAGE`` where a window does not need one; below it, a lower tier's page
+        as `LowerTiers.hit_code` gives it, unless ``tiers`` is False), and the digest of the last
+        one (``root``: that of none). A hit of ``k`` pages needs every group's pages for it. Best:
+        most pages, then most available pages (in the tightest group), then lowest index."""
         replicas = [bound] if bound >= 0 else list(range(self.num_replicas))
-        host = host and self.has_host
+        tiers = tiers and bool(self[0].tiers)
         if self.windowed:
-            return self._lookup_window(tokens, salt, root, replicas, host=host)
+            return self._lookup_window(tokens, salt, root, replicas, tiers=tiers)
         ps = self[0].page_size
         found: dict[int, list[Any]] = {r: [] for r in replicas}  # per replica, per page: its page in each group
         # (hits, the replica's prefix map in each group) per replica, bound once: this loop is the lookup's cost
         searches = [(found[r],
-                     [table.tier_map(r) if host else table.pool.digest_map(r) for table in self]) for r in replicas]
+                     [table.tier_map(r) if tiers else table.pool.digest_map(r) for table in self]) for r in replicas]
         chain = root
         for k, digest in enumerate(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root)):
             alive = False
@@ -160,33 +156,26 @@ class GroupCoordinator(tuple[GroupTable, ...]):
         return best, [list(column) for column in zip(*found[best])] or [[] for _ in self], chain
 
     def _lookup_window(self, tokens: np.ndarray, salt: bytes, root: bytes, replicas: list[int], *,
-                       host: bool) -> tuple[int, list[list[int]], bytes]:
+                       tiers: bool) -> tuple[int, list[list[int]], bytes]:
         """`lookup` when a group is sliding or chunked: a hit of ``k`` pages needs, in every
-        group, only the pages a sequence of ``k`` pages still reads there (all of them in a
-        full group), so the longest ``k`` whose needed pages are all cached wins, even where a
-        window's older pages were evicted. A hit needs at least one cached page in each group
-        (a chunk boundary alone is no hit)."""
+        group, only the pages a sequence of ``k`` pages still reads there (each table's
+        `GroupTable.prefix_hits`), so the longest ``k`` every group serves wins, even where a
+        window's older pages were evicted."""
         ps = self[0].page_size
         digests = list(iter_page_digests(tokens, ps, (tokens.size - 1) // ps, salt, root))
-        ks = np.arange(1, len(digests) + 1)
-        firsts = [table.released_columns(ks * ps).astype(np.int64) for table in self]  # the first column each hit needs
         avail = self.available_per_replica()
         best: tuple[int, int, int, int, list[list[int]]] = (0, 0, 0, replicas[0], [[] for _ in self])
         for r in replicas:
-            whole = np.ones(ks.size, bool)
+            served = np.ones(len(digests), bool)
             found = []
-            for table, first in zip(self, firsts):
-                find = table.host_lookup if host else table.pool.lookup
-                looked = np.array([find(r, d) for d in digests], np.int64)
-                cached = np.concatenate([[0], np.cumsum(looked != PAD_PAGE)])
-                whole &= (first < ks) & (cached[ks] - cached[first] == ks - first)
-                found.append(looked)
-            k = int(ks[whole].max()) if whole.any() else 0
-            pages = [[PAD_PAGE] * int(first[k - 1]) + f[first[k - 1]:k].tolist() if k else []
-                     for f, first in zip(found, firsts)]
+            for table in self:
+                hits, pages_found = table.prefix_hits(digests, r, tiers=tiers)
+                served &= hits
+                found.append(pages_found)
+            k = int(np.flatnonzero(served).max()) + 1 if served.any() else 0
+            pages = [table.hit_row(f, k) if k else [] for table, f in zip(self, found)]
             best = max(best, (k, int(avail[r]), -r, r, pages), key=lambda t: t[:3])
         k, _, _, r, pages = best
         return r, pages, digests[k - 1] if k else root
-
 
 __all__ = ["GroupCoordinator", "PerGroup", "single_group"]

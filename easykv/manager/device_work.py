@@ -1,43 +1,189 @@
-"""The device work the page manager hands to the cache: host-tier transfers (offloads of
-evicted prefix pages and swapped-out sequences, onloads of host hits and swapped-in ones),
-copy-on-write copies (after a fork or a truncation) and scrubs of released pages (device and
-host pages alike), in the order they must run, before a step's writes.
+"""The device work a step implies, as one value: copy-on-write copies (after a fork or a
+truncation), scrubs of released pages, and the work of each tier below the device pool (the
+host-memory tier's offloads of evicted prefix pages and swapped-out sequences, its onloads of
+host hits and swapped-in ones, its host scrubs; a third tier's likewise).
 
-This module holds `PendingWork`, the plumbing that collects that work from the groups and the
-host-tier policy and applies it. The cache and the `HostTier` are duck-typed: it never imports
-``storage``, ``attention``, ``checkpoint`` or ``tiers``. It hands them the work unpadded: they pad
-every call's page ids to a power-of-two bucket themselves (``easykv.storage.page_work``), the one
-place every copy, scrub and transfer goes through, so the programs compiled stay logarithmic in
-the pool.
+The manager records that work where it arises, in the parts that own the pages (each group's
+``copies``, its pool's scrubs, each lower tier's transfers), so a release can still drop what
+nobody will read. `take_work` hands all of it over at once as a frozen `DeviceWork` and forgets it:
+`PageManager.schedule` puts it in the step's plan, and the runner (`easykv.runner`) applies it to
+the cache, in the order the bookkeeping relies on, before the step's writes. The manager never sees
+the cache or the tier: this module holds page ids, not arrays. Each lower tier hands its share as a
+`TierWork` (`lower_tier.LowerTier.take_work`), one `TierTransfers` per group.
+
+Imports the manager's ``coordinator`` and ``lower_tier`` (its value types); never ``storage``,
+``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from easykv.manager.coordinator import PerGroup
-from easykv.validation import non_negative_int
+from easykv.manager.lower_tier import NO_PAGES, TierTransfers, TierWork, page_ids
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator
-    from easykv.manager.group_table import GroupTable
-    from easykv.manager.host_tier import HostTierPolicy
-    from easykv.spec.metadata import PagedAttentionCacheMetaData
-
-# The fields that say which pool a cache is: a manager schedules exactly one.
-POOL_FIELDS = ("page_size", "num_pages_per_layer", "page_shards", "batch_size", "max_sequences",
-               "num_pages_per_sequence")
+    from easykv.manager.tier_set import LowerTiers
 
 
-class PendingWork:
-    """Copies and scrubs on their way to the device. Owns ``copies``: how many copy-on-write
-    copies were recorded since creation (the manager's ``copies`` counter); the pending copies
-    and scrubs themselves stay with each group's allocator and pool, where a release drops what
-    nobody will read, and the transfers with the host-tier policy's groups."""
+def _no_pages() -> np.ndarray:
+    """A field defaulting to no pages (one shared read-only array)."""
+    return dataclasses.field(default_factory=lambda: NO_PAGES)  # a dataclass field
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupWork:
+    """One layer group's device work, int32 page ids of the group's device pool (read-only arrays).
+
+    Attributes:
+      copy_src: ``(copies,)`` device pages each copy reads.
+      copy_dst: ``(copies,)`` fresh device pages that get ``copy_src``'s contents.
+      scrubs: ``(scrubs,)`` released device pages to zero.
+    """
+
+    copy_src: np.ndarray = _no_pages()
+    copy_dst: np.ndarray = _no_pages()
+    scrubs: np.ndarray = _no_pages()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.copy_src.size or self.scrubs.size)
+
+
+HOST_TIER = "host"  # the name of the host-memory tier's work, the one `DeviceWork.transfers` gives
+_NO_TRANSFERS = TierTransfers()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceWork:
+    """Every piece of device work a plan carries, to run before the step's writes: each lower
+    tier's transfers (every tier's offloads read the device before any onload, copy or scrub
+    writes it), then the copy-on-write copies, then the scrubs.
+
+    Attributes:
+      groups: one `GroupWork` per layer group (copies and scrubs of the device pools).
+      tiers: one `TierWork` per lower tier of the manager that has work, nearest the device first
+        (the host-memory tier's is named ``"host"``).
+    """
+
+    groups: PerGroup[GroupWork]
+    tiers: tuple[TierWork, ...] = ()
+
+    @classmethod
+    def none(cls, num_groups: int) -> DeviceWork:
+        """No work.
+
+        Args:
+          num_groups: the layer groups (one empty `GroupWork` each).
+        """
+        return cls(tuple(GroupWork() for _ in range(num_groups)))
+
+    @property
+    def empty(self) -> bool:
+        """Whether there is nothing to run."""
+        return all(g.empty for g in self.groups) and all(t.empty for t in self.tiers)
+
+    @property
+    def num_copies(self) -> int:
+        """Device pages copied (copy-on-write), over every group."""
+        return sum(int(g.copy_src.size) for g in self.groups)
+
+    @property
+    def has_host_work(self) -> bool:
+        """Whether a tier below the device must run part of it (transfers or scrubs of a tier): the
+        runner needs the tier then."""
+        return any(not t.empty for t in self.tiers)
+
+    @property
+    def has_transfers(self) -> bool:
+        """Whether offloads or onloads of any tier are part of it."""
+        return any(t.has_transfers for t in self.tiers)
+
+    def tier(self, name: str) -> TierWork | None:
+        """The work of the lower tier named ``name`` (None: it has none here).
+
+        Args:
+          name: the tier's name (``"host"``: the host-memory tier's).
+        """
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def copies(self) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
+        """``(src, dst)``, each a tuple of one ``(copies,)`` array per group (``cache.copy_pages``'s form)."""
+        return tuple(g.copy_src for g in self.groups), tuple(g.copy_dst for g in self.groups)
+
+    def scrubs(self) -> PerGroup[np.ndarray]:
+        """One ``(scrubs,)`` array of device pages per group (``cache.zero_pages``' form)."""
+        return tuple(g.scrubs for g in self.groups)
+
+    def written_pages(self, group: int) -> np.ndarray:
+        """The device pages this work writes (copy destinations, scrubs, every tier's onload
+        destinations): what they hold is not theirs until the work has run.
+
+        Args:
+          group: the layer group, ``0 .. len(groups) - 1``.
+        """
+        return np.concatenate([self.groups[group].copy_dst, self.groups[group].scrubs,
+                               *(tier.groups[group].onload_dst for tier in self.tiers)])
+
+    def _host_groups(self) -> PerGroup[TierTransfers]:
+        host = self.tier(HOST_TIER)
+        return host.groups if host is not None else tuple(_NO_TRANSFERS for _ in self.groups)
+
+    def transfers(self) -> PerGroup[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """The host-memory tier's work, per group ``(offload_src, offload_dst, onload_src, onload_dst, host_scrubs)``
+        (`HostTier.apply`'s form; empty arrays where it has none)."""
+        return tuple(g.as_tuple() for g in self._host_groups())
+
+    def host_scrubs_after(self) -> PerGroup[np.ndarray]:
+        """One array of host pages per group to zero after the transfers (`HostTier.scrub`'s form)."""
+        return tuple(g.scrubs_after for g in self._host_groups())
+
+    def __repr__(self) -> str:
+        if self.empty:
+            return "DeviceWork(none)"
+        parts = {"copies": self.num_copies, "scrubs": sum(g.scrubs.size for g in self.groups)}
+        for tier in self.tiers:
+            parts[f"{tier.name} offloads"] = sum(g.offload_src.size for g in tier.groups)
+            parts[f"{tier.name} onloads"] = sum(g.onload_src.size for g in tier.groups)
+            parts[f"{tier.name} scrubs"] = sum(g.scrubs.size + g.scrubs_after.size for g in tier.groups)
+        return "DeviceWork(" + ", ".join(f"{v} {k}" for k, v in parts.items() if v) + ")"
+
+
+def has_pending(groups: GroupCoordinator, tiers: LowerTiers) -> bool:
+    """Whether `take_work` would hand over anything."""
+    return (bool(tiers) and tiers.has_work()) or any(table.copies or table.pool.has_pending_scrubs()
+                                                     for table in groups)
+
+
+def take_work(groups: GroupCoordinator, tiers: LowerTiers) -> DeviceWork:
+    """Every piece of pending device work as one `DeviceWork`, then forgotten: each group's copies
+    and scrubs, and each lower tier's work, counted as done by the tier (`LowerTier.take_work`)."""
+    if not has_pending(groups, tiers):
+        return _no_work(len(groups))  # the common decode step: nothing to copy, scrub or move
+    tier_work = tuple(work for work in tiers.take_work() if not work.empty)
+    out = []
+    for table in groups:
+        copies = table.take_copies()
+        out.append(GroupWork(copy_src=page_ids(list(copies.values())), copy_dst=page_ids(list(copies.keys())),
+                             scrubs=page_ids(table.pool.take_scrubs())))
+    return DeviceWork(tuple(out), tier_work)
+
+
+@functools.cache
+def _no_work(num_groups: int) -> DeviceWork:
+    """The one `DeviceWork` of no work for ``num_groups`` groups (frozen: shared by every plan)."""
+    return DeviceWork.none(num_groups)
+
+
+class CopyCounter:
+    """How many copy-on-write copies were recorded since creation (the manager's ``copies``
+    counter, persisted in its state). Owns ``copies``; the pending copies themselves stay with each
+    group's allocator, where a release drops what nobody will read."""
 
     def __init__(self) -> None:
         self.copies = 0
@@ -46,117 +192,9 @@ class PendingWork:
         """The counter of a loaded state."""
         self.copies = copies
 
-    def copy_on_write(self, table: GroupTable, dst: int, src: int) -> None:
-        """``dst`` (fresh) gets ``src``'s contents before the next write (`GroupTable.copy_into`)."""
-        self.copies += table.copy_into(dst, src)
-
-    def pending_copies(self, groups: GroupCoordinator, pad_to: int | None = None
-                       ) -> tuple[PerGroup[np.ndarray], PerGroup[np.ndarray]]:
-        """`PageManager.pending_copies`."""
-        srcs, dsts = [], []
-        for table in groups:
-            most, n = table.pool.num_pages, len(table.copies)
-            srcs.append(_padded(table.copies.values(), n, pad_to, "copies", most))
-            dsts.append(_padded(table.copies.keys(), n, pad_to, "copies", most))
-        return tuple(srcs), tuple(dsts)
-
-    def pending_scrubs(self, groups: GroupCoordinator, pad_to: int | None = None) -> PerGroup[np.ndarray]:
-        """`PageManager.pending_scrubs`."""
-        out = []
-        for table in groups:
-            pages = table.pool.pending_scrubs()
-            out.append(_padded(pages, pages.size, pad_to, "scrubs", table.pool.num_pages))
-        return tuple(out)
-
-    def has_pending(self, groups: GroupCoordinator, host: HostTierPolicy) -> bool:
-        """`PageManager.has_pending_work`."""
-        return host.has_work(groups) or any(table.copies or table.pool.has_pending_scrubs() for table in groups)
-
-    def refuse_transfers(self, what: str, groups: GroupCoordinator, host: HostTierPolicy) -> None:
-        # Only offloads and onloads must run before copies and device scrubs; the host scrubs a
-        # take_transfers leaves stay pending for the next one and touch no device page.
-        if host.has_pending_transfers(groups):
-            raise ValueError(f"{what}: host-tier transfers are pending and must run first (an offload reads a page a "
-                             "copy or scrub overwrites); call apply_pending(cache, host=...) instead")
-
-    @staticmethod
-    def forget_copies(groups: GroupCoordinator) -> None:
-        for table in groups:
-            table.copies.clear()
-
-    @staticmethod
-    def forget_scrubs(groups: GroupCoordinator) -> None:
-        for table in groups:
-            table.pool.take_scrubs()
-
-    def apply(self, cache: Any, groups: GroupCoordinator) -> tuple[Any, int]:
-        """`PageManager.apply_pending` without a `HostTier` (checked: no host-tier work is pending)."""
-        src, dst = self.pending_copies(groups)
-        copies = sum(a.size for a in src)
-        if copies:
-            cache = cache.copy_pages(src, dst)
-        self.forget_copies(groups)
-        scrubs = self.pending_scrubs(groups)
-        if sum(a.size for a in scrubs):
-            cache = cache.zero_pages(scrubs)
-        self.forget_scrubs(groups)
-        return cache, copies
-
-    def apply_through(self, cache: Any, host: Any, groups: GroupCoordinator, policy: HostTierPolicy,
-                      metadata: PagedAttentionCacheMetaData) -> tuple[Any, int]:
-        """`apply_pending` with a `HostTier` that passed `check_host`: every piece of work in one
-        call of it (see `easykv.tiers.host` for the order)."""
-        if not self.has_pending(groups, policy):
-            policy.bind(host)
-            return cache, 0  # nothing to run: no program dispatched this step
-        copies = tuple(zip(*self.pending_copies(groups)))
-        cache = host.apply(cache, policy.pending_transfers(groups), copies=copies,
-                           scrubs=self.pending_scrubs(groups), manager_metadata=metadata)
-        policy.bind(host)
-        policy.transfers_done(groups)  # the tier has taken them (offloads land in its host pages later)
-        # The host pages those transfers left unreferenced: the tier has read them (onload
-        # sources) or drops their landing (offload destinations), so they are zeroed now and
-        # nothing of the host tier stays pending.
-        host.scrub(tuple(table.host_pool.take_scrubs() for table in groups))
-        copied = sum(len(table.copies) for table in groups)
-        self.forget_copies(groups)
-        self.forget_scrubs(groups)
-        return cache, copied
-
-    @staticmethod
-    def check_cache(cache: Any, metadata: PagedAttentionCacheMetaData, what: str) -> PagedAttentionCacheMetaData:
-        """`PageManager.check_cache`."""
-        # The cache is duck-typed: its metadata (if any) is held to the manager's below.
-        meta: PagedAttentionCacheMetaData | None = getattr(cache, "metadata", None)
-        if not callable(getattr(cache, "copy_pages", None)) or meta is None:
-            raise ValueError(f"{what} must be the PagedAttentionCache this manager schedules, "
-                             f"got {type(cache).__name__}")
-        diff = [f"{k}: cache {getattr(meta, k, None)}, manager {getattr(metadata, k)}" for k in POOL_FIELDS
-                if getattr(meta, k, None) != getattr(metadata, k)]
-        groups = getattr(meta, "groups", None)
-        pools = [(g.attention, g.window, g.num_pages) for g in groups] if isinstance(groups, tuple) else None
-        theirs = [(g.attention, g.window, g.num_pages) for g in metadata.groups]
-        if pools != theirs:
-            diff.append(f"layer groups (attention, window, pages): cache {pools}, manager {theirs}")
-        if diff:
-            raise ValueError(f"{what} is a cache of another pool than this manager's (" + "; ".join(diff) + "); pass "
-                             "the cache of the metadata the PageManager was created with")
-        if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(cache)):
-            raise ValueError(f"{what} holds deleted arrays: it was donated to an earlier call (cache.write, "
-                             "import_sequence, apply_pending, sleep, ...); pass the cache that call returned")
-        return meta
+    def count(self, copies: int) -> None:
+        """``copies`` more copy-on-write copies were recorded (`GroupTable.copy_on_write`)."""
+        self.copies += copies
 
 
-def _padded(values: Iterable[int], n: int, pad_to: int | None, what: str, most: int) -> np.ndarray:
-    """``values`` padded with -1 to ``pad_to`` entries; never more than ``most`` (the pool's
-    pages: no more copies or scrubs can be pending), so a huge pad allocates nothing."""
-    size = n if pad_to is None else non_negative_int("pad_to", pad_to, hi=most,
-                                                     hint=f"at most one entry per page of the pool of {most}")
-    if size < n:
-        raise ValueError(f"pad_to={pad_to} is below the {n} pending {what}; pass at least {n} (or None)")
-    out = np.full(size, -1, np.int32)
-    out[:n] = np.fromiter(values, np.int32, n)
-    return out
-
-
-__all__ = ["POOL_FIELDS", "PendingWork"]
+__all__ = ["HOST_TIER", "CopyCounter", "DeviceWork", "GroupWork", "has_pending", "take_work"]

@@ -12,42 +12,47 @@ its data-parallel replica, its token hashes) is one thing for all groups and liv
   0 in a full-attention group): a sliding group's memory follows its window, not the sequence.
 - ``copies``: pending copy-on-write copies of this pool (dst page -> src page).
 - ``shared_partial``: partly filled pages of this pool a fork left shared.
-- ``host``: the group's pool in the host-memory tier (None without one), with its pending
-  transfers: ``offloads`` (host page -> (device page, digest, weight version): the device page's
-  contents go to the host page; a digest enters the host prefix map once the copy is applied)
-  and ``onloads`` (device page -> host page). A pending transfer holds one reference to its
-  host page, so the host pool never hands that page to anyone else meanwhile.
+- ``tiers``: the manager's tiers below the device pool (`lower_tier.LowerTiers`; none by
+  default). The table keeps device pages only: what its pool evicts goes down to them, and where
+  its own rules depend on a tier (a copy of a page whose data a tier still owes it, a freed page
+  a transfer would fill, a commit into a page a transfer reads or writes) it asks them, here once.
 
-What depends on the attention kind (which columns a window releases) is left to the subclasses.
-Imports of the manager: ``page_pool``, ``broken`` and the sequence table it reads; it never imports
-``storage``, ``attention``, ``checkpoint`` or ``tiers``.
+What a query reads (its window) is the group's window rule (`easykv.spec.windows`), asked here;
+how a window's pages leave is the per-kind subclasses' (`allocators`). The invariants against the
+sequence table are `group_checks`'. Imports of the manager: ``page_pool``, ``lower_tier`` and the
+sequence table's type; it never imports ``storage``, ``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 
-from easykv.errors import CacheFullError, InvariantError
-from easykv.manager.broken import Broken
+from easykv.errors import CacheFullError
 from easykv.manager.page_pool import PagePool
+from easykv.manager.tier_set import LowerTiers
 from easykv.spec.groups import known_size
 from easykv.step.metadata import PAD_PAGE
 
 if TYPE_CHECKING:
     from easykv.manager.sequences import SequenceTable
-    from easykv.spec.groups import LayerGroup
+    from easykv.spec.groups import AttentionKind, LayerGroup
+    from easykv.spec.windows import AttentionRule
 
 
 @dataclasses.dataclass(eq=False)
 class GroupTable(abc.ABC):
     """One layer group's pages of every sequence (see the module doc). Owns ``pool``, ``table``,
-    ``start``, ``copies``, ``shared_partial``, ``host``, ``offloads``, ``onloads`` and
-    ``offloads_dropped`` (evicted prefix pages the host tier had no page for). ``index`` is the
-    group's place in the metadata, ``grouped`` whether there are several (for messages)."""
+    ``start``, ``copies``, ``shared_partial`` and ``tiers`` (the tiers below, asked through their
+    interface); every change to them is one of its methods. ``index`` is the group's place in the
+    metadata, ``grouped`` whether there are several (for messages). A subclass per attention kind
+    (`allocators`) says what leaves its window; what a query reads is the group's window rule
+    (`rule`)."""
 
     group: LayerGroup
     page_size: int
@@ -58,54 +63,58 @@ class GroupTable(abc.ABC):
     start: np.ndarray  # (batch_size,) int32
     copies: dict[int, int] = dataclasses.field(default_factory=dict)
     shared_partial: set[int] = dataclasses.field(default_factory=set)
-    host: PagePool | None = None
-    offloads: dict[int, tuple[int, bytes | None, bytes | None]] = dataclasses.field(default_factory=dict)
-    onloads: dict[int, int] = dataclasses.field(default_factory=dict)
-    offloads_dropped: int = 0
+    tiers: LowerTiers = dataclasses.field(default_factory=LowerTiers)
 
+    kind: ClassVar[AttentionKind]  # the attention kind of the groups a subclass keeps
     windowed: ClassVar[bool] = False  # whether the group releases pages that left its window
 
     @classmethod
     def fresh(cls, group: LayerGroup, *, index: int, grouped: bool, page_size: int, batch_size: int,
-              pages_per_sequence: int, page_shards: int, scrub_released: bool, host_pages: int = 0) -> GroupTable:
-        """``host_pages``: pages of the group's host tier (0: none)."""
+              pages_per_sequence: int, page_shards: int, scrub_released: bool) -> Self:
+        """An empty table of ``group``, which must be of this class's kind (`allocator_for` picks
+        the class), with no tier below (`set_tiers`).
+
+        Raises:
+          ValueError: ``group`` is of another attention kind.
+        """
+        if group.attention is not cls.kind:
+            raise ValueError(f"{cls.__name__} keeps the pages of a {cls.kind.value} layer group, but layers "
+                             f"{group.span} are {group.attention.value}; build a group's table with "
+                             "allocator_for(group)")
         pool = PagePool(known_size(group.num_pages), int(page_shards), scrub_released=scrub_released)
-        host = None
-        if host_pages:
-            pool.keep_evicted = True
-            host = PagePool(int(host_pages), int(page_shards), scrub_released=scrub_released)
         return cls(group=group, page_size=page_size, index=index, grouped=grouped, pool=pool,
                    table=np.full((batch_size, pages_per_sequence), PAD_PAGE, np.int32),
-                   start=np.zeros(batch_size, np.int32), host=host)
+                   start=np.zeros(batch_size, np.int32))
 
     @property
     def label(self) -> str:
         """`` of layer group g`` in messages of a manager of several groups."""
         return f" of layer group {self.index}" if self.grouped else ""
 
-    @property
-    def host_pool(self) -> PagePool:
-        """`host`, where the caller knows the group has a host tier (pending transfers, the
-        host-tier policy); InvariantError without one."""
-        host = self.host
-        if host is None:
-            raise InvariantError(f"layer group {self.index} has no host-memory tier")
-        return host
+    def set_tiers(self, tiers: LowerTiers) -> None:
+        """The tiers below this group's pool from now on (the manager's, nearest first): the pool
+        keeps what it evicts for them (`allocate` hands it down) only when there are any."""
+        self.tiers = tiers
+        self.pool.set_keep_evicted(bool(tiers))
 
-    def set_scrub_released(self, scrub: bool) -> None:
-        """Whether released pages are zeroed, in the device pool and the host tier alike."""
-        for pool in (self.pool, self.host):
-            if pool is not None:
-                pool.scrub_released = scrub
+    # ---- what a query reads: the group's window rule ---------------------------------------------
+    @functools.cached_property
+    def rule(self) -> AttentionRule:
+        """The group's window rule (`LayerGroup.rule`), kept: every commit asks it."""
+        return self.group.rule
 
-    # ---- what the attention kind decides (the subclasses) ---------------------------------------
-    @abc.abstractmethod
     def first_needed(self, lens: np.ndarray) -> np.ndarray:
         """Per length, the first position a query at that position or later reads."""
+        return self.rule.first_needed_position(lens)
 
     def released_columns(self, lens: np.ndarray) -> np.ndarray:
-        """Per length, the block-table columns wholly before what the next query reads."""
-        return (self.first_needed(np.asarray(lens, np.int64)) // self.page_size).astype(np.int32)
+        """Per length, the block-table columns (int32) wholly before what the next query reads."""
+        return self.rule.released_columns(lens, self.page_size)
+
+    def first_kept_position(self, length: int, floor: int) -> int:
+        """The first position of a sequence of ``length`` tokens (resumed at ``floor``) whose
+        K/V the group holds and its next query may read."""
+        return self.rule.first_kept_position(length, floor)
 
     @abc.abstractmethod
     def release_out_of_window(self, rows: np.ndarray, lens: np.ndarray, version: list[bytes | None],
@@ -114,10 +123,34 @@ class GroupTable(abc.ABC):
         columns released per row. ``version``: each row's weight version (``current``: the
         current one; older ones' pages are evicted first)."""
 
-    @abc.abstractmethod
-    def first_kept_position(self, length: int, floor: int) -> int:
-        """The first position of a sequence of ``length`` tokens (resumed at ``floor``) whose
-        K/V the group holds and its next query may read."""
+    def prefix_hits(self, digests: Sequence[bytes], replica: int, *, tiers: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The prefix lookup of this group alone, for the chained page digests of a prompt.
+
+        Returns ``(hits, found)``: ``hits[k - 1]`` says whether this group can serve a hit of the
+        first ``k`` pages, i.e. has every page a sequence of ``k`` pages still reads here cached
+        (all ``k`` under full attention, the window's under a sliding or chunked one; at least one:
+        a chunk boundary alone is no hit); ``found[i]`` is the page holding ``digests[i]`` in
+        ``replica`` (-1: none; below ``PAD_PAGE``: a lower tier's page, `LowerTiers.hit_code`,
+        looked up only with ``tiers``). `hit_row` turns a hit into its block-table row.
+
+        Args:
+          digests: the chained digests of the prompt's full pages, in order.
+          replica: the data-parallel replica whose prefix map is read.
+          tiers: whether the lower tiers' prefix maps are read too.
+        """
+        ks = np.arange(1, len(digests) + 1)
+        first = self.released_columns(ks * self.page_size).astype(np.int64)  # the first column each hit needs
+        find = self.find if tiers else self.pool.lookup
+        found = np.array([find(replica, d) for d in digests], np.int64)
+        cached = np.concatenate([[0], np.cumsum(found != PAD_PAGE)])
+        return (first < ks) & (cached[ks] - cached[first] == ks - first), found
+
+    def hit_row(self, found: np.ndarray, k: int) -> list[int]:
+        """The block-table row of a prefix hit of ``k`` pages (``k >= 1``; ``found`` from
+        `prefix_hits`): holes (``PAD_PAGE``) where the window needs no page, then the pages found."""
+        first = int(self.released_columns(np.array([k * self.page_size]))[0])
+        pages: list[int] = found[first:k].tolist()  # numpy types tolist() as Any
+        return [PAD_PAGE] * first + pages
 
     # ---- pages ------------------------------------------------------------------------------------
     def held(self, row: int, npages: int) -> list[int]:
@@ -126,10 +159,10 @@ class GroupTable(abc.ABC):
         return pages
 
     def allocate(self, replica: int, n: int, *, overwritten: bool = False) -> list[int]:
-        """`PagePool.allocate`, saving the prefix pages it evicts to the host tier (if any)."""
+        """`PagePool.allocate`, handing the prefix pages it evicts down to the tiers (if any)."""
         pages = self.pool.allocate(replica, n, overwritten=overwritten)
-        if self.host is not None:
-            self.offload_evicted()
+        if self.tiers:
+            self.tiers.evicted(self.index, self.pool.take_evicted())
         return pages
 
     def raise_full(self, replica: int, needed: int) -> None:
@@ -143,34 +176,12 @@ class GroupTable(abc.ABC):
             "sequences); release or preempt sequences, or give the cache more pages",
             resource="pages", needed=needed, available=pool.num_available(replica), replica=replica if split else None)
 
-    def offload_evicted(self) -> None:
-        """A pending offload for every prefix page the device pool evicted whose digest the host
-        tier does not hold yet; dropped (counted) when every host page of the replica is held.
-        An evicted page still waiting for its onload never got its data: the onload is dropped
-        (the host page keeps the digest)."""
-        host = self.host_pool
-        pending = {d for _, d, _ in self.offloads.values()} if self.offloads else ()
-        for page, digest, tag in self.pool.take_evicted():
-            if page in self.onloads:
-                host.release([self.onloads.pop(page)])
-                continue
-            replica = self.pool.replica_of(page)
-            if host.lookup(replica, digest) >= 0 or digest in pending:
-                continue
-            if not host.num_available(replica):
-                self.offloads_dropped += 1
-                continue
-            self.offloads[host.allocate(replica, 1, overwritten=True)[0]] = (page, digest, tag)
-
     def copy_into(self, dst: int, page: int) -> bool:
         """A pending copy-on-write of ``page`` into the fresh page ``dst``. A page whose own data is
-        still pending (a copy's destination, an onload's) is filled from where that data is: the
-        copy's source (copies run before onloads, so it still holds it) or the onload's host page.
-        Returns whether any work was recorded."""
-        if page in self.onloads:
-            h = self.onloads[page]
-            self.host_pool.share([h])
-            self.onloads[dst] = h
+        still pending (a copy's destination, a tier's transfer's) is filled from where that data
+        is: the copy's source (copies run before onloads, so it still holds it) or the tier that owes
+        it (`LowerTiers.refill`). Returns whether any work was recorded."""
+        if self.tiers and self.tiers.refill(self.index, dst, page):
             return True
         origin = self.copies.get(page, page)
         if origin == dst:  # dst is that origin, freed and taken again: it still holds the data
@@ -201,37 +212,107 @@ class GroupTable(abc.ABC):
                 left[page] = count - 1
         return out
 
-    def host_lookup(self, replica: int, digest: bytes) -> int:
-        """The device page holding ``digest`` in ``replica``; else ``-2 - h`` for host page
-        ``h`` holding it; else -1."""
+    def copy_on_write(self, row: int, col: int, replica: int) -> int:
+        """``row`` gets a fresh page of ``replica`` at ``col``, filled from the shared page there
+        before the next write (`copy_into`); returns the copies recorded (0 or 1). The caller
+        checked the pool has a page; the shared page keeps its other holders, so releasing
+        ``row``'s reference frees nothing."""
+        src = int(self.table[row, col])
+        dst = self.allocate(replica, 1, overwritten=True)[0]
+        self.table[row, col] = dst
+        self.pool.release([src])
+        return int(self.copy_into(dst, src))
+
+    def take_copies(self) -> dict[int, int]:
+        """The pending copy-on-write copies (dst page -> src page), then none: handed to the device."""
+        copies, self.copies = self.copies, {}
+        return copies
+
+    def awaits_data(self, page: int) -> bool:
+        """Whether ``page``'s data is still to come: it is a pending copy's destination, or a tier
+        owes it (a pending onload)."""
+        return page in self.copies or (bool(self.tiers) and self.tiers.awaits(self.index, page))
+
+    def find(self, replica: int, digest: bytes) -> int:
+        """The device page holding ``digest`` in ``replica``; else the hit code of the nearest
+        lower tier holding it (`LowerTiers.hit_code`, below ``PAD_PAGE``); else -1."""
         page = self.pool.lookup(replica, digest)
-        if page >= 0 or self.host is None:
+        if page >= 0 or not self.tiers:
             return page
-        h = self.host.lookup(replica, digest)
-        return -1 if h < 0 else -2 - h
+        return self.tiers.lookup(self.index, replica, digest)
 
     def tier_map(self, replica: int) -> _TierMap:
-        """A prefix map of ``replica`` over both tiers (`host_lookup` as ``.get``)."""
+        """A prefix map of ``replica`` over the device and the tiers below (`find` as ``.get``)."""
         return _TierMap(self, replica)
 
-    def drop_freed_onloads(self) -> None:
-        """Drop the pending onloads into pages that became free (the prefix cache was emptied)."""
-        for page in [p for p in self.onloads if self.pool.refcount[p] == 0 and self.pool.digest_of(p) is None]:
-            self.host_pool.release([self.onloads.pop(page)])
+    def forget_prefixes(self) -> int:
+        """Empty the group's prefix cache (the tiers below forget theirs on their own, after it);
+        returns the pages it held."""
+        return self.pool.forget_prefixes()
 
     def release_pages(self, pages: list[int], *, stale: bool = False) -> None:
         """Drop one reference from each page (``stale``: of an older weight version, see
-        `PagePool.release`); a pending copy or onload into a page that became free is dropped
-        (nobody will read its destination)."""
+        `PagePool.release`); a pending copy or a tier's transfer into a page that became free is
+        dropped (nobody will read its destination)."""
         sources = set(self.copies.values()) if self.copies else ()
-        for page in self.pool.release(pages, stale=stale, sources=sources):
+        freed = self.pool.release(pages, stale=stale, sources=sources)
+        for page in freed:
             self.copies.pop(page, None)
-            if self.onloads and page in self.onloads:
-                self.host_pool.release([self.onloads.pop(page)])
+        if freed and self.tiers:
+            self.tiers.drop_into(self.index, freed)
 
     def reset_row(self, row: int) -> None:
+        """``row`` holds nothing (its pages were released)."""
         self.table[row] = PAD_PAGE
         self.start[row] = 0
+
+    def hold(self, row: int, start: int, pages: Sequence[int] | np.ndarray) -> None:
+        """``row`` (holding nothing) holds ``pages`` from column ``start`` on, holes (``PAD_PAGE``)
+        before: a prefix hit, a resumed sequence, a swap-in or a fork. The caller took their
+        references."""
+        self.table[row, :start] = PAD_PAGE
+        self.table[row, start : start + len(pages)] = pages
+        self.start[row] = start
+
+    def new_pages(self, rows: np.ndarray, held: np.ndarray, counts: np.ndarray, replicas: np.ndarray | None) -> None:
+        """``counts[i]`` new pages for ``rows[i]`` after its ``held[i]`` columns, from replica 0
+        (``replicas`` None) or each row's replica, handed out in batch order. The caller checked
+        the pool has them."""
+        total = int(counts.sum())
+        pages: list[int] | np.ndarray
+        if replicas is None:
+            pages = self.allocate(0, total)
+        else:  # one allocation per replica
+            pages = np.empty(total, np.int32)
+            owner = np.repeat(replicas, counts)
+            for r in np.unique(owner).tolist():
+                mask = owner == r
+                pages[mask] = self.allocate(r, int(mask.sum()))
+        if total == rows.size:  # one page each: the decode case
+            self.table[rows, held] = pages
+        else:
+            starts = np.cumsum(counts) - counts
+            cols = np.arange(total) - np.repeat(starts - held, counts)
+            self.table[np.repeat(rows, counts), cols] = pages
+
+    def fork_row(self, row: int, child: int, columns: int, *, partial: bool) -> None:
+        """``child`` (holding nothing) shares the pages ``row`` holds in its first ``columns``
+        columns; ``partial``: the last of them is partly filled, so whichever of the two writes
+        into it first gets a private copy (`copy_on_write_rows`)."""
+        start = min(int(self.start[row]), columns)  # pages before it left the window: holes in both rows
+        if partial and start < columns:
+            self.shared_partial.add(int(self.table[row, columns - 1]))
+        pages = self.table[row, start:columns]
+        self.pool.share(pages.tolist())
+        self.hold(child, start, pages)
+
+    def drop_columns(self, row: int, keep: int, held: int, *, stale: bool) -> None:
+        """``row`` gives back the pages of its columns ``keep .. held - 1``, last column first (as
+        `GroupCoordinator.release_row`), and holds holes there. ``stale``: they are of an older
+        weight version (evicted first)."""
+        first = max(keep, int(self.start[row]))
+        self.release_pages(self.table[row, first:held][::-1].tolist(), stale=stale)
+        self.table[row, keep:held] = PAD_PAGE
 
     def fork_shared(self, seqs: SequenceTable) -> set[int]:
         """Partly filled pages of this pool with more than one owner (only a fork makes these)."""
@@ -254,28 +335,30 @@ class GroupTable(abc.ABC):
                 j = int(np.argmax(shared))
                 raise ValueError(
                     f"sequence {int(rows[writing[j]])} commits tokens into page {int(first[j])}"
-                    f"{self.label}, which it shares since a fork; reserve (build_step_metadata) after "
+                    f"{self.label}, which it shares since a fork; schedule its step after "
                     "forking so it gets a private copy, then write")
-        if self.copies or self.pool.has_pending_scrubs() or self.offloads or self.onloads:
-            self._check_no_pending_work(rows, lens, counts)
+        moved = self.tiers.moving(self.index) if self.tiers else None
+        if self.copies or self.pool.has_pending_scrubs() or moved:
+            self._check_no_pending_work(rows, lens, counts, moved or {})
 
-    def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray) -> None:
-        """Tokens committed into a page a pending copy or scrub touches were written before that
-        device work: it would overwrite them, or carry them into another sequence's page."""
+    def _check_no_pending_work(self, rows: np.ndarray, lens: np.ndarray, counts: np.ndarray,
+                               moved: dict[int, str]) -> None:
+        """Tokens committed into a page a pending copy, scrub or tier transfer (``moved``: page ->
+        the tier's name) touches were written before that device work: it would overwrite them, or
+        carry them into another sequence's page."""
         ps = self.page_size
         copied = set(self.copies) | set(self.copies.values())
-        moved = set(self.onloads) | {src for src, _, _ in self.offloads.values()}
-        pending = copied | moved | set(self.pool.pending_scrubs().tolist())
+        pending = copied | moved.keys() | set(self.pool.pending_scrubs().tolist())
         for i in np.flatnonzero(counts > 0).tolist():
             row, first, last = int(rows[i]), int(lens[i]) // ps, (int(lens[i]) + int(counts[i]) - 1) // ps
             for page in self.table[row, first : last + 1].tolist():
                 if page in pending:
-                    work = ("copy-on-write copy" if page in copied else "host-tier transfer" if page in moved
-                            else "scrub")
+                    work = ("copy-on-write copy" if page in copied else f"{moved[page]}-tier transfer"
+                            if page in moved else "scrub")
                     raise ValueError(
                         f"sequence {row} commits tokens in page {page}{self.label}, whose {work} is still "
-                        "pending: the device would overwrite them. Call apply_pending(cache, host=...) after "
-                        "build_step_metadata and before the step's writes")
+                        "pending: the device would overwrite them. Apply the pending work (a runner's run or "
+                        "apply_pending) after reserving and before the step's writes")
 
     # ---- state -------------------------------------------------------------------------------------
     def row_pages(self, row: int, npages: int) -> list[int]:
@@ -294,160 +377,16 @@ class GroupTable(abc.ABC):
         reference counts, which the rows give) and the pending copies."""
         for row, pages in rows:
             self.table[row, : pages.size] = pages
-        self.set_scrub_released(scrub)
+        self.pool.set_scrub_released(scrub)
         held = self.table != PAD_PAGE
         self.start[:] = np.where(held.any(axis=1), np.argmax(held, axis=1), seqs.npages)
         self.pool.load_state(**pool, refcount=np.bincount(self.table[held], minlength=self.pool.num_pages))
         self.copies = copies
         self.shared_partial = self.fork_shared(seqs)
 
-    # ---- invariants --------------------------------------------------------------------------------
-    def _fields(self) -> tuple[str, str, str]:
-        """(`` in layer group g``, the pool's state field, the copies' state field)."""
-        if self.grouped:
-            g = self.index
-            return f" in layer group {g}", f"pool[{g}]", f"copies[{g}]"
-        return "", "pool", "copies"
-
-    def expected_start(self, seqs: SequenceTable, swapped: np.ndarray) -> np.ndarray:
-        """Per row, the columns a sequence has released here: those wholly before the first
-        position its next query reads (none for full attention), or before a resumed
-        sequence's floor; none of a swapped-out sequence (its row holds nothing)."""
-        released = np.minimum(self.released_columns(seqs.lens), seqs.npages)
-        start: np.ndarray = np.maximum(released, seqs.floor // self.page_size).astype(self.start.dtype)
-        start[swapped] = 0
-        return start
-
-    def check_reads(self, seqs: SequenceTable, swapped: np.ndarray) -> None:
-        """No page the next query of a claimed sequence reads was released: its first held column
-        is at most the first column that query reads, and every column from there to its last
-        holds a page. A resumed sequence whose floor still lies inside the window is left out
-        (the manager vouches for none of its reads until the window passes the floor)."""
-        rows = np.flatnonzero(seqs.active & ~swapped)
-        if not rows.size:
-            return
-        of, _, _ = self._fields()
-        lens, start, npages = seqs.lens[rows], self.start[rows], seqs.npages[rows]
-        first = self.first_needed(lens.astype(np.int64))
-        need = first // self.page_size
-        early = (seqs.floor[rows] <= first) & (start > need)
-        if early.any():
-            i = int(np.argmax(early))
-            row = int(rows[i])
-            raise Broken(f"sequences[id={row}].pages",
-                         f"sequence {row} of length {int(lens[i])} has released its first {int(start[i])} pages{of}, "
-                         f"but its window releases exactly {int(need[i])}: its next query reads from position "
-                         f"{int(first[i])} on, in column {int(need[i])}, whose page is gone")
-        cols = np.arange(self.table.shape[1])
-        gap = (cols >= start[:, None]) & (cols < npages[:, None]) & (self.table[rows] == PAD_PAGE)
-        if gap.any():
-            i, col = (int(x) for x in np.argwhere(gap)[0])
-            raise Broken(f"sequences[id={int(rows[i])}].pages",
-                         f"sequence {int(rows[i])} holds no page{of} at column {col}, inside the columns "
-                         f"{int(start[i])}..{int(npages[i]) - 1} its queries read")
-
-    def check(self, seqs: SequenceTable, swapped: np.ndarray, *, caching: bool, scrub: bool) -> None:
-        """Raise `Broken` unless this group's pages agree with the sequences: window holes,
-        ownership, the pool, the prefix map, copy-on-write and pending work."""
-        ps, n, pool = self.page_size, seqs.npages, self.pool
-        of, pool_field, _ = self._fields()
-        self.check_reads(seqs, swapped)
-        start = self.expected_start(seqs, swapped)
-        if np.any(self.start != start):
-            row = int(np.argmax(self.start != start))
-            raise Broken(f"sequences[id={row}].pages", f"sequence {row} of length {int(seqs.lens[row])} has released "
-                                                       f"its first {int(self.start[row])} pages{of}, but its window "
-                                                       f"releases exactly {int(start[row])}")
-        cols = np.arange(self.table.shape[1])
-        held = (cols[None, :] < n[:, None]) & (cols[None, :] >= start[:, None])
-        if np.any(held != (self.table != PAD_PAGE)):
-            raise Broken("sequences", f"a block-table row{of} disagrees with its page count: "
-                                      f"{np.argwhere(held != (self.table != PAD_PAGE))[0].tolist()}")
-        pages = self.table[held]
-        owner_rows = np.nonzero(held)[0]
-        if pages.size and np.any(pages // pool.pages_per_replica != seqs.replica[owner_rows]):
-            raise Broken("sequences", f"a sequence holds a page{of} outside its data-parallel replica's slice")
-        for r in np.flatnonzero(n > 1):
-            if np.unique(self.table[r, start[r]: n[r]]).size != n[r] - start[r]:
-                raise Broken(f"sequences[id={r}].pages", f"sequence {r} holds a page{of} twice")
-        try:
-            pool.check(np.bincount(pages, minlength=pool.num_pages).astype(np.int32))
-        except InvariantError as err:
-            raise Broken(pool_field, err.detail) from None
-        if not caching and (pool.num_cached() or any(pool.digest_of(p) is not None for p in range(pool.num_pages))):
-            raise Broken(f"{pool_field}.digests", "prefix caching is off but pages carry digests")
-        if not scrub and pool.has_pending_scrubs():
-            raise Broken(f"{pool_field}.scrub",
-                         "pages are to be scrubbed but the manager does not scrub released pages")
-        for row, col in np.argwhere(held):
-            page = int(self.table[row, col])
-            if pool.digest_of(page) is not None and (col + 1) * ps > seqs.lens[row]:
-                raise Broken(f"{pool_field}.digests", f"page {page}{of} is in the prefix cache but sequence {row} has "
-                                                      "not filled it")
-            if pool.digest_of(page) is not None and pool.tag_of(page) != seqs.version[row]:
-                raise Broken(f"{pool_field}.versions", f"prefix page {page}{of} was written under another weight "
-                                                       f"version than sequence {row}, which holds it")
-        if not self.fork_shared(seqs) <= self.shared_partial:
-            raise Broken("sequences", f"a partly filled page{of} is shared but copy-on-write does not know it")
-        self._check_pending(seqs, held, caching=caching)
-
-    def _check_pending(self, seqs: SequenceTable, held: np.ndarray, *, caching: bool) -> None:
-        """Pages joined between sequences continue one history (`SequenceTable.check_joined`): every
-        shared page, and every pending copy-on-write, whose destination is the unfinished page of
-        every sequence holding it (nothing else reads it yet). A page to scrub is free, or
-        reserved by one sequence that has written nothing into it."""
-        ps, pool, table, lens = self.page_size, self.pool, self.table, seqs.lens
-        _, pool_field, copies_field = self._fields()
-        where: dict[int, list[tuple[int, int]]] = {}  # page -> [(row, col)] over every holder
-        for row, col in np.argwhere(held).tolist():
-            where.setdefault(int(table[row, col]), []).append((row, col))
-        checked: dict[tuple[int, int], int] = {}
-        for page, holders in where.items():
-            if len(holders) > 1:
-                seqs.check_joined(holders, checked, None, f"page {page} is shared between sequences of different "
-                                                          "histories", caching=caching)
-        scrub = set(pool.pending_scrubs().tolist())
-        for dst, src in self.copies.items():
-            field = f"{copies_field}[dst={dst}]"
-            if src == dst:
-                raise Broken(field, f"copy {src} -> {dst} copies a page onto itself")
-            if pool.replica_of(src) != pool.replica_of(dst):
-                raise Broken(field, f"copy {src} -> {dst} crosses data-parallel replicas")
-            if dst in scrub:
-                raise Broken(field, f"page {dst} is both a copy destination and a page to scrub")
-            if pool.digest_of(src) is not None and not where.get(src):
-                raise Broken(field, f"copy {src} -> {dst} reads page {src}, a page of the prefix cache no sequence "
-                                    "holds; a copy reads a page of a sequence whose history it continues")
-            holders = where.get(dst, [])
-            if not holders or pool.digest_of(dst) is not None:
-                raise Broken(field, f"copy {src} -> {dst} targets page {dst}, which no sequence holds as its own "
-                                    "unfinished page")
-            first = holders[0][0]
-            length = int(lens[first])
-            if length % ps == 0 or any(int(lens[row]) != length or c != length // ps for row, c in holders):
-                raise Broken(field, f"copy {src} -> {dst} would overwrite page {dst}, which sequence {first} "
-                                    f"holds with {length} tokens written (not an unfinished page of every holder)")
-            # A copy is pending from the moment a sequence that shared a partly filled page (a fork)
-            # reserves room in it, or a truncated sequence ends inside a page it shares, until it is
-            # applied: the destination's holders and the source's writers shared the source then.
-            # (A source freed and taken again as another copy's or an onload's destination is read
-            # before that one writes it: its new holders' tokens are not in it yet.)
-            refilled = src in self.copies or src in self.onloads
-            writers = [] if refilled else [(r, c) for r, c in where.get(src, []) if c * ps < int(lens[r])]
-            seqs.check_joined(holders + writers, checked, field,
-                              f"copy {src} -> {dst} joins pages of sequences with different histories", caching=caching)
-        for page in sorted(scrub):
-            holders = where.get(page, [])
-            if not holders:
-                continue  # free: zeroing it harms nobody
-            (row, col), *others = holders
-            if others or pool.digest_of(page) is not None or col * ps < int(lens[row]):
-                raise Broken(f"{pool_field}.scrub", f"page {page} is to be zeroed but holds written tokens of sequence "
-                                                    f"{row} (column {col}){' and is shared' if others else ''}")
-
 
 class _TierMap:
-    """``.get(digest, -1)`` of a prefix map spanning the device and host tiers (`host_lookup`)."""
+    """``.get(digest, -1)`` of a prefix map spanning the device and the tiers below (`find`)."""
 
     __slots__ = ("table", "replica")
 
@@ -455,7 +394,7 @@ class _TierMap:
         self.table, self.replica = table, replica
 
     def get(self, digest: bytes, default: int = -1) -> int:
-        return self.table.host_lookup(self.replica, digest)
+        return self.table.find(self.replica, digest)
 
 
 __all__ = ["GroupTable"]

@@ -16,23 +16,23 @@ import numpy as np
 
 from easykv.errors import CacheFullError
 from easykv.step.checks import HostChecked, mark_checked
-from easykv.step.metadata import PagedAttentionMetadata, build_mixed, increment_cache_lengths, stack_metadata
+from easykv.step.ragged import RaggedStep, build_mixed, increment_cache_lengths, stack_metadata
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator, PerGroup
-    from easykv.manager.device_work import PendingWork
+    from easykv.manager.device_work import CopyCounter
     from easykv.manager.group_table import GroupTable
-    from easykv.manager.host_tier import HostTierPolicy
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
 
 
 # ---- reserving ----------------------------------------------------------------------------------
-def reserve(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork,
+def reserve(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, counter: CopyCounter,
             rows: np.ndarray, new: np.ndarray) -> None:
     """Room for ``new[i]`` more tokens of each of ``rows`` in every group (`PageManager.reserve`):
     all or nothing, CacheFullError with nothing changed."""
     ps = seqs.page_size
-    host.refuse_swapped(rows, "reserving pages for it")
+    tiers.refuse_held(rows, "reserving pages for it")
     lens = seqs.lens[rows]
     ends = lens + new
     if ends.size and ends.max() > seqs.max_length:
@@ -50,49 +50,19 @@ def reserve(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy,
             demand = int(counts.sum()) + len(cow)
             if demand > table.pool.num_available(0):
                 table.raise_full(0, demand)
-        seqs.replica[rows[grow]] = 0
+        seqs.bind(rows[grow], 0)
         rep = None
     else:
         rep = _bind_replicas(seqs, groups, rows, grow, counts, cows)
     # Checks passed: nothing below can fail.
     for table, cow in zip(groups, cows):
         for i in cow:
-            _private_copy(seqs, table, work, int(rows[i]), int(lens[i]) // ps)
+            row = int(rows[i])
+            counter.count(table.copy_on_write(row, int(lens[i]) // ps, int(seqs.replica[row])))
         if grow.size:
-            _new_pages(table, rows[grow], held[grow], counts, rep if rep is None else rep[grow])
+            table.new_pages(rows[grow], held[grow], counts, rep if rep is None else rep[grow])
     if grow.size:
-        seqs.npages[rows[grow]] += counts.astype(np.int32)
-
-
-def _private_copy(seqs: SequenceTable, table: GroupTable, work: PendingWork, row: int, col: int) -> None:
-    """``row`` gets a fresh page at ``col`` filled from the shared one there (copy-on-write)."""
-    src = int(table.table[row, col])
-    dst = table.allocate(int(seqs.replica[row]), 1, overwritten=True)[0]
-    table.table[row, col] = dst
-    table.pool.release([src])
-    work.copy_on_write(table, dst, src)
-
-
-def _new_pages(table: GroupTable, rows: np.ndarray, held: np.ndarray, counts: np.ndarray,
-               replicas: np.ndarray | None) -> None:
-    """``counts[i]`` new pages for ``rows[i]`` after its ``held[i]`` columns, from replica 0
-    (``replicas`` None) or each row's replica, handed out in batch order."""
-    total = int(counts.sum())
-    pages: list[int] | np.ndarray
-    if replicas is None:
-        pages = table.allocate(0, total)
-    else:  # one allocation per replica
-        pages = np.empty(total, np.int32)
-        owner = np.repeat(replicas, counts)
-        for r in np.unique(owner).tolist():
-            mask = owner == r
-            pages[mask] = table.allocate(r, int(mask.sum()))
-    if total == rows.size:  # one page each: the decode case
-        table.table[rows, held] = pages
-    else:
-        starts = np.cumsum(counts) - counts
-        cols = np.arange(total) - np.repeat(starts - held, counts)
-        table.table[np.repeat(rows, counts), cols] = pages
+        seqs.grow(rows[grow], counts)
 
 
 def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, grow: np.ndarray,
@@ -118,7 +88,7 @@ def _bind_replicas(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarr
     if left.min() < 0:
         g, r = map(int, np.unravel_index(int(np.argmin(left)), left.shape))
         groups[g].raise_full(r, int(avail[g, r] - left[g, r]))
-    seqs.replica[rows] = np.where(wants, rep, seqs.replica[rows])
+    seqs.bind(rows[wants], rep[wants])
     return rep
 
 
@@ -135,23 +105,17 @@ def fork(seqs: SequenceTable, groups: GroupCoordinator, row: int, count: int, *,
 
 
 def _fork_one(seqs: SequenceTable, groups: GroupCoordinator, row: int, child: int) -> int:
-    ps = seqs.page_size
     k = seqs.written_columns(row)
-    partial = bool(seqs.lens[row] % ps)
+    partial = bool(seqs.lens[row] % seqs.page_size)
     for table in groups:
-        start = min(int(table.start[row]), k)  # pages before it left the window: holes in both rows
-        if partial and start < k:
-            table.shared_partial.add(int(table.table[row, k - 1]))
-        table.pool.share(table.table[row, start:k].tolist())
-        table.table[child, :k] = table.table[row, :k]
-        table.start[child] = start
+        table.fork_row(row, child, k, partial=partial)
     seqs.fork_row(row, child, k)
     return child
 
 
 # ---- step metadata [MAX: fetch, increment_cache_lengths] --------------------------------------------
 def step_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, new: np.ndarray, *,
-                  pad_tokens_to: int | None, pad_seqs_to: int | None) -> PerGroup[PagedAttentionMetadata]:
+                  pad_tokens_to: int | None, pad_seqs_to: int | None) -> PerGroup[RaggedStep]:
     """The mixed-form metadata of one step of ``rows`` writing ``new`` tokens each, reserved."""
     lens, ps, new32 = seqs.lens[rows], seqs.page_size, new.astype(np.int32)
     reads = not seqs.floor[rows].any()
@@ -162,12 +126,12 @@ def step_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarra
 
 def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, num_steps: int, *,
                     pad_seqs_to: int | None, stacked: bool
-                    ) -> PerGroup[PagedAttentionMetadata] | list[PerGroup[PagedAttentionMetadata]]:
+                    ) -> PerGroup[RaggedStep] | list[PerGroup[RaggedStep]]:
     """``num_steps`` decode steps of ``rows`` (reserved): a list of one per step, or stacked."""
     ps, lens, ones = seqs.page_size, seqs.lens[rows], np.ones(rows.size, np.int32)
     reads = not seqs.floor[rows].any()
-    stacks: list[PagedAttentionMetadata] = []  # per group: its steps stacked (stacked)
-    by_group: list[list[PagedAttentionMetadata]] = []  # per group: its steps, checked (not stacked)
+    stacks: list[RaggedStep] = []  # per group: its steps stacked (stacked)
+    by_group: list[list[RaggedStep]] = []  # per group: its steps, checked (not stacked)
     for table in groups:
         steps = [build_mixed(table.table[rows], lens, ones, page_size=ps, pad_tokens_to=pad_seqs_to,
                              pad_seqs_to=pad_seqs_to)]
@@ -182,7 +146,7 @@ def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndar
     return [tuple(step) for step in zip(*by_group)]
 
 
-def _proved(table: GroupTable, step_meta: PagedAttentionMetadata, reads: bool) -> PagedAttentionMetadata:
+def _proved(table: GroupTable, step_meta: RaggedStep, reads: bool) -> RaggedStep:
     """``step_meta`` marked as checked: the manager's invariants prove what the constructors check
     (every page a row reads is its own, assigned and in its replica's slice; a page written
     this step belongs to one sequence), so the write and attention skip those checks; a sliding

@@ -1,8 +1,9 @@
 """The snapshots `PageManager.metrics` returns: one per layer group's pool, and the whole manager's
-(pools, prefix cache, weight versions, host tier), taken by `snapshot`, which asks every part for
-what it counts. Plain frozen dataclasses; the per-version and host-tier ones live with their parts
-(`versions`, `host_tier`), the only modules of the manager this one imports at run time. It never
-imports ``storage``, ``attention``, ``checkpoint`` or ``tiers``.
+(pools, prefix cache, weight versions, the tiers below the device), taken by `snapshot`, which asks
+every part for what it counts. Plain frozen dataclasses; the per-version and host-tier ones live
+with their parts (`versions`, `host_tier`), the only modules of the manager this one imports at run
+time; each lower tier gives its own (`LowerTier.metrics`). It never imports ``storage``,
+``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,31 @@ from easykv.manager.versions import VersionMetrics
 
 if TYPE_CHECKING:
     from easykv.manager.parts import ManagerParts
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceInfo:
+    """A snapshot of one claimed sequence (`PageManager.sequence`).
+
+    Attributes:
+      seq_id: its id.
+      length: committed tokens [MAX: cache_length].
+      capacity: tokens its pages can hold (committed plus reserved ahead).
+      replica: the data-parallel replica whose slice of the pool holds its pages (None: unbound).
+      swapped: whether it is swapped out to the host tier.
+      planned: whether an open plan holds it (it changes only through that plan's commit or abort).
+      first_kept: per layer group, the first position whose K/V it holds and its next query may read
+        (0 in a full-attention group; where its window starts in a sliding or chunked one, or a
+        resumed sequence's first position while a window still reaches before it).
+    """
+
+    seq_id: int
+    length: int
+    capacity: int
+    replica: int | None
+    swapped: bool
+    planned: bool
+    first_kept: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +84,9 @@ class PageManagerMetrics:
       versions: one `VersionMetrics` per weight version (`set_weight_version`); empty while
         none was ever set.
       host: the host-memory tier's `HostTierMetrics` (None without one).
+      open_plans: step plans scheduled and not ended yet (`PageManager.commit` / `abort` end one).
+      tiers: each tier below the device pool's own snapshot (`LowerTier.metrics`), nearest first:
+        the host tier's (also ``host``), then those of ``PageManager(tiers=...)``.
     """
 
     total_pages: int
@@ -75,6 +104,8 @@ class PageManagerMetrics:
     groups: tuple[GroupPoolMetrics, ...] = ()
     versions: tuple[VersionMetrics, ...] = ()  # per weight version (`set_weight_version`)
     host: HostTierMetrics | None = None  # the host-memory tier (None without one)
+    open_plans: int = 0  # step plans not committed or aborted yet
+    tiers: tuple[object, ...] = ()  # each lower tier's snapshot, nearest the device first
 
     @property
     def usage(self) -> float:
@@ -93,15 +124,17 @@ class PageManagerMetrics:
 def snapshot(parts: ManagerParts) -> PageManagerMetrics:
     """The metrics of a manager's ``parts`` now: each part counts what it owns."""
     pools = [table.pool for table in parts.groups]
+    tiers = parts.tiers.metrics()
     groups = tuple(GroupPoolMetrics(total_pages=p.num_pages, free_pages=p.num_free(), cached_pages=p.num_cached(),
                                     used_pages=p.num_used(), evictions=p.evictions) for p in pools)
     total = {f: sum(getattr(m, f) for m in groups) for f in ("total_pages", "free_pages", "cached_pages",
                                                               "used_pages", "evictions")}
     return PageManagerMetrics(**total, active_sequences=int(parts.seqs.active.sum()),
                               scrubs=sum(p.scrubs for p in pools), groups=groups,
-                              versions=parts.versions.metrics(parts.seqs, parts.groups),
-                              host=parts.host.metrics(parts.groups), **parts.versions.lookups,
-                              copies=parts.work.copies)
+                              versions=parts.versions.metrics(parts.seqs, parts.groups, parts.tiers),
+                              host=next((m for m in tiers if isinstance(m, HostTierMetrics)), None),
+                              **parts.versions.lookups, copies=parts.copies.copies,
+                              open_plans=len(parts.seqs.open_plans), tiers=tiers)
 
 
-__all__ = ["GroupPoolMetrics", "PageManagerMetrics", "snapshot"]
+__all__ = ["GroupPoolMetrics", "PageManagerMetrics", "SequenceInfo", "snapshot"]

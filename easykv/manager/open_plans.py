@@ -1,7 +1,7 @@
-"""What an open decode plan freezes: which sequences each public method of `PageManager` changes,
+"""What an open plan freezes: which sequences each public method of `PageManager` changes,
 declared once here, and the one guard that enforces it.
 
-A decode plan (`decode_plan`) is open from `PageManager.plan_decode` until its `commit_decode`: its
+A plan (`step_plan`) is open from `PageManager.schedule` / `schedule_decode` until its `commit` or `abort`: its
 device loop may be writing its sequences' pages, and its commit relies on them being as it planned
 them. So while it is open nothing but that commit may change them. Every public member of
 `PageManager` declares here what it changes (`CHANGES`), and `freeze_planned` wraps the class once:
@@ -29,7 +29,8 @@ The declarations:
   under the version they started with, plan or no plan. A plan that holds a sequence not started
   yet (planned for no token) blocks it, since the update would change the version that sequence
   starts under behind the plan; end the plan first, or leave such sequences out of plans.
-- `OWN_PLAN`: `commit_decode`, the one call that changes a plan's sequences, and ends the plan.
+- `OWN_PLAN`: `commit` and `abort` (and the deprecated `commit_decode`), the calls that change a plan's
+  sequences, and end the plan.
 
 Imports the manager's ``prefix_hash`` and ``sequences`` only; never ``storage``, ``attention``,
 ``checkpoint`` or ``tiers``.
@@ -94,21 +95,23 @@ CHANGES: dict[str, Changes] = {
     "match_prefix": _ONE, "resume": _ONE, "cached_prefix_length": READS, "reset_prefix_cache": NO_SEQUENCE,
     # growth and commits
     "reserve": _ONE_OR_MORE, "fork": _ONE, "build_step_metadata": _SOME, "build_decode_metadata": _SOME,
+    "schedule": _SOME, "schedule_decode": _SOME, "commit": OWN_PLAN, "abort": OWN_PLAN, "check_plan": READS,
     "plan_decode": _SOME, "commit_decode": OWN_PLAN, "increment_cache_lengths": READS, "step": _SOME,
     "append_tokens": _ONE, "advance": _ONE_OR_MORE, "truncate": _ONE,
     # weight versions
     "weight_version": READS, "set_weight_version": UNSTARTED,
     # inspection
-    "num_groups": READS, "length": READS, "cache_length": READS, "capacity": READS, "pages": READS,
+    "num_groups": READS, "length": READS, "cache_length": READS, "capacity": READS, "pages": READS, "sequence": READS,
     "first_kept_position": READS, "replica": READS, "page_table": READS, "metrics": READS, "usage": READS,
     "estimated_memory_size": READS, "infer_optimal_batch_size": READS,
     # the host-memory tier
-    "has_host_tier": READS, "forget_host_tier": NO_SEQUENCE, "check_host": READS, "is_swapped": READS,
+    "has_host_tier": READS,
+    "tier_names": READS, "forget_host_tier": NO_SEQUENCE, "attach_host_tier": NO_SEQUENCE, "is_swapped": READS,
     "swapped_ids": READS, "swap_out": _ONE, "swap_in": _ONE, "has_pending_transfers": READS,
     "pending_transfers": READS, "take_transfers": NO_SEQUENCE,
     # pending device work
-    "pending_copies": READS, "has_pending_work": READS, "take_copies": NO_SEQUENCE, "pending_scrubs": READS,
-    "take_scrubs": NO_SEQUENCE, "apply_pending": NO_SEQUENCE, "check_cache": READS,
+    "take_work": NO_SEQUENCE, "pending_copies": READS, "has_pending_work": READS, "take_copies": NO_SEQUENCE,
+    "pending_scrubs": READS, "take_scrubs": NO_SEQUENCE,
     # invariants and persistence
     "check_invariants": READS, "state_dict": READS, "clone": READS, "lockstep_state": READS,
     "from_state_dict": READS, "reshard": READS,
@@ -132,7 +135,7 @@ def freeze_planned(cls: type[T]) -> type[T]:
     for name, changes in CHANGES.items():
         if changes in (READS, NO_SEQUENCE, OWN_PLAN):
             continue
-        method = cls.__dict__.get(name)
+        method = inspect.getattr_static(cls, name, None)  # the class's own or a base's (the deprecated names)
         if not inspect.isfunction(method):
             raise TypeError(f"{cls.__name__}.{name} is declared to change sequences ({changes.kind}) but is not "
                             "a plain method of the class, which the guard could wrap")

@@ -39,7 +39,9 @@ class PagePool:
     Callers (the manager) check capacity before allocating: `allocate` never fails half way.
     """
 
-    def __init__(self, num_pages: int, num_replicas: int = 1, *, scrub_released: bool = False):
+    def __init__(self, num_pages: int, num_replicas: int = 1, *, scrub_released: bool = False,
+                 keep_evicted: bool = False):
+        """``keep_evicted``: keep what each eviction evicted for `take_evicted` (a tier below saves it)."""
         if num_pages <= 0 or num_replicas <= 0 or num_pages % num_replicas:
             raise ValueError(
                 f"num_pages={num_pages} must be a positive multiple of num_replicas={num_replicas}"
@@ -57,11 +59,19 @@ class PagePool:
         self._by_digest: list[dict[bytes, int]] = [{} for _ in range(self.num_replicas)]
         self._scrub: dict[int, None] = {}  # ordered set of pages to zero on the device
         # (page, digest, tag) of pages evicted since the owner last took them (`take_evicted`);
-        # kept only when a host tier wants to save them (`keep_evicted`).
-        self.keep_evicted = False
+        # kept only when a tier below wants to save them (`keep_evicted`).
+        self.keep_evicted = bool(keep_evicted)
         self._evicted: list[tuple[int, bytes, bytes | None]] = []
         self.evictions = 0
         self.scrubs = 0
+
+    def set_scrub_released(self, scrub: bool) -> None:
+        """Whether pages released from now on are zeroed (a loaded state says)."""
+        self.scrub_released = bool(scrub)
+
+    def set_keep_evicted(self, keep: bool) -> None:
+        """Whether what is evicted from now on is kept for `take_evicted` (a tier below keeps it)."""
+        self.keep_evicted = bool(keep)
 
     # ---- counts ----------------------------------------------------------------------------
     def replica_of(self, page: int) -> int:

@@ -12,24 +12,25 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator
-    from easykv.manager.device_work import PendingWork
-    from easykv.manager.host_tier import HostTierPolicy
+    from easykv.manager.device_work import CopyCounter
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
     from easykv.manager.versions import VersionLog
     from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 
 @dataclasses.dataclass(frozen=True)
 class ManagerParts:
-    """One manager's parts (each owns its own fields: see its class) and its two flags:
+    """One manager's parts (each owns its own fields: see its class; ``tiers``: the tiers below the
+    device, asked through their interface) and its two flags:
     ``caching`` (prefix caching on) and ``scrub`` (released pages are zeroed)."""
 
     metadata: PagedAttentionCacheMetaData
     seqs: SequenceTable
     groups: GroupCoordinator
     versions: VersionLog
-    host: HostTierPolicy
-    work: PendingWork
+    tiers: LowerTiers
+    copies: CopyCounter
     caching: bool
     scrub: bool
 

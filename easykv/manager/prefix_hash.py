@@ -113,6 +113,7 @@ class SequenceHashes:
     ``log[row, :n]``: the ids of every token the row committed, from position ``known[row]``
     on (0; or the unfinished page's first position, in a row loaded from a state of an easykv that
     did not keep the ids), so a truncated row can name its pages again. Grown by doubling, never past the longest row.
+    Every change to them is one of its methods; the sequence table and the checks read them.
     """
 
     def __init__(self, batch_size: int, page_size: int):
@@ -130,18 +131,31 @@ class SequenceHashes:
             grown[:, : self.log.shape[1]] = self.log
             self.log = grown
 
-    def reset(self, row: int, root: bytes = ROOT_DIGEST) -> None:
+    def reset(self, row: int, root: bytes = ROOT_DIGEST, salt: bytes = NO_SALT) -> None:
+        """``row`` knows nothing yet: its chain starts at ``root``, in the namespace ``salt``."""
         self.partial[row] = 0
-        self.chain[row], self.salt[row], self.hashable[row] = root, NO_SALT, True
+        self.chain[row], self.salt[row], self.hashable[row] = root, salt, True
         self.known[row] = 0
+
+    def reroot(self, row: int, root: bytes) -> None:
+        """``row``, which holds no token yet, starts its chain at ``root`` (a weight version set
+        before it started); its salt stays."""
+        self.chain[row] = root
+
+    def stop_hashing(self, rows: np.ndarray | list[int]) -> None:
+        """``rows`` no longer name their pages (ids committed unknown, or a resumed row): they
+        enter nothing in the prefix cache from now on."""
+        self.hashable[rows] = False
 
     def copy_row(self, src: int, dst: int) -> None:
         self.partial[dst], self.hashable[dst] = self.partial[src], self.hashable[src]
         self.chain[dst], self.salt[dst] = self.chain[src], self.salt[src]
         self.log[dst], self.known[dst] = self.log[src], self.known[src]
 
-    def record(self, row: int, tokens: np.ndarray) -> None:
-        """Log ``tokens`` as the row's first ids (a prefix found in the cache)."""
+    def start_on_prefix(self, row: int, chain: bytes, tokens: np.ndarray) -> None:
+        """``row`` starts on a cached prefix of ``tokens`` (whole pages) whose last page's digest
+        is ``chain``: the log holds them as its first ids."""
+        self.chain[row] = chain
         self._room(tokens.size)
         self.log[row, : tokens.size] = tokens
 
@@ -165,7 +179,7 @@ class SequenceHashes:
         self.partial[row] = 0
         self.partial[row, : tokens.size] = tokens
 
-    def extend(self, row: int, start: int, tokens: np.ndarray) -> list[tuple[int, bytes]]:
+    def record_tokens(self, row: int, start: int, tokens: np.ndarray) -> list[tuple[int, bytes]]:
         """Record ``tokens`` written from position ``start``; returns (page index, digest) of
         each page they complete."""
         ps, pos, i, sealed = self.page_size, start, 0, []
@@ -188,7 +202,7 @@ class SequenceHashes:
         self.partial[row, : tokens.size - i] = tokens[i:]
         return sealed
 
-    def extend_one(self, rows: np.ndarray, lens: np.ndarray,
+    def record_decode_tokens(self, rows: np.ndarray, lens: np.ndarray,
                    tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """One token per row at position ``lens`` (the decode fast path, vectorized); returns
         the rows, page indices and digests of the pages completed."""

@@ -7,14 +7,14 @@ The page the new length ends inside becomes the sequence's unfinished page again
 write goes into it; pages the sequence shares stay untouched:
 
 - shared with another sequence (a fork, a prefix hit): the sequence gets a private page now,
-  with a pending copy of the shared one (`apply_pending` makes it before the next write), so
+  with a pending copy of the shared one (the next plan's work carries it before the next write), so
   truncation needs one free page there (CacheFullError otherwise, nothing changed);
 - a prefix-cache page only this sequence holds: it leaves the prefix cache (its tail will be
   overwritten, so its digest would lie).
 
 The hash state follows: the digest of the last full page kept and the ids of the unfinished page
 come from the token log (`SequenceHashes`), so pages filled again are cached under their real
-content. A sequence whose ids there are not known (committed with `advance`, or ids before a
+content. A sequence whose ids there are not known (committed without ids, or ids before a
 loaded state's unfinished page) stops entering the prefix cache.
 
 Coordinator code over the parts it is handed (the sequence table, the group allocators, the pending
@@ -34,11 +34,11 @@ from easykv.validation import integer
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator
-    from easykv.manager.device_work import PendingWork
+    from easykv.manager.device_work import CopyCounter
     from easykv.manager.sequences import SequenceTable
 
 
-def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, row: int, length: int, *,
+def truncate(seqs: SequenceTable, groups: GroupCoordinator, counter: CopyCounter, row: int, length: int, *,
              caching: bool, current: bytes | None) -> None:
     """`PageManager.truncate` of the claimed, not swapped-out ``row`` (see the module doc);
     ``current``: the current weight version."""
@@ -68,24 +68,15 @@ def truncate(seqs: SequenceTable, groups: GroupCoordinator, work: PendingWork, r
     keep, stale = -(-new // ps), seqs.version[row] != current
     held = int(seqs.npages[row])
     for table, copy in zip(groups, shared):
-        first = max(keep, int(table.start[row]))
-        table.release_pages(table.table[row, first:held][::-1].tolist(), stale=stale)
-        table.table[row, keep:held] = PAD_PAGE
+        table.drop_columns(row, keep, held, stale=stale)
         if not inside:
             continue
         page = int(table.table[row, col])
         if copy:  # a private page now, filled from the shared one before the next write
-            dst = table.allocate(replica, 1, overwritten=True)[0]
-            table.table[row, col] = dst
-            work.copy_on_write(table, dst, page)
-            table.release_pages([page], stale=stale)
+            counter.count(table.copy_on_write(row, col, replica))
         elif table.pool.digest_of(page) is not None:
             table.pool.uncommit(page)
-    seqs.npages[row] = keep
-    seqs.lens[row] = new
-    seqs.edits[row] += 1
-    if not keep:  # a sequence is bound to a replica while it holds pages
-        seqs.replica[row] = -1
+    seqs.rewind(row, new, keep)
     if hashing:
         seqs.hashes.rewind(row, new, chain)
 
@@ -101,12 +92,8 @@ def give_back_reserved(seqs: SequenceTable, groups: GroupCoordinator, rows: np.n
         row, kept, held = int(rows[i]), int(keep[i]), int(seqs.npages[rows[i]])
         stale = seqs.version[row] != current
         for table in groups:
-            first = max(kept, int(table.start[row]))
-            table.release_pages(table.table[row, first:held][::-1].tolist(), stale=stale)
-            table.table[row, kept:held] = PAD_PAGE
-        seqs.npages[row] = kept
-        if not kept:  # a sequence is bound to a replica while it holds pages
-            seqs.replica[row] = -1
+            table.drop_columns(row, kept, held, stale=stale)
+        seqs.keep_columns(row, kept)
 
 
 def _chain_at(seqs: SequenceTable, groups: GroupCoordinator, row: int, full: int) -> bytes | None:

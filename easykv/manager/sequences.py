@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from easykv.errors import UnknownSequenceError
 from easykv.manager.broken import Broken
-from easykv.manager.prefix_hash import ROOT_DIGEST, SequenceHashes
+from easykv.manager.prefix_hash import NO_SALT, ROOT_DIGEST, SequenceHashes
 from easykv.validation import integer, integer_array, is_scalar, show
 
 
@@ -32,13 +32,16 @@ class SequenceTable:
     - ``active``: whether the id is claimed;
     - ``hashes``: its salt, chain digest, unfinished page and token log (`SequenceHashes`);
     - ``version``: the digest of the weight version it runs under (None: unversioned);
-    - ``edits``: how often it was claimed, forked into or from, committed to or truncated: a
-      decode plan's stamp tells the sequence it planned from one released and claimed again, or
-      one written and rewound to the same length meanwhile;
-    - ``plan_of``: the open decode plan that holds it (0: none; see `open_plans`), whose device
+    - ``edits``: how often its row changed (every method here that changes a row counts one): a
+      plan's stamp, these counts, tells the sequences it planned from one that changed in any way
+      meanwhile (released and claimed again, restarted under another version, written and rewound
+      to the same length, given columns);
+    - ``plan_of``: the open plan that holds it (0: none; see `open_plans`), whose device
       loop may be writing its pages: until that plan is committed nothing else may change it.
       ``open_plans`` maps each open plan's number to its rows. Neither ``edits`` nor the plans
       are saved: a loaded manager (or a clone) is another manager, whose plans are its own.
+
+    Every change to them is one of its methods (the hashes' are `SequenceHashes`'); others read them.
     """
 
     def __init__(self, batch_size: int, page_size: int, max_length: int):
@@ -53,7 +56,7 @@ class SequenceTable:
         self.version: list[bytes | None] = [None] * b
         self.edits = np.zeros(b, np.int64)
         self.plan_of = np.zeros(b, np.int64)
-        self.open_plans: dict[int, tuple[int, ...]] = {}
+        self.open_plans: dict[int, np.ndarray] = {}  # plan number -> its rows, a read-only array
         self._plans_made = 0
 
     # ---- input checks ---------------------------------------------------------------------------
@@ -91,7 +94,7 @@ class SequenceTable:
 
     def one_or_more_rows(self, seq_ids: Any) -> npt.NDArray[np.int64]:
         """The rows of one claimed sequence id (read as `row` reads it: a numpy or jax scalar too) or
-        of a list of them (as `rows`), for the calls that take either (`PageManager.reserve`, ``advance``)."""
+        of a list of them (as `rows`), for the calls that take either (the deprecated ``reserve`` and ``advance``)."""
         if is_scalar(seq_ids):
             return np.array([self.row(seq_ids)], np.int64)
         return self.rows(seq_ids)
@@ -106,17 +109,19 @@ class SequenceTable:
             raise ValueError(f"num_tokens must be an int or {n} ints (one per sequence), got {counts.size}")
         return counts
 
-    # ---- open decode plans (the rule is `open_plans`') -----------------------------------------
+    # ---- open plans (the rule is `open_plans`') ------------------------------------------------
     def open_plan(self, rows: np.ndarray) -> int:
-        """``rows`` (none in an open plan) are held by a new open decode plan; returns its number."""
+        """``rows`` (none in an open plan; a read-only array the plan keeps) are held by a new open
+        plan; returns its number."""
         self._plans_made += 1
         self.plan_of[rows] = self._plans_made
-        self.open_plans[self._plans_made] = tuple(rows.tolist())
+        self.open_plans[self._plans_made] = rows
         return self._plans_made
 
-    def close_plan(self, number: int) -> None:
-        """Plan ``number`` was committed: its rows may change again."""
-        self.plan_of[list(self.open_plans.pop(number))] = 0
+    def close_plan(self, number: int, rows: np.ndarray) -> None:
+        """Plan ``number`` (over ``rows``) ended: its rows may change again."""
+        del self.open_plans[number]
+        self.plan_of[rows] = 0
 
     def close_all_plans(self) -> None:
         """No plan is open (a clone: the original's plans stay the original's)."""
@@ -124,7 +129,7 @@ class SequenceTable:
         self.open_plans.clear()
 
     def refuse_planned(self, rows: Any, call: str, why: str = "") -> None:
-        """ValueError naming the first of ``rows`` an open decode plan holds, that plan's rows and the
+        """ValueError naming the first of ``rows`` an open plan holds, that plan's rows and the
         fix (``call``: the refused call; ``why``: how it would change the row, when not plain)."""
         rows = np.atleast_1d(np.asarray(rows, np.int64))
         held = self.plan_of[rows]
@@ -133,10 +138,9 @@ class SequenceTable:
         i = int(np.argmax(held > 0))
         row, number = int(rows[i]), int(held[i])
         raise ValueError(
-            f"{call} would change sequence {row}{why}, which open decode plan #{number} holds (sequences "
-            f"{list(self.open_plans[number])}: its device loop may be writing their pages); end that plan first with "
-            "commit_decode(plan, token_ids, num_tokens) (num_tokens=0 aborts it: nothing committed, its reserved "
-            "pages given back)")
+            f"{call} would change sequence {row}{why}, which open plan #{number} holds (sequences "
+            f"{self.open_plans[number].tolist()}: its step may be writing their pages); end that plan first with "
+            "commit(plan, token_ids, ...) or abort(plan) (nothing committed, its reserved pages given back)")
 
     def check_extent(self, row: int, end: int, what: str) -> None:
         if end > self.max_length:
@@ -183,16 +187,42 @@ class SequenceTable:
         for row in rows:
             self.start(row, version, root)
 
-    def start(self, row: int, version: bytes | None, root: bytes) -> None:
-        """``row`` runs under ``version`` from its first page (its chain starts at ``root``)."""
+    def start(self, row: int, version: bytes | None, root: bytes, salt: bytes = NO_SALT) -> None:
+        """``row`` runs under ``version`` from its first page (its chain starts at ``root``, in the
+        prefix namespace ``salt``)."""
         self.version[row] = version
-        self.hashes.reset(row, root)
+        self.edits[row] += 1  # a new version or namespace: what a plan over the row was made for changed
+        self.hashes.reset(row, root, salt)
 
     def restart_unstarted(self, version: bytes | None, root: bytes) -> None:
         """Every claimed row that holds nothing yet takes ``version`` (a version set before it started)."""
         for row in self.unstarted_rows().tolist():
             self.version[row] = version
-            self.hashes.chain[row] = root
+            self.edits[row] += 1
+            self.hashes.reroot(row, root)
+
+    def start_on_prefix(self, row: int, columns: int, replica: int, chain: bytes, tokens: np.ndarray) -> None:
+        """The fresh ``row`` holds a cached prefix of ``columns`` full pages in ``replica``: its
+        ``tokens`` (their ids, at least the prefix's) are written and committed, ``chain`` is the
+        digest of its last page."""
+        length = columns * self.page_size
+        self.npages[row], self.lens[row], self.replica[row] = columns, length, replica
+        self.edits[row] += 1
+        self.hashes.start_on_prefix(row, chain, tokens[:length])
+
+    def resume_at(self, row: int, columns: int, floor: int, replica: int) -> None:
+        """The fresh ``row`` starts after ``columns`` pages it will never hold (`PageManager.resume`),
+        bound to ``replica``; ``floor``: its first position with K/V while a window reaches before
+        it (0: none does). Its ids are not known from the first: it does not hash."""
+        self.npages[row], self.lens[row] = columns, columns * self.page_size
+        self.floor[row], self.replica[row] = floor, replica
+        self.edits[row] += 1
+        self.hashes.stop_hashing([row])
+
+    def forget_floors(self, rows: np.ndarray) -> None:
+        """Every window of ``rows`` has passed their floor: it is forgotten."""
+        self.floor[rows] = 0
+        self.edits[rows] += 1
 
     def fork_row(self, src: int, dst: int, columns: int) -> None:
         """``dst`` continues ``src``'s history, holding its first ``columns`` columns."""
@@ -204,11 +234,50 @@ class SequenceTable:
         self.hashes.copy_row(src, dst)
         self.version[dst] = self.version[src]
 
+    # ---- columns and lengths ------------------------------------------------------------------------
+    def bind(self, rows: np.ndarray, replicas: np.ndarray | int) -> None:
+        """``rows`` lie in data-parallel replica ``replicas`` (one each, or one for all) from now on."""
+        self.replica[rows] = replicas
+        self.edits[rows] += 1
+
+    def grow(self, rows: np.ndarray, columns: np.ndarray) -> None:
+        """``rows`` hold ``columns`` more block-table columns each (reserved in every group)."""
+        self.npages[rows] += columns.astype(np.int32)
+        self.edits[rows] += 1
+
+    def hold_columns(self, row: int, columns: int, replica: int) -> None:
+        """``row`` holds ``columns`` columns in ``replica`` (a swapped-out row back on the device);
+        a row with none is unbound."""
+        self.npages[row] = columns
+        self.replica[row] = replica if columns else -1
+        self.edits[row] += 1
+
+    def keep_columns(self, row: int, columns: int) -> None:
+        """``row`` keeps its first ``columns`` columns (the rest went back to the pools); a row with
+        none is unbound."""
+        self.npages[row] = columns
+        self.edits[row] += 1
+        if not columns:  # a sequence is bound to a replica while it holds pages
+            self.replica[row] = -1
+
+    def advance(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """``rows`` committed ``counts`` more tokens each; those that wrote any are edited (a plan
+        made before knows)."""
+        self.lens[rows] += counts.astype(np.int32)
+        self.edits[rows[counts > 0]] += 1
+
+    def rewind(self, row: int, length: int, columns: int) -> None:
+        """``row`` is truncated to ``length`` tokens in its first ``columns`` columns (its hashes
+        follow through `SequenceHashes.rewind`)."""
+        self.lens[row] = length
+        self.keep_columns(row, columns)  # counts the edit
+
     def reset(self, row: int) -> None:
         """``row`` is free again and holds nothing."""
         self.lens[row] = self.npages[row] = self.floor[row] = 0
         self.replica[row] = -1
         self.active[row] = False
+        self.edits[row] += 1
         self.hashes.reset(row)
         self.version[row] = None
 
@@ -257,10 +326,10 @@ class SequenceTable:
         if np.any((n > 0) & ~self.active) or np.any(self.lens[~self.active]):
             raise Broken("sequences", "a released sequence id still holds pages or tokens")
         planned = np.flatnonzero(self.plan_of)
-        listed = {row: number for number, rows in self.open_plans.items() for row in rows}
+        listed = {row: number for number, rows in self.open_plans.items() for row in rows.tolist()}
         if np.any(swapped[planned] | ~self.active[planned]) or \
                 listed != dict(zip(planned.tolist(), self.plan_of[planned].tolist())):
-            raise Broken("sequences", "an open decode plan holds a released or swapped-out sequence, or the plans "
+            raise Broken("sequences", "an open plan holds a released or swapped-out sequence, or the plans "
                                       "disagree with the rows they hold")
         self._check_floors(all_windowed, released)
         if np.any((self.lens > n * self.page_size) & ~swapped) or np.any(self.lens > self.max_length):

@@ -60,6 +60,7 @@ COUNTERS = (*LOOKUP_COUNTERS, "copies")
 _SEQUENCE_KEYS = ("id", "length", "pages", "replica", "hashable", "chain", "salt", "partial")
 _POOL_KEYS = ("free", "lru", "digests", "scrub", "evictions", "scrubs")
 _STATE_KEYS = ("format", "config", "sequences", "pool", "copies", "counters")
+STATE_KEYS = (*_STATE_KEYS, "versions")  # a state's top-level keys: no lower tier's lock-step state takes one
 _VERSION_KEYS = ("digest", "version", "counters")
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * DIGEST_BYTES}}}")
 
@@ -80,18 +81,15 @@ def config(metadata: PagedAttentionCacheMetaData, enable_prefix_caching: bool, s
 
 
 # ---- writing -----------------------------------------------------------------------------------
-def write_state(parts: ManagerParts, *, host: bool = False) -> dict[str, Any]:
-    """The canonical JSON-safe state of a manager's ``parts`` (see the module doc). The
-    host-memory tier is not part of it: ValueError while a sequence is swapped out or a host
-    transfer is pending (its pages would be lost); the host prefix cache is left out. ``host``:
-    add the host tier's bookkeeping as ``host`` (a fingerprint for `assert_lockstep`; no manager
-    reads it back)."""
-    seqs, groups, policy, versions = parts.seqs, parts.groups, parts.host, parts.versions
-    if not host and policy.enabled and (policy.swapped or policy.has_pending_transfers(groups)):
-        what = (f"sequences {sorted(policy.swapped)} are swapped out" if policy.swapped
-                else "host-tier transfers are pending")
-        raise ValueError(f"a manager state does not hold the host-memory tier, and {what}; swap_in (or release) "
-                         "them and apply_pending(cache, host=...) first")
+def write_state(parts: ManagerParts, *, tiers: bool = False) -> dict[str, Any]:
+    """The canonical JSON-safe state of a manager's ``parts`` (see the module doc). The tiers
+    below the device (the host-memory tier) are not part of it: ValueError while a tier holds what
+    the state would lose (a sequence swapped out, a transfer pending: `LowerTier.refuse_state`);
+    their prefix caches are left out. ``tiers``: add each tier's bookkeeping under its name (the
+    host tier's as ``host``: a fingerprint for `assert_lockstep`; no manager reads it back)."""
+    seqs, groups, versions = parts.seqs, parts.groups, parts.versions
+    if not tiers:
+        parts.tiers.refuse_state()
     grouped = len(groups) > 1
     sequences = []
     for r in seqs.active_ids:
@@ -104,10 +102,10 @@ def write_state(parts: ManagerParts, *, host: bool = False) -> dict[str, Any]:
         "sequences": sequences,
         "pool": list(pools) if grouped else pools[0],
         "copies": list(copies) if grouped else copies[0],
-        "counters": {**versions.lookups, "copies": parts.work.copies},
+        "counters": {**versions.lookups, "copies": parts.copies.copies},
     }
-    if host and policy.enabled:
-        out["host"] = policy.lockstep_state(groups)
+    if tiers:
+        out.update(parts.tiers.lockstep_state())
     if versions.versioned:  # a weight version was set
         out["versions"] = {"current": None if versions.current is None else versions.current.hex(),
                            "known": [{"digest": None if d is None else d.hex(), "version": _label(label),
@@ -288,7 +286,7 @@ def read_state(parts: ManagerParts, state: Any) -> tuple[bool, bool]:
     for g, (table, pool, pending) in enumerate(zip(groups, pools, copies)):
         table.load([(seq.id, seq.pages[g]) for seq in sequences], seqs, pool=pool, copies=pending, scrub=scrub)
     parts.versions.load(current, known, counters)
-    parts.work.load(copies=counters["copies"])
+    parts.copies.load(copies=counters["copies"])
     return caching, scrub
 
 
@@ -475,5 +473,5 @@ def max_state_bytes(meta: PagedAttentionCacheMetaData) -> int:
         + 12 * meta.batch_size * meta.max_sequences
 
 
-__all__ = ["COUNTERS", "GROUPED_STATE_FORMAT", "STATE_FORMAT", "config", "max_state_bytes", "read_state",
+__all__ = ["COUNTERS", "GROUPED_STATE_FORMAT", "STATE_FORMAT", "STATE_KEYS", "config", "max_state_bytes", "read_state",
            "summarize_state", "write_state"]

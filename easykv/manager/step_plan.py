@@ -1,37 +1,41 @@
-"""Multi-step decode: ``k`` decode steps of running sequences decided at once, so an engine runs
-them in one device loop and returns to the host once (JetStream's and vLLM's multi-step
-scheduling). `plan` reserves room for ``k`` more tokens of each sequence and builds the first
-step's metadata; on the device, `DecodePlan.next_metadata` derives each next step from the one
-before. `commit` then commits what each sequence wrote (a sequence that stopped early, at its end
-of sequence or its length limit, commits fewer) and gives back the pages the plan reserved for
-tokens it never wrote (a private copy of a shared page, made at planning for its first write,
-stays: its next write needs it). A sliding or chunked group releases the pages its window left at
-that commit, not during the loop: every step of the loop may still read them.
+"""A step is a value: `StepPlan`, what the manager decided for one engine step (or ``k`` decode
+steps run in one device loop), and the only two ways to end it, `commit` and `abort`.
 
-While a plan is open, every call that would change one of its sequences is refused (ValueError:
-its device loop may be writing their pages; `open_plans` declares what each call changes and
-guards them all), so its commit always finds them as planned, and committing no tokens (the
-abort) always ends it. Other sequences may change meanwhile. A plan is also stamped with what it
-was planned over (each sequence's edits, length, columns and weight version, its block-table rows
-and window starts in every group); a commit that finds any of that changed raises InvariantError
-(the guard failed: a bug), with nothing changed. Committing a plan twice is refused.
+`schedule` reserves room for a mixed step (a prefill chunk or a decode per sequence, ragged);
+`schedule_decode` for ``k`` decode steps of running sequences, each stopping at its own limit
+(JetStream's and vLLM's multi-step scheduling). Either is all or nothing (CacheFullError, nothing
+changed) and returns a frozen plan: the first step's metadata per layer group and the device work
+the step implies (`device_work.DeviceWork`: copies, scrubs, lower-tier transfers), which the runner
+applies before the step's writes. On the device, `StepPlan.next_metadata` derives each next decode
+step from the one before. `commit` then commits what each sequence wrote (a sequence that stopped
+early commits fewer) and gives back the pages reserved for tokens nobody wrote (a private copy of a
+shared page, made for its first write, stays); `abort` commits nothing. A sliding or chunked group
+releases the pages its window left at the commit, not during the loop: every step may still read them.
+
+While a plan is open, every call that would change one of its sequences is refused (ValueError: the
+device may be writing their pages; `open_plans` declares what each call changes and guards them all),
+so its commit always finds them as planned, and the abort always succeeds. Other sequences may change
+meanwhile. A plan is also stamped with what it was planned over (each sequence's edits, length,
+columns and weight version, its block-table rows and window starts in every group); a commit that
+finds any of that changed raises InvariantError (the guard failed: a bug), with nothing changed. A
+plan ends once: committing or aborting it again, or on another manager, is refused with nothing changed.
 
 Coordinator code over the parts it is handed, like ``growth`` and ``commit``. Imports ``step`` for
-the metadata and the manager's ``growth``, ``commit`` and ``rollback``; never ``storage``,
-``attention``, ``checkpoint`` or ``tiers``.
+the metadata and the manager's ``growth``, ``commit``, ``rollback`` and ``device_work``; never
+``storage``, ``attention``, ``checkpoint`` or ``tiers``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import numpy as np
 
 from easykv.errors import InvariantError
 from easykv.manager import growth
-from easykv.manager.commit import commit_tokens
-from easykv.manager.prefix_hash import as_token_ids
+from easykv.manager.commit import Tokens, commit_tokens, parse_tokens
+from easykv.manager.device_work import take_work
 from easykv.manager.rollback import give_back_reserved
 from easykv.step.checks import check_padding
 from easykv.step.loop import increment_groups
@@ -39,77 +43,145 @@ from easykv.validation import INT32_MAX, integer, integer_array, is_scalar, posi
 
 if TYPE_CHECKING:
     from easykv.manager.coordinator import GroupCoordinator, PerGroup
-    from easykv.manager.device_work import PendingWork
-    from easykv.manager.host_tier import HostTierPolicy
+    from easykv.manager.device_work import CopyCounter, DeviceWork
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
     from easykv.spec.metadata import PagedAttentionCacheMetaData
-    from easykv.step.metadata import PagedAttentionMetadata
+    from easykv.step.ragged import RaggedStep
+
+Form = Literal["mixed", "decode"]
 
 
-class DecodePlan:
-    """``num_steps`` decode steps of ``seq_ids``, pages reserved for all of them
-    (`PageManager.plan_decode`; commit it once with `PageManager.commit_decode`).
-    `next_metadata` gives step ``j + 1``'s metadata from step ``j``'s, numpy or jax, inside jit too.
+class StepPlan:
+    """One engine step (``form="mixed"``) or ``num_steps`` decode steps (``form="decode"``) of
+    ``seq_ids``, decided and reserved (`PageManager.schedule` / `schedule_decode`); end it once with
+    `PageManager.commit` or `PageManager.abort`. Frozen: its fields never change; whether it is
+    still open is the manager's to say (`is_open`).
 
     Attributes:
-      seq_ids: the planned sequences, ``n`` ints (row ``i < n`` of every step is ``seq_ids[i]``).
-      num_steps: decode steps of the loop.
-      lengths: ``(n,)`` each sequence's committed length when planned; step ``j`` writes position
-        ``lengths + j``.
+      form: ``"mixed"`` (one step, any number of new tokens per sequence) or ``"decode"`` (one new
+        token per sequence per step, ``num_steps`` steps).
+      num_steps: steps of the plan (1 for a mixed step).
+      lengths: ``(n,)`` each sequence's committed length when planned; it writes from there on.
       limits: ``(padded_rows,)`` int32, the most tokens each row may write (room is reserved for
-        that many; 0 for padding rows): the device loop's limits.
-      metadata: the first step's metadata, a tuple of one `PagedAttentionMetadata` per layer
-        group, ``padded_rows`` rows each (``pad_seqs_to``).
+        that many; 0 for padding rows): a mixed step's new tokens, a decode loop's limits.
+      metadata: the first step's metadata, a tuple of one `RaggedStep` per layer group.
+      work: the device work to run before the step's writes (`DeviceWork`), handed over by the
+        manager when the plan was made: the runner applies it.
       page_size: tokens per page.
       num_pages: each layer group's pool size, one int per group.
-      committed: whether `PageManager.commit_decode` has taken the plan.
 
     Other Parameters:
-      owner: the manager's sequence table (a plan commits only on the manager that made it).
-      number: the open plan's number in that table (`SequenceTable.open_plan`).
-      stamp: what the plan was planned over, compared at commit.
-      held: ``(n,)`` pages each sequence held before the plan reserved more.
+      owner: the manager's sequence table (a plan ends only on the manager that made it).
+      rows: the planned sequences as a read-only int64 array (``seq_ids``).
+      stamp: the rows' edit counts when planned, compared when the plan ends (a bug check).
+      held: ``(n,)`` columns each sequence held before the plan reserved more.
+      number: the open plan's number in the sequence table.
     """
 
-    __slots__ = ("_held", "_number", "_owner", "_stamp", "committed", "lengths", "limits", "metadata", "num_pages",
-                 "num_steps", "page_size", "seq_ids")
+    __slots__ = ("__weakref__", "_ended", "_held", "_number", "_owner", "_rows", "_stamp", "form", "lengths", "limits",
+                 "metadata", "num_pages", "num_steps", "page_size", "work")
 
-    def __init__(self, *, owner: SequenceTable, seq_ids: tuple[int, ...], num_steps: int, lengths: np.ndarray,
-                 limits: np.ndarray, metadata: PerGroup[PagedAttentionMetadata], page_size: int,
-                 num_pages: tuple[int, ...], stamp: tuple[np.ndarray, ...], held: np.ndarray,
-                 number: int) -> None:  # fmt: skip
-        self._owner, self._stamp, self._held = owner, stamp, held  # held: columns before the plan reserved
-        self._number = number
-        self.seq_ids, self.num_steps, self.lengths, self.limits = seq_ids, num_steps, lengths, limits
-        self.metadata, self.page_size, self.num_pages = metadata, page_size, num_pages
-        self.committed = False
+    _owner: SequenceTable
+    _rows: np.ndarray  # seq_ids as a read-only int64 array
+    _stamp: np.ndarray
+    _held: np.ndarray
+    _number: int
+    _ended: list[str | None]  # the one mutable cell: how the manager ended the plan
+    form: Form
+    num_steps: int
+    lengths: np.ndarray
+    limits: np.ndarray
+    metadata: PerGroup[RaggedStep]
+    work: DeviceWork
+    page_size: int
+    num_pages: tuple[int, ...]
+
+    def __init__(self, *, owner: SequenceTable, rows: np.ndarray, form: Form, num_steps: int,
+                 lengths: np.ndarray, limits: np.ndarray, metadata: PerGroup[RaggedStep],
+                 work: DeviceWork, page_size: int, num_pages: tuple[int, ...], stamp: np.ndarray,
+                 held: np.ndarray, number: int) -> None:  # fmt: skip
+        put = object.__setattr__  # frozen: set once, here (a step's host cost: no dict of fields)
+        put(self, "_owner", owner), put(self, "_rows", rows), put(self, "_stamp", stamp), put(self, "_held", held)
+        put(self, "_number", number), put(self, "_ended", [None]), put(self, "form", form)
+        put(self, "num_steps", num_steps), put(self, "lengths", lengths), put(self, "limits", limits)
+        put(self, "metadata", metadata), put(self, "work", work), put(self, "page_size", page_size)
+        put(self, "num_pages", num_pages)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a StepPlan is frozen: {name} cannot be set; end it with commit or abort and schedule "
+                             "the next step")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a StepPlan is frozen: {name} cannot be deleted")
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """The planned sequences, ``n`` ints (row ``i < n`` of every step is ``seq_ids[i]``)."""
+        ids: tuple[int, ...] = tuple(self._rows.tolist())
+        return ids
 
     @property
     def padded_rows(self) -> int:
-        """Rows of every step's metadata: ``len(seq_ids)`` or the ``pad_seqs_to`` asked for."""
+        """Sequence rows of every step's metadata: ``len(seq_ids)`` or the ``pad_seqs_to`` asked for."""
         return int(self.metadata[0].page_table.shape[0])
 
-    def next_metadata(self, metadata: PerGroup[PagedAttentionMetadata]) -> PerGroup[PagedAttentionMetadata]:
-        """The next step's metadata from this one (one per layer group): each sequence's token moves
-        one position on, into the pages this plan reserved.
+    @property
+    def ended(self) -> str | None:
+        """``"committed"`` or ``"aborted"`` once the plan ended; None while it is open."""
+        return self._ended[0]
+
+    def _mark_ended(self, how: str) -> None:
+        """The manager ended the plan (``"committed"`` or ``"aborted"``): its one mutable cell."""
+        self._ended[0] = how
+
+    @property
+    def committed(self) -> bool:
+        """Whether the plan ended (committed or aborted)."""
+        return self._ended[0] is not None
+
+    def next_metadata(self, metadata: PerGroup[RaggedStep]) -> PerGroup[RaggedStep]:
+        """The next decode step's metadata from this one (one per layer group), numpy or jax, inside jit too:
+        each sequence's token moves one position on, into the pages this plan reserved.
 
         Args:
           metadata: a step's metadata, a tuple of one per layer group (first: ``self.metadata``).
 
         Returns:
-          the next step's, a tuple of one `PagedAttentionMetadata` per layer group.
+          the next step's, a tuple of one `RaggedStep` per layer group.
         """
         return increment_groups(metadata, page_size=self.page_size, num_pages=self.num_pages)
 
     def __repr__(self) -> str:
-        state = "committed" if self.committed else "open"
-        return (f"DecodePlan({len(self.seq_ids)} sequences x {self.num_steps} steps, "
-                f"padded to {self.padded_rows} rows, {state})")
+        state = self._ended[0] or "open"
+        steps = f" x {self.num_steps} steps" if self.form == "decode" else f", {int(self.limits.sum())} new tokens"
+        return (f"StepPlan({self.form}: {len(self.seq_ids)} sequences{steps}, padded to {self.padded_rows} rows, "
+                f"{state})")
 
 
-def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, seq_ids: Any,
-         num_steps: Any, max_tokens: Any, *, pad_seqs_to: Any, metadata: PagedAttentionCacheMetaData) -> DecodePlan:
-    """`PageManager.plan_decode`: checked whole, then all or nothing (CacheFullError naming the
+DecodePlan = StepPlan  # the name of the decode-only plan this generalizes (one release)
+
+
+def schedule(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, counter: CopyCounter,
+             seq_ids: Any, num_new_tokens: Any, *, pad_tokens_to: Any, pad_seqs_to: Any,
+             metadata: PagedAttentionCacheMetaData) -> StepPlan:
+    """`PageManager.schedule`: checked whole, then all or nothing. ``seq_ids`` are in no open plan
+    (the manager's guard refused those)."""
+    rows = seqs.rows(seq_ids)
+    new = seqs.counts(num_new_tokens, rows.size)
+    pad_tokens_to, pad_seqs_to = check_padding(metadata, int(new.sum()), rows.size, pad_tokens_to, pad_seqs_to)
+    held = seqs.npages[rows].copy()
+    growth.reserve(seqs, groups, tiers, counter, rows, new)
+    first = growth.step_metadata(seqs, groups, rows, new, pad_tokens_to=pad_tokens_to, pad_seqs_to=pad_seqs_to)
+    limits = np.zeros(first[0].page_table.shape[0], np.int32)
+    limits[: rows.size] = new
+    return _open(seqs, groups, tiers, rows, "mixed", 1, limits, first, held)
+
+
+def schedule_decode(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, counter: CopyCounter,
+                    seq_ids: Any, num_steps: Any, max_tokens: Any, *, pad_seqs_to: Any,
+                    metadata: PagedAttentionCacheMetaData) -> StepPlan:
+    """`PageManager.schedule_decode`: checked whole, then all or nothing (CacheFullError naming the
     pages, nothing changed). ``seq_ids`` are in no open plan (the manager's guard refused those)."""
     rows = seqs.rows(seq_ids)
     k = positive_int("num_steps", num_steps, hi=seqs.max_length,
@@ -125,43 +197,100 @@ def plan(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, wo
         row = int(rows[full[0]])
         seqs.check_extent(row, int(seqs.lens[row]) + 1, "a decode step's position")
     held = seqs.npages[rows].copy()
-    growth.reserve(seqs, groups, host, work, rows, most)
+    growth.reserve(seqs, groups, tiers, counter, rows, most)
     first = growth.decode_metadata(seqs, groups, rows, 1, pad_seqs_to=pad_seqs_to, stacked=False)[0]
     assert isinstance(first, tuple)
     limits = np.zeros(first[0].page_table.shape[0], np.int32)
     limits[: rows.size] = most
-    return DecodePlan(owner=seqs, seq_ids=tuple(rows.tolist()), num_steps=k,
-                      lengths=_frozen(seqs.lens[rows].copy()), limits=_frozen(limits), metadata=first,
-                      page_size=seqs.page_size, num_pages=tuple(table.pool.num_pages for table in groups),
-                      stamp=_stamp(seqs, groups, rows), held=held, number=seqs.open_plan(rows))
+    return _open(seqs, groups, tiers, rows, "decode", k, limits, first, held)
 
 
-def commit(seqs: SequenceTable, groups: GroupCoordinator, host: HostTierPolicy, work: PendingWork, plan: DecodePlan,
-           token_ids: Any, num_tokens: Any, *, caching: bool, current: bytes | None) -> None:
-    """`PageManager.commit_decode`: checked whole first, nothing changed on any error (the plan
-    stays open then); committing no tokens cannot fail once the plan is this table's open one."""
-    if not isinstance(plan, DecodePlan):
-        raise TypeError(f"commit_decode takes the DecodePlan plan_decode returned, got {type(plan).__name__}")
-    if plan._owner is not seqs:
-        raise ValueError(f"{plan!r} was made by another PageManager; commit a plan on the manager that made it")
-    if plan.committed:
-        raise ValueError(f"{plan!r} was committed already; plan the next steps with plan_decode")
-    rows = np.asarray(plan.seq_ids, np.int64)
-    _check_unchanged(seqs, groups, rows, plan)
-    tokens, counts = _written(plan, token_ids, num_tokens)
+def _open(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, rows: np.ndarray, form: Form,
+          num_steps: int, limits: np.ndarray, first: PerGroup[RaggedStep], held: np.ndarray) -> StepPlan:
+    """The plan of ``rows``, reserved: opened in the sequence table, with every piece of pending
+    device work handed over (`take_work`), the step's own copy-on-write copies included."""
+    planned = _frozen(rows.copy())
+    number = seqs.open_plan(planned)
+    return StepPlan(owner=seqs, rows=planned, form=form, num_steps=num_steps, lengths=_frozen(seqs.lens[rows]),
+                    limits=_frozen(limits), metadata=first, work=take_work(groups, tiers), page_size=seqs.page_size,
+                    num_pages=tuple(table.pool.num_pages for table in groups), stamp=_stamp(seqs, rows),
+                    held=held, number=number)
+
+
+def commit(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTiers, plan: StepPlan, token_ids: Any,
+           num_tokens: Any, *, caching: bool, current: bytes | None) -> None:
+    """`PageManager.commit`: checked whole first, nothing changed on any error (the plan stays open then)."""
+    rows = check_open(seqs, groups, plan, "commit")
+    counts, tokens = _written(plan, token_ids, num_tokens)
     live = np.flatnonzero(counts > 0)
-    if live.size:  # ValueError (a page whose copy is pending), nothing changed: the plan stays open
-        written = [as_token_ids(tokens[i, : counts[i]], f"token_ids[{i}]") for i in live.tolist()]
-        commit_tokens(seqs, groups, host, rows[live], counts[live], written, caching=caching, current=current)
-    # Committed: what the plan reserved and nobody wrote goes back (this cannot fail).
-    give_back_reserved(seqs, groups, rows, current=current, keep=plan._held)
-    seqs.close_plan(plan._number)
-    plan.committed = True
+    if live.size == counts.size:  # the common step: every sequence wrote
+        commit_tokens(seqs, groups, tiers, rows, counts, tokens, caching=caching, current=current)
+    elif live.size:  # ValueError (a page whose copy is pending), nothing changed: the plan stays open
+        known = (None if tokens is None else tokens[live] if isinstance(tokens, np.ndarray)
+                 else [tokens[i] for i in live.tolist()])
+        commit_tokens(seqs, groups, tiers, rows[live], counts[live], known, caching=caching, current=current)
+    # Every planned token committed: the plan's room is all written (or held from before), nothing to give back.
+    whole = bool((counts == plan.limits[: counts.size]).all())
+    _end(seqs, groups, plan, rows, current, "committed", give_back=not whole)
 
 
-def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(ids ``(n, k)``, count per sequence) of what the plan's loop wrote, checked."""
-    n, k, padded = len(plan.seq_ids), plan.num_steps, plan.padded_rows
+def abort(seqs: SequenceTable, groups: GroupCoordinator, plan: StepPlan, *, current: bytes | None) -> None:
+    """`PageManager.abort`: nothing written is committed; cannot fail once the plan is this table's open one."""
+    rows = check_open(seqs, groups, plan, "abort")
+    _end(seqs, groups, plan, rows, current, "aborted")
+
+
+def _end(seqs: SequenceTable, groups: GroupCoordinator, plan: StepPlan, rows: np.ndarray, current: bytes | None,
+         how: str, *, give_back: bool = True) -> None:
+    if give_back:  # what the plan reserved and nobody wrote goes back (this cannot fail)
+        give_back_reserved(seqs, groups, rows, current=current, keep=plan._held)
+    seqs.close_plan(plan._number, rows)
+    plan._mark_ended(how)
+
+
+def check_open(seqs: SequenceTable, groups: GroupCoordinator, plan: object, what: str) -> np.ndarray:
+    """The rows of ``plan``, once it is an open plan of ``seqs`` as it was planned; TypeError for
+    another object, ValueError for another manager's plan or an ended one, InvariantError when a
+    planned sequence changed (the guard failed: a bug)."""
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"{what} takes the StepPlan schedule or schedule_decode returned, got {type(plan).__name__}")
+    if plan._owner is not seqs:
+        raise ValueError(f"{plan!r} was made by another PageManager; {what} a plan on the manager that made it")
+    if plan.ended is not None:
+        raise ValueError(f"{plan!r} ended already ({plan.ended}); a plan ends once: schedule the next step")
+    _check_unchanged(seqs, plan)
+    return plan._rows
+
+
+def _written(plan: StepPlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndarray, Tokens]:
+    """(count per sequence, their ids: ``(n,)`` or ``(n, k)`` or one array per sequence, or None:
+    unknown) of what the plan's step wrote, checked."""
+    if plan.form == "decode":
+        if token_ids is None:
+            raise ValueError(f"{plan!r} commits the ids its loop wrote: token_ids of shape ({len(plan.seq_ids)}, "
+                             f"{plan.num_steps}); abort(plan) when it wrote nothing")
+        tokens, counts = _decode_written(plan, token_ids, num_tokens)
+        if counts.size and (counts == 1).all():  # one token each: the batched commit of a decode step
+            return counts, tokens[:, 0]
+        return counts, [tokens[i, : counts[i]] for i in range(plan._rows.size)]
+    n = plan._rows.size
+    if num_tokens is not None:
+        raise ValueError(f"num_tokens={num_tokens!r}: {plan!r} is a mixed step, committed whole; its token_ids say how "
+                         "many each sequence wrote (None: every planned token, ids unknown)")
+    if token_ids is None:
+        return plan.limits[:n].astype(np.int64), None
+    counts, ids = parse_tokens(token_ids, n)
+    over = counts > plan.limits[:n]
+    if over.any():
+        i = int(np.argmax(over))
+        raise ValueError(f"token_ids[{i}] holds {int(counts[i])} ids but {plan!r} planned {int(plan.limits[i])} for "
+                         f"sequence {plan.seq_ids[i]}; commit at most what was planned")
+    return counts, ids
+
+
+def _decode_written(plan: StepPlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(ids ``(n, k)``, count per sequence) of what a decode plan's loop wrote, checked."""
+    n, k, padded = plan._rows.size, plan.num_steps, plan.padded_rows
     if isinstance(token_ids, jax.Array):
         token_ids = np.asarray(token_ids)
     tokens = integer_array("token_ids", token_ids, ndim=2, lo=0, hi=INT32_MAX, dtype=np.int64, hint="token ids")
@@ -176,7 +305,7 @@ def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndar
     # limit of each sequence, at most num_steps, is compared below with its own message.
     hint = f"tokens each sequence wrote, at most num_steps={k}"
     one = is_scalar(num_tokens)
-    if one:  # one count for every sequence (0: the abort)
+    if one:  # one count for every sequence
         counts = np.full(n, integer("num_tokens", num_tokens, lo=0, hi=k, hint=hint), np.int64)
     else:
         counts = integer_array("num_tokens", num_tokens, ndim=1, lo=0, hi=k, dtype=np.int64, hint=hint)
@@ -196,30 +325,29 @@ def _written(plan: DecodePlan, token_ids: Any, num_tokens: Any) -> tuple[np.ndar
     return tokens[:n], counts[:n]
 
 
-def _stamp(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray) -> tuple[np.ndarray, ...]:
-    """What a plan was planned over: the rows' edits, lengths, columns and weight versions, and
-    their block-table rows and window starts in every group."""
-    versions = np.array([seqs.version[r] or b"" for r in rows.tolist()], object)
-    own = (seqs.edits[rows], seqs.lens[rows], seqs.npages[rows], versions)
-    return tuple(a.copy() for a in own) + tuple(a.copy() for table in groups for a in (table.table[rows],
-                                                                                       table.start[rows]))
+def _stamp(seqs: SequenceTable, rows: np.ndarray) -> np.ndarray:
+    """What a plan was planned over: the rows' edit counts (`SequenceTable` counts every change to
+    a row). One gather, not a copy of the rows: the guard (`open_plans`) keeps a plan's sequences
+    as planned; this tells a bug that got past it."""
+    stamp: np.ndarray = seqs.edits[rows]
+    return stamp
 
 
-def _check_unchanged(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarray, plan: DecodePlan) -> None:
-    """InvariantError unless ``plan`` is open in ``seqs`` over ``rows``, each as it was planned:
+def _check_unchanged(seqs: SequenceTable, plan: StepPlan) -> None:
+    """InvariantError unless ``plan`` is open in ``seqs``, each of its sequences as planned:
     `open_plans` refuses every call that would change them, so only a bug gets here."""
-    if seqs.open_plans.get(plan._number) != plan.seq_ids or not seqs.active[rows].all():
-        raise InvariantError(f"{plan!r} is not open over its sequences {list(plan.seq_ids)} (released or closed "
-                             "while the plan was open)")
-    now = _stamp(seqs, groups, rows)
-    for then, current in zip(plan._stamp, now, strict=True):
-        if not np.array_equal(then, current):
-            changed = np.flatnonzero((then != current).reshape(rows.size, -1).any(axis=1))
-            row = int(rows[changed[0]])
-            raise InvariantError(
-                f"sequence {row} of {plan!r} changed after the plan was made, though the open plan froze it "
-                f"(written, rewound or claimed anew, or its pages or weight version: length "
-                f"{int(plan.lengths[changed[0]])} then, {int(seqs.lens[row])} now)")
+    rows = plan._rows
+    if seqs.open_plans.get(plan._number) is not rows:
+        raise InvariantError(f"{plan!r} is not open over its sequences {list(plan.seq_ids)} (closed while the plan "
+                             "was open)")
+    now = _stamp(seqs, rows)
+    if not np.array_equal(plan._stamp, now):
+        i = int(np.argmax(plan._stamp != now))
+        row = int(rows[i])
+        raise InvariantError(
+            f"sequence {row} of {plan!r} changed after the plan was made, though the open plan froze it "
+            f"(written, rewound, released or claimed anew, or its pages or weight version: length "
+            f"{int(plan.lengths[i])} then, {int(seqs.lens[row])} now)")
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -227,4 +355,4 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-__all__ = ["DecodePlan", "commit", "plan"]
+__all__ = ["DecodePlan", "StepPlan", "abort", "check_open", "commit", "schedule", "schedule_decode"]

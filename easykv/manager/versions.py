@@ -31,6 +31,7 @@ from easykv.manager.prefix_hash import version_digest, version_root
 if TYPE_CHECKING:
     from easykv.manager.group_table import GroupTable
     from easykv.manager.sequences import SequenceTable
+    from easykv.manager.tier_set import LowerTiers
 
 WeightVersion: TypeAlias = int | str | bytes | None  # as the caller set it
 VERSION_COUNTERS = ("prefix_queries", "prefix_hits", "prefix_hit_tokens")
@@ -42,7 +43,7 @@ class VersionMetrics:
     """One weight version's share of the manager: ``version`` as it was set (None: before any
     was set), whether it is the current one, the pages its running sequences hold and the
     cached pages it wrote (over every layer group's pool; ``host_cached_pages``: those in the
-    host-memory tier), and its prefix lookups.
+    tiers below the device, the host-memory tier's), and its prefix lookups.
 
     Attributes:
       version: the version as it was set (None: before any was set).
@@ -52,7 +53,8 @@ class VersionMetrics:
       prefix_queries: prefix lookups run under it.
       prefix_hits: those that found at least one cached page.
       prefix_hit_tokens: prompt tokens they found cached.
-      host_cached_pages: its pages in the host tier's prefix cache (0 without a host tier).
+      host_cached_pages: its pages in the prefix caches of the tiers below the device (the host
+        tier's, and any other tier's `LowerTier.cached_tags`; 0 without one).
     """
 
     version: Any
@@ -126,7 +128,8 @@ class VersionLog:
         self.counters = {d: c for d, (_, c) in known.items()}
         self.lookups = {k: lookups[k] for k in LOOKUP_COUNTERS}
 
-    def metrics(self, seqs: SequenceTable, groups: Sequence[GroupTable]) -> tuple[VersionMetrics, ...]:
+    def metrics(self, seqs: SequenceTable, groups: Sequence[GroupTable],
+                tiers: LowerTiers) -> tuple[VersionMetrics, ...]:
         """Per known version (in order of first use; the unversioned one only while it holds or
         counts anything or is current); empty while no version was ever set (the counts walk
         every page, so a manager without versions does not pay for them in `metrics`)."""
@@ -145,8 +148,8 @@ class VersionLog:
                 live[i] += np.unique(pages[pages >= 0]).size
             for tag in table.pool.cached_tags():
                 cached[index[tag]] += 1
-            for tag in table.host.cached_tags() if table.host is not None else ():
-                host[index[tag]] += 1
+        for tag in tiers.cached_tags():
+            host[index[tag]] += 1
         out = []
         for i, v in enumerate(versions):
             counters = self.counters[v]

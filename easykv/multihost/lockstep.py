@@ -8,12 +8,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, TypeAlias, cast
 
 import jax
 import numpy as np
 
 from easykv.errors import LockstepError
+
+
+class _LockstepState(Protocol):
+    """The `PageManager`: its state for lock-step checks, host tier included."""
+
+    @property
+    def has_host_tier(self) -> bool: ...
+    def state_dict(self, *, host_tier: bool = False) -> Mapping[str, Any]: ...
+
+
+class _StateDict(Protocol):
+    """Anything else that gives its state as a JSON-safe mapping."""
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+
+#: What `assert_lockstep` compares across processes: a holder of state, or the state itself.
+LockstepSource: TypeAlias = _LockstepState | _StateDict | Mapping[str, Any]
 
 
 def fingerprint(state: Mapping[str, Any]) -> bytes:
@@ -33,21 +51,21 @@ def fingerprint(state: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
-def assert_lockstep(manager: Any, *, what: str = "page manager") -> bytes:
+def assert_lockstep(manager: LockstepSource, *, what: str = "page manager") -> bytes:
     """Raise ``LockstepError`` unless every process holds the same state.
 
     Every process must call it at the same point.
 
     Args:
-      manager: the `PageManager` (its ``lockstep_state()``, host tier included), anything else
+      manager: the `PageManager` (its ``state_dict(host_tier=True)``, host tier included), anything else
         with ``state_dict()``, or a JSON-safe mapping.
       what: how the error message names the state (default ``"page manager"``).
 
     Returns:
       this process's fingerprint (`fingerprint`).
     """
-    if hasattr(manager, "lockstep_state"):  # the PageManager: its host tier included
-        state = manager.lockstep_state()
+    if hasattr(manager, "has_host_tier"):  # the PageManager: its host tier's bookkeeping included
+        state = cast(_LockstepState, manager).state_dict(host_tier=True)
     else:
         state = manager.state_dict() if hasattr(manager, "state_dict") else manager
     if not isinstance(state, Mapping):

@@ -2,10 +2,10 @@
 the transfers between them and the cache's device pages.
 
 The `PageManager` decides which pages move (`easykv.manager.host_tier`); a `HostTier` holds
-them and moves them when the manager applies its pending work::
+them and moves them when a runner applies a plan's work::
 
     tier = easykv.HostTier(cache)              # host pages of every layer group, per shard
-    cache, _ = manager.apply_pending(cache, host=tier)   # before each step's writes
+    runner = easykv.Runner(manager, cache, host=tier)    # applies each plan's transfers before its writes
 
 The host pages of each layer group are kept per addressable shard of the cache's page arrays
 (each process holds the shards of its own devices; a shard replicated on several devices is
@@ -44,6 +44,7 @@ refuses a tier bound to another, so one cache's offload cannot overwrite another
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -51,8 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+from numpy.typing import ArrayLike
 
 from easykv.spec.groups import known_size
+from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.page_work import TRANSFER_CHUNK, padded_ids, page_work_local, work_bucket
 from easykv.storage.pages import PageLayout
@@ -62,7 +65,7 @@ class HostTier:
     """The host pages of ``cache``'s host-memory tier (see the module doc). Made for one
     cache's metadata and placement: the cache `apply` takes must have both (a cache returned
     by a write or an earlier `apply` of it does). It serves one `PageManager` for its life:
-    the first whose `apply_pending` takes it (`bind`); another manager's is refused.
+    the first that attaches it (a runner does, `bind`); another manager's is refused.
 
     Args:
       cache: the `PagedAttentionCache` whose tier this is; its metadata must have a host-memory
@@ -84,7 +87,8 @@ class HostTier:
             leaves, treedef = jax.tree.flatten((cache.key_pages[g], cache.value_pages[g]))
             self._groups.append(_GroupStore(leaves, treedef, meta.group_host_pages(group), meta.page_shards))
         self._inflight: list[tuple[int, list[jax.Array], np.ndarray, np.ndarray]] = []
-        self._owner: object | None = None  # the token of the manager whose host pages these are (bind)
+        self._owner: object | None = None  # the key of the manager whose host pages these are (bind)
+        self._token = _TierToken()  # what a manager knows this tier by (it never holds the tier)
         # Bytes of the pages moved (every layer, K, V and scales, each kv head once).
         self.bytes_offloaded = 0  # device -> host
         self.bytes_onloaded = 0  # host -> device
@@ -95,13 +99,19 @@ class HostTier:
         return sum(a.nbytes for store in self._groups for shards in store.shards for a in shards.values())
 
     @property
+    def token(self) -> object:
+        """This tier's identity for a `PageManager` (`PageManager.attach_host_tier`): the manager keeps
+        the token of the tier holding its host pages, never the tier."""
+        return self._token
+
+    @property
     def owner(self) -> object | None:
         """The token of the `PageManager` this tier serves (None until one binds it)."""
         return self._owner
 
     def bind(self, owner: object) -> None:
-        """Serve the manager holding the token ``owner`` from now on (`PageManager.apply_pending`
-        calls it); binding again with the same token is a no-op. ValueError when the tier serves
+        """Serve the manager holding the token ``owner`` from now on (`easykv.Runner` calls it);
+        binding again with the same token is a no-op. ValueError when the tier serves
         another manager: its pages hold that manager's sequences.
 
         Args:
@@ -114,7 +124,7 @@ class HostTier:
                              "sequences; make one for this cache with easykv.HostTier(cache)")
         self._owner = owner
 
-    def scrub(self, pages: Any) -> None:
+    def scrub(self, pages: Sequence[ArrayLike]) -> None:
         """Zero host pages now, per layer group, and drop any offload still in flight into them:
         the pages hold nothing anyone reads again (released after `apply` read them, or
         forgotten), so no later landing may refill them.
@@ -126,12 +136,12 @@ class HostTier:
         if len(pages) != len(self._groups):
             raise ValueError(f"scrub takes one array of host pages per layer group ({len(self._groups)}), got "
                              f"{len(pages)}")
-        pages = [np.asarray(ids, np.int64).reshape(-1) for ids in pages]
-        for store, ids in zip(self._groups, pages):
+        host_ids = [np.asarray(ids, np.int64).reshape(-1) for ids in pages]
+        for store, ids in zip(self._groups, host_ids):
             n = store.host_local * store.replicas
             if ids.size and (ids.min() < 0 or ids.max() >= n):
                 raise ValueError(f"a host page id is outside 0..{n - 1}: {ids.tolist()}")
-        for g, (store, ids) in enumerate(zip(self._groups, pages)):
+        for g, (store, ids) in enumerate(zip(self._groups, host_ids)):
             if ids.size:
                 for group, _, dst, _ in self._inflight:
                     if group == g:
@@ -146,7 +156,7 @@ class HostTier:
             self._groups[g].keep_staging(staged)
         self._inflight.clear()
 
-    def check(self, cache: Any, manager_metadata: Any = None) -> None:
+    def check(self, cache: PagedAttentionCache, manager_metadata: PagedAttentionCacheMetaData | None = None) -> None:
         """ValueError unless ``cache`` is this tier's cache (its metadata and placement) and
         ``manager_metadata`` (if given) has its pools.
 
@@ -167,10 +177,11 @@ class HostTier:
                 raise ValueError(f"the manager's pools (device, host pages per group: {theirs}) are not this "
                                  f"HostTier's ({mine})")
 
-    def apply(self, cache: PagedAttentionCache, transfers: Any, *, copies: Any = None, scrubs: Any = None,
-              manager_metadata: Any = None) -> PagedAttentionCache:
+    def apply(self, cache: PagedAttentionCache, transfers: Sequence[Sequence[ArrayLike]], *,
+              copies: Sequence[tuple[ArrayLike, ArrayLike]] | None = None, scrubs: Sequence[ArrayLike] | None = None,
+              manager_metadata: PagedAttentionCacheMetaData | None = None) -> PagedAttentionCache:
         """Run a manager's pending work on ``cache`` and these host pages, in one program (one
-        call of it, or a few: see the module doc). Called by `PageManager.apply_pending` (which
+        call of it, or a few: see the module doc). Called by `easykv.Runner` (which
         checks the tier is the manager's: `bind`); everything here is checked before anything
         moves.
 
@@ -373,7 +384,7 @@ class _GroupStore:
             page_bytes += a.nbytes // a.shape[2]
         self.page_bytes = page_bytes  # one page of every layer, every leaf, all heads
 
-    def plan(self, transfers: Any, num_pages: int) -> _Plan:
+    def plan(self, transfers: Sequence[ArrayLike], num_pages: int) -> _Plan:
         off_src, off_dst, on_src, on_dst = (np.asarray(t, np.int64) for t in transfers[:4])
         hosts = self.host_local * self.replicas
         for name, ids, n in (("offload source", off_src, num_pages), ("offload destination", off_dst, hosts),
@@ -549,6 +560,15 @@ def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Arr
 
 def _unchanged(operands: Any) -> Any:
     return operands
+
+
+class _TierToken:
+    """A `HostTier`'s identity, compared by ``is``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<HostTier token {id(self):#x}>"
 
 
 __all__ = ["HostTier"]

@@ -22,11 +22,13 @@ import jax
 from jax.sharding import Mesh
 
 from easykv.manager.manager import PageManager
+from easykv.sharding import PartitionManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.spec.relayout import target_metadata
 from easykv.storage.cache import PagedAttentionCache
-from easykv.storage.pages import PageLayout, allocate_pages, group_page_templates
+from easykv.storage.pages import PageLayout, StoredPages, allocate_pages, group_page_templates
 from easykv.storage.placement import cache_layout, check_fits, group_layouts
+from easykv.storage.pool_match import check_cache_of
 from easykv.validation import integer
 
 HOST_KIND = "pinned_host"
@@ -52,8 +54,8 @@ class SleepingCache:
     metadata: PagedAttentionCacheMetaData
     layout: PageLayout | None
     manager: PageManager
-    key_pages: tuple[Any, ...] | None
-    value_pages: tuple[Any, ...] | None
+    key_pages: tuple[StoredPages, ...] | None
+    value_pages: tuple[StoredPages | None, ...] | None
     woken: bool = False
 
     @property
@@ -62,7 +64,7 @@ class SleepingCache:
         return _held_bytes(jax.tree.leaves((self.key_pages, self.value_pages)), HOST_KIND)
 
 
-def device_bytes(tree: Any = None) -> int:
+def device_bytes(tree: object = None) -> int:
     """Bytes of device memory held by the arrays of ``tree`` (default: every live array of this
     process), counted from the arrays themselves: their addressable shards in the ``device``
     memory kind (a replicated shard counts once per device holding it).
@@ -142,11 +144,12 @@ def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -
         raise ValueError(f"sleep takes a PagedAttentionCache, got {type(cache).__name__}")
     if not isinstance(manager, PageManager):
         raise ValueError(f"manager must be the easykv.PageManager of the cache's pool, got {type(manager).__name__}")
-    meta = manager.check_cache(cache)
+    meta = check_cache_of(cache, manager.metadata)
     level = integer("level", level, lo=1, hi=2, hint="1 keeps the pages in host memory, 2 discards them")
-    if manager.has_host_tier and manager.has_pending_transfers():
-        raise ValueError("host-tier transfers are pending (they read and write the pages being put to sleep); call "
-                         "apply_pending(cache, host=...) first")
+    if manager.has_host_tier and manager.has_pending_work:
+        raise ValueError("device work is pending, with a host tier (host-tier transfers read and write the pages "
+                         "being put to sleep); apply it first: runner.apply_pending(), or "
+                         "easykv.apply_pending(manager, cache, host=tier)")
     if level == 2 and cache.layout is None:
         raise ValueError("sleep(level=2) needs a cache laid out on a mesh (init_cache) to allocate again on wake; "
                          "sleep this one at level 1")
@@ -161,15 +164,14 @@ def sleep(cache: PagedAttentionCache, manager: PageManager, *, level: int = 1) -
         keys, values = host
     else:
         keys = values = None
-        manager.reset_prefix_cache()
-        manager.take_scrubs()  # fresh pages are zero
+        manager.reset_prefix_cache()  # its scrubs stay pending: zeroing the fresh pages again is harmless
     _free_unshared(leaves, (keys, values))
     return SleepingCache(level=level, metadata=meta, layout=cache.layout, manager=manager, key_pages=keys,
                          value_pages=values)
 
 
 def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
-         partition_manager: Any = None) -> tuple[PagedAttentionCache, PageManager]:
+         partition_manager: PartitionManager | None = None) -> tuple[PagedAttentionCache, PageManager]:
     """The cache (and its manager) back in device memory: on the mesh it slept on, or on
     ``mesh`` laid out by ``partition_manager`` (kv heads re-split, the pool re-sliced over the
     target's data-parallel replicas with the manager following). Level 1 restores every page
@@ -212,7 +214,7 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
         if manager.has_host_tier and manager.swapped_ids:
             raise ValueError(f"sequences {manager.swapped_ids} are swapped out to the host tier, whose pages stay with "
                              "the old placement; swap them in before sleeping, or wake on the mesh it slept on")
-        manager = manager.reshard(target) if target.page_shards != meta.page_shards else manager
+        manager = manager.clone(target) if target.page_shards != meta.page_shards else manager
         new = cache_layout(mesh, target)
         layouts, layout, moved = group_layouts(target, new), new, True
         if manager.has_host_tier:  # a HostTier holds pages of one placement: the new cache needs a new one
@@ -236,13 +238,15 @@ def wake(sleeping: SleepingCache, *, mesh: Mesh | None = None,
 
 
 def _placed_pages(sleeping: SleepingCache, layouts: tuple[PageLayout | None, ...],
-                  moved: bool) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+                  moved: bool) -> tuple[tuple[StoredPages, ...], tuple[StoredPages | None, ...]]:
     """The sleeping pages back in device memory: with the shardings they had, or (``moved``)
     staged there as they were and laid out per ``layouts`` (one group at a time, so the extra
     device memory is one group's). Returns (key pages, value pages), one entry per group, ready."""
     # cast: a level-1 cache not yet woken holds its host pages (level 2 and `woken` never get here).
-    key_pages, value_pages = cast("tuple[tuple[Any, ...], tuple[Any, ...]]", (sleeping.key_pages, sleeping.value_pages))
-    keys, values = [], []
+    key_pages, value_pages = cast("tuple[tuple[StoredPages, ...], tuple[StoredPages | None, ...]]",
+                                  (sleeping.key_pages, sleeping.value_pages))
+    keys: list[StoredPages] = []
+    values: list[StoredPages | None] = []
     for g, group_layout in enumerate(layouts):
         staged: list[jax.Array] = []
 

@@ -1,6 +1,7 @@
 """The page manager's arguments against hostile values (tests/support/hostile.py says what
 every call must do): garbage of every type, integers of any size, and the cases the attack
-found."""
+found. The deprecated names are public calls too (for one release): they get the same values,
+their own warning expected (`tests.support.deprecation.old_name`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from easykv import PageManager
 from easykv.validation import INT32_MAX
+from tests.support.deprecation import old_name
 from tests.support.hostile import ALLOWED, GARBAGE, INTS, META, check_range, exact
 from tests.support.pools import MAX_LEN, PAGES, setup
 
@@ -24,8 +26,7 @@ def manager() -> tuple[PageManager, int, int]:
     _, _, meta = setup("heads")
     pm = PageManager(meta, scrub_released=True)
     a, b = pm.claim(2)
-    pm.build_step_metadata([a], [5])
-    pm.step([a], [[1, 2, 3, 4, 5]])
+    pm.commit(pm.schedule([a], [5]), [[1, 2, 3, 4, 5]])
     return pm, a, b
 
 
@@ -39,6 +40,24 @@ MANAGER_CALLS: list[tuple[str, Callable[..., Any], tuple[int, int] | None]] = [
     ("fork(id)", lambda pm, a, b, x: pm.fork(x), (0, 3)),
     ("match_prefix(id)", lambda pm, a, b, x: pm.match_prefix(x, [1, 2]), (0, 3)),
     ("match_prefix(token)", lambda pm, a, b, x: pm.match_prefix(b, [1, x]), (0, INT32_MAX)),
+    ("schedule(id)", lambda pm, a, b, x: pm.schedule([x], [1]), (0, 3)),
+    ("schedule(count)", lambda pm, a, b, x: pm.schedule([a], x), (0, MAX_LEN)),
+    ("schedule([count])", lambda pm, a, b, x: pm.schedule([a], [x]), (0, MAX_LEN)),
+    ("schedule(pad_tokens_to)", lambda pm, a, b, x: pm.schedule([a], [1], pad_tokens_to=x), (1, 4 * MAX_LEN)),
+    ("schedule(pad_seqs_to)", lambda pm, a, b, x: pm.schedule([a], [1], pad_seqs_to=x), (1, 4)),
+    ("step(token)", lambda pm, a, b, x: pm.step([a], [x]), (0, INT32_MAX)),
+    ("step([[token]])", lambda pm, a, b, x: pm.step([a], [[x]]), (0, INT32_MAX)),
+    ("step(id)", lambda pm, a, b, x: pm.step([x], [1]), (0, 3)),
+    ("sequence(id)", lambda pm, a, b, x: pm.sequence(x), (0, 3)),
+    ("length(id)", lambda pm, a, b, x: pm.length(x), (0, 3)),
+    ("pages(id)", lambda pm, a, b, x: pm.pages(x), (0, 3)),
+    ("page_table([id])", lambda pm, a, b, x: pm.page_table([x]), (0, 3)),
+    ("contains(id)", lambda pm, a, b, x: pm.contains(x), None),
+    ("from_state_dict", lambda pm, a, b, x: PageManager.from_state_dict(META, x), None),
+    ("PageManager(flag)", lambda pm, a, b, x: PageManager(META, scrub_released=x), None),
+]
+# The deprecated names (each runs its replacement): the same registry, run by `old_name`.
+DEPRECATED_CALLS: list[tuple[str, Callable[..., Any], tuple[int, int] | None]] = [
     ("reserve(id)", lambda pm, a, b, x: pm.reserve(x, 1), (0, 3)),
     ("reserve(count)", lambda pm, a, b, x: pm.reserve(a, x), (0, MAX_LEN)),
     ("reserve([count])", lambda pm, a, b, x: pm.reserve([a], [x]), (0, MAX_LEN)),
@@ -51,28 +70,25 @@ MANAGER_CALLS: list[tuple[str, Callable[..., Any], tuple[int, int] | None]] = [
     ("build_decode_metadata(pad_seqs_to)",
      lambda pm, a, b, x: pm.build_decode_metadata([a], pad_seqs_to=x), (1, 4)),
     ("build_decode_metadata(stacked)", lambda pm, a, b, x: pm.build_decode_metadata([a], stacked=x), None),
-    ("step(token)", lambda pm, a, b, x: pm.step([a], [x]), (0, INT32_MAX)),
-    ("step([[token]])", lambda pm, a, b, x: pm.step([a], [[x]]), (0, INT32_MAX)),
-    ("step(id)", lambda pm, a, b, x: pm.step([x], [1]), (0, 3)),
     ("append_tokens(token)", lambda pm, a, b, x: pm.append_tokens(a, [x]), (0, INT32_MAX)),
     ("advance(count)", lambda pm, a, b, x: pm.advance(a, x), (0, MAX_LEN)),
     ("advance(id)", lambda pm, a, b, x: pm.advance(x, 0), (0, 3)),
     ("pending_copies(pad_to)", lambda pm, a, b, x: pm.pending_copies(x), (0, PAGES)),
     ("take_scrubs(pad_to)", lambda pm, a, b, x: pm.take_scrubs(x), (0, PAGES)),
-    ("length(id)", lambda pm, a, b, x: pm.length(x), (0, 3)),
-    ("pages(id)", lambda pm, a, b, x: pm.pages(x), (0, 3)),
-    ("page_table([id])", lambda pm, a, b, x: pm.page_table([x]), (0, 3)),
-    ("contains(id)", lambda pm, a, b, x: pm.contains(x), None),
-    ("from_state_dict", lambda pm, a, b, x: PageManager.from_state_dict(META, x), None),
-    ("PageManager(flag)", lambda pm, a, b, x: PageManager(META, scrub_released=x), None),
+    ("capacity(id)", lambda pm, a, b, x: pm.capacity(x), (0, 3)),
+    ("first_kept_position(id)", lambda pm, a, b, x: pm.first_kept_position(x), (0, 3)),
 ]
+ALL_CALLS = MANAGER_CALLS + DEPRECATED_CALLS
 
 
-def run_manager_call(call, x, rng=None):
+def run_manager_call(call, x, name=""):
+    """Whether ``call`` accepted ``x``; on an error, only an allowed one, with nothing changed.
+    ``name``: the registry's name of the call (a deprecated one's warning is expected)."""
     pm, a, b = manager()
     before = json.dumps(pm.state_dict())
     try:
-        call(pm, a, b, x)
+        with old_name(name.split("(")[0]):
+            call(pm, a, b, x)
     except ALLOWED:
         assert json.dumps(pm.state_dict()) == before, "an error changed the manager"
         return False
@@ -80,18 +96,18 @@ def run_manager_call(call, x, rng=None):
     return True
 
 
-@pytest.mark.parametrize("name,call,bounds", MANAGER_CALLS, ids=[c[0] for c in MANAGER_CALLS])
+@pytest.mark.parametrize("name,call,bounds", ALL_CALLS, ids=[c[0] for c in ALL_CALLS])
 def test_manager_arguments_refuse_garbage(name, call, bounds):
     for x in GARBAGE:
-        accepted = run_manager_call(call, x)
+        accepted = run_manager_call(call, x, name)
         check_range(accepted, x, bounds, name)
 
 
-@pytest.mark.parametrize("name,call,bounds", [c for c in MANAGER_CALLS if c[2]],
-                         ids=[c[0] for c in MANAGER_CALLS if c[2]])
+@pytest.mark.parametrize("name,call,bounds", [c for c in ALL_CALLS if c[2]],
+                         ids=[c[0] for c in ALL_CALLS if c[2]])
 @given(x=INTS)
 def test_manager_integers_of_any_size_are_bounded_before_use(name, call, bounds, x):
-    check_range(run_manager_call(call, x), x, bounds, name)
+    check_range(run_manager_call(call, x, name), x, bounds, name)
 
 
 # ---- the cases the attack found ------------------------------------------------------------------------
@@ -102,11 +118,17 @@ def test_a_count_that_wraps_to_negative_never_moves_a_sequence_back():
     assert pm.pages(c) == pm.pages(a)[:1]
     before = pm.state_dict()
     for bad in (2**64 - 5, np.uint64(2**64 - 5), np.uint64(2**63), 2**63 + 1):
-        with pytest.raises(ValueError, match=r"num_tokens"):
+        for ids, counts in (([c], bad), ([a], [bad]), ([c, a], [1, bad])):
+            with pytest.raises(ValueError, match=r"num_tokens"):
+                pm.schedule(ids, counts)
+        with pytest.warns(DeprecationWarning, match=r"PageManager\.advance is deprecated"), \
+                pytest.raises(ValueError, match=r"num_tokens"):
             pm.advance(c, bad)
-        with pytest.raises(ValueError, match=r"num_tokens"):
+        with pytest.warns(DeprecationWarning, match=r"PageManager\.reserve is deprecated"), \
+                pytest.raises(ValueError, match=r"num_tokens"):
             pm.reserve(a, bad)
-        with pytest.raises(ValueError, match=r"num_tokens"):
+        with pytest.warns(DeprecationWarning, match=r"PageManager\.build_step_metadata is deprecated"), \
+                pytest.raises(ValueError, match=r"num_tokens"):
             pm.build_step_metadata([a], [bad])
     assert pm.state_dict() == before
 

@@ -18,6 +18,7 @@ from easykv import CacheFullError, LayerGroup, PagedAttentionCache, PagedAttenti
 from easykv.errors import ManagerStateError
 from easykv.manager.manager import single_group
 from easykv.sharding import PartitionAxis, PartitionManager, ShardingAdjustedWarning, create_mesh
+from easykv.step.ragged import RaggedStep
 from tests.support.attention import numpy_attention
 from tests.support.tiers import tiered
 
@@ -36,9 +37,9 @@ def hybrid(full_pages=10, sliding_pages=6, window=5, shards=1, batch=3, kinds=No
 
 
 def grow(m, seq, tokens, ids=True):
-    rts = m.build_step_metadata([seq], [len(tokens)])
-    m.step([seq], [list(tokens)]) if ids else m.advance([seq], len(tokens))
-    return rts
+    plan = m.schedule([seq], [len(tokens)])
+    m.commit(plan, [list(tokens)] if ids else None)
+    return plan.metadata
 
 
 def rows(m, seq):
@@ -62,7 +63,7 @@ def test_each_group_has_its_table_and_the_sliding_one_frees_what_left_its_window
     rts = grow(m, s, [9])
     assert rows(m, s) == [[0, 1, 2], [PAD, 1, 2]]
     assert [step_meta.slot_mapping[:1].tolist() for step_meta in rts] == [[8], [8]]
-    assert m.first_kept_position(s, group=0) == 0 and m.first_kept_position(s, group=1) == 5
+    assert m.sequence(s).first_kept == (0, 5)
     m.check_invariants()
     metrics = m.metrics
     assert (metrics.total_pages, metrics.used_pages, metrics.cached_pages) == (16, 5, 1)
@@ -74,8 +75,7 @@ def test_memory_of_the_sliding_group_follows_the_window_not_the_sequence():
     m = PageManager(hybrid(full_pages=24, sliding_pages=6, batch=3))
     seqs = m.claim(3)
     for t in range(30):  # 3 x 30 tokens: 24 full pages in use, but never more than 2 sliding pages each
-        m.build_step_metadata(seqs, [1, 1, 1])
-        m.step(seqs, [100 * s + t for s in seqs])
+        m.commit(m.schedule(seqs, [1, 1, 1]), [100 * s + t for s in seqs])
         held = [sum(p != PAD for p in m.pages(s, group=1)) for s in seqs]
         assert max(held) <= 2
     assert [len(m.pages(s, group=0)) for s in seqs] == [8, 8, 8]
@@ -100,9 +100,9 @@ def test_a_prefix_hit_needs_every_groups_pages():
     # Another sequence takes every sliding page: the sliding group evicts the prompt's pages
     # (oldest first) while the full group keeps all three cached. No hit can be whole any more.
     c = m.claim(1)[0]
-    m.build_step_metadata([c], [24])
+    plan = m.schedule([c], [24])
     assert m.metrics.groups[1].evictions == 3
-    m.advance([c], 24)
+    m.commit(plan)
     d = m.claim(1)[0]
     assert m.cached_prefix_length(prompt) == 0
     assert m.match_prefix(d, prompt) == 0
@@ -116,11 +116,11 @@ def test_fork_copies_on_write_in_every_group():
     grow(m, a, [1, 2, 3, 4, 5, 6])  # pages 0 (full) and 1 (partial) in both groups
     b = m.fork(a)
     assert rows(m, b) == [[0, 1], [0, 1]]
-    m.build_step_metadata([b], [1])  # b writes into the shared partial page 1 of each group
+    plan = m.schedule([b], [1])  # b writes into the shared partial page 1 of each group
     assert rows(m, b) == [[0, 2], [0, 2]]
-    src, dst = m.take_copies()
+    src, dst = plan.work.copies()
     assert [x.tolist() for x in src] == [[1], [1]] and [x.tolist() for x in dst] == [[2], [2]]
-    m.step([b], [7])
+    m.commit(plan, [[7]])
     assert m.metrics.copies == 2
     m.check_invariants()
 
@@ -130,7 +130,7 @@ def test_a_full_small_group_refuses_the_step_and_changes_nothing():
     s = m.claim(1)[0]
     before = m.state_dict()
     with pytest.raises(CacheFullError, match=r"needs 7 pages of layer group 1 but only 6") as err:
-        m.build_step_metadata([s], [28])  # every token's page is written before the window moves on
+        m.schedule([s], [28])  # every token's page is written before the window moves on
     assert (err.value.needed, err.value.available) == (7, 6)
     assert m.state_dict() == before
     grow(m, s, range(24))
@@ -140,24 +140,26 @@ def test_a_full_small_group_refuses_the_step_and_changes_nothing():
 def test_the_group_must_be_named_where_the_answer_differs():
     m = PageManager(hybrid())
     s = m.claim(1)[0]
-    for call in (lambda: m.pages(s), lambda: m.page_table([s]), lambda: m.first_kept_position(s)):
+    for call in (lambda: m.pages(s), lambda: m.page_table([s])):
         with pytest.raises(ValueError, match=r"2 layer groups, each with its own pages; pass group=0..1"):
             call()
     with pytest.raises(ValueError, match=r"group must .*got 2 \(valid: 0..1; a layer group of the 2"):
         m.pages(s, group=2)
+    assert len(m.sequence(s).first_kept) == 2  # one per group: nothing to name
     with pytest.raises(ValueError, match=r"tuple of 2 step metadata"):
-        m.increment_cache_lengths(m.build_decode_metadata([s])[0][0])
+        m.increment_cache_lengths(m.schedule_decode([s], 1).metadata[0])
 
 
 def test_decode_metadata_is_one_per_group_per_step():
     m = PageManager(hybrid())
     s = m.claim(1)[0]
     grow(m, s, [1, 2, 3])
-    steps = m.build_decode_metadata([s], num_steps=3)
-    assert len(steps) == 3 and all(len(step) == 2 for step in steps)
+    plan = m.schedule_decode([s], 3)
+    steps = [plan.metadata]
+    for _ in range(2):
+        steps.append(plan.next_metadata(steps[-1]))
+    assert all(len(step) == 2 for step in steps)
     assert [[int(step_meta.slot_mapping[0]) for step_meta in step] for step in steps] == [[3, 3], [4, 4], [5, 5]]
-    stacked = m.build_decode_metadata([s], num_steps=1, stacked=True)
-    assert len(stacked) == 2 and stacked[0].slot_mapping.shape == (1, 1)
     nxt = m.increment_cache_lengths(steps[0])
     assert [int(step_meta.slot_mapping[0]) for step_meta in nxt] == [4, 4]
 
@@ -169,44 +171,43 @@ def test_decode_metadata_is_one_per_group_per_step():
                                     LayerGroup((2,), "sliding", 5, num_pages=6))],
                          ids=["one group", "two groups", "three groups"])
 def test_every_per_group_answer_is_a_tuple_of_one_per_group(kinds):
-    """The same shape whatever the number of groups: step and decode metadata (a list of steps,
-    or stacked), the next decode step, pending and taken copies and scrubs."""
+    """The same shape whatever the number of groups: a step's and a decode plan's metadata, the
+    next decode step (the plan's and the manager's), a plan's copies, scrubs and transfers, and the
+    work taken without a plan."""
     m = PageManager(hybrid(kinds=kinds), scrub_released=True)
     n = len(kinds)
     s = m.claim(1)[0]
     first = grow(m, s, [1, 2, 3, 4, 5, 6])
     child = m.fork(s)
-    steps = m.build_decode_metadata([child], num_steps=2)
-    stacked = m.build_decode_metadata([s], num_steps=1, stacked=True)
-    nxt = m.increment_cache_lengths(steps[0])
-    src, dst = m.pending_copies()
-    answers = [first, *steps, stacked, nxt, src, dst, m.pending_scrubs()]
+    plan = m.schedule_decode([child], 2)
+    nxt, inc = plan.next_metadata(plan.metadata), m.increment_cache_lengths(plan.metadata)
+    src, dst = plan.work.copies()
+    answers = [first, plan.metadata, nxt, inc, src, dst, plan.work.scrubs(), plan.work.transfers()]
     assert all(type(a) is tuple and len(a) == n for a in answers), [(type(a), len(a)) for a in answers]
-    assert all(isinstance(step_meta, easykv.PagedAttentionMetadata) for step_meta in (*first, *steps[1], *stacked,
-                                                                                      *nxt))
+    assert all(isinstance(step_meta, RaggedStep) for step_meta in (*first, *plan.metadata, *nxt, *inc))
     assert [a.tolist() for a in src] == [[1]] * n and [a.tolist() for a in dst] == [[2]] * n  # the child's copy
-    taken = m.take_copies()
-    assert type(taken) is tuple and all(type(x) is tuple and len(x) == n for x in taken)
-    m.release(child)
-    scrubs = m.take_scrubs()
-    assert type(scrubs) is tuple and len(scrubs) == n
+    m.abort(plan)
+    m.release(child)  # its private copy (page 2 of each pool): a scrub in each
+    scrubs = m.take_work().scrubs()
+    assert type(scrubs) is tuple and [a.tolist() for a in scrubs] == [[2]] * n
 
 
 def test_single_group_unpacks_a_one_group_answer_and_refuses_the_rest():
     one, two = PageManager(hybrid(kinds=(LayerGroup((0,), "full", num_pages=10),))), PageManager(hybrid())
     for m in (one, two):
         m.claim(1)
-    (step_meta,) = answer = one.build_step_metadata([0], [3])
+    plan = one.schedule([0], [3])
+    (step_meta,) = answer = plan.metadata
     assert single_group(answer) is step_meta and step_meta.slot_mapping.tolist() == [0, 1, 2]
-    one.step([0], [[7, 8, 9]])
-    [(dec,)] = one.build_decode_metadata([0])
+    one.commit(plan, [[7, 8, 9]])
+    (dec,) = one.schedule_decode([0], 1).metadata
     assert one.increment_cache_lengths(dec)[0].positions.tolist() == [4]  # one group: bare metadata too
     with pytest.raises(ValueError, match=r"one item for each of 2 layer groups; index it by group \(answer\[g\]\)"):
-        single_group(two.build_step_metadata([0], [3]))
-    with pytest.raises(ValueError, match=r"pending_copies / take_copies give two, \(src_per_group, dst_per_group\): "
+        single_group(two.schedule([0], [3]).metadata)
+    with pytest.raises(ValueError, match=r"a plan's work\.copies\(\) gives two, \(src_per_group, dst_per_group\): "
                                          r"unpack each"):
-        single_group(one.pending_copies())
-    with pytest.raises(ValueError, match=r"takes a per-group answer .* got PagedAttentionMetadata"):
+        single_group(plan.work.copies())
+    with pytest.raises(ValueError, match=r"takes a per-group answer .* got RaggedStep"):
         single_group(step_meta)
     with pytest.raises(ValueError, match=r"this manager has 1 layer group\(s\): pass a tuple of 1 step metadata.*"
                                          r"got a tuple of 2"):
@@ -223,20 +224,19 @@ def test_resume_needs_every_group_windowed():
     s = w.claim(1)[0]
     w.resume(s, 9)
     assert rows(w, s) == [[PAD, PAD], [PAD, PAD]] and w.length(s) == 8
-    w.build_step_metadata([s], [4])
-    w.advance([s], 4)  # length 12: the sliding window (10..12) and the chunk (8..15) are past the floor
+    w.commit(w.schedule([s], [4]))  # length 12: the sliding window (10..12) and the chunk (8..15) are past the floor
     assert rows(w, s) == [[PAD, PAD, 0], [PAD, PAD, 0]]
-    assert w.first_kept_position(s, group=0) == 10 and w.first_kept_position(s, group=1) == 8
+    assert w.sequence(s).first_kept == (10, 8)
     w.check_invariants()
 
 
 def test_state_round_trips_in_format_2_and_refuses_crafted_ones():
     m = PageManager(hybrid(), scrub_released=True)
     a, b = m.claim(2)
-    grow(m, a, range(1, 10))
-    c = m.fork(a)
-    m.build_step_metadata([c], [1])  # a copy pending in each group
+    grow(m, a, range(1, 11))
     grow(m, b, range(50, 53), ids=False)
+    c = m.fork(a)
+    m.truncate(c, 9)  # c ends inside the partial page it shares with a: a copy pending in each group
     state = json.loads(json.dumps(m.state_dict()))
     assert state["format"] == "easykv.PageManager/2"
     assert state["config"]["groups"] == [{"attention": "full", "window": None, "num_pages": 10},
@@ -245,7 +245,8 @@ def test_state_round_trips_in_format_2_and_refuses_crafted_ones():
     assert state["sequences"][0]["pages"] == [[0, 1, 2], [PAD, 1, 2]]
     back = PageManager.from_state_dict(m.metadata, state)
     assert back.state_dict() == state
-    assert back.pending_copies()[1][1].tolist() == m.pending_copies()[1][1].tolist()
+    theirs, mine = back.take_work(), m.take_work()
+    assert [x.tolist() for x in theirs.copies()[1]] == [x.tolist() for x in mine.copies()[1]] == [[4], [4]]
 
     def crafted(edit):
         bad = json.loads(json.dumps(state))
@@ -259,7 +260,7 @@ def test_state_round_trips_in_format_2_and_refuses_crafted_ones():
         (lambda s: s["config"]["groups"][1].update(window=6), "config", "another pool"),
         (lambda s: s["sequences"][0]["pages"][1].__setitem__(0, 3), "sequences[id=0].pages", "releases exactly 1"),
         (lambda s: s["pool"][1]["free"][0].append(1), "pool[1]", "listed twice|refcount"),
-        (lambda s: s["copies"][1].append([0, 4]), "copies[1][dst=4]", "a page of the prefix cache no sequence holds"),
+        (lambda s: s["copies"][1].append([0, 3]), "copies[1][dst=3]", "a page of the prefix cache no sequence holds"),
     ]
     for edit, field, words in cases:
         with pytest.raises(ManagerStateError) as err:
@@ -277,11 +278,11 @@ def test_reshard_keeps_each_sequence_in_one_replica_of_every_group():
     a, b = m.claim(2)
     grow(m, a, range(1, 10))
     grow(m, b, range(20, 25))
-    assert m.replica(a) == 0 and m.replica(b) == 1
+    assert m.sequence(a).replica == 0 and m.sequence(b).replica == 1
     assert rows(m, b) == [[8, 9], [4, 5]]  # replica 1's slices: pages 8..15 and 4..7
-    one = m.reshard(hybrid(full_pages=16, sliding_pages=8, shards=1))
-    assert rows(one, b) == rows(m, b) and one.replica(b) == 0
-    two = one.reshard(hybrid(full_pages=16, sliding_pages=8, shards=2))
+    one = m.clone(hybrid(full_pages=16, sliding_pages=8, shards=1))
+    assert rows(one, b) == rows(m, b) and one.sequence(b).replica == 0
+    two = one.clone(hybrid(full_pages=16, sliding_pages=8, shards=2))
     assert two.state_dict() == m.state_dict()
     # A sequence whose full pages lie in one new slice and its sliding pages in another cannot move.
     m1 = PageManager(hybrid(full_pages=16, sliding_pages=8, shards=1))
@@ -292,7 +293,7 @@ def test_reshard_keeps_each_sequence_in_one_replica_of_every_group():
     assert rows(m1, b) == [[4], [4]]  # page 4: replica 0 of the full group's 8-page slices, 1 of the sliding's 4
     with pytest.raises(ValueError, match=r"layer group 1 of 8 pages into 2 .* sequence 1's pages \[\[4\], \[4\]\] in "
                                          r"replicas \[0, 1\]"):
-        m1.reshard(hybrid(full_pages=16, sliding_pages=8, shards=2))
+        m1.clone(hybrid(full_pages=16, sliding_pages=8, shards=2))
 
 
 # ---- a real grouped cache driven by the manager, against numpy ----------------------------------
@@ -323,20 +324,22 @@ def test_a_manager_driven_grouped_cache_matches_dense_attention(layout, quantize
         return x if quantizer == "none" else np.asarray(q8.quantize(jnp.asarray(x)).dequantize(np.float32))
     meta = cache.metadata
     m = PageManager(meta)
+    runner = easykv.Runner(m, cache)
     rng = np.random.default_rng(0)
     groups = [meta.groups[meta.group_of(i)[0]] for i in range(LAYERS)]
     hist: dict[int, list] = {}  # seq -> per layer [K rows, V rows] of its whole history
 
-    def step(seqs, counts):
-        nonlocal cache
-        rts = m.build_step_metadata(seqs, counts)
-        cache, _ = m.apply_pending(cache)
+    def step(seqs, tokens):
+        counts = [len(t) for t in tokens]
+        plan = m.schedule(seqs, counts)
+        rts = plan.metadata
         n = sum(counts)
         ks = [rng.standard_normal((n, g.num_kv_heads, g.key_head_dim)).astype(np.float32) for g in groups]
         vs = [rng.standard_normal((n, g.num_kv_heads, g.value_head_dim)).astype(np.float32) if g.has_values else None
               for g in groups]
-        cache, dropped = cache.write(ks, vs, rts)
+        dropped = runner.run(plan, lambda cache, plan: cache.write(ks, vs, plan.metadata), token_ids=tokens)
         assert int(dropped) == 0
+        cache = runner.cache
         t = 0
         for s, c in zip(seqs, counts):
             for i in range(LAYERS):
@@ -372,16 +375,14 @@ def test_a_manager_driven_grouped_cache_matches_dense_attention(layout, quantize
         if done:  # the hit's K/V are the first prompt's: the reference history starts with them
             assert (s, done) == (2, 12)
             hist[s] = [[k[:done], None if v is None else v[:done]] for k, v in hist[0]]
-        step([s], [len(p) - done])
-        m.step([s], [p[done:]])
+        step([s], [p[done:]])
         seqs.append(s)
     assert m.metrics.prefix_hit_tokens == 12
     child = m.fork(0)
     hist[child] = [[k.copy(), None if v is None else v.copy()] for k, v in hist[0]]
     seqs.append(child)
     for t in range(6):  # the sliding window moves over page boundaries; freed pages are taken again
-        step(seqs, [1] * len(seqs))
-        m.step(seqs, [t] * len(seqs))
+        step(seqs, [[t]] * len(seqs))
         m.check_invariants()
     assert m.metrics.copies >= 3  # the fork's partial page was copied in each group
     assert max(sum(p != PAD for p in m.pages(s, group=0)) for s in seqs) <= 3  # window 6: at most 3 pages
@@ -413,7 +414,7 @@ def test_crafted_grouped_states_and_arguments_are_refused():
     for bad in (True, -1, 2, "0", 1.0):
         with pytest.raises(ValueError, match="group"):
             m.pages(a, group=bad)
-    with pytest.raises(ValueError, match="another pool"):
-        m.apply_pending(__import__("types").SimpleNamespace(
+    with pytest.raises(ValueError, match="must be the PagedAttentionCache of this manager's pool, got SimpleNamespace"):
+        easykv.apply_pending(m, __import__("types").SimpleNamespace(  # a look-alike is no cache
             metadata=hybrid(full_pages=16, sliding_pages=16, shards=2), copy_pages=lambda *a: None))
     assert m.state_dict() == before

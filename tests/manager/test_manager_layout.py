@@ -38,6 +38,7 @@ def test_each_attention_kind_has_its_allocator_class():
         batch_size=2, num_hidden_layers=3, num_pages_per_layer=8, num_pages_per_sequence=4, max_sequences=16,
         page_size=4, num_kv_heads=2, kv_head_dim_size=8, hbm_utilization=0.9, layer_groups=groups)
     m = PageManager(meta)
+    # The manager's own tables, reached on purpose: which class keeps each group is internal by design.
     assert [type(table) for table in m._groups] == [FullAttentionTable, SlidingWindowTable, ChunkedTable]
     assert [table.windowed for table in m._groups] == [False, True, True]
 

@@ -18,8 +18,7 @@ def meta(kind="sliding", window=5, pages=10):
 
 
 def grow(m, seq, tokens):
-    m.build_step_metadata([seq], [len(tokens)])
-    m.step([seq], [list(tokens)])
+    m.commit(m.schedule([seq], [len(tokens)]), [list(tokens)])
 
 
 def test_sliding_window_releases_pages_wholly_before_the_next_query():
@@ -40,14 +39,12 @@ def test_sliding_window_releases_pages_wholly_before_the_next_query():
 def test_chunked_cache_keeps_only_the_current_chunk():
     m = PageManager(meta("chunked", 8))
     s = m.claim(1)[0]
-    m.build_step_metadata([s], [7])
-    m.advance([s], 7)  # not hashed: released pages go straight back to the free list
+    m.commit(m.schedule([s], [7]))  # not hashed: released pages go straight back to the free list
     assert m.page_table([s])[0][:2].tolist() == [0, 1]
-    m.build_step_metadata([s], [1])
-    m.advance([s], 1)  # length 8: the next query starts chunk 1, so chunk 0's pages are dead
+    m.commit(m.schedule([s], [1]))  # length 8: the next query starts chunk 1, so chunk 0's pages are dead
     assert m.page_table([s])[0][:2].tolist() == [PAD, PAD]
     assert (m.metrics.used_pages, m.metrics.cached_pages, m.metrics.free_pages) == (0, 0, 10)
-    m.build_step_metadata([s], [1])
+    m.schedule([s], [1])
     assert m.page_table([s])[0][:3].tolist() == [PAD, PAD, 0]  # the freed page 0 is handed out again
     m.check_invariants()
 
@@ -57,8 +54,7 @@ def test_a_window_sequence_never_holds_more_than_its_window_pages():
     seqs = m.claim(3)
     for t in range(30):  # 3 sequences x 30 tokens = 90 positions in a 40-token pool
         for s in seqs:
-            m.build_step_metadata([s], [1])
-            m.step([s], [100 * s + t])
+            m.commit(m.schedule([s], [1]), [100 * s + t])
         held = [int(np.sum(m.page_table([s])[0] >= 0)) for s in seqs]
         assert max(held) <= LayerGroup((0,), "sliding", 5).pages_per_sequence(32, 4) + 1  # + the page reserved ahead
         m.check_invariants()
@@ -71,10 +67,10 @@ def test_fork_shares_the_window_and_keeps_the_holes():
     child = m.fork(s)
     assert m.page_table([s, child]).tolist() == [[PAD, 1, 2] + [PAD] * 5] * 2
     m.check_invariants()
-    m.build_step_metadata([child], [1])  # the child writes into the shared partial page 2: a private copy
-    (src,), (dst,) = m.take_copies()  # (the device would copy them here)
+    plan = m.schedule([child], [1])  # the child writes into the shared partial page 2: a private copy
+    (src,), (dst,) = plan.work.copies()  # (the device would copy them here)
     assert src.tolist() == [2] and m.page_table([child])[0][:3].tolist() == [PAD, 1, int(dst[0])]
-    m.step([child], [50])
+    m.commit(plan, [[50]])
     m.release(s)
     m.check_invariants()
 
@@ -108,6 +104,7 @@ def test_a_page_released_one_step_early_breaks_the_window_invariant(kind, window
     s = m.claim(1)[0]
     grow(m, s, range(1, length + 1))  # the next query (position 6) still reads column 0
     m.check_invariants()
+    # Reached into on purpose: no public call releases a page early; this is the bug the invariant must catch.
     table, seqs = m._groups[0], m._seqs
     table.release_out_of_window(np.array([s]), np.array([length + 4]), seqs.version, m._versions.current)
     assert m.page_table([s])[0][0] == PAD
@@ -122,7 +119,8 @@ def test_a_hole_inside_the_window_breaks_the_window_invariant():
     m = PageManager(meta("sliding", 5))
     s = m.claim(1)[0]
     grow(m, s, range(1, 7))  # pages [0, 1]; the next query reads positions 2..6
-    m._groups[0].table[s, 1] = PAD  # column 1 loses its page, column 0 keeps one
+    # Broken on purpose (no public call can): column 1 loses its page, column 0 keeps one.
+    m._groups[0].table[s, 1] = PAD
     with pytest.raises(InvariantError, match="holds no page at column 1, inside the columns 0..1 its queries read"):
         m.check_invariants()
     with pytest.raises(ManagerStateError, match=r"released page \(-1\) after a held one"):
@@ -133,9 +131,8 @@ def test_a_resumed_sequence_inside_its_floor_is_not_held_to_the_window_invariant
     m = PageManager(meta("sliding", 5))
     s = m.claim(1)[0]
     m.resume(s, 8)  # columns 0 and 1 never held: the window of length 8 (4..8) reaches before the floor
-    m.build_step_metadata([s], [1])
-    m.advance([s], 1)
-    assert m.page_table([s])[0][:3].tolist() == [PAD, PAD, 0] and m.first_kept_position(s) == 8
+    m.commit(m.schedule([s], [1]))
+    assert m.page_table([s])[0][:3].tolist() == [PAD, PAD, 0] and m.sequence(s).first_kept == (8,)
     m.check_invariants()
     assert PageManager.from_state_dict(m.metadata, m.state_dict()).state_dict() == m.state_dict()
 
@@ -162,7 +159,8 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     refused = 0
     for counts in [[6, 3]] + [[1, 2]] * 14:
-        (step_meta,) = m.build_step_metadata(seqs, counts)
+        plan = m.schedule(seqs, counts)
+        (step_meta,) = plan.metadata
         n = sum(counts)
         k, v = (rng.standard_normal((2, n, 8, 8)).astype(np.float32) for _ in range(2))
         cache, dropped = cache.write(k, v, step_meta)
@@ -184,7 +182,7 @@ def test_attention_through_a_window_manager_matches_the_dense_reference(kind, wi
                 with pytest.raises(ValueError, match="is no page .*released when it left a sliding or chunked window"):
                     paged_attention(q, cache.views[1].key_pages, cache.views[1].value_pages, step_meta, **wider)
             refused += 1
-        m.advance(seqs, counts)
+        m.commit(plan)
         m.check_invariants()
     assert refused and m.metrics.free_pages + m.metrics.used_pages == 12
     assert sum(len(h[0]) for h in hist.values()) > 12 * 4  # more tokens than the pool holds
@@ -226,10 +224,10 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     rng = np.random.default_rng(1)
     seqs = m.claim(3)
     for counts in ([6, 8, 3], [1, 0, 2], [1, 0, 2], [2, 0, 1]):
-        (step_meta,) = m.build_step_metadata(seqs, counts)
+        plan = m.schedule(seqs, counts)
         k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
-        cache, _ = cache.write(k, -k, step_meta)
-        m.step(seqs, [list(range(s * 50 + m.length(s), s * 50 + m.length(s) + c)) for s, c in zip(seqs, counts)])
+        cache, _ = cache.write(k, -k, plan.metadata)
+        m.commit(plan, [list(range(s * 50 + m.length(s), s * 50 + m.length(s) + c)) for s, c in zip(seqs, counts)])
     assert PAD in m.pages(seqs[0])
     if kind == "chunked":
         assert m.pages(seqs[1]) == [PAD, PAD]  # length 8: the whole first chunk released
@@ -240,7 +238,7 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     assert restored.metadata.groups[0].attention == kind and restored.metadata.page_shards == 1
     assert r_m.state_dict()["config"]["window"] == window
     assert [r_m.pages(s) for s in seqs] == [m.pages(s) for s in seqs]
-    assert r_m.state_dict() == m.reshard(restored.metadata).state_dict()
+    assert r_m.state_dict() == m.clone(restored.metadata).state_dict()
     r_m.check_invariants()
     got, want = _held_bits(r_cache, r_m), _held_bits(cache, m)
     assert got.keys() == want.keys() and all(np.array_equal(a, b) for k in want for a, b in zip(got[k], want[k]))
@@ -249,12 +247,13 @@ def test_a_window_cache_checkpoint_restores_onto_another_mesh(tmp_path, kind, wi
     q = rng.standard_normal((3, 8, 8)).astype(jnp.bfloat16)
     outs = []
     for c, mgr in ((cache, m), (r_cache, r_m)):
-        (step_meta,) = mgr.build_step_metadata(seqs, [1, 1, 1])
+        plan = mgr.schedule(seqs, [1, 1, 1])
+        (step_meta,) = plan.metadata
         c, _ = c.write(k, -k, step_meta)
         outs.append(np.asarray(jax.device_get(paged_attention(q, c.views[0].key_pages, c.views[0].value_pages,
                                                               step_meta,
                                                               dtype=jnp.bfloat16, **opts)), np.float32))
-        mgr.advance(seqs, 1)
+        mgr.commit(plan)
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
@@ -262,10 +261,10 @@ def test_resharding_keeps_a_sequence_whose_pages_all_left_the_window_bound():
     m = PageManager(meta("chunked", 8, pages=12))
     s = m.claim(1)[0]
     grow(m, s, range(8))  # length 8: both pages of chunk 0 released
-    assert m.pages(s) == [PAD, PAD] and m.replica(s) == 0
-    split = m.reshard(meta("chunked", 8, pages=12).replace(page_shards=2))
+    assert m.pages(s) == [PAD, PAD] and m.sequence(s).replica == 0
+    split = m.clone(meta("chunked", 8, pages=12).replace(page_shards=2))
     split.check_invariants()
-    assert split.pages(s) == [PAD, PAD] and split.replica(s) == 0
+    assert split.pages(s) == [PAD, PAD] and split.sequence(s).replica == 0
     grow(split, s, [9])  # the next chunk's page comes from its replica's slice
     assert split.pages(s)[2] in range(6)
 
@@ -273,11 +272,11 @@ def test_resharding_keeps_a_sequence_whose_pages_all_left_the_window_bound():
 def _write_tokens(cache, m, seqs, counts, rng):
     import jax.numpy as jnp
 
-    (step_meta,) = m.build_step_metadata(seqs, counts)
+    plan = m.schedule(seqs, counts)
     k = rng.standard_normal((2, sum(counts), 8, 8)).astype(jnp.bfloat16)
-    cache, dropped = cache.write(k, (k * 3).astype(jnp.bfloat16), step_meta)
+    cache, dropped = cache.write(k, (k * 3).astype(jnp.bfloat16), plan.metadata)
     assert int(dropped) == 0
-    m.step(seqs, [list(range(m.length(s), m.length(s) + c)) for s, c in zip(seqs, counts)])
+    m.commit(plan, [list(range(m.length(s), m.length(s) + c)) for s, c in zip(seqs, counts)])
     return cache, k
 
 
@@ -300,7 +299,7 @@ def test_export_of_a_window_sequence_holds_its_window_and_imports_into_the_same_
         written.append(k)
     k_all = np.concatenate(written, axis=1)
     first = max(0, 30 - window + 1) if kind == "sliding" else 30 - 30 % window
-    assert m.first_kept_position(s) == first
+    assert m.sequence(s).first_kept == (first,)
     exp = export_sequence(cache, m, s, token_ids=range(30))
     assert exp.first_position == first and exp.length == 30 and exp.token_ids.tolist() == list(range(30))
     np.testing.assert_array_equal(np.asarray(exp.keys).view(np.uint16), k_all[:, first:].view(np.uint16))
@@ -311,7 +310,7 @@ def test_export_of_a_window_sequence_holds_its_window_and_imports_into_the_same_
     target, _ = _write_tokens(target, t, [other], [5], rng)  # the target is not empty
     target, got = import_sequence(target, t, exp)
     t.check_invariants()
-    assert t.length(got) == 30 and t.first_kept_position(got) == first
+    assert t.length(got) == 30 and t.sequence(got).first_kept == (first,)
     held = [p for p in t.pages(got) if p != PAD]
     assert len(held) == -(-30 // 4) - first // 4  # the window's pages only
     assert export_sequence(target, t, got, token_ids=range(30)) == exp
@@ -319,7 +318,7 @@ def test_export_of_a_window_sequence_holds_its_window_and_imports_into_the_same_
     opts = {"sliding_window": window} if kind == "sliding" else {"chunk_size": window}
     outs = []
     for c, mgr, seq in ((cache, m, s), (target, t, got)):
-        (step_meta,) = mgr.build_step_metadata([seq], [2])
+        (step_meta,) = mgr.schedule([seq], [2]).metadata
         k = np.ones((2, 2, 8, 8), jnp.bfloat16)
         c, _ = c.write(k, k, step_meta)
         outs.append(np.asarray(paged_attention(q, c.views[1].key_pages, c.views[1].value_pages, step_meta,
@@ -361,18 +360,18 @@ def test_resume_starts_a_sequence_at_a_window_page_and_refuses_misuse():
     m = PageManager(meta("sliding", 5))
     s, busy = m.claim(2)
     m.resume(s, 9)  # page 2 is the first whose positions the window may read
-    assert (m.length(s), m.pages(s), m.first_kept_position(s)) == (8, [PAD, PAD], 8)
+    assert (m.length(s), m.pages(s), m.sequence(s).first_kept) == (8, [PAD, PAD], (8,))
     state = m.state_dict()
     assert state["sequences"][0]["floor"] == 8
     m.check_invariants()
     assert PageManager.from_state_dict(meta("sliding", 5), state).state_dict() == state
-    (step_meta,) = m.build_step_metadata([s], [2])
+    plan = m.schedule([s], [2])
+    (step_meta,) = plan.metadata
     assert np.asarray(step_meta.slot_mapping)[:2].tolist() == [0, 1]  # page 0 is the first free one
-    m.advance(s, 2)  # length 10: the window (6..10) still reaches before the floor
-    assert m.first_kept_position(s) == 8 and m.state_dict()["sequences"][0]["floor"] == 8
-    m.build_step_metadata([s], [3])
-    m.advance(s, 3)  # length 13: the window starts at 9, past the floor, which is forgotten
-    assert "floor" not in m.state_dict()["sequences"][0] and m.first_kept_position(s) == 9
+    m.commit(plan)  # length 10: the window (6..10) still reaches before the floor
+    assert m.sequence(s).first_kept == (8,) and m.state_dict()["sequences"][0]["floor"] == 8
+    m.commit(m.schedule([s], [3]))  # length 13: the window starts at 9, past the floor, which is forgotten
+    assert "floor" not in m.state_dict()["sequences"][0] and m.sequence(s).first_kept == (9,)
     m.check_invariants()
     grow(m, busy, [1])
     [fresh] = m.claim(1)
@@ -398,14 +397,13 @@ def test_a_sequence_resumed_at_a_chunk_boundary_keeps_no_floor(first):
     m = PageManager(meta("chunked", 8))
     s = m.claim(1)[0]
     m.resume(s, first)
-    assert (m.length(s), m.pages(s), m.first_kept_position(s)) == (8, [PAD, PAD], 8)
+    assert (m.length(s), m.pages(s), m.sequence(s).first_kept) == (8, [PAD, PAD], (8,))
     assert "floor" not in m.state_dict()["sequences"][0]
     m.check_invariants()
     state = m.state_dict()
     assert PageManager.from_state_dict(meta("chunked", 8), state).state_dict() == state
-    m.build_step_metadata([s], [3])
-    m.advance(s, 3)
-    assert m.pages(s) == [PAD, PAD, 0] and m.first_kept_position(s) == 8
+    m.commit(m.schedule([s], [3]))
+    assert m.pages(s) == [PAD, PAD, 0] and m.sequence(s).first_kept == (8,)
     m.check_invariants()
 
 
@@ -419,14 +417,14 @@ def test_a_sliding_prefix_hit_needs_only_the_window_pages():
     grow(m, a, range(16))  # pages 0..3, hashed; 0..2 leave the window (tail first: 2, 1, 0)
     m.release(a)  # page 3 joins them: cached 2, 1, 0, 3 in eviction order
     b = m.claim(1)[0]
-    m.build_step_metadata([b], [28])  # pages 4..9 and the oldest cached page: 2
+    plan = m.schedule([b], [28])  # pages 4..9 and the oldest cached page: 2
     assert m.pages(b) == [4, 5, 6, 7, 8, 9, 2]
-    m.advance(b, 28)
+    m.commit(plan)
     m.release(b)
     c = m.claim(1)[0]
     assert m.cached_prefix_length(list(range(16)) + [99]) == 16
     assert m.match_prefix(c, list(range(16)) + [99]) == 16
-    assert m.pages(c) == [PAD, PAD, PAD, 3] and m.first_kept_position(c) == 12
+    assert m.pages(c) == [PAD, PAD, PAD, 3] and m.sequence(c).first_kept == (12,)
     assert m.metrics.used_pages == 1
     m.check_invariants()
     grow(m, c, [99])

@@ -22,10 +22,12 @@ def test_truncate_frees_whole_pages_and_regrows_like_a_sequence_without_the_tail
     pm, dev = make(batch=4, pages=10, max_len=24), Device(10)
     [a] = pm.claim(1)
     dev.run(pm, a, list(range(14)))  # pages 0..3, 2 tokens in page 3
-    pm.build_step_metadata([a], [6])  # and room reserved ahead: page 4
+    pm.schedule([a], [6])  # and room reserved ahead: page 4
     assert pm.pages(a) == [0, 1, 2, 3, 4]
+    # A state saved while that step was planned: the room stays reserved, with no plan to end.
+    pm = PageManager.from_state_dict(pm.metadata, pm.state_dict())
     pm.truncate(a, 6)
-    assert pm.pages(a) == [0, 1] and pm.length(a) == 6 and pm.capacity(a) == 8
+    assert pm.pages(a) == [0, 1] and pm.length(a) == 6 and pm.sequence(a).capacity == 8
     assert cached_ids(pm) == [2]  # page 2 was full: cached; pages 3 and 4 freed
     dev.run(pm, a, [50, 51, 52])
     assert pm.pages(a) == [0, 1, 3] and dev.tokens(pm, a) == [0, 1, 2, 3, 4, 5, 50, 51, 52]
@@ -50,7 +52,7 @@ def test_truncating_into_a_shared_page_gives_a_private_copy_and_leaves_the_other
     assert [pm.pages(s) for s in [a] + kids] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
     # rewind child 1 to inside page 1, which all three share: it gets page 5, a copy of page 1
     pm.truncate(kids[0], 6)
-    assert pm.pages(kids[0]) == [0, 5] and pm.pending_copies()[0][0].tolist() == [1]
+    assert pm.pages(kids[0]) == [0, 5] and pm.clone().take_work().copies()[0][0].tolist() == [1]  # pending
     assert dev.tokens(pm, kids[0]) == [0, 1, 2, 3, 4, 5]
     dev.run(pm, kids[0], [90, 91, 92])
     assert dev.tokens(pm, kids[0]) == [0, 1, 2, 3, 4, 5, 90, 91, 92]
@@ -111,8 +113,7 @@ def test_truncate_respects_windows_and_resumed_sequences():
     assert pm.pages(a) == [-1, -1, -1, 3] and pm.length(a) == 16
     [b] = pm.claim(1)
     pm.resume(b, 8)
-    pm.build_step_metadata([b], [1])
-    pm.advance(b, 1)  # length 9: its window still reaches back before 8
+    pm.commit(pm.schedule([b], [1]))  # length 9: its window still reaches back before 8
     with pytest.raises(ValueError, match="holds no tokens before position 8"):
         pm.truncate(b, 7)
     pm.truncate(b, 8)
@@ -148,13 +149,11 @@ def test_a_truncation_copy_between_rows_holding_one_history_in_different_pages()
     restored = PageManager.from_state_dict(pm.metadata, json.loads(json.dumps(pm.state_dict())))
     restored.check_invariants()
     dev.run(pm, b, [9, 10, 11])
-    restored.build_step_metadata([b], [3])
-    restored.take_copies()
-    restored.step([b], [[9, 10, 11]])
+    restored.commit(restored.schedule([b], [3]), [[9, 10, 11]])  # (its plan's copy: applied)
     for m in (pm, restored):
         m.truncate(c, 6)
     assert restored.state_dict() == pm.state_dict()
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     assert dev.tokens(pm, b) == list(range(12)) and dev.tokens(pm, c) == list(range(6))
 
 
@@ -170,8 +169,7 @@ def test_a_restored_manager_truncates_and_caches_as_one_never_restored():
     restored = PageManager.from_state_dict(pm.metadata, state)
     for m in (pm, restored):
         m.truncate(a, 5)
-        m.build_step_metadata([a], [4])
-        m.step([a], [[50, 51, 52, 53]])
+        m.commit(m.schedule([a], [4]), [[50, 51, 52, 53]])
     assert restored.state_dict() == pm.state_dict()
     assert restored.state_dict()["sequences"][0]["hashable"]
     [b] = restored.claim(1)

@@ -36,7 +36,7 @@ def test_a_new_version_never_hits_pages_of_another_and_evicts_them_first():
     assert pm.cached_prefix_length(PROMPT) == 8
     # a 7-page sequence takes the 6 free pages, then evicts page 1, never 3 or 2
     [c] = pm.claim(1)
-    pm.build_step_metadata([c], [28])
+    pm.schedule([c], [28])
     assert pm.pages(c) == [4, 5, 6, 7, 8, 9, 1]
     assert cached_ids(pm) == [0, 3, 2] and pm.cached_prefix_length(PROMPT) == 8
     pm.check_invariants()
@@ -56,8 +56,7 @@ def test_running_sequences_finish_under_their_version_and_setting_an_old_one_fin
     [idle] = pm.claim(1)  # claimed under 2
     # a keeps decoding under version 1: the page it completes is cached as version 1
     for t in range(3):
-        pm.build_step_metadata([a], [1])
-        pm.step([a], [t])
+        pm.commit(pm.schedule([a], [1]), [t])
     assert pm.length(a) == 12
     by_version = {m.version: m for m in pm.metrics.versions}
     assert by_version[1].live_pages == 3 and by_version[2].live_pages == 0
@@ -132,9 +131,8 @@ def test_reset_prefix_cache_is_safe_with_sequences_running():
     pm = make(batch=4, pages=10, max_len=24, scrub_released=True)
 
     def run(seq, tokens, done=0):
-        pm.build_step_metadata([seq], [len(tokens) - done])
-        pm.take_scrubs()  # the engine zeroes them before the step's writes
-        pm.step([seq], [list(tokens[done:])])
+        plan = pm.schedule([seq], [len(tokens) - done])  # the engine zeroes its work's scrubs before the writes
+        pm.commit(plan, [list(tokens[done:])])
 
     [a, b] = pm.claim(2)
     run(a, PROMPT)
@@ -146,10 +144,10 @@ def test_reset_prefix_cache_is_safe_with_sequences_running():
     [c] = pm.claim(1)
     run(c, [5] * 9)
     pm.release(c)  # pages 4 and 3 cached, 5 freed
-    assert cached_ids(pm) == [4, 3] and pm.take_scrubs()[0].tolist() == [5]
+    assert cached_ids(pm) == [4, 3] and pm.take_work().scrubs()[0].tolist() == [5]
     assert pm.reset_prefix_cache() == 4  # 0, 1 (b holds them) and 3, 4 (cached)
     assert cached_ids(pm) == [] and pm.cached_prefix_length(PROMPT) == 0
-    assert pm.pending_scrubs()[0].tolist() == [4, 3]  # freed now: zeroed before reuse
+    assert pm.take_work().scrubs()[0].tolist() == [4, 3]  # freed now: zeroed before reuse
     assert pm.pages(b) == [0, 1, 2]  # b keeps its pages and goes on
     for t in range(3):
         run(b, [t])
@@ -238,16 +236,17 @@ def test_resharding_keeps_stale_pages_ahead():
     [a, b] = pm.claim(2)
     prefill(pm, a, PROMPT)
     prefill(pm, b, [9] * 9)
-    assert {pm.replica(a), pm.replica(b)} == {0, 1}
+    assert {pm.sequence(a).replica, pm.sequence(b).replica} == {0, 1}
     pm.release(a)
     pm.set_weight_version(7)
     [c] = pm.claim(1)
     prefill(pm, c, [4] * 9)
     pm.release(c)
     pm.release(b)
-    one = pm.reshard(make_meta(batch=4, pages=20, max_len=16, shards=1))
-    order = list(one._groups[0].pool._lru[0])
-    tags = [one._groups[0].pool.tag_of(p) for p in order]
+    one = pm.clone(make_meta(batch=4, pages=20, max_len=16, shards=1))
+    pool = one.state_dict()["pool"]
+    order = pool["lru"][0]  # the cached pages in eviction order, and each one's weight version
+    tags = [{page: bytes.fromhex(tag) for page, tag in pool.get("versions", [])}.get(p) for p in order]
     assert tags.count(None) == 4 and tags[:4] == [None] * 4  # the unversioned pages of a and b go first
     one.check_invariants()
     [d] = one.claim(1)
@@ -291,13 +290,15 @@ def test_fork_n_gives_n_children_sharing_pages_with_copy_on_write_of_the_partial
     prefill(pm, p, PROMPT)  # pages 0, 1 full, page 2 holds one token
     kids = pm.fork(p, 4)
     assert kids == [1, 2, 3, 4] and all(pm.pages(k) == [0, 1, 2] and pm.length(k) == 9 for k in kids)
-    assert pm._groups[0].pool.refcount[:3].tolist() == [5, 5, 5]
+    holders = [pm.pages(s) for s in [p, *kids]]
+    assert [sum(page in pages for pages in holders) for page in (0, 1, 2)] == [5, 5, 5]
+    pm.check_invariants()  # each page's reference count is its holders
     # each sample writes its own token: every writer but the last gets a private copy of page 2
-    pm.build_step_metadata([p] + kids, [1] * 5)
-    (src,), (dst,) = pm.take_copies()
+    plan = pm.schedule([p] + kids, [1] * 5)
+    (src,), (dst,) = plan.work.copies()
     assert src.tolist() == [2, 2, 2, 2] and dst.tolist() == [3, 4, 5, 6]
     assert [pm.pages(s)[2] for s in [p] + kids] == [3, 4, 5, 6, 2]
-    pm.step([p] + kids, [10, 11, 12, 13, 14])
+    pm.commit(plan, [10, 11, 12, 13, 14])
     pm.check_invariants()
     for s in kids:
         pm.release(s)

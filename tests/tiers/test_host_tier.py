@@ -2,7 +2,7 @@
 ids on tiny pools), prefix hits continuing into the host tier, swap-out / swap-in, bad input
 refused with nothing changed, and hypothesis machines that run the manager against a simulated
 device and host (every page holds the token ids written into it; transfers, copies and scrubs
-applied as `apply_pending` orders them) checking after every rule that each live sequence reads
+applied as the runner orders them) checking after every rule that each live sequence reads
 exactly its own tokens and that no hit crosses weight versions."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from easykv.errors import CacheFullError
 from easykv.manager.manager import PageManager
 from easykv.spec.metadata import PagedAttentionCacheMetaData
+from tests.manager.test_manager_stateful import run_work
 from tests.support.machines import Device, TruncateMachine, VersionMachine
 from tests.support.managers import PS, make_meta
 
@@ -24,43 +25,30 @@ def tiered(batch=4, pages=8, host=8, max_len=16, **kw):
 
 
 class TierDevice(Device):
-    """`Device` with a host store per group, applying the pending work in `apply_pending`'s order:
+    """`Device` with a host store per group, running a `DeviceWork` in the runner's order (`run_work`):
     offloads read the device pages, then copy-on-write copies, then onloads, then scrubs (the
-    host's released pages zeroed before this call's offloads land)."""
+    host's released pages zeroed before the work's offloads land, those it leaves unreferenced
+    after)."""
 
     def __init__(self, pages, host_pages):
         super().__init__(pages)
         hosts = host_pages if self.grouped else [host_pages]
         self.hosts = [np.full((n, PS), -1, np.int64) for n in hosts]
 
-    def _pending(self, pm, stores, hosts):
-        copies = zip(*pm.pending_copies())
-        for store, host, (off_src, off_dst, on_src, on_dst, host_scrubs), (src, dst), scrubs in zip(
-                stores, hosts, pm.pending_transfers(), copies, pm.pending_scrubs(), strict=True):
-            out, back = store[off_src].copy(), host[on_src].copy()
-            store[dst] = store[src].copy()
-            store[on_dst] = back
-            store[scrubs] = -1
-            host[host_scrubs] = -1
-            host[off_dst] = out
-
-    def apply(self, pm):
-        self._pending(pm, self.stores, self.hosts)
-        pm.take_transfers()
-        pm.take_copies()
-        pm.take_scrubs()
+    def apply(self, work):
+        run_work(self.stores, self.hosts, work)
 
     def views(self, pm):
         stores = [s.copy() for s in self.stores]
-        self._pending(pm, stores, [h.copy() for h in self.hosts])
+        run_work(stores, [h.copy() for h in self.hosts], pm.clone().take_work())  # the manager's own stays pending
         return stores
 
 
 def run(pm, dev, seq, tokens):
-    step_meta = pm.build_step_metadata([seq], [len(tokens)])
-    dev.apply(pm)
-    dev.write(step_meta, tokens)
-    pm.step([seq], [list(tokens)])
+    plan = pm.schedule([seq], [len(tokens)])
+    dev.apply(plan.work)
+    dev.write(plan.metadata, tokens)
+    pm.commit(plan, [list(tokens)])
 
 
 def admit(pm, dev, tokens):
@@ -86,8 +74,9 @@ def test_evicted_prefix_pages_go_to_the_host_and_come_back_on_a_hit():
     [u] = pm.claim(1)
     assert pm.cached_prefix_length(a) == 8
     assert pm.match_prefix(u, a) == 8
-    assert pm.pending_transfers()[0][2].tolist() == [1, 0] and len(pm.pages(u)) == 2  # host pages 1, 0 (b's evictions)
-    dev.apply(pm)
+    work = pm.take_work()
+    assert work.transfers()[0][2].tolist() == [1, 0] and len(pm.pages(u)) == 2  # host pages 1, 0 (b's evictions)
+    dev.apply(work)
     assert dev.tokens(pm, u) == a[:8]
     m = pm.metrics
     assert (m.host.host_hits, m.host.host_hit_tokens, m.host.onloaded_pages, m.prefix_hit_tokens) == (1, 8, 2, 8)
@@ -115,15 +104,15 @@ def test_swap_out_and_in_keeps_the_sequence_bit_for_bit():
     s, _ = admit(pm, dev, tokens)
     held = pm.pages(s)
     pm.swap_out(s)
-    assert pm.is_swapped(s) and pm.swapped_ids == [s] and pm.length(s) == 10 and pm.pages(s) == []
+    assert pm.sequence(s).swapped and pm.swapped_ids == [s] and pm.length(s) == 10 and pm.pages(s) == []
     assert pm.metrics.used_pages == 0 and pm.metrics.host.used_pages == 3
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     # Its device pages are someone else's now: overwrite them.
     t, _ = admit(pm, dev, [50 + i for i in range(24)])  # the whole pool
     assert set(held) <= set(pm.pages(t))
     pm.release(t)
     pm.swap_in(s)
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     assert dev.tokens(pm, s) == tokens
     run(pm, dev, s, [77, 78])  # and it continues
     assert dev.tokens(pm, s) == tokens + [77, 78]
@@ -136,13 +125,14 @@ def test_swap_shares_what_a_tier_already_holds():
     tokens = list(range(10))
     s, _ = admit(pm, dev, tokens)
     pm.swap_out(s)  # 3 pages copied (2 full ones enter the host prefix cache once applied)
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     assert pm.metrics.host.offloaded_pages == 3
     t, done = admit(pm, dev, tokens[:9])  # the device still caches the full pages: shared
     assert done == 8
     pm.swap_in(s)  # its two full pages are on the device (t holds them): shared, only the last onloaded
-    assert pm.pages(s)[:2] == pm.pages(t)[:2] and len(pm.pending_transfers()[0][2]) == 1
-    dev.apply(pm)
+    work = pm.take_work()
+    assert pm.pages(s)[:2] == pm.pages(t)[:2] and len(work.transfers()[0][2]) == 1
+    dev.apply(work)
     assert dev.tokens(pm, s) == tokens
     pm.check_invariants()
 
@@ -177,29 +167,31 @@ def test_a_swapped_sequence_refuses_work_until_swapped_in():
     pm, dev = tiered(pages=6, host=6, max_len=24), TierDevice(6, 6)
     s, _ = admit(pm, dev, list(range(6)))
     pm.swap_out(s)
-    for call in (lambda: pm.build_step_metadata([s], [1]), lambda: pm.step([s], [[1]]), lambda: pm.fork(s),
-                 lambda: pm.truncate(s, 2), lambda: pm.swap_out(s), lambda: pm.reserve(s, 1)):
-        with pytest.raises(ValueError, match="swapped out"):
+    for call in (lambda: pm.schedule([s], [1]), lambda: pm.step([s], [[1]]), lambda: pm.fork(s),
+                 lambda: pm.truncate(s, 2), lambda: pm.swap_out(s), lambda: pm.schedule_decode([s], 2),
+                 lambda: pm.match_prefix(s, [1, 2])):
+        with pytest.raises(ValueError, match=f"sequence {s} is swapped out; swap_in"):
             call()
     with pytest.raises(ValueError, match="swap-out is still pending"):
         pm.swap_in(s)  # its pages are not on the host yet
     with pytest.raises(ValueError, match="does not hold the host-memory tier"):
         pm.state_dict()
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     pm.release(s)  # a swapped sequence can be released: its host pages go back
     assert pm.metrics.host.used_pages == 0 and pm.metrics.active_sequences == 0
     pm.check_invariants()
 
 
-def test_apply_pending_needs_the_tier_while_transfers_wait():
+def test_a_swap_outs_transfers_are_the_host_tiers_work_handed_over_once():
     pm, dev = tiered(pages=6, host=6, max_len=24), TierDevice(6, 6)
     s, _ = admit(pm, dev, list(range(6)))
+    held = pm.pages(s)
     pm.swap_out(s)
-    with pytest.raises(ValueError, match="host-tier transfers are pending"):
-        pm.take_copies()
-    with pytest.raises(ValueError, match="host-tier transfers are pending"):
-        pm.take_scrubs()
-    assert pm.has_pending_transfers()
+    assert pm.has_pending_work
+    work = pm.take_work()
+    assert work.has_transfers and work.has_host_work and [t.name for t in work.tiers] == ["host"]
+    assert work.transfers()[0][0].tolist() == held and work.copies()[0][0].size == 0  # its pages, read first
+    assert not pm.has_pending_work and pm.take_work().empty  # handed over once
 
 
 def test_create_sizes_the_host_tier_from_host_memory():
@@ -236,13 +228,13 @@ class TieredTruncateMachine(TruncateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         s = data.draw(st.sampled_from(sorted(self.model)))
-        self.dev.apply(self.pm)  # an engine preempts between steps: earlier copies are applied
+        self.dev.apply(self.pm.take_work())  # an engine preempts between steps: earlier copies are applied
         try:
             self.pm.swap_out(s)
         except CacheFullError:
             return
         self.swapped[s] = self.model.pop(s)
-        self.dev.apply(self.pm)
+        self.dev.apply(self.pm.take_work())
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
@@ -294,22 +286,13 @@ class GroupedTieredTruncateMachine(TieredTruncateMachine):
     grouped = True
 
 
-class _TakesTransfers(PageManager):
-    """A manager whose transfers count as applied once a step is built (no device here)."""
-
-    def build_step_metadata(self, *args, **kwargs):
-        out = super().build_step_metadata(*args, **kwargs)
-        self.take_transfers()
-        return out
-
-
 class TieredVersionMachine(VersionMachine):
     """The weight-version machine with a host tier: hits from the host tier are of the lookup's
-    version too."""
+    version too. No device here: a plan takes the pending transfers, which count as applied."""
 
     def __init__(self):
         super().__init__()
-        self.pm = _TakesTransfers(make_meta(batch=4, pages=12, max_len=16).replace(host_pages_per_layer=6))
+        self.pm = PageManager(make_meta(batch=4, pages=12, max_len=16).replace(host_pages_per_layer=6))
 
     @precondition(lambda self: len(self.live) < 4)
     @rule(prompt=st.sampled_from([(1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 3, 4, 9, 9, 9, 9, 9), (5,) * 6, (1, 2, 3, 4, 5),
@@ -322,11 +305,11 @@ class TieredVersionMachine(VersionMachine):
         for k in range(1, done // PS + 1):
             assert (self.version, prompt[: k * PS]) in self.written, (self.version, prompt[: k * PS])
         try:
-            self.pm.build_step_metadata([s], [len(prompt) - done])
+            plan = self.pm.schedule([s], [len(prompt) - done])
         except CacheFullError:
             self.pm.release(s)
             return
-        self.pm.step([s], [list(prompt[done:])])
+        self.pm.commit(plan, [list(prompt[done:])])
         self.live[s] = (self.version, tuple(prompt))
         self._record(s)
 
@@ -363,26 +346,29 @@ def test_an_onload_into_a_page_that_leaves_the_cache_before_it_ran_is_dropped():
     a = list(range(9))
     pm, dev = onloads_pending_into_cached_pages(a)
     [v] = pm.claim(1)
-    pm.build_step_metadata([v], [16])  # the whole pool: evicts them before the onloads ran
+    plan = pm.schedule([v], [16])  # the whole pool: evicts them before the onloads ran
     pm.check_invariants()
-    assert pm.pending_transfers()[0][2].size == 0  # nothing will overwrite v's pages
-    dev.apply(pm)
+    assert plan.work.transfers()[0][2].size == 0  # nothing will overwrite v's pages
+    dev.apply(plan.work)
+    pm.abort(plan)  # nothing written: its pages go back
     assert pm.cached_prefix_length(a) == 8  # the host pages still hold a's prefix
     pm.release(v)
     [w] = pm.claim(1)
     assert pm.match_prefix(w, a) == 8
-    dev.apply(pm)
+    dev.apply(pm.take_work())
     assert dev.tokens(pm, w) == a[:8]
 
 
 def test_a_reset_drops_the_onloads_into_the_pages_it_frees():
     pm, dev = onloads_pending_into_cached_pages(list(range(9)))
     # two onloads pin their host pages; the hit's allocation evicted one of t's pages: an offload
-    assert len(pm.pending_transfers()[0][2]) == 2 and pm.metrics.host.used_pages == 3
+    assert len(pm.clone().take_work().transfers()[0][2]) == 2 and pm.metrics.host.used_pages == 3
     pm.reset_prefix_cache()  # frees those pages: nothing will fill them
-    assert len(pm.pending_transfers()[0][2]) == 0 and pm.metrics.host.used_pages == 1
+    assert len(pm.clone().take_work().transfers()[0][2]) == 0 and pm.metrics.host.used_pages == 1
+    work = pm.take_work()
+    assert len(work.transfers()[0][2]) == 0 and len(work.transfers()[0][0]) == 1  # the offload stays
     pm.check_invariants()
-    dev.apply(pm)
+    dev.apply(work)
     assert pm.metrics.host.used_pages == 0 and pm.metrics.host.cached_pages == 0  # landed as a plain page
 
 
@@ -395,9 +381,8 @@ def test_a_manager_rebuilt_from_its_state_scrubs_its_host_pages_too():
     restored = PageManager.from_state_dict(live.metadata, json.loads(json.dumps(live.state_dict())))
     for pm in (live, restored):
         [s] = pm.claim(1)
-        pm.build_step_metadata([s], [6])
-        pm.step([s], [list(range(6))])
+        pm.commit(pm.schedule([s], [6]), [list(range(6))])
         pm.swap_out(s)
-        pm.take_transfers()
+        pm.take_work()
         pm.release(s)
-        assert pm.pending_transfers()[0][4].tolist() == [1]  # its unfinished page (the full one stays cached)
+        assert pm.take_work().transfers()[0][4].tolist() == [1]  # its unfinished page (the full one stays cached)

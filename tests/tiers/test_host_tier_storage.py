@@ -43,7 +43,7 @@ def read(cache, manager, seq, length):
     for layer in range(2):
         g = cache.metadata.group_of(layer)[0]
         group = g if manager.num_groups > 1 else None
-        first = manager.first_kept_position(seq, group=group)
+        first = manager.sequence(seq).first_kept[g]
         row = manager.page_table([seq], group=group)[0]
         row = np.where(row < 0, 0, row)  # pages a window released: read as page 0, never compared
         k, v = gather_kv(cache, layer, row, length)
@@ -51,31 +51,38 @@ def read(cache, manager, seq, length):
     return out  # per layer: the first position held, then K and V of positions 0 .. length - 1
 
 
+def writes(k, v):
+    """A step (`Runner.run`'s) that writes ``k``, ``v`` where its plan says."""
+    def step(cache, plan):
+        cache, _ = cache.write(k, v, plan.metadata)
+        return cache, None
+    return step
+
+
 def serve(cache, tier, manager, prompts, dtype, rounds=2, first=None):
     """Prefill every prompt ``rounds`` times (one at a time, released after); each prefix found
     (on the device or brought back from the host) must read exactly what was first written
     (``first``: what earlier calls read, by prompt index)."""
     first = {} if first is None else first
+    runner = easykv.Runner(manager, cache, host=tier)
     for _ in range(rounds):
         for i, prompt in enumerate(prompts):
             [s] = manager.claim(1)
             done = manager.match_prefix(s, prompt)
-            step_meta = manager.build_step_metadata([s], [len(prompt) - done])
-            cache, _ = manager.apply_pending(cache, host=tier)
+            plan = runner.schedule([s], [len(prompt) - done])  # its work (the hit's onloads) applied at once
             if done:
-                for (a, k, v), (a0, k0, v0) in zip(read(cache, manager, s, done), first[i]):
+                for (a, k, v), (a0, k0, v0) in zip(read(runner.cache, manager, s, done), first[i]):
                     lo = max(a, a0)  # positions both reads hold (a window keeps the last ones)
                     assert lo < done
                     np.testing.assert_array_equal(k[lo:done], k0[lo:done])
                     np.testing.assert_array_equal(v[lo:done], v0[lo:done])
             k, v = kv_of(i, len(prompt), dtype)
-            cache, _ = cache.write(k[:, done:], v[:, done:], step_meta)
-            manager.step([s], [prompt[done:]])
+            runner.run(plan, writes(k[:, done:], v[:, done:]), token_ids=[prompt[done:]])
             manager.check_invariants()
             if i not in first:
-                first[i] = read(cache, manager, s, len(prompt) - 1)
+                first[i] = read(runner.cache, manager, s, len(prompt) - 1)
             manager.release(s)
-    return cache
+    return runner.cache
 
 
 PROMPTS = [[100 * i + t for t in range(13)] for i in range(5)]  # 3 full pages + 1 token each
@@ -105,13 +112,11 @@ def test_a_sliding_and_full_cache_brings_back_the_pages_each_group_needs():
 
 def _written(cache, tier, manager, n, seed):
     """A new sequence with ``n`` tokens written (K/V ``kv_of(seed, n)``, ids 100 * seed ...)."""
+    runner = easykv.Runner(manager, cache, host=tier)
     [s] = manager.claim(1)
-    step_meta = manager.build_step_metadata([s], [n])
-    cache, _ = manager.apply_pending(cache, host=tier)
     k, v = kv_of(seed, n, jnp.bfloat16)
-    cache, _ = cache.write(k, v, step_meta)
-    manager.step([s], [list(range(100 * seed, 100 * seed + n))])
-    return cache, s
+    runner.run(manager.schedule([s], [n]), writes(k, v), token_ids=[list(range(100 * seed, 100 * seed + n))])
+    return runner.cache, s
 
 
 def _swapped_sequence(cache, tier, manager):
@@ -124,12 +129,12 @@ def _swapped_sequence(cache, tier, manager):
 def test_a_swapped_sequence_returns_unchanged():
     cache, tier, manager = setup()
     cache, s = _swapped_sequence(cache, tier, manager)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     k, v = kv_of(9, 10, jnp.bfloat16)
     cache, t = _written(cache, tier, manager, 16, 8)  # takes every device page and writes over them
     manager.release(t)
     manager.swap_in(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     for layer, (_, a, b) in enumerate(read(cache, manager, s, 10)):
         np.testing.assert_array_equal(a, np.asarray(k[layer].astype(jnp.float32)))
         np.testing.assert_array_equal(b, np.asarray(v[layer].astype(jnp.float32)))
@@ -139,18 +144,19 @@ def test_a_host_tier_refuses_another_cache_and_keeps_the_work_pending():
     cache, tier, manager = setup()
     other, other_tier, _ = setup(quantizer="int8")
     [s] = manager.claim(1)
-    step_meta = manager.build_step_metadata([s], [9])
+    plan = manager.schedule([s], [9])
+    assert plan.work.empty  # a fresh pool: nothing to apply first
     k, v = kv_of(1, 9, jnp.bfloat16)
-    cache, _ = cache.write(k, v, step_meta)
-    manager.step([s], [list(range(9))])
+    cache, _ = cache.write(k, v, plan.metadata)
+    manager.commit(plan, [list(range(9))])
     manager.swap_out(s)
     with pytest.raises(ValueError, match="HostTier of another cache"):
-        manager.apply_pending(cache, host=other_tier)
+        easykv.apply_pending(manager, cache, host=other_tier)
     with pytest.raises(ValueError, match="pass the cache's tier"):
-        manager.apply_pending(cache)
-    assert manager.has_pending_transfers() and not any(a.is_deleted() for a in jax.tree.leaves(cache))
-    cache, _ = manager.apply_pending(cache, host=tier)
-    assert not manager.has_pending_transfers()
+        easykv.apply_pending(manager, cache)
+    assert manager.clone().take_work().has_transfers and not any(a.is_deleted() for a in jax.tree.leaves(cache))
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
+    assert not manager.has_pending_work
     plain = easykv.PagedAttentionCache.init_cache(
         create_mesh({"dp": 1, "tp": 8}), jnp.bfloat16, cache.metadata.replace(host_pages_per_layer=None),
         PartitionManager(PartitionAxis(kv_head_axis="tp")))
@@ -190,11 +196,11 @@ def test_checkpoints_leave_the_host_tier_out_and_say_so(tmp_path):
     cache, s = _swapped_sequence(cache, tier, manager)
     with pytest.raises(ValueError, match=r"swapped out"):
         save_cache(tmp_path / "a", cache, manager)  # its pages would be lost
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     manager.swap_in(s)
     with pytest.raises(ValueError, match=r"host-tier transfers are pending"):
         save_cache(tmp_path / "a", cache, manager)  # its pages are not back yet
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     before = read(cache, manager, s, 10)
     cached = manager.metrics.host.cached_pages
     assert cached > 0
@@ -218,24 +224,24 @@ def test_sleep_and_wake_with_a_host_tier():
     seen = {}
     cache = serve(cache, tier, manager, PROMPTS, jnp.bfloat16, rounds=1, first=seen)
     cache, s = _swapped_sequence(cache, tier, manager)
-    with pytest.raises(ValueError, match="host-tier transfers are pending"):
+    with pytest.raises(ValueError, match="device work is pending, with a host tier"):
         easykv.sleep(cache, manager)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     cache, manager = easykv.wake(easykv.sleep(cache, manager))  # the same placement: the tier still holds
     manager.swap_in(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     k, v = kv_of(9, 10, jnp.bfloat16)
     np.testing.assert_array_equal(read(cache, manager, s, 10)[0][1], np.asarray(k[0].astype(jnp.float32)))
     cache = serve(cache, tier, manager, PROMPTS[:2], jnp.bfloat16, rounds=1, first=seen)  # hits still right
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     sleeping = easykv.sleep(cache, manager)
     other = create_mesh({"dp": 2, "tp": 4})
     with pytest.raises(ValueError, match="swapped out to the host tier"):
         easykv.wake(sleeping, mesh=other, partition_manager=PartitionManager(PartitionAxis(kv_head_axis="tp")))
     manager.swap_in(s)
     cache, manager = easykv.wake(sleeping)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     cached = manager.metrics.host.cached_pages
     assert cached
     moved, manager = easykv.wake(easykv.sleep(cache, manager), mesh=other,
@@ -243,8 +249,8 @@ def test_sleep_and_wake_with_a_host_tier():
     # Another placement: the old tier's pages cannot serve it; the manager forgot them.
     assert manager.metrics.host.cached_pages == 0
     with pytest.raises(ValueError, match="HostTier of another cache"):
-        manager.apply_pending(moved, host=tier)
-    moved, _ = manager.apply_pending(moved, host=easykv.HostTier(moved))
+        easykv.apply_pending(manager, moved, host=tier)
+    moved, _ = easykv.apply_pending(manager, moved, host=easykv.HostTier(moved))
 
 
 def test_sequences_move_between_tiered_caches():
@@ -252,13 +258,13 @@ def test_sequences_move_between_tiered_caches():
     cache, s = _written(cache, tier, manager, 10, 4)
     ids = list(range(400, 410))
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     with pytest.raises(ValueError, match="swapped out to the host tier"):
         easykv.export_sequence(cache, manager, s, token_ids=ids)
     manager.swap_in(s)
     with pytest.raises(ValueError, match="pending copy-on-write copy, onload or scrub"):
         easykv.export_sequence(cache, manager, s, token_ids=ids)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     exported = easykv.export_sequence(cache, manager, s, token_ids=ids)
     other, other_tier, other_manager = setup()
     before = other_manager.state_dict()

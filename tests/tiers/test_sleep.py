@@ -58,10 +58,11 @@ def test_level_1_wakes_onto_another_mesh_and_goes_on_decoding():
     assert woken.metadata.page_shards == 1 and wm.metadata.page_shards == 1 and woken.layout.mesh is mesh
     same(read(woken, wm, s), want)
     # and the woken cache is a cache: one more decode token, read back
-    rts = wm.build_step_metadata([s], [1])
+    plan = wm.schedule([s], [1])
+    assert plan.work.empty  # nothing to copy or scrub first
     new = rows_for(woken.metadata, np.random.default_rng(9), 1)
-    woken, _ = woken.write([k for k, _ in new], [v for _, v in new], rts)
-    wm.step([s], [7])
+    woken, _ = woken.write([k for k, _ in new], [v for _, v in new], plan.metadata)
+    wm.commit(plan, [7])
     after = read(woken, wm, s)
     for layer in (1, 3, 4):  # full attention: every position, the old ones unchanged, one more
         (k0, _), (k1, _) = want[layer], after[layer]
@@ -155,10 +156,11 @@ def _filled(layout, groups, n=7):
 
 
 def _write(cache, m, s, rows):
-    rts = m.build_step_metadata([s], [len(rows[0][0])])
-    cache, dropped = cache.write([k for k, _ in rows], [v for _, v in rows], rts)
+    plan = m.schedule([s], [len(rows[0][0])])
+    assert plan.work.empty  # nothing to copy or scrub first
+    cache, dropped = cache.write([k for k, _ in rows], [v for _, v in rows], plan.metadata)
     assert int(dropped) == 0
-    m.step([s], [list(range(len(rows[0][0])))])
+    m.commit(plan, [list(range(len(rows[0][0])))])
     return cache
 
 

@@ -50,13 +50,16 @@ def kv(side, tokens, start, n):
 def write(cache, tier, manager, seq, side, tokens, start):
     """Write ``tokens[start:]`` of ``seq`` (reserving, applying the pending work first)."""
     n = len(tokens) - start
-    step_meta = manager.build_step_metadata([seq], [n], pad_tokens_to=PAD, pad_seqs_to=4)
-    cache, _ = manager.apply_pending(cache, host=tier)
     k, v = kv(side, tokens, start, n)
     pad = [(0, 0), (0, PAD - n), (0, 0), (0, 0)]
-    cache, _ = cache.write(jnp.asarray(np.pad(k, pad)), jnp.asarray(np.pad(v, pad)), step_meta)
-    manager.step([seq], [list(tokens[start:])])
-    return cache
+
+    def step(cache, plan):
+        cache, _ = cache.write(jnp.asarray(np.pad(k, pad)), jnp.asarray(np.pad(v, pad)), plan.metadata)
+        return cache, None
+
+    runner = easykv.Runner(manager, cache, host=tier)
+    runner.run(manager.schedule([seq], [n], pad_tokens_to=PAD, pad_seqs_to=4), step, token_ids=[list(tokens[start:])])
+    return runner.cache
 
 
 def admit(cache, tier, manager, side, tokens):
@@ -99,14 +102,18 @@ def nonzero_host_pages(tier):
 
 
 def free_host_pages(manager):
-    host = manager._groups[0].host
-    return {h for h in range(host.num_pages) if host.refcount[h] == 0 and host.digest_of(h) is None}
+    """The host pages no sequence or transfer holds and no prefix names (the host pool's free lists)."""
+    return {h for heap in manager.state_dict(host_tier=True)["host"]["pools"][0]["free"] for h in heap}
 
 
 def pending(manager):
-    """Whether any work waits for `apply_pending` (host scrubs included), by the public reports."""
-    arrays = [manager.pending_copies()[0], manager.pending_scrubs(), *manager.pending_transfers()[0]]
-    return any(np.size(a) for a in arrays)
+    """Whether any work waits for `apply_pending` (host scrubs included), as a copy of the manager
+    would hand it over."""
+    return not manager.clone().take_work().empty
+
+
+def transfers_pending(manager):
+    return manager.clone().take_work().has_transfers
 
 
 def assert_no_leak(manager, tier):
@@ -116,7 +123,7 @@ def assert_no_leak(manager, tier):
 
 
 def snapshot(manager, *tiers):
-    return manager.lockstep_state(), manager.metrics, [host_arrays(t) for t in tiers]
+    return manager.state_dict(host_tier=True), manager.metrics, [host_arrays(t) for t in tiers]
 
 
 def same(a, b):
@@ -134,26 +141,26 @@ def test_a_released_swapped_sequence_is_zeroed_in_host_memory_by_the_next_apply(
     cache, tier, manager = make(prefix=False)  # no digests: every host page of it is freed on release
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     assert nonzero_host_pages(tier) == {0, 1}  # its two pages, on the host
     manager.release(s)
-    cache, _ = manager.apply_pending(cache, host=tier)  # host scrubs are its only work
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)  # host scrubs are its only work
     assert nonzero_host_pages(tier) == set()
-    assert not manager.has_pending_transfers() and not manager.has_pending_work() and not pending(manager)
+    assert not transfers_pending(manager) and not manager.has_pending_work and not pending(manager)
 
 
 def test_a_host_scrub_alone_is_pending_work_and_needs_the_tier():
     cache, tier, manager = make(prefix=False)
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     manager.release(s)
-    assert not manager.has_pending_transfers() and manager.has_pending_work() and pending(manager)
+    assert not transfers_pending(manager) and manager.has_pending_work and pending(manager)
     with pytest.raises(ValueError, match="pass the cache's tier"):
-        manager.apply_pending(cache)  # without the tier, the scrub would be skipped
+        easykv.apply_pending(manager, cache)  # without the tier, the scrub would be skipped
     assert manager.state_dict()  # a state holds no host page: the scrub stays pending here
-    assert manager.has_pending_work()
-    cache, copied = manager.apply_pending(cache, host=tier)
+    assert manager.has_pending_work
+    cache, copied = easykv.apply_pending(manager, cache, host=tier)
     assert copied == 0 and not any(a.is_deleted() for a in jax.tree.leaves(cache))  # no device program
     assert nonzero_host_pages(tier) == set() and manager.state_dict()
 
@@ -162,14 +169,14 @@ def test_swapping_in_leaves_no_host_copy_behind_and_nothing_pending():
     cache, tier, manager = make(prefix=False)
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     cache, t = admit(cache, tier, manager, 2, list(range(40, 56)))  # writes over the pages it held
     manager.release(t)
     manager.swap_in(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     assert_reads(cache, manager, s, 1, TOKENS)
     assert nonzero_host_pages(tier) == set()  # the onloads' sources, zeroed once read
-    assert not manager.has_pending_work()
+    assert not manager.has_pending_work
     manager.state_dict()  # nothing of the host tier is left pending
 
 
@@ -178,21 +185,22 @@ def test_an_offload_into_a_page_released_before_it_ran_never_lands():
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     manager.swap_out(s)
     manager.release(s)  # the offloads still run (they hold their pages), then free them
-    cache, _ = manager.apply_pending(cache, host=tier)
-    assert nonzero_host_pages(tier) == set() and not manager.has_pending_work()
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
+    assert nonzero_host_pages(tier) == set() and not manager.has_pending_work
 
 
 def test_forgetting_the_tier_zeroes_what_it_kept():
     cache, tier, manager = make()
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     manager.release(s)
     assert manager.metrics.host.cached_pages == 1  # the full page stays cached on the host
-    assert manager.forget_host_tier() == 1
-    assert nonzero_host_pages(tier) == set() and not manager.has_pending_work()
+    runner = easykv.Runner(manager, cache, host=tier)
+    assert runner.forget_host_tier() == 1 and runner.host is None
+    assert nonzero_host_pages(tier) == set() and not manager.has_pending_work
     with pytest.raises(ValueError, match="bound to another PageManager"):
-        make()[2].apply_pending(cache, host=tier)  # still this manager's: no other takes it
+        easykv.apply_pending(make()[2], cache, host=tier)  # still this manager's: no other takes it
 
 
 # ---- a tier serves one manager -------------------------------------------------------------------------------
@@ -202,7 +210,7 @@ def two_caches_with_a_swapped_victim():
     b_cache, b_tier, b = make(prefix=False)
     a_cache, victim = admit(a_cache, a_tier, a, 1, TOKENS)
     a.swap_out(victim)
-    a_cache, _ = a.apply_pending(a_cache, host=a_tier)
+    a_cache, _ = easykv.apply_pending(a, a_cache, host=a_tier)
     b_cache, intruder = admit(b_cache, b_tier, b, 2, list(range(70, 76)))
     return (a_cache, a_tier, a, victim), (b_cache, b_tier, b, intruder)
 
@@ -212,15 +220,15 @@ def test_another_managers_tier_is_refused_with_nothing_changed():
     b.swap_out(intruder)  # its offload would land on host page 0: the victim's page in a_tier
     before = snapshot(b, a_tier, b_tier)
     with pytest.raises(ValueError, match=r"bound to another PageManager.*easykv\.HostTier\(cache\)"):
-        b.apply_pending(b_cache, host=a_tier)
+        easykv.apply_pending(b, b_cache, host=a_tier)
     same(snapshot(b, a_tier, b_tier), before)
     assert not any(x.is_deleted() for x in jax.tree.leaves(b_cache))
-    b_cache, _ = b.apply_pending(b_cache, host=b_tier)  # the right one still works
+    b_cache, _ = easykv.apply_pending(b, b_cache, host=b_tier)  # the right one still works
     a.swap_in(victim)
-    a_cache, _ = a.apply_pending(a_cache, host=a_tier)
+    a_cache, _ = easykv.apply_pending(a, a_cache, host=a_tier)
     assert_reads(a_cache, a, victim, 1, TOKENS)  # its own K/V, not the intruder's
     b.swap_in(intruder)
-    b_cache, _ = b.apply_pending(b_cache, host=b_tier)
+    b_cache, _ = easykv.apply_pending(b, b_cache, host=b_tier)
     assert_reads(b_cache, b, intruder, 2, list(range(70, 76)))
 
 
@@ -228,13 +236,13 @@ def test_a_fresh_manager_cannot_take_a_bound_tier_and_a_used_one_cannot_switch()
     (a_cache, a_tier, a, _), _ = two_caches_with_a_swapped_victim()
     fresh_cache, fresh_tier, fresh = make(prefix=False)
     with pytest.raises(ValueError, match="bound to another PageManager"):
-        fresh.apply_pending(fresh_cache, host=a_tier)  # empty, but the tier is a's
+        easykv.apply_pending(fresh, fresh_cache, host=a_tier)  # empty, but the tier is a's
     with pytest.raises(ValueError, match="not the HostTier this manager's host pages live in"):
-        a.apply_pending(a_cache, host=fresh_tier)  # a's swapped pages live in a_tier
+        easykv.apply_pending(a, a_cache, host=fresh_tier)  # a's swapped pages live in a_tier
     rebuilt = easykv.PageManager.from_state_dict(fresh.metadata, fresh.state_dict())
     with pytest.raises(ValueError, match="bound to another PageManager"):
-        rebuilt.apply_pending(fresh_cache, host=a_tier)
-    fresh_cache, _ = rebuilt.apply_pending(fresh_cache, host=fresh_tier)  # an unbound tier is taken
+        easykv.apply_pending(rebuilt, fresh_cache, host=a_tier)
+    fresh_cache, _ = easykv.apply_pending(rebuilt, fresh_cache, host=fresh_tier)  # an unbound tier is taken
     assert fresh_tier.owner is not None and fresh_tier.owner is not a_tier.owner
 
 
@@ -244,7 +252,7 @@ def test_a_clone_cannot_write_into_its_originals_tier():
     trial.swap_in(victim)
     before = snapshot(a, a_tier)
     with pytest.raises(ValueError, match="clone"):
-        trial.apply_pending(a_cache, host=a_tier)
+        easykv.apply_pending(trial, a_cache, host=a_tier)
     same(snapshot(a, a_tier), before)
 
 
@@ -256,9 +264,9 @@ def test_apply_pending_refuses_a_host_that_is_no_tier(bad):
     bad = cache if bad == "cache" else bad
     before = snapshot(manager, tier)
     with pytest.raises(ValueError, match=rf"host= must be the easykv.HostTier of this cache.*got {type(bad).__name__}"):
-        manager.apply_pending(cache, host=bad)
+        easykv.apply_pending(manager, cache, host=bad)
     same(snapshot(manager, tier), before)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
 
 
 # ---- import_sequence checks host= first ----------------------------------------------------------------------
@@ -269,7 +277,7 @@ def cached_prefix_and_export():
     cache, s = admit(cache, tier, manager, 1, TOKENS)
     exported = easykv.export_sequence(cache, manager, s, token_ids=TOKENS)
     manager.release(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)
     return cache, tier, manager, exported
 
 
@@ -277,7 +285,7 @@ def cached_prefix_and_export():
 def test_import_sequence_refuses_a_bad_host_before_anything_changes(bad):
     cache, tier, manager, exported = cached_prefix_and_export()
     other_cache, other_tier, other = make()
-    other.apply_pending(other_cache, host=other_tier)  # binds it to the other manager
+    easykv.apply_pending(other, other_cache, host=other_tier)  # binds it to the other manager
     host = {"other tier": other_tier, "str": "tier", "cache": cache}[bad]
     before = snapshot(manager, tier)
     counters = manager.metrics.prefix_hits, manager.metrics.prefix_hit_tokens
@@ -306,13 +314,13 @@ class TwoTieredCaches(RuleBasedStateMachine):
         super().__init__()
         self.sides = [list(make(pages=6, host=6)) for _ in range(2)]  # [cache, tier, manager]
         for side in self.sides:  # each tier bound to its manager from the start
-            side[0], _ = side[2].apply_pending(side[0], host=side[1])
+            side[0], _ = easykv.apply_pending(side[2], side[0], host=side[1])
         self.live = [{}, {}]  # seq -> tokens
         self.swapped = [{}, {}]
 
     def _apply(self, i):
         cache, tier, manager = self.sides[i]
-        self.sides[i][0], _ = manager.apply_pending(cache, host=tier)
+        self.sides[i][0], _ = easykv.apply_pending(manager, cache, host=tier)
         assert_no_leak(manager, tier)
 
     def _write(self, i, seq, tokens, start):
@@ -395,7 +403,7 @@ class TwoTieredCaches(RuleBasedStateMachine):
         host = {"other tier": self.sides[1 - i][1], "str": "tier", "other cache": self.sides[1 - i][0]}[kind]
         before = snapshot(manager, self.sides[0][1], self.sides[1][1])
         with pytest.raises(ValueError, match="bound to another PageManager|host= must be the easykv.HostTier"):
-            manager.apply_pending(cache, host=host)
+            easykv.apply_pending(manager, cache, host=host)
         same(snapshot(manager, self.sides[0][1], self.sides[1][1]), before)
         assert not any(x.is_deleted() for x in jax.tree.leaves(cache))
 

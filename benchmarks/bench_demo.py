@@ -94,7 +94,7 @@ def admission(meta_pages: int, page_size: int, max_len: int, seed: int = 0) -> t
     while True:
         seq = mgr.claim(1)[0]
         try:
-            mgr.reserve(seq, int(rng.integers(1, max_len + 1)))
+            mgr.schedule([seq], [int(rng.integers(1, max_len + 1))])  # its pages reserved (the plan left open)
         except easykv.CacheFullError:
             break
         admitted += 1

@@ -48,8 +48,7 @@ def measured_tokens_per_gib(meta: PagedAttentionCacheMetaData, context: int, chu
         try:
             while manager.length(seq) < context:
                 n = min(chunk, context - manager.length(seq))
-                manager.build_step_metadata([seq], [n])
-                manager.advance(seq, n)
+                manager.commit(manager.schedule([seq], [n]))
         except CacheFullError:
             manager.release(seq)
             break

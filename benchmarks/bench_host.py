@@ -54,8 +54,7 @@ def _manager_decode(rng: np.random.Generator) -> tuple[PageManager, np.ndarray]:
     ids = pm.claim(SEQS)
     for s in ids:
         prompt = rng.integers(0, 32000, int(rng.integers(16, 1024)))
-        pm.build_step_metadata([s], [prompt.size])
-        pm.step([s], [prompt])
+        pm.commit(pm.schedule([s], [prompt.size]), [prompt])
     return pm, np.asarray(ids)
 
 
@@ -80,8 +79,7 @@ def main() -> None:
     tokens = rng.integers(0, 32000, (rounds, SEQS))
 
     def commit_round(i: int) -> None:
-        pm.build_decode_metadata(ids)
-        pm.step(ids, tokens[i])
+        pm.commit(pm.schedule(ids, 1), tokens[i])
 
     cases = {
         "for_mixed, 256 seqs x 512-page rows (decode step)": lambda i: PagedAttentionMetadata.for_mixed(

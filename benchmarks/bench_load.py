@@ -73,6 +73,7 @@ from easykv.demo.model import CompiledModel  # noqa: E402
 from easykv.demo.run import demo_model  # noqa: E402
 from easykv.demo.workload import OPENINGS, SYSTEM_PROMPT, encode  # noqa: E402
 from easykv.errors import CacheFullError  # noqa: E402
+from easykv.manager.step_plan import StepPlan  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 
 POOL, HOST_POOL, PAGE, SEQS, MAX_LEN, BUDGET, DECODE_STEPS = 256, 256, 8, 8, 256, 64, 4
@@ -140,9 +141,10 @@ class LoadRun:
         meta = easykv.PagedAttentionCacheMetaData.create(
             self.mesh, SEQS, cfg.layers, MAX_LEN, PAGE, cfg.kv_heads, cfg.head_dim, 0.9, jnp.float32,
             partition_manager=self.pm, num_pages_per_layer=POOL).replace(host_pages_per_layer=HOST_POOL)
-        self.cache = easykv.PagedAttentionCache.init_cache(self.mesh, jnp.float32, meta, self.pm)
-        self.tier = easykv.HostTier(self.cache)
+        cache = easykv.PagedAttentionCache.init_cache(self.mesh, jnp.float32, meta, self.pm)
+        self.tier = easykv.HostTier(cache)
         self.manager = easykv.PageManager(meta, scrub_released=True)
+        self.runner = easykv.Runner(self.manager, cache, host=self.tier)  # holds the cache from now on
         self.live: dict[int, Live] = {}
         self.version = 0
         self.checkpoint_every, self.last_checkpoint = checkpoint_every, time.perf_counter()
@@ -153,24 +155,30 @@ class LoadRun:
         self.first_restore = 0.0  # when the first checkpoint was restored (0: not yet)
         self.compile_steps(meta)
 
+    @property
+    def cache(self) -> easykv.PagedAttentionCache:
+        """The live cache (the runner's)."""
+        return self.runner.cache
+
     def compile_steps(self, meta: easykv.PagedAttentionCacheMetaData) -> None:
         """The model's step and decode loop compiled on a scratch cache of the same pool, so the
         load starts warm (their programs are counted all the same)."""
         cache = easykv.PagedAttentionCache.init_cache(self.mesh, jnp.float32, meta, self.pm)
         manager = easykv.PageManager(meta)
         [s] = manager.claim(1)
-        meta_step = manager.build_step_metadata([s], [3], pad_tokens_to=BUDGET, pad_seqs_to=SEQS)
-        logits, cache = self.model.paged_step(cache, np.arange(BUDGET, dtype=np.int32), meta_step)
+        plan = manager.schedule([s], [3], pad_tokens_to=BUDGET, pad_seqs_to=SEQS)  # a fresh pool: no device work
+        logits, cache = self.model.paged_step(cache, np.arange(BUDGET, dtype=np.int32), plan.metadata)
         _greedy(logits, np.zeros(SEQS, np.int32))
-        manager.step([s], [[1, 2, 3]])
-        plan = manager.plan_decode([s], DECODE_STEPS, pad_seqs_to=SEQS)
+        manager.commit(plan, [[1, 2, 3]])
+        plan = manager.schedule_decode([s], DECODE_STEPS, pad_seqs_to=SEQS)
         out = self.model.paged_decode(cache, np.zeros(SEQS, np.int32), plan, np.asarray(plan.limits, np.int32))
         written, counts = jax.device_get((out.written, out.num_written))
-        manager.commit_decode(plan, written, counts)
+        manager.commit(plan, written, counts)
 
     # ---- events ----------------------------------------------------------------------------------
     def running(self) -> list[int]:
-        return [s for s in self.live if not self.manager.is_swapped(s)]
+        swapped = set(self.manager.swapped_ids)
+        return [s for s in self.live if s not in swapped]
 
     def decoding(self) -> list[int]:
         return [s for s in self.running() if not self.live[s].prompt]
@@ -236,8 +244,15 @@ class LoadRun:
         self.counts["swap_outs"] += 1
 
     def apply(self) -> None:
+        """The work no plan took (a swap-out's offloads, a release's scrubs)."""
         with self.on_device(), self.lowered.counting_device_work():
-            self.cache, _ = self.manager.apply_pending(self.cache, host=self.tier)
+            self.runner.apply_pending()
+
+    def schedule(self, seqs: list[int], counts: list[int]) -> StepPlan:
+        """The runner's `schedule`: the plan's device work applied at once, counted as device work
+        (its host-side scheduling, a small part, counted with it)."""
+        with self.on_device(), self.lowered.counting_device_work():
+            return self.runner.schedule(seqs, counts, pad_tokens_to=BUDGET, pad_seqs_to=SEQS)
 
     @contextlib.contextmanager
     def on_device(self) -> Iterator[None]:
@@ -265,8 +280,7 @@ class LoadRun:
         while True:
             seqs, feed = [s for s, _ in batch], [t for _, t in batch]
             try:
-                meta = self.manager.build_step_metadata(seqs, [len(t) for t in feed], pad_tokens_to=BUDGET,
-                                                        pad_seqs_to=SEQS)
+                plan = self.schedule(seqs, [len(t) for t in feed])
                 break
             except CacheFullError:
                 victim = seqs[-1]
@@ -276,16 +290,18 @@ class LoadRun:
                 self.swap_out(victim)
                 self.counts["preemptions"] += 1
                 batch = batch[:-1]
-        self.apply()
         tokens = np.zeros(BUDGET, np.int32)
         flat = [t for ids in feed for t in ids]
         tokens[: len(flat)] = flat
         ends = np.zeros(SEQS, np.int32)  # fixed shapes (numpy: jnp.asarray would compile per shape)
         ends[: len(feed)] = np.cumsum([len(t) for t in feed]) - 1
-        with self.on_device():
-            logits, self.cache = self.model.paged_step(self.cache, tokens, meta)
-            sampled = np.asarray(jax.device_get(_greedy(logits, ends)))[: len(feed)]
-        self.manager.step(seqs, feed)
+
+        def model_step(cache: easykv.PagedAttentionCache, plan: StepPlan) -> tuple[object, np.ndarray]:
+            with self.on_device():
+                logits, cache = self.model.paged_step(cache, tokens, plan.metadata)
+                return cache, np.asarray(jax.device_get(_greedy(logits, ends)))[: len(feed)]
+
+        sampled = self.runner.run(plan, model_step, token_ids=feed)  # its commit: feed, as written
         self.counts["steps"] += 1
         for s, ids, token in zip(seqs, feed, sampled.tolist()):
             r = self.live[s]
@@ -318,27 +334,26 @@ class LoadRun:
     def decode_plan(self, running: list[int]) -> bool:
         """Up to ``DECODE_STEPS`` decode steps of every running request in one device loop;
         False (nothing changed) when the plan does not fit."""
-        m = self.manager
         seqs = [s for s in running if len(self.live[s].written) < MAX_LEN][:SEQS]
         if not seqs:
             return False
         most = [min(DECODE_STEPS, self.live[s].left, MAX_LEN - len(self.live[s].written)) for s in seqs]
         try:
-            plan = m.plan_decode(seqs, DECODE_STEPS, max_tokens=most, pad_seqs_to=SEQS)
+            with self.on_device(), self.lowered.counting_device_work():
+                plan = self.runner.schedule_decode(seqs, DECODE_STEPS, max_tokens=most, pad_seqs_to=SEQS)
         except CacheFullError:
             return False
-        try:
-            self.apply()
-            tokens = np.zeros(SEQS, np.int32)
-            tokens[: len(seqs)] = [self.live[s].next for s in seqs]
+        tokens = np.zeros(SEQS, np.int32)
+        tokens[: len(seqs)] = [self.live[s].next for s in seqs]
+
+        def loop(cache: easykv.PagedAttentionCache, plan: StepPlan) -> tuple[object, tuple]:
             with self.on_device():
-                out = self.model.paged_decode(self.cache, tokens, plan, np.asarray(plan.limits, np.int32))
-                self.cache = out.state
-                written, sampled, counts = jax.device_get((out.written, out.sampled, out.num_written))
-        except BaseException:  # the plan closes with nothing written: its sequences stay usable
-            m.commit_decode(plan, np.zeros((plan.padded_rows, DECODE_STEPS), np.int64), 0)
-            raise
-        m.commit_decode(plan, written, counts)
+                out = self.model.paged_decode(cache, tokens, plan, np.asarray(plan.limits, np.int32))
+                return out.state, jax.device_get((out.written, out.sampled, out.num_written))
+
+        # the runner commits what each row wrote, or aborts the plan on any failure (its sequences stay usable)
+        written, sampled, counts = self.runner.run(plan, loop, token_ids=lambda out: out[0],
+                                                   num_tokens=lambda out: out[2])
         self.counts["plans"] += 1
         self.counts["steps"] += 1
         for i, s in enumerate(seqs):
@@ -413,8 +428,8 @@ class LoadRun:
         if host is not None and (host.used_pages or host.cached_pages or host.free_pages != host.total_pages):
             problems.append(f"host pages: {host.used_pages} used, {host.cached_pages} cached, "
                             f"{host.free_pages} free of {host.total_pages}")
-        if m.active_ids or m.has_pending_work():
-            problems.append(f"sequences {m.active_ids} active, pending work {m.has_pending_work()}")
+        if m.active_ids or m.has_pending_work:
+            problems.append(f"sequences {m.active_ids} active, pending work {m.has_pending_work}")
         dirty = sum(int(np.count_nonzero(np.asarray(a))) for a in jax.tree.leaves((self.cache.key_pages,
                                                                                     self.cache.value_pages)))
         if dirty:

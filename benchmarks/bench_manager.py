@@ -39,24 +39,23 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def bench_decode(steps: int) -> dict[str, float]:
-    """256 running sequences of random lengths; each step builds the decode metadata (which
-    allocates a page for every sequence crossing a page boundary) and commits the tokens."""
+    """256 running sequences of random lengths; each step schedules one token each (the plan's
+    metadata allocates a page for every sequence crossing a page boundary) and commits the tokens."""
     n, max_len = 256, 4096
     rng = np.random.default_rng(0)
     pm = PageManager(_meta(n, max_len, n * (max_len // PAGE)))
     ids = pm.claim(n)
     for s in ids:
         prompt = rng.integers(0, 32000, int(rng.integers(16, 1024)))
-        pm.build_step_metadata([s], [prompt.size])
-        pm.step([s], [prompt])
+        pm.commit(pm.schedule([s], [prompt.size]), [prompt])
     build, commit, boundary = [], [], 0
     tokens = rng.integers(0, 32000, (steps, n))
     for t in range(steps):
         before = pm.metrics.used_pages
         t0 = time.perf_counter()
-        pm.build_decode_metadata(ids)
+        plan = pm.schedule(ids, 1)
         t1 = time.perf_counter()
-        pm.step(ids, tokens[t])
+        pm.commit(plan, tokens[t])
         t2 = time.perf_counter()
         build.append(t1 - t0)
         commit.append(t2 - t1)
@@ -73,8 +72,7 @@ def bench_lookup(repeats: int) -> dict[str, float]:
     pm = PageManager(_meta(4, max_len, 4 * (max_len // PAGE)))
     prompt = np.random.default_rng(1).integers(0, 32000, max_len)
     [s] = pm.claim(1)
-    pm.build_step_metadata([s], [prompt.size])
-    pm.step([s], [prompt])
+    pm.commit(pm.schedule([s], [prompt.size]), [prompt])
     lookup, attach = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -102,13 +100,11 @@ def bench_shared_prefix(caching: bool) -> dict[str, float]:
         prompt = np.concatenate([common, rng.integers(0, 32000, length - common.size)])
         [s] = pm.claim(1)
         done = pm.match_prefix(s, prompt)
-        pm.build_step_metadata([s], [prompt.size - done])
-        pm.step([s], [prompt[done:]])
+        pm.commit(pm.schedule([s], [prompt.size - done]), [prompt[done:]])
         prefill += prompt.size - done
         ids.append(s)
     for _ in range(decode):
-        pm.build_decode_metadata(ids)
-        pm.step(ids, rng.integers(0, 32000, n))
+        pm.commit(pm.schedule(ids, 1), rng.integers(0, 32000, n))
     pm.check_invariants()
     return {"prefill": prefill, "pages": pm.metrics.used_pages, "hit_rate": pm.metrics.token_hit_rate}
 

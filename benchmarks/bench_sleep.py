@@ -61,10 +61,10 @@ def build(mib: int, tokens: int):
     manager = easykv.PageManager(cache.metadata)
     rng = np.random.default_rng(0)
     ids = manager.claim(8)
-    rts = manager.build_step_metadata(ids, [tokens] * 8)
+    plan = manager.schedule(ids, [tokens] * 8)  # a fresh pool: the plan carries no device work
     k = rng.standard_normal((LAYERS, 8 * tokens, HEADS, DIM)).astype(jnp.bfloat16)
-    cache, _ = cache.write(k, k, rts)
-    manager.advance(ids, tokens)
+    cache, _ = cache.write(k, k, plan.metadata)
+    manager.commit(plan)
     return mesh, pm, cache, manager
 
 

@@ -26,11 +26,11 @@ def main() -> None:
     manager = easykv.PageManager(meta)
     seq = manager.claim(1)[0]
     prompt = list(range(40))
-    step = manager.build_step_metadata([seq], [len(prompt)])
+    plan = manager.schedule([seq], [len(prompt)])  # a fresh pool: the plan carries no device work
     rng = np.random.default_rng(0)
     kv = jnp.asarray(rng.normal(size=(2, 40, 8, 64)), jnp.bfloat16)
-    cache, _ = cache.write(kv, kv, step)
-    manager.step([seq], [prompt])
+    cache, _ = cache.write(kv, kv, plan.metadata)
+    manager.commit(plan, [prompt])
 
     directory = tempfile.mkdtemp(prefix="easykv-ckpt-")
     easykv.save_cache(directory, cache, manager, step=1, extra_metadata={"note": "after prefill"})
@@ -44,10 +44,10 @@ def main() -> None:
     keys, _ = easykv.gather_kv(cache, 1, manager.page_table([seq])[0], 40)
     assert np.array_equal(np.asarray(keys), np.asarray(kv[1]))
 
-    step = manager.build_step_metadata([seq], [1])  # and generation goes on
+    plan = manager.schedule([seq], [1])  # and generation goes on
     new = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.bfloat16)
-    cache, _ = cache.write(new, new, step)
-    manager.step([seq], [[40]])
+    cache, _ = cache.write(new, new, plan.metadata)
+    manager.commit(plan, [[40]])
     keys, _ = easykv.gather_kv(cache, 0, manager.page_table([seq])[0], 41)
     assert np.array_equal(np.asarray(keys[40]), np.asarray(new[0, 0]))
     print("continued writing on the new mesh: exactly the tokens written")

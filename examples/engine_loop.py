@@ -1,5 +1,6 @@
-"""A minimal continuous-batching loop: the PageManager decides pages, one jitted step per
-iteration writes every layer's K/V and attends through the page tables.
+"""A minimal continuous-batching loop: the PageManager schedules each step as a plan, the runner
+applies it (the plan's device work, one jitted step that writes every layer's K/V and attends
+through the page tables, then the commit of the tokens written).
 
     python examples/engine_loop.py
 
@@ -45,6 +46,10 @@ def main() -> None:
     )
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
     manager = easykv.PageManager(meta)
+    runner = easykv.Runner(manager, cache)  # holds the cache from now on
+
+    def model(tokens):  # the runner's step: (cache, plan) -> (cache, out)
+        return lambda cache, plan: step(cache, jnp.asarray(tokens), plan.metadata)
 
     prompts = {0: list(range(1, 21)), 1: list(range(1, 21)) + [99, 98], 2: list(range(50, 61))}
     generated = {rid: [] for rid in prompts}
@@ -53,21 +58,19 @@ def main() -> None:
         seq[rid] = manager.claim(1)[0]
         skipped = manager.match_prefix(seq[rid], prompt)
         pending = prompt[skipped:]
-        m = manager.build_step_metadata([seq[rid]], [len(pending)], pad_tokens_to=32, pad_seqs_to=4)
+        plan = manager.schedule([seq[rid]], [len(pending)], pad_tokens_to=32, pad_seqs_to=4)
         tokens = np.zeros(32, np.int32)
         tokens[: len(pending)] = pending
-        cache, _ = step(cache, jnp.asarray(tokens), m)
-        manager.step([seq[rid]], [pending])
+        runner.run(plan, model(tokens), token_ids=[pending])
         print(f"request {rid}: prompt {len(prompt)} tokens, {skipped} from the prefix cache")
         generated[rid].append(prompt[-1] + 1)
 
     for _ in range(6):  # decode all three together, one token each per step
         ids = [seq[r] for r in prompts]
-        m = manager.build_step_metadata(ids, [1, 1, 1], pad_tokens_to=32, pad_seqs_to=4)
+        plan = manager.schedule(ids, [1, 1, 1], pad_tokens_to=32, pad_seqs_to=4)
         tokens = np.zeros(32, np.int32)
         tokens[:3] = [generated[r][-1] for r in prompts]
-        cache, out = step(cache, jnp.asarray(tokens), m)
-        manager.step(ids, [[generated[r][-1]] for r in prompts])
+        runner.run(plan, model(tokens), token_ids=[[generated[r][-1]] for r in prompts])
         for r in prompts:
             generated[r].append(generated[r][-1] + 1)
     manager.check_invariants()

@@ -32,10 +32,10 @@ def worker() -> None:
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
     manager = easykv.PageManager(meta)  # runs identically on every host
     seq = manager.claim(1)[0]
-    step = manager.build_step_metadata([seq], [12])
+    plan = manager.schedule([seq], [12])  # a fresh pool: the plan carries no device work
     keys = np.arange(2 * 12 * 8 * 16, dtype=np.float32).reshape(2, 12, 8, 16)
-    cache, _ = cache.write(keys, keys, step)
-    manager.advance(seq, 12)
+    cache, _ = cache.write(keys, keys, plan.metadata)
+    manager.commit(plan)
     assert_lockstep(manager)
     got, _ = easykv.gather_kv(cache, 1, manager.page_table([seq])[0], 12)
     got = np.asarray(multihost_utils.process_allgather(got, tiled=True))

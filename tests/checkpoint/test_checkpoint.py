@@ -126,7 +126,7 @@ def test_restore_onto_another_mesh(tmp_path, src, dst, quant):
     r_mgr.check_invariants()
     for seq in r_mgr.active_ids:
         pages = r_mgr.pages(seq)
-        assert {p // meta.pages_per_shard for p in pages} == {r_mgr.replica(seq)}
+        assert {p // meta.pages_per_shard for p in pages} == {r_mgr.sequence(seq).replica}
     got, want = gathered(r_cache, r_mgr), gathered(cache, manager)
     assert all(np.array_equal(got[k][i], want[k][i]) for k in want for i in (0, 1))
     r_cache = continue_run(r_cache, r_mgr)  # the restored pair keeps working on the new mesh
@@ -268,9 +268,10 @@ def test_existing_step_and_bad_save_arguments_write_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == listing
     assert save_cache(tmp_path, cache) == 4  # next step; without a manager
     assert restore_cache(tmp_path, mesh=qsetup("heads")[0]).manager is None
+    plan = manager.schedule([0], [1])
     cache2, _ = cache.write(random_tokens(np.random.default_rng(0), (LAYERS, 1, 8, HEAD_DIM)),
-                            random_tokens(np.random.default_rng(1), (LAYERS, 1, 8, HEAD_DIM)),
-                            manager.build_step_metadata([0], [1]))
+                            random_tokens(np.random.default_rng(1), (LAYERS, 1, 8, HEAD_DIM)), plan.metadata)
+    manager.abort(plan)  # the manager as it was: only the cache, donated to that write, is refused
     with pytest.raises(ValueError, match="donated"):
         save_cache(tmp_path, cache, manager)
 
@@ -279,13 +280,13 @@ def test_existing_step_and_bad_save_arguments_write_nothing(tmp_path):
 def _marked_cache():
     """A cache whose layer-1 value pages hold a distinctive byte pattern (to find on disk)."""
     cache, manager, rng = engine_run("heads")
-    meta = manager.build_step_metadata([0], [1], pad_tokens_to=1)
+    plan = manager.schedule([0], [1], pad_tokens_to=1)
     keys = random_tokens(rng, (LAYERS, 1, 8, HEAD_DIM))
     marker = np.arange(8 * HEAD_DIM, dtype=np.uint16).reshape(1, 8, HEAD_DIM) * 0 + 0x3F3D  # 1.0-ish bf16
     marker[0, 0, :4] = [0x1234, 0x5678, 0x1357, 0x2468]
     values = np.stack([random_tokens(rng, (1, 8, HEAD_DIM)), marker.view("bfloat16")])
-    cache, _ = cache.write(keys, values, meta)
-    manager.step([0], [[999]])
+    cache, _ = cache.write(keys, values, plan.metadata)
+    manager.commit(plan, [[999]])
     return cache, manager, np.array([0x1234, 0x5678, 0x1357, 0x2468], "<u2").tobytes()
 
 

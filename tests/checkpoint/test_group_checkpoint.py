@@ -27,7 +27,7 @@ def tokens_of(cache, m):
     for s in m.active_ids:
         for i in range(LAYERS):
             g, _ = meta.group_of(i)
-            first = m.first_kept_position(s, group=g)
+            first = m.sequence(s).first_kept[g]
             pages = np.asarray(m.pages(s, group=g))
             k, v = easykv.gather_kv(cache, i, np.where(pages < 0, 0, pages), m.length(s))  # holes: not read below
             out[s, i] = (np.asarray(k, np.float32)[first:], None if v is None else np.asarray(v, np.float32)[first:])
@@ -69,14 +69,14 @@ def test_a_grouped_cache_restores_bit_exact_onto_other_meshes(tmp_path, source, 
     same_tokens(tokens_of(restored, manager), want)
     # the restored pair keeps serving: one more decode step through the manager
     seqs = manager.active_ids
-    rts = manager.build_step_metadata(seqs, [1] * len(seqs))
-    restored, _ = manager.apply_pending(restored)
+    runner, lengths = easykv.Runner(manager, restored), [manager.length(s) for s in seqs]
+    plan = manager.schedule(seqs, [1] * len(seqs))
     n = len(seqs)
     ks = [np.ones((n, g.num_kv_heads, g.key_head_dim), np.float32) for g in (meta.groups[meta.group_of(i)[0]]
                                                                              for i in range(LAYERS))]
     vs = [None if meta.groups[meta.group_of(i)[0]].latent else k[..., :8] for i, k in enumerate(ks)]
-    restored, dropped = restored.write(ks, vs, rts)
-    assert int(dropped) == 0
+    dropped = runner.run(plan, lambda cache, plan: cache.write(ks, vs, plan.metadata))
+    assert int(dropped) == 0 and [manager.length(s) for s in seqs] == [n + 1 for n in lengths]
 
 
 def test_a_grouped_checkpoint_converts_on_request_and_checks_the_target(tmp_path):

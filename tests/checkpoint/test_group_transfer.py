@@ -46,7 +46,7 @@ def test_a_grouped_sequence_moves_onto_another_mesh_and_shares_its_prefix_there(
     src = read(cache, m, 0)
     dst, dm = empty_cache("dp2tp4")
     dst, seq = import_sequence(dst, dm, back)
-    assert dm.length(seq) == length and [dm.first_kept_position(seq, group=g) for g in range(3)] == [9, 0, 0]
+    assert dm.length(seq) == length and dm.sequence(seq).first_kept == (9, 0, 0)
     same(read(dst, dm, seq), src)
     dm.check_invariants()
     # The sliding group's export lacks positions 0..8: that sequence is not entered in the prefix
@@ -62,14 +62,14 @@ def test_a_whole_grouped_history_is_matched_and_shared():
     window moved) enters the target's prefix cache; importing it again shares its pages."""
     cache, m = empty_cache("tp8")
     [s] = m.claim(1)
-    rts = m.build_step_metadata([s], [5])
+    plan = m.schedule([s], [5])
     groups = [cache.metadata.groups[cache.metadata.group_of(i)[0]] for i in range(LAYERS)]
     rng = np.random.default_rng(3)
     ks = [rng.standard_normal((5, g.num_kv_heads, g.key_head_dim)).astype(np.float32) for g in groups]
     vs = [None if g.latent else rng.standard_normal((5, g.num_kv_heads, g.value_head_dim)).astype(np.float32)
           for g in groups]
-    cache, _ = cache.write(ks, vs, rts)
-    m.step([s], [[5, 6, 7, 8, 9]])
+    cache, _ = cache.write(ks, vs, plan.metadata)
+    m.commit(plan, [[5, 6, 7, 8, 9]])
     exported = export_sequence(cache, m, s, token_ids=[5, 6, 7, 8, 9])
     assert [g.first_position for g in exported.groups] == [0, 0, 0]
     dst, dm = empty_cache("tp8")
@@ -82,15 +82,15 @@ def test_a_whole_grouped_history_is_matched_and_shared():
 def test_raw_int8_grouped_pages_stay_bit_exact():
     cache, m = empty_cache("tp8", quantizer="int8")
     [s] = m.claim(1)
-    rts = m.build_step_metadata([s], [7])
+    plan = m.schedule([s], [7])
     meta = cache.metadata
     groups = [meta.groups[meta.group_of(i)[0]] for i in range(LAYERS)]
     rng = np.random.default_rng(4)
     ks = [rng.standard_normal((7, g.num_kv_heads, g.key_head_dim)).astype(np.float32) for g in groups]
     vs = [None if g.latent else rng.standard_normal((7, g.num_kv_heads, g.value_head_dim)).astype(np.float32)
           for g in groups]
-    cache, _ = cache.write(ks, vs, rts)
-    m.advance([s], 7)
+    cache, _ = cache.write(ks, vs, plan.metadata)
+    m.commit(plan)
     exported = export_sequence(cache, m, s, dequantize=False)
     assert exported.raw and exported.groups[1].keys["values"].dtype == np.int8
     back = GroupedSequenceExport.from_bytes(exported.to_bytes())

@@ -129,14 +129,15 @@ def _host_swapped(_: Path) -> Made:
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
     tier, manager = easykv.HostTier(cache), easykv.PageManager(meta)
     [s] = manager.claim(1)
-    step_meta = manager.build_step_metadata([s], [9])
+    plan = manager.schedule([s], [9])
     rng = np.random.default_rng(3)
-    cache, _ = cache.write(pools.random_tokens(rng, (2, 9, 8, 16)), pools.random_tokens(rng, (2, 9, 8, 16)), step_meta)
-    manager.step([s], [list(range(9))])
+    cache, _ = cache.write(pools.random_tokens(rng, (2, 9, 8, 16)), pools.random_tokens(rng, (2, 9, 8, 16)),
+                           plan.metadata)
+    manager.commit(plan, [list(range(9))])
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)  # its pages go to the host tier ...
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)  # its pages go to the host tier ...
     manager.swap_in(s)
-    cache, _ = manager.apply_pending(cache, host=tier)  # ... and come back through a donated jitted move
+    cache, _ = easykv.apply_pending(manager, cache, host=tier)  # ... and come back through a donated jitted move
     return Made(cache, manager, mesh, pm)
 
 

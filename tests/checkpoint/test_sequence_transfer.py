@@ -13,6 +13,7 @@ import pytest
 from easykv.checkpoint.transfer import SequenceExport, export_sequence, import_sequence
 from easykv.errors import CacheFullError, UnknownSequenceError
 from easykv.manager.manager import PageManager
+from easykv.runner import apply_pending
 from easykv.storage.cache import gather_kv
 from tests.support.checkpoints import engine_run, new_qcache, qsetup, raw_leaves
 from tests.support.pools import LAYERS, bits
@@ -100,7 +101,7 @@ def test_bad_imports_change_nothing():
     assert dst_mgr.state_dict() == state
     small = new_qcache("heads", pages=8)
     small_mgr = PageManager(qsetup("heads", pages=8)[2])
-    small_mgr.reserve(small_mgr.claim(2), [16, 16])  # all 8 pages in use, 2 slots free
+    small_mgr.schedule(small_mgr.claim(2), [16, 16])  # all 8 pages in use, 2 slots free
     state, before = small_mgr.state_dict(), raw_leaves(small)
     with pytest.raises(CacheFullError, match="needs 3 new pages"):
         import_sequence(small, small_mgr, exported)
@@ -116,20 +117,23 @@ def test_bad_imports_change_nothing():
 
 
 def test_export_waits_for_pending_copy_on_write():
-    """A fork's first reservation gives it a private copy of the shared, partly filled page;
-    until the copy is applied the cache does not hold its tokens there, so export refuses."""
+    """A fork truncated inside the shared, partly filled page it will write again gets a private
+    copy of it; until the copy is applied the cache does not hold its tokens there, so export
+    refuses."""
     cache, manager, _ = engine_run("heads")
     child = manager.fork(0)
-    manager.build_step_metadata([child], [1])  # copy-on-write of the partly filled last page, pending
+    length = manager.length(child) - 1
+    manager.truncate(child, length)  # copy-on-write of the partly filled last page, pending
     state, before = manager.state_dict(), raw_leaves(cache)
     with pytest.raises(ValueError, match="pending copy-on-write"):
         export_sequence(cache, manager, child)
     assert manager.state_dict() == state and all(np.array_equal(a, b) for a, b in zip(before, raw_leaves(cache)))
-    cache, copied = manager.apply_pending(cache)
+    cache, copied = apply_pending(manager, cache)
     assert copied == 1
     parent, forked = export_sequence(cache, manager, 0), export_sequence(cache, manager, child)
-    assert np.array_equal(bits(forked.keys), bits(parent.keys))
-    assert np.array_equal(bits(forked.values), bits(parent.values))
+    assert forked.length == length and length % 4  # the copied page holds the fork's last tokens
+    assert np.array_equal(bits(forked.keys), bits(parent.keys)[:, :length])
+    assert np.array_equal(bits(forked.values), bits(parent.values)[:, :length])
 
 
 def test_salted_imports_stay_in_their_namespace():

@@ -261,12 +261,9 @@ def _cache(layout: str, meta: PagedAttentionCacheMetaData) -> PagedAttentionCach
         return PagedAttentionCache.init_cache(mesh_for(layout), meta.dtype, meta, PartitionManager(paxis))
 
 
-def _commit(manager: PageManager, tokens: list[int], *, release: bool, extra: int = 0) -> int:
+def _commit(manager: PageManager, tokens: list[int], *, release: bool) -> int:
     [seq] = manager.claim(1)
-    manager.build_step_metadata([seq], [len(tokens)])
-    manager.step([seq], [tokens])
-    if extra:
-        manager.reserve(seq, extra)
+    manager.commit(manager.schedule([seq], [len(tokens)]), [tokens])
     if release:
         manager.release(seq)
     return seq
@@ -313,7 +310,7 @@ def test_prefix_match_in_a_full_replica_changes_nothing_and_a_free_one_is_used()
     assert err.replica == 0
     assert_untouched(cache, manager, snap)
     cache, seq = import_sequence(cache, manager, dense_export(length=9, tokens=False))
-    assert manager.replica(seq) == 1 and manager.length(seq) == 9
+    assert manager.sequence(seq).replica == 1 and manager.length(seq) == 9
     manager.check_invariants()
 
 

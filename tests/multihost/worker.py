@@ -115,14 +115,13 @@ def checkpoint_mode(directory: str, action: str) -> None:
         cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
         manager = easykv.PageManager(meta)
         a, b = manager.claim(2)
-        manager.reserve(a, 11)
-        manager.reserve(b, 20)
+        plan = manager.schedule([a, b], [11, 20])
         rows = manager.page_table([a, b])  # the pages the manager chose
         step_meta = easykv.PagedAttentionMetadata.for_mixed(rows, [0, 0], [11, 20], cache_metadata=meta,
                                                             pad_tokens_to=32)
         spec = P(None, None, "tp")
         cache, _ = cache.write(global_array(k, mesh, spec), global_array(v, mesh, spec), step_meta)
-        manager.advance([a, b], [11, 20])
+        manager.commit(plan)
         # attend across both processes: each holds half the kv heads
         decode = easykv.PagedAttentionMetadata.for_decode(rows, [10, 19], cache_metadata=meta)
         out = gathered(easykv.view_attention(global_array(q, mesh, P(None, "tp")), cache[1], decode))
@@ -155,14 +154,18 @@ def grouped_mode(directory: str) -> None:
     hist = {s: [[np.zeros((0, h, dk), np.float32), np.zeros((0, h, dv), np.float32)] for h, dk, dv in shapes]
             for s in (a, b)}
     spec = P(None, "tp")
+    runner = easykv.Runner(manager, cache)
+
+    def write(keys, values):
+        return lambda cache, plan: cache.write(keys, values, plan.metadata)
+
     for counts in ([11, 20], [1, 1], [1, 1], [1, 1]):
-        rts = manager.build_step_metadata([a, b], counts)
-        cache, _ = manager.apply_pending(cache)
+        plan = manager.schedule([a, b], counts)
         n = sum(counts)
         ks = [rng.normal(size=(n, h, dk)).astype(np.float32) for h, dk, _ in shapes]
         vs = [rng.normal(size=(n, h, dv)).astype(np.float32) for h, _, dv in shapes]
-        cache, dropped = cache.write([global_array(k, mesh, spec) for k in ks],
-                                     [global_array(v, mesh, spec) for v in vs], rts)
+        keys, values = [global_array(k, mesh, spec) for k in ks], [global_array(v, mesh, spec) for v in vs]
+        dropped = runner.run(plan, write(keys, values), token_ids=[list(range(c)) for c in counts])
         assert int(dropped.addressable_data(0)) == 0
         t = 0
         for s, c in zip((a, b), counts):
@@ -170,20 +173,20 @@ def grouped_mode(directory: str) -> None:
                 hist[s][layer] = [np.concatenate([hist[s][layer][0], ks[layer][t:t + c]]),
                                   np.concatenate([hist[s][layer][1], vs[layer][t:t + c]])]
             t += c
-        manager.step([a, b], [list(range(c)) for c in counts])
         assert_lockstep(manager)
+    cache = runner.cache
 
     def check(cache, manager):
         for s in (a, b):
             for layer in range(2):
-                first = manager.first_kept_position(s, group=layer)
+                first = manager.sequence(s).first_kept[layer]
                 row = np.maximum(np.asarray(manager.pages(s, group=layer)), 0)
                 keys, values = easykv.gather_kv(cache, layer, row, manager.length(s))
                 assert np.array_equal(gathered(keys)[first:], hist[s][layer][0][first:]), (s, layer)
                 assert np.array_equal(gathered(values)[first:], hist[s][layer][1][first:]), (s, layer)
         assert_lockstep(manager)
 
-    assert manager.first_kept_position(b, group=0) == 18  # length 23, window 6: the rest was released
+    assert manager.sequence(b).first_kept[0] == 18  # length 23, window 6: the rest was released
     check(cache, manager)
     # sleep (each process keeps its own shards in host memory) and wake where it slept
     pool = device_bytes(cache)
@@ -210,41 +213,39 @@ def host_tier_mode() -> None:
     meta = easykv.PagedAttentionCacheMetaData.create(mesh, 4, 2, 32, 4, 8, 16, 0.9, jnp.float32, partition_manager=pm,
                                                      num_pages_per_layer=16).replace(host_pages_per_layer=32)
     cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.float32, meta, pm)
-    tier = easykv.HostTier(cache)
     manager = easykv.PageManager(meta)
+    runner = easykv.Runner(manager, cache, host=easykv.HostTier(cache))
     rng = np.random.default_rng(3)
     prompts = [[50 * i + t for t in range(13)] for i in range(4)]
     written = {i: rng.normal(size=(2, 13, 8, 16)).astype(np.float32) for i in range(4)}
     spec = P(None, None, "tp")
 
     def read(seq, n):
-        return [gathered(easykv.gather_kv(cache, layer, np.asarray(manager.pages(seq)), n)[0]) for layer in range(2)]
+        return [gathered(easykv.gather_kv(runner.cache, layer, np.asarray(manager.pages(seq)), n)[0])
+                for layer in range(2)]
+
+    def write(keys):
+        return lambda cache, plan: cache.write(keys, keys, plan.metadata)
 
     for _ in range(2):
         for i, prompt in enumerate(prompts):
             [s] = manager.claim(1)
             done = manager.match_prefix(s, prompt)
-            step_meta = manager.build_step_metadata([s], [13 - done])
-            cache, _ = manager.apply_pending(cache, host=tier)
+            plan = runner.schedule([s], [13 - done])  # its work (the hit's onloads) applied at once
             for layer, keys in enumerate(read(s, done) if done else ()):
                 assert np.array_equal(keys, written[i][layer, :done]), (i, layer)
-            k = global_array(written[i][:, done:], mesh, spec)
-            cache, _ = cache.write(k, k, step_meta)
-            manager.step([s], [prompt[done:]])
+            runner.run(plan, write(global_array(written[i][:, done:], mesh, spec)), token_ids=[prompt[done:]])
             manager.release(s)
             assert_lockstep(manager)
     assert manager.metrics.host.host_hits >= 3
     [s] = manager.claim(1)
-    step_meta = manager.build_step_metadata([s], [10])
-    cache, _ = manager.apply_pending(cache, host=tier)
-    cache, _ = cache.write(global_array(written[0][:, :10], mesh, spec), global_array(written[0][:, :10], mesh, spec),
-                           step_meta)
-    manager.step([s], [list(range(10))])
+    plan = manager.schedule([s], [10])
+    runner.run(plan, write(global_array(written[0][:, :10], mesh, spec)), token_ids=[list(range(10))])
     manager.swap_out(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    runner.apply_pending()
     assert_lockstep(manager)
     manager.swap_in(s)
-    cache, _ = manager.apply_pending(cache, host=tier)
+    runner.apply_pending()
     for layer, keys in enumerate(read(s, 10)):
         assert np.array_equal(keys, written[0][layer, :10]), layer
     assert_lockstep(manager)

@@ -297,10 +297,10 @@ def test_raw_export_is_refused_and_a_dense_one_moves_the_sequence():
     manager = easykv.PageManager(meta)
     [seq] = manager.claim(1)
     rng = np.random.default_rng(6)
-    step_meta = manager.build_step_metadata([seq], [10], pad_tokens_to=16)
+    plan = manager.schedule([seq], [10], pad_tokens_to=16)
     k = jnp.asarray(rng.standard_normal((LAYERS, 16, HEADS, DIM)), jnp.float32)
-    cache, _ = cache.write(k, k, step_meta)
-    manager.step([seq], [list(range(10))])
+    cache, _ = cache.write(k, k, plan.metadata)
+    manager.commit(plan, [list(range(10))])
     before = [np.asarray(a) for a in jax.tree.leaves(cache)]
     with pytest.raises(ValueError, match=r"export_sequence\(dequantize=False\): int4-ch pages keep one scale per "
                                          r"page and channel.*dequantize=True"):

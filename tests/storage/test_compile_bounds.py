@@ -66,34 +66,41 @@ def small_pool(tp8, *, host: bool, dtype=jnp.bfloat16):
 
 class RandomLoad:
     """Arrivals (shared prefixes), prefill and decode steps, forks, truncations, releases, weight
-    versions, prefix-cache resets and (with a host tier) swaps, in random order; `apply_pending`
-    before each step's writes and after some of the other actions (the work of several waits
-    for one call), with the programs it lowers recorded. No K/V is written: only the device
-    work is counted."""
+    versions, prefix-cache resets and (with a host tier) swaps, in random order; the runner
+    applies the device work: each step's plan's before its (empty) step, and the work no plan
+    took after some of the other actions (the work of several waits for one call), with the
+    programs it lowers recorded. No K/V is written: only the device work is counted."""
 
     def __init__(self, cache, tier, manager, seed: int):
-        self.cache, self.tier, self.m = cache, tier, manager
+        self.runner, self.tier, self.m = easykv.Runner(manager, cache, host=tier), tier, manager
         self.rng = np.random.default_rng(seed)
         self.prefixes = [list(self.rng.integers(1, 500, 24)) for _ in range(3)]
         self.work_sizes: set[int] = set()  # distinct sizes of pending copies + scrubs met
 
+    def met(self, work) -> None:
+        self.work_sizes.add(sum(a.size for a in work.scrubs()) + work.num_copies)
+
     def apply(self, programs: list[str]) -> None:
-        m = self.m
-        self.work_sizes.add(sum(a.size for a in m.pending_scrubs()) + sum(a.size for a in m.pending_copies()[0]))
+        """The work no plan took (`Runner.apply_pending`)."""
+        self.met(self.m.clone().take_work())  # the pending work, read on a copy
         with lowered_programs() as names:
-            self.cache, _ = m.apply_pending(self.cache, host=self.tier)
+            self.runner.apply_pending()
         programs += names
 
     def running(self) -> list[int]:
-        return [s for s in self.m.active_ids if not (self.tier and self.m.is_swapped(s))]
+        return [s for s in self.m.active_ids if not (self.tier and self.m.sequence(s).swapped)]
 
     def write(self, seqs: list[int], tokens: list[list[int]], programs: list[str]) -> None:
+        """A step of ``seqs`` run by the runner: the plan's work (everything pending), a step that writes
+        nothing, the commit."""
         try:
-            self.m.build_step_metadata(seqs, [len(t) for t in tokens])
+            plan = self.m.schedule(seqs, [len(t) for t in tokens])
         except CacheFullError:
             return
-        self.apply(programs)
-        self.m.step(seqs, tokens)
+        self.met(plan.work)
+        with lowered_programs() as names:
+            self.runner.run(plan, lambda cache, plan: (cache, None), token_ids=tokens)
+        programs += names
 
     def action(self, programs: list[str]) -> None:
         m, rng, running = self.m, self.rng, self.running()
@@ -145,12 +152,12 @@ class RandomLoad:
 def assert_all_free(manager) -> None:
     manager.check_invariants()
     m = manager.metrics
-    assert m.used_pages == 0 and not manager.active_ids and not manager.has_pending_work(), m
+    assert m.used_pages == 0 and not manager.active_ids and not manager.has_pending_work, m
 
 
 @pytest.mark.parametrize("host", [False, True], ids=["device", "host-tier"])
 def test_a_long_random_run_compiles_at_most_2_plus_log2_pool_device_work_programs(tp8, host):
-    """Every program lowered inside `apply_pending` over 400 random actions, whatever it is:
+    """Every program lowered while the runner applies device work over 400 random actions, whatever it is:
     fails on a tree that shapes the device work by its count (one program per count, or per
     combination of counts of transfers, copies and scrubs), and on one that compiles programs
     beside it (zeroed staging arrays made by a jitted ``zeros`` for calls without onloads)."""
@@ -253,30 +260,32 @@ def test_transfers_are_not_padded_to_the_scrubs_beside_them():
 
 
 def test_onloads_beside_many_scrubs_come_back_exact_and_the_rest_reads_zero(tp8):
-    """A swapped-out sequence comes back in the same `apply_pending` as a large scrub (split
+    """A swapped-out sequence comes back in the same `Runner.apply_pending` as a large scrub (split
     into a call of the onloads' bucket and one of the scrubs'): its pages read back bit for bit
     and every other page of the pool reads zero."""
     cache, tier, m = small_pool(tp8, host=True)
+    runner = easykv.Runner(m, cache, host=tier)
     rng = np.random.default_rng(3)
     written = {}
     for n in (12, 20, 20, 20, 20, 20):  # the first (3 pages) is swapped; the others fill 25 pages
         [s] = m.claim(1)
-        meta = m.build_step_metadata([s], [n])
-        cache, _ = m.apply_pending(cache, host=tier)
+        plan = m.schedule([s], [n])
         k = jnp.asarray(rng.standard_normal((2, n, 8, 8)), jnp.bfloat16)
-        cache, _ = cache.write(k, -k, meta)
-        m.step([s], [list(rng.integers(1, 500, n))])
+        runner.run(plan, lambda cache, plan, k=k: cache.write(k, -k, plan.metadata),
+                   token_ids=[list(rng.integers(1, 500, n))])
         written[s] = k
     a, *others = written
     m.swap_out(a)
-    cache, _ = m.apply_pending(cache, host=tier)
+    runner.apply_pending()
     for s in others:
         m.release(s)
     m.reset_prefix_cache()  # every page the others held is freed: a scrub of about 25 pages
     m.swap_in(a)
-    transfers, scrubs = m.pending_transfers(), m.pending_scrubs()
+    work = m.clone().take_work()  # the pending work, read on a copy
+    transfers, scrubs = work.transfers(), work.scrubs()
     assert 0 < transfers[0][2].size <= 4 and scrubs[0].size > 16
-    cache, _ = m.apply_pending(cache, host=tier)
+    runner.apply_pending()
+    cache = runner.cache
     row = np.asarray(m.page_table([a])[0])
     for layer in range(2):
         k, v = easykv.gather_kv(cache, layer, row, 12)

@@ -129,7 +129,7 @@ def test_writes_reads_and_attention_follow_each_groups_format(layout):
     cache, m, s, toks = filled_formats(layout)
     meta = cache.metadata
     got = read(cache, m, s)
-    first = m.first_kept_position(s, group=0)
+    first = m.sequence(s).first_kept[0]
     for i, ((k, v), (gk, gv)) in enumerate(zip(toks, got)):
         g = meta.groups[meta.group_of(i)[0]]
         assert gk.dtype == meta.group_dtype(g)
@@ -138,9 +138,12 @@ def test_writes_reads_and_attention_follow_each_groups_format(layout):
         if v is not None:
             np.testing.assert_array_equal(np.asarray(gv, np.float64), stored(meta, i, v)[skip:])
     # one decode token: attention of every layer against numpy on what its group stores
-    rts = m.build_step_metadata([s], [1])
+    plan = m.schedule([s], [1])
+    rts = plan.metadata
     new = rows_for(meta, np.random.default_rng(6), 1)
-    cache, _ = cache.write([k for k, _ in new], [v for _, v in new], rts)
+    runner = easykv.Runner(m, cache)
+    runner.run(plan, lambda cache, plan: cache.write([k for k, _ in new], [v for _, v in new], plan.metadata))
+    cache = runner.cache
     rng = np.random.default_rng(7)
     for i in range(LAYERS):
         g = meta.groups[meta.group_of(i)[0]]
@@ -161,7 +164,9 @@ def test_writes_reads_and_attention_follow_each_groups_format(layout):
 def test_a_write_in_another_dtype_than_its_groups_is_refused_and_writes_nothing():
     cache, m, s, toks = filled_formats()
     before = read(cache, m, s)
-    rts = m.build_step_metadata([s], [1])
+    runner = easykv.Runner(m, cache)
+    plan = runner.schedule([s], [1])  # its device work applied: only the refused write is left to change a page
+    cache, rts = runner.cache, plan.metadata
     new = rows_for(cache.metadata, np.random.default_rng(8), 1)
     bad = [(k.astype(np.float32), None if v is None else v.astype(np.float32)) for k, v in new]
     with pytest.raises(ValueError, match=r"cache stores bfloat16 \(layers \[1, 3\]: 8 kv heads"):
@@ -169,6 +174,7 @@ def test_a_write_in_another_dtype_than_its_groups_is_refused_and_writes_nothing(
     view = cache.views[1]
     with pytest.raises(ValueError, match="cache stores bfloat16"):
         view.write_mixed_to_cache(bad[1][0], bad[1][1], rts)
+    m.abort(plan)
     same(read(cache, m, s), before)
 
 

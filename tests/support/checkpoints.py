@@ -15,6 +15,7 @@ import numpy as np
 
 from easykv import PagedAttentionCache, PagedAttentionCacheMetaData
 from easykv.manager.manager import PageManager
+from easykv.runner import Runner
 from easykv.sharding import PartitionManager, ShardingAdjustedWarning
 from tests.support.pools import HEAD_DIM, LAYERS, LAYOUTS, MAX_LEN, PAGE_SIZE, PAGES, mesh_for, random_tokens
 
@@ -41,16 +42,15 @@ def new_qcache(layout: str, quantizer: str = "none", **kw) -> PagedAttentionCach
 
 
 def write_step(cache, manager, seqs, counts, tokens, rng):
-    """One engine step: reserve, apply copies/scrubs, write random K/V, commit ``tokens``."""
-    meta = manager.build_step_metadata(seqs, counts, pad_tokens_to=16)
-    cache, _ = manager.apply_pending(cache)
+    """One engine step: schedule, apply the plan's copies/scrubs, write random K/V, commit ``tokens``."""
+    plan = manager.schedule(seqs, counts, pad_tokens_to=16)
     heads = cache.metadata.num_kv_heads
     keys = random_tokens(rng, (LAYERS, 16, heads, HEAD_DIM))
     values = random_tokens(rng, (LAYERS, 16, heads, HEAD_DIM))
-    cache, dropped = cache.write(keys, values, meta)
+    runner = Runner(manager, cache)
+    dropped = runner.run(plan, lambda cache, plan: cache.write(keys, values, plan.metadata), token_ids=tokens)
     assert int(dropped) == 0
-    manager.step(seqs, tokens)
-    return cache
+    return runner.cache
 
 
 def engine_run(layout: str = "heads", quantizer: str = "none", seed: int = 0):
@@ -147,7 +147,7 @@ def flip_fixture():
     """(cache, manager, mesh, partition manager): 2 layers of 8 pages (2 kv heads over tp=2,
     page_size 4, head_dim 8, bf16), every byte of every page random and non-zero-ish; a manager
     with live sequences, prefix pages in use and cached, a pending copy-on-write copy (a fork
-    whose step was scheduled, not yet written) and a pending scrub (scrub_released)."""
+    truncated inside its shared partial page, not yet rewritten) and a pending scrub (scrub_released)."""
     from easykv.sharding import PartitionAxis, create_mesh
 
     mesh = create_mesh({"tp": 2}, devices=jax.devices()[:2])
@@ -161,13 +161,11 @@ def flip_fixture():
         cache)
     manager = PageManager(meta, scrub_released=True)
     a, b, d = manager.claim(3)
-    manager.build_step_metadata([a, d], [6, 5])
-    manager.step([a, d], [list(range(6)), list(range(50, 55))])  # a: one full (prefix) page + 2 tokens
+    manager.commit(manager.schedule([a, d], [6, 5]), [list(range(6)), list(range(50, 55))])  # a: a full page + 2
     assert manager.match_prefix(b, list(range(6))) == 4
-    manager.build_step_metadata([b], [2])
-    manager.step([b], [[14, 15]])  # b shares a's full page, then goes its own way
+    manager.commit(manager.schedule([b], [2]), [[14, 15]])  # b shares a's full page, then goes its own way
     c = manager.fork(a)
-    manager.build_step_metadata([c], [1])  # schedules the copy of a's shared partial page
+    manager.truncate(c, 5)  # c ends inside the partial page it shares with a: its private copy is pending
     manager.release(d)  # its full page stays cached, its partial page is queued for scrubbing
     state = manager.state_dict()
     assert state["copies"] and state["pool"]["scrub"] and state["pool"]["digests"], state

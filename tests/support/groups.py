@@ -41,28 +41,25 @@ def filled(layout, dtype="float32"):
                                                   layer_groups=GROUPS)
         cache = PagedAttentionCache.init_cache(mesh, jnp.dtype(dtype), meta, rule)
     m = PageManager(cache.metadata, scrub_released=True)
+    runner = easykv.Runner(m, cache)
     rng = np.random.default_rng(0)
     groups = [cache.metadata.groups[cache.metadata.group_of(i)[0]] for i in range(LAYERS)]
 
-    def step(seqs, counts):
-        nonlocal cache
-        rts = m.build_step_metadata(seqs, counts)
-        cache, _ = m.apply_pending(cache)
-        n = sum(counts)
+    def step(seqs, tokens):
+        n = sum(map(len, tokens))
         ks = [rng.standard_normal((n, g.num_kv_heads, g.key_head_dim)).astype(dtype) for g in groups]
         vs = [rng.standard_normal((n, g.num_kv_heads, g.value_head_dim)).astype(dtype) if g.has_values else None
               for g in groups]
-        cache, _ = cache.write(ks, vs, rts)
+        plan = m.schedule(seqs, [len(t) for t in tokens])
+        runner.run(plan, lambda cache, plan: cache.write(ks, vs, plan.metadata), token_ids=tokens)
 
     a, b = m.claim(2)
-    step([a, b], [11, 6])
-    m.step([a, b], [list(range(11)), list(range(50, 56))])
+    step([a, b], [list(range(11)), list(range(50, 56))])
     m.fork(a)
     seqs = m.active_ids
     for t in range(3):
-        step(seqs, [1] * len(seqs))
-        m.step(seqs, [t] * len(seqs))
-    return cache, m
+        step(seqs, [[t]] * len(seqs))
+    return runner.cache, m
 
 
 def read(cache, m, seq):
@@ -70,7 +67,7 @@ def read(cache, m, seq):
     meta, out = cache.metadata, []
     for i in range(LAYERS):
         g, _ = meta.group_of(i)
-        first = m.first_kept_position(seq, group=g)
+        first = m.sequence(seq).first_kept[g]
         pages = np.asarray(m.pages(seq, group=g))
         k, v = easykv.gather_kv(cache, i, np.where(pages < 0, 0, pages), m.length(seq))
         out.append((np.asarray(k)[first:], None if v is None else np.asarray(v)[first:]))
@@ -138,9 +135,9 @@ def rows_for(meta, rng, n):
 def filled_formats(layout="tp8", n=7):
     cache, m = create_formats(layout)
     [s] = m.claim(1)
-    rts = m.build_step_metadata([s], [n])
+    plan = m.schedule([s], [n])
     toks = rows_for(cache.metadata, np.random.default_rng(5), n)
-    cache, dropped = cache.write([k for k, _ in toks], [v for _, v in toks], rts)
+    cache, dropped = cache.write([k for k, _ in toks], [v for _, v in toks], plan.metadata)
     assert int(dropped) == 0
-    m.step([s], [list(range(n))])
+    m.commit(plan, [list(range(n))])
     return cache, m, s, toks

@@ -65,8 +65,9 @@ def exact(x: Any) -> int | None:
 
 # Arguments that also take a sequence of values (one per sequence; their entries are checked by
 # the hypothesis tests on ints), and arguments for which None means "not given".
-ONE_OR_MANY = {"reserve(id)", "advance(id)", "reserve(count)", "advance(count)", "step(token)"}
-OPTIONAL = {"build_step_metadata(pad_tokens_to)", "build_step_metadata(pad_seqs_to)",
+ONE_OR_MANY = {"reserve(id)", "advance(id)", "reserve(count)", "advance(count)", "step(token)", "schedule(count)"}
+OPTIONAL = {"schedule(pad_tokens_to)", "schedule(pad_seqs_to)",
+            "build_step_metadata(pad_tokens_to)", "build_step_metadata(pad_seqs_to)",
             "build_decode_metadata(pad_seqs_to)", "pending_copies(pad_to)", "take_scrubs(pad_to)",
             "for_prefill(padded_length)", "for_mixed(pad_tokens_to)", "for_mixed(pad_seqs_to)",
             "increment_cache_lengths(num_pages)", "view_attention(sliding_window)", "view_attention(pages_per_block)",

@@ -22,10 +22,10 @@ class Device:
         self.grouped = not isinstance(pages, int)
         self.stores = [np.full((n, PS), -1, np.int64) for n in (pages if self.grouped else [pages])]
 
-    def apply(self, pm):
-        src, dst = pm.take_copies()
-        scrubs = pm.take_scrubs()
-        for store, s, d, z in zip(self.stores, src, dst, scrubs, strict=True):
+    def apply(self, work):
+        """Run a `DeviceWork` (a plan's, or what `take_work` handed over) on the stores."""
+        src, dst = work.copies()
+        for store, s, d, z in zip(self.stores, src, dst, work.scrubs(), strict=True):
             store[d] = store[s].copy()  # every source read before any destination is written
             store[z] = -1
 
@@ -37,16 +37,18 @@ class Device:
 
     def run(self, pm, seq, tokens):
         """One step of ``seq`` writing ``tokens``, as an engine runs it."""
-        step_meta = pm.build_step_metadata([seq], [len(tokens)])
-        self.apply(pm)
-        self.write(step_meta, tokens)
-        pm.step([seq], [list(tokens)])
+        plan = pm.schedule([seq], [len(tokens)])
+        self.apply(plan.work)
+        self.write(plan.metadata, tokens)
+        pm.commit(plan, [list(tokens)])
 
     def views(self, pm):
-        """The stores as they will be once the pending copies and scrubs are applied."""
+        """The stores as they will be once the pending copies and scrubs are applied (read from a
+        clone's work, so the manager's own stays pending)."""
+        work = pm.clone().take_work()
+        src, dst = work.copies()
         out = []
-        src, dst = pm.pending_copies()
-        for store, s, d, z in zip(self.stores, src, dst, pm.pending_scrubs(), strict=True):
+        for store, s, d, z in zip(self.stores, src, dst, work.scrubs(), strict=True):
             view = store.copy()
             view[d] = store[s]
             view[z] = -1
@@ -58,7 +60,7 @@ class Device:
         keeps there (0 but in a sliding window)."""
         g = 0 if group is None else group
         store, pages, n = self.views(pm)[g], pm.pages(seq, group=group), pm.length(seq)
-        first = pm.first_kept_position(seq, group=group)
+        first = pm.sequence(seq).first_kept[g]
         return [int(store[pages[i // PS], i % PS]) for i in range(first, n)]
 
 
@@ -92,13 +94,13 @@ class TruncateMachine(RuleBasedStateMachine):
         [s] = self.pm.claim(1)
         done = self.pm.match_prefix(s, list(prompt))
         try:
-            step_meta = self.pm.build_step_metadata([s], [len(prompt) - done])
+            plan = self.pm.schedule([s], [len(prompt) - done])
         except CacheFullError:
             self.pm.release(s)
             return
-        self.dev.apply(self.pm)
-        self.dev.write(step_meta, prompt[done:])
-        self.pm.step([s], [list(prompt[done:])])
+        self.dev.apply(plan.work)
+        self.dev.write(plan.metadata, prompt[done:])
+        self.pm.commit(plan, [list(prompt[done:])])
         self.model[s] = list(prompt)
 
     @precondition(lambda self: self.model)
@@ -110,12 +112,12 @@ class TruncateMachine(RuleBasedStateMachine):
             return
         tokens = [token + i for i in range(n)]
         try:
-            step_meta = self.pm.build_step_metadata([s], [n])
+            plan = self.pm.schedule([s], [n])
         except CacheFullError:
             return
-        self.dev.apply(self.pm)
-        self.dev.write(step_meta, tokens)
-        self.pm.step([s], [tokens])
+        self.dev.apply(plan.work)
+        self.dev.write(plan.metadata, tokens)
+        self.pm.commit(plan, [tokens])
         self.model[s] += tokens
 
     @precondition(lambda self: self.model and len(self.model) < 6)
@@ -160,7 +162,7 @@ class TruncateMachine(RuleBasedStateMachine):
         for s, tokens in self.model.items():
             for g in range(self.pm.num_groups):
                 group = g if self.grouped else None
-                first = self.pm.first_kept_position(s, group=group)
+                first = self.pm.sequence(s).first_kept[g]
                 assert self.dev.tokens(self.pm, s, group) == tokens[first:], (s, g)
 
 
@@ -202,11 +204,11 @@ class VersionMachine(RuleBasedStateMachine):
         for k in range(1, done // PS + 1):
             assert (self.version, prompt[: k * PS]) in self.written, (self.version, prompt[: k * PS])
         try:
-            self.pm.build_step_metadata([s], [len(prompt) - done])
+            plan = self.pm.schedule([s], [len(prompt) - done])
         except CacheFullError:  # the hit's pages were among those counted as available
             self.pm.release(s)
             return
-        self.pm.step([s], [list(prompt[done:])])
+        self.pm.commit(plan, [list(prompt[done:])])
         self.live[s] = (self.version, tuple(prompt))
         self._record(s)
 
@@ -218,8 +220,7 @@ class VersionMachine(RuleBasedStateMachine):
         if len(tokens) >= 16 or (len(tokens) % PS == 0
                                  and self.pm.metrics.free_pages + self.pm.metrics.cached_pages == 0):
             return
-        self.pm.build_step_metadata([s], [1])
-        self.pm.step([s], [7])
+        self.pm.commit(self.pm.schedule([s], [1]), [7])
         self.live[s] = (v, tokens + (7,))
         self._record(s)
 

@@ -24,11 +24,11 @@ def make(**kw):
 def prefill(pm, seq, tokens, salt=None):
     """Admit ``tokens`` for ``seq`` the way an engine would; returns the cached prefix length."""
     done = pm.match_prefix(seq, tokens, salt=salt)
-    pm.build_step_metadata([seq], [len(tokens) - done])
-    pm.step([seq], [list(tokens[done:])])
+    pm.commit(pm.schedule([seq], [len(tokens) - done]), [list(tokens[done:])])
     return done
 
 
 def cached_ids(pm):
-    """The cached pages in eviction order (replica 0's LRU)."""
-    return list(pm._groups[0].pool._lru[0])
+    """The cached pages in eviction order (replica 0's LRU of group 0's pool), as the state lists them."""
+    pool = pm.state_dict(host_tier=True)["pool"]  # host_tier: readable while sequences are swapped out
+    return (pool[0] if isinstance(pool, list) else pool)["lru"][0]

@@ -119,8 +119,8 @@ def step_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndarra
     """The mixed-form metadata of one step of ``rows`` writing ``new`` tokens each, reserved."""
     lens, ps, new32 = seqs.lens[rows], seqs.page_size, new.astype(np.int32)
     reads = not seqs.floor[rows].any()
-    return tuple(_proved(table, build_mixed(table.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
-                                         pad_seqs_to=pad_seqs_to), reads)
+    return tuple(build_mixed(table.table[rows], lens, new32, page_size=ps, pad_tokens_to=pad_tokens_to,
+                             pad_seqs_to=pad_seqs_to, proof=_proof(table, reads))
                  for table in groups)
 
 
@@ -134,28 +134,32 @@ def decode_metadata(seqs: SequenceTable, groups: GroupCoordinator, rows: np.ndar
     by_group: list[list[RaggedStep]] = []  # per group: its steps, checked (not stacked)
     for table in groups:
         steps = [build_mixed(table.table[rows], lens, ones, page_size=ps, pad_tokens_to=pad_seqs_to,
-                             pad_seqs_to=pad_seqs_to)]
+                             pad_seqs_to=pad_seqs_to, proof=None if stacked else _proof(table, reads))]
         for _ in range(num_steps - 1):
             steps.append(increment_cache_lengths(steps[-1], page_size=ps, num_pages=table.pool.num_pages))
         if stacked:
             stacks.append(stack_metadata(steps))
         else:
-            by_group.append([_proved(table, m, reads) for m in steps])
+            by_group.append(steps[:1] + [_proved(table, m, reads) for m in steps[1:]])
     if stacked:
         return tuple(stacks)
     return [tuple(step) for step in zip(*by_group)]
 
 
-def _proved(table: GroupTable, step_meta: RaggedStep, reads: bool) -> RaggedStep:
-    """``step_meta`` marked as checked: the manager's invariants prove what the constructors check
-    (every page a row reads is its own, assigned and in its replica's slice; a page written
-    this step belongs to one sequence), so the write and attention skip those checks; a sliding
-    or chunked cache's mark holds only for reads within its window. ``reads``: False when a
-    resumed sequence's window may still reach before its floor (its reads are not vouched for)."""
+def _proof(table: GroupTable, reads: bool) -> HostChecked:
+    """What the manager vouches for in a step of ``table``'s group: its invariants prove what the
+    constructors check (every page a row reads is its own, assigned and in its replica's slice; a
+    page written this step belongs to one sequence), so the write and attention skip those checks;
+    a sliding or chunked cache's mark holds only for reads within its window. ``reads``: False when
+    a resumed sequence's window may still reach before its floor (its reads are not vouched for)."""
     group = table.group
-    return mark_checked(step_meta, HostChecked(num_pages=table.pool.num_pages, page_size=table.page_size, reads=reads,
-                                        page_shards=table.pool.num_replicas, attention=group.attention,
-                                        window=group.window))
+    return HostChecked(num_pages=table.pool.num_pages, page_size=table.page_size, reads=reads,
+                       page_shards=table.pool.num_replicas, attention=group.attention, window=group.window)
+
+
+def _proved(table: GroupTable, step_meta: RaggedStep, reads: bool) -> RaggedStep:
+    """``step_meta`` (a later decode step, derived from the first) marked as checked (`_proof`)."""
+    return mark_checked(step_meta, _proof(table, reads))
 
 
 __all__ = ["decode_metadata", "fork", "reserve", "step_metadata"]

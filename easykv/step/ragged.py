@@ -183,8 +183,11 @@ def build_mixed(
     page_size: int,
     pad_tokens_to: int | None = None,
     pad_seqs_to: int | None = None,
+    proof: HostChecked | None = None,
 ) -> RaggedStep:
-    """Vectorized, unvalidated construction of a `RaggedStep` (the page manager's hot path).
+    """Vectorized, unvalidated construction of a `RaggedStep` (the page manager's hot path);
+    ``proof``: what the caller vouches for (`checks.mark_checked`'s mark), issued at construction
+    (one object built, not a copy marked afterwards).
 
     Callers guarantee int32 inputs with pages assigned for every new token and paddings
     checked by `checks.check_padding`; ``PagedAttentionMetadata.for_mixed`` is the validated
@@ -214,7 +217,7 @@ def build_mixed(
     count = np.asarray(num_seqs, np.int32)
     checks.sealed(slot_mapping, positions, starts, table, context, count)
     return RaggedStep(slot_mapping=slot_mapping, positions=positions, query_start_loc=starts, page_table=table,
-                      context_lens=context, num_seqs=count)
+                      context_lens=context, num_seqs=count, proof=None if proof is None else checks.Issue(proof))
 
 
 def slots_from_table(table: Array, positions: Array, *, page_size: int, num_pages: int | None,

@@ -11,7 +11,7 @@ sequences (tests/manager/planned_calls.py) at a planned one: each is refused wit
 unchanged. Copies of the manager (clone, a state round trip) hold no plan. The machines'
 invariants then check that the simulated device, read through every page table, gives back
 exactly the committed tokens, on both the live and the restored manager. Written by the outside
-review of issue 32; plans kept open across rules for issue 42."""
+review of issue 32; plans kept open across rules for issue 42; on the step plan API for issue 43."""
 
 from __future__ import annotations
 
@@ -36,14 +36,24 @@ def _open_plan(self, data, k):
     seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
     most = [data.draw(st.integers(0, min(k, self._room(s)))) for s in seqs]
     pad = data.draw(st.sampled_from([None, min(len(seqs) + 1, machines.BATCH)]))
-    before = self._state()
+    before, held = self._state(), [self.pm.sequence(s).capacity for s in seqs]
     try:
-        live = self.pm.live.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=pad)
+        live = self.pm.live.schedule_decode(seqs, k, max_tokens=most, pad_seqs_to=pad)
     except CacheFullError:
         assert self._state() == before  # all or nothing
         return
-    restored = self.pm.restored.plan_decode(seqs, k, max_tokens=most, pad_seqs_to=pad)
-    self.plans.append({"live": live, "restored": restored, "seqs": seqs, "most": most, "ran": None})
+    restored = self.pm.restored.schedule_decode(seqs, k, max_tokens=most, pad_seqs_to=pad)
+    assert repr(live.work) == repr(restored.work)
+    for mine, theirs in zip(live.work.groups, restored.work.groups, strict=True):
+        assert all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in mine.__dataclass_fields__)
+    assert [t.name for t in live.work.tiers] == [t.name for t in restored.work.tiers]
+    for mine, theirs in zip(live.work.tiers, restored.work.tiers, strict=True):
+        for group, other in zip(mine.groups, theirs.groups, strict=True):  # one TierTransfers per layer group
+            assert all(np.array_equal(getattr(group, f), getattr(other, f)) for f in group.__dataclass_fields__)
+    # The plan took every piece of pending work: applied now, as a runner's schedule does, before any
+    # other rule writes a page (a scrub of a page another admission reserves next must land first).
+    machines.run_work(self.device, self.host, live.work)
+    self.plans.append({"live": live, "restored": restored, "seqs": seqs, "most": most, "held": held, "ran": None})
     self.frozen.update(seqs)
 
 
@@ -52,7 +62,7 @@ def _run_loop(self, data):
     seqs, k = plan["seqs"], plan["live"].num_steps
     counts = [data.draw(st.integers(0, m)) for m in plan["most"]]
     tokens = [data.draw(st.lists(machines.TOKENS, min_size=k, max_size=k)) for _ in seqs]
-    self._apply_page_ops()  # the plan's copies (and everyone's) before its writes
+    self._apply_page_ops()  # work pending since the plan took its own (other rules'), before the loop writes
     meta = plan["live"].metadata
     for j in range(max(counts, default=0)):
         for device, step_meta in zip(self.device, meta):
@@ -69,12 +79,13 @@ def _end_plan(self, data):
     seqs, k = plan["seqs"], plan["live"].num_steps
     abort = plan["ran"] is None or data.draw(st.booleans())  # no loop ran, or it failed: commit nothing
     counts, tokens = ([0] * len(seqs), [[0] * k] * len(seqs)) if abort else plan["ran"]
-    written, num = np.array(tokens, np.int64), 0 if abort else counts
-    self.pm.live.commit_decode(plan["live"], written, num)
-    self.pm.restored.commit_decode(plan["restored"], written, num)
+    written = np.array(tokens, np.int64)
+    for manager, made in ((self.pm.live, plan["live"]), (self.pm.restored, plan["restored"])):
+        manager.abort(made) if abort else manager.commit(made, written, counts)
     self.frozen.difference_update(seqs)
-    for s, t, c in zip(seqs, tokens, counts):
+    for s, t, c, room in zip(seqs, tokens, counts, plan["held"]):
         self.model[s]["tokens"] += t[:c]
+        self._check_room(s, room)
 
 
 def _touch_planned(self, data, name):
@@ -123,8 +134,7 @@ def _with_plans(machine):
                 self.pm.external_claim([seq])
                 self.model[seq] = {"tokens": [], "salt": None, "version": self.version}
 
-        @precondition(lambda self: self.plans and not self.swapped
-                      and not (self.host_pages and self.pm.has_pending_transfers()))
+        @precondition(lambda self: self.plans and not self.swapped and not self._transfers_pending())
         @rule()
         def copies_hold_no_plan(self):
             for copy in (self.pm.live.clone(), PageManager.from_state_dict(self.meta, self.pm.live.state_dict())):
@@ -132,7 +142,7 @@ def _with_plans(machine):
                     copy.release(seq)
                 copy.check_invariants()
 
-        @precondition(lambda self: self.host_pages and not self.swapped and not self.pm.has_pending_transfers())
+        @precondition(lambda self: self.host_pages and not self.swapped and not self._transfers_pending())
         @rule()
         def forget_host_tier(self):
             self.pm.forget_host_tier()

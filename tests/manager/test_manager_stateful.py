@@ -12,6 +12,11 @@ the machine reaches must also restore on its own (what a checkpoint saved mid-wa
 truncation, prefix-cache resets and weight-version changes run between restores. The tiered
 machines add a host tier: swapped sequences, offloads and onloads applied on a simulated host,
 and after every apply a released host page holds nothing.
+
+Every write is a step plan (`PageManager.schedule` / `schedule_decode`): its work (`DeviceWork`, all
+the work pending when it was made) runs on the simulated pages before its writes, as the runner
+runs it, and `commit` (or `abort`) ends it. What the next step will see is read on clones
+(``clone().take_work()``): taking work there changes nothing real.
 """
 
 from __future__ import annotations
@@ -25,17 +30,25 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from easykv.errors import CacheFullError, UnknownSequenceError
+from easykv.manager.lower_tier import TierTransfers
 from easykv.manager.manager import PageManager
 from easykv.manager.prefix_hash import iter_page_digests, salt_digest, version_digest, version_root
+from easykv.manager.step_plan import StepPlan
 from easykv.spec.groups import LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 PS, PAGES, BATCH, MAX_LEN = 4, 12, 5, 16
 BASES = [list(range(100, 116)), [7] * 16]  # prompts share these prefixes (or earlier sequences')
 TOKENS = st.integers(0, 2)  # a small vocabulary: decoded pages get matched by later prompts
+GARBAGE = 77  # what a step writes past the tokens it keeps: never a committed token's place
+# What a plan shows its engine (its owner, the sequence table, is each twin's own).
+PLAN_FIELDS = ("form", "num_steps", "seq_ids", "lengths", "limits", "metadata", "work", "page_size", "num_pages",
+               "ended")
 
 
 def _same(a, b) -> bool:
+    if isinstance(a, StepPlan):
+        return type(b) is StepPlan and all(_same(getattr(a, f), getattr(b, f)) for f in PLAN_FIELDS)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return np.array_equal(np.asarray(a), np.asarray(b)) and np.asarray(a).dtype == np.asarray(b).dtype
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
@@ -45,10 +58,21 @@ def _same(a, b) -> bool:
     return a == b
 
 
+class Plans:
+    """The plans the twins made in one call (`Twins`): the same plan, each its manager's. Given to a
+    `Twins` call (``commit``, ``abort``), each twin gets its own; read, it is the live twin's."""
+
+    def __init__(self, live: StepPlan, restored: StepPlan):
+        self.live, self.restored = live, restored
+
+    def __getattr__(self, name):
+        return getattr(self.live, name)
+
+
 class Twins:
     """Two managers driven by the same calls: ``live`` is never restored, ``restored`` is
     rebuilt from its JSON state at random points. Each call must give both the same result,
-    or the same exception."""
+    or the same exception; a plan comes back as its `Plans`."""
 
     def __init__(self, live: PageManager, restored: PageManager):
         self.live, self.restored = live, restored
@@ -59,16 +83,23 @@ class Twins:
             return a
 
         def call(*args, **kwargs):
+            mine, theirs = _twin_args(args, "live"), _twin_args(args, "restored")
             try:
-                got = a(*args, **kwargs)
+                got = a(*mine, **kwargs)
             except Exception as err:
                 with pytest.raises(type(err)):
-                    b(*args, **kwargs)
+                    b(*theirs, **kwargs)
                 raise
-            assert _same(got, b(*args, **kwargs)), name
-            return got
+            other = b(*theirs, **kwargs)
+            assert _same(got, other), name
+            return Plans(got, other) if isinstance(got, StepPlan) else got
 
         return call
+
+
+def _twin_args(args, twin):
+    """``args`` with each `Plans` replaced by ``twin``'s plan."""
+    return [getattr(x, twin) if isinstance(x, Plans) else x for x in args]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -106,8 +137,19 @@ class ManagerMachine(RuleBasedStateMachine):
 
     # ---- device simulation ---------------------------------------------------------------------
     def _apply_page_ops(self):
-        transfers = self.pm.take_transfers() if self.host_pages else None
-        _run_pending(self.device, self.host, transfers, self.pm.take_copies(), self.pm.take_scrubs())
+        """The work no plan took (both twins hand over the same), applied as `Runner.apply_pending` does."""
+        run_work(self.device, self.host, self.pm.take_work())
+
+    def _next_work(self):
+        """The work the next plan will take, as both twins hold it: read on clones, so the managers' own
+        stays pending."""
+        live, restored = (m.clone().take_work() for m in (self.pm.live, self.pm.restored))
+        assert _same(live, restored)
+        return live
+
+    def _transfers_pending(self):
+        """Whether host-tier transfers are pending (what a state cannot hold)."""
+        return bool(self.host_pages) and self.pm.live.clone().take_work().has_transfers
 
     def _write(self, meta, tokens):
         for device, step_meta in zip(self.device, meta, strict=True):
@@ -118,19 +160,16 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _grow(self, seqs, tokens, ids=True):
         """One mixed step: append ``tokens[i]`` to ``seqs[i]`` (committed with their ids, or
-        without: `advance`). False when the pool is full."""
+        without: ``commit(plan)``). False when the pool is full."""
         before = self._state()
         try:
-            meta = self.pm.build_step_metadata(seqs, [len(t) for t in tokens], pad_tokens_to=sum(map(len, tokens)) + 2)
+            plan = self.pm.schedule(seqs, [len(t) for t in tokens], pad_tokens_to=sum(map(len, tokens)) + 2)
         except CacheFullError:
             assert self._state() == before
             return False
-        self._apply_page_ops()
-        self._write(meta, [x for t in tokens for x in t])
-        if ids:
-            self.pm.step(seqs, tokens)
-        else:
-            self.pm.advance(seqs, [len(t) for t in tokens])
+        run_work(self.device, self.host, plan.work)
+        self._write(plan.metadata, [x for t in tokens for x in t])
+        self.pm.commit(plan, tokens if ids else None)
         for s, t in zip(seqs, tokens):
             self.model[s]["tokens"] += list(t)
         return True
@@ -198,29 +237,51 @@ class ManagerMachine(RuleBasedStateMachine):
         seqs = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True))
         tokens = np.array(data.draw(st.lists(TOKENS, min_size=k * len(seqs),
                                              max_size=k * len(seqs)))).reshape(len(seqs), k)
+        mixed = k == 1 and data.draw(st.booleans())  # one mixed step, committed as (n,) ids: the one-token fast path
         before = self._state()
         try:
-            steps = self.pm.build_decode_metadata(seqs, num_steps=k)
+            plan = self.pm.schedule(seqs, 1) if mixed else self.pm.schedule_decode(seqs, k)
         except CacheFullError:
             assert self._state() == before
             return
-        self._apply_page_ops()
-        for j, meta in enumerate(steps):
+        run_work(self.device, self.host, plan.work)
+        meta = plan.metadata
+        for j in range(k):
             self._write(meta, tokens[:, j])
-        self.pm.step(seqs, tokens[:, 0] if k == 1 else tokens)  # (n,): the one-token fast path
+            meta = plan.next_metadata(meta)
+        self.pm.commit(plan, tokens[:, 0] if mixed else tokens)
         for s, t in zip(seqs, tokens.tolist()):
             self.model[s]["tokens"] += t
 
     @precondition(lambda self: self._movable())
     @rule(data=st.data())
-    def reserve_ahead(self, data):
-        """Pages (and copy-on-write copies) reserved now, written by a later step."""
+    def write_part(self, data):
+        """Room (and copy-on-write copies) for ``n`` tokens planned, and fewer kept: the step writes
+        all ``n`` slots, the ones past what it keeps with garbage (a rejected speculative token), and
+        the commit gives back the room past the kept tokens; keeping none aborts the plan (a private
+        copy made for the first write stays)."""
         seq = data.draw(st.sampled_from(self._movable()))
-        before = self._state()
+        n = data.draw(st.integers(0, self._room(seq)))
+        before, held = self._state(), self.pm.sequence(seq).capacity
         try:
-            self.pm.reserve(seq, data.draw(st.integers(0, self._room(seq))))
+            plan = self.pm.schedule([seq], [n])
         except CacheFullError:
             assert self._state() == before
+            return
+        run_work(self.device, self.host, plan.work)
+        kept = data.draw(st.lists(TOKENS, max_size=n))
+        self._write(plan.metadata, kept + [GARBAGE] * (n - len(kept)))
+        if kept:
+            self.pm.commit(plan, [kept])
+        else:
+            self.pm.abort(plan)
+        self.model[seq]["tokens"] += kept
+        self._check_room(seq, held)
+
+    def _check_room(self, seq, held):
+        """A plan over ``seq`` ended: it holds the room it held before (``held`` tokens) or what its
+        tokens fill, whichever is more; what the plan reserved past that went back."""
+        assert self.pm.sequence(seq).capacity == max(held, -(-len(self.model[seq]["tokens"]) // PS) * PS), seq
 
     @precondition(lambda self: self._movable())
     @rule(data=st.data())
@@ -248,7 +309,7 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             raise AssertionError("double release succeeded")
 
-    @precondition(lambda self: not self.swapped and not (self.host_pages and self.pm.has_pending_transfers())
+    @precondition(lambda self: not self.swapped and not self._transfers_pending()
                   and not self.frozen)  # a restored twin holds no plan (the plans' own rules test that)
     @rule()
     def restore(self):
@@ -257,13 +318,18 @@ class ManagerMachine(RuleBasedStateMachine):
         assert restored.state_dict() == state
         if self.host_pages:  # a state leaves the host tier out: the live twin forgets its own (scrubbed now)
             self.pm.live.forget_host_tier()
-            for host, moves in zip(self.host, self.pm.live.take_transfers()):
-                host[moves[4]] = -1
+            # Taking the host scrubs takes the device work too: the restored twin's, read back from
+            # the state, must be the same, and both are applied (a runner's forget_host_tier does so).
+            work = self.pm.live.take_work()
+            assert not work.has_transfers and _same(work.groups, restored.take_work().groups)
+            run_work(self.device, self.host, work)
         self.pm = Twins(self.pm.live, restored)
 
-    def _state(self):
-        """The manager's state, also while sequences are swapped out (`state_dict` refuses then)."""
-        return {k: v for k, v in self.pm.live.lockstep_state().items() if k != "host"}
+    def _state(self, manager=None):
+        """A manager's state (the live twin's by default), also while sequences are swapped out
+        (`state_dict` refuses then), less the host tier's (a restored twin's starts empty)."""
+        manager = self.pm.live if manager is None else manager
+        return {k: v for k, v in manager.state_dict(host_tier=True).items() if k != "host"}
 
     @precondition(lambda self: self._movable())
     @rule(data=st.data())
@@ -287,7 +353,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(version=st.sampled_from([None, 1, "1"]))
     def set_version(self, version):
         changes = version_digest(version) != version_digest(self.version)
-        waiting = [s for s in sorted(self.frozen) if not self.model[s]["tokens"] and not self.pm.capacity(s)]
+        waiting = [s for s in sorted(self.frozen)
+                   if not self.model[s]["tokens"] and not self.pm.sequence(s).capacity]
         if changes and waiting:  # an open plan holds a sequence not started yet: the update waits for the plan
             before = self._state()
             with pytest.raises(ValueError, match=rf"set_weight_version\(\) would change sequence {waiting[0]} "):
@@ -299,7 +366,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return  # the current one again: nothing changes
         self.version = version
         for seq, info in {**self.model, **self.swapped}.items():
-            if not info["tokens"] and not self.pm.capacity(seq):  # nothing written or reserved: takes the new one
+            if not info["tokens"] and not self.pm.sequence(seq).capacity:  # nothing written or reserved: the new one
                 info["version"] = version
 
     @precondition(lambda self: self.host_pages and self._movable())
@@ -335,35 +402,42 @@ class ManagerMachine(RuleBasedStateMachine):
         if not hasattr(self, "pm"):
             return
         self.pm.check_invariants()
-        live, restored = (json.dumps({k: v for k, v in m.lockstep_state().items() if k != "host"}, sort_keys=True)
-                          for m in (self.pm.live, self.pm.restored))
+        live, restored = (json.dumps(self._state(m), sort_keys=True) for m in (self.pm.live, self.pm.restored))
         assert live == restored  # canonical: the same calls give the same state, restored or not
-        if not self.swapped and not (self.host_pages and self.pm.has_pending_transfers()):
+        work = self._next_work()
+        if not self.swapped and not work.has_transfers:
             state = json.loads(live)  # every state reached restores, and writes back the same
             assert PageManager.from_state_dict(self.meta, state).state_dict() == state
         assert self.pm.active_ids == sorted({**self.model, **self.swapped})
-        self._check_contents()
+        state = self.pm.live.state_dict(host_tier=True)  # the host pools too
+        pools = state["pool"] if len(self.groups) > 1 else [state["pool"]]
+        self._check_contents(pools, work)
         m = self.pm.metrics
         assert m.free_pages + m.cached_pages + m.used_pages == sum(g.num_pages for g in self.groups)
         for g, (group, pool) in enumerate(zip(self.groups, m.groups)):
             assert pool.free_pages + pool.cached_pages + pool.used_pages == pool.total_pages == group.num_pages
             if self.scrub:  # a free page holds nothing, or is reported for zeroing
-                pending = set(self.pm.pending_scrubs()[g].tolist())
-                for heap in self.pm.live._groups[g].pool._free:
+                pending = set(work.groups[g].scrubs.tolist())
+                for heap in pools[g]["free"]:
                     for page in heap:
                         assert page in pending or (self.device[g][page] == -1).all(), (g, page)
                 if self.host_pages:  # a released host page holds nothing once the pending work ran
-                    host = self.pm.live._groups[g].host
-                    waiting = set(self.pm.live.pending_transfers()[g][4].tolist())
-                    waiting |= set(self.pm.live.pending_transfers()[g][1].tolist())
-                    for heap in host._free:
+                    host = work.tier("host")
+                    moves = host.groups[g] if host is not None else TierTransfers()
+                    waiting = set(moves.scrubs.tolist()) | set(moves.offload_dst.tolist())
+                    for heap in state["host"]["pools"][g]["free"]:
                         for page in heap:
                             assert page in waiting or (self.host[g][page] == -1).all(), ("host", g, page)
 
-    def _check_contents(self):
+    def _check_contents(self, pools=None, work=None):
+        """``pools``: each group's pool as the manager's state gives it; ``work``: the next plan's
+        (`_next_work`); None: read here."""
+        if pools is None:
+            state = self.pm.live.state_dict(host_tier=True)
+            pools = state["pool"] if len(self.groups) > 1 else [state["pool"]]
+        digests = [{page: bytes.fromhex(d) for page, d in pool["digests"]} for pool in pools]  # per group
         devices = [d.copy() for d in self.device]  # as the next step will see them: pending work applied
-        _run_pending(devices, [h.copy() for h in self.host], self.pm.pending_transfers() if self.host_pages else None,
-                     self.pm.pending_copies(), self.pm.pending_scrubs())
+        run_work(devices, [h.copy() for h in self.host], self._next_work() if work is None else work)
         for g, group in enumerate(self.groups):
             device = devices[g]
             for seq, info in self.model.items():
@@ -383,7 +457,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 for col, page in enumerate(pages[:full]):
                     if col < gone:
                         continue
-                    digest = self.pm.live._groups[g].pool.digest_of(page)
+                    digest = digests[g].get(page)
                     assert digest is None or digest == want[col], (g, seq, col, page)
 
     @staticmethod
@@ -397,22 +471,26 @@ class ManagerMachine(RuleBasedStateMachine):
         return min(first // PS, held)
 
 
-def _run_pending(devices, hosts, transfers, copies, scrubs):
-    """A manager's pending work on simulated pages, in `apply_pending`'s order: offloads read the
-    device, copies, onloads, scrubs, host scrubs, then the offloads land in the host."""
-    srcs, dsts = copies  # one array per layer group each, as the manager answers
-    for g, (device, src, dst, pages) in enumerate(zip(devices, srcs, dsts, scrubs, strict=True)):
-        if transfers is None:
-            device[dst] = device[src]  # every source read before any destination written
-            device[pages] = -1
-            continue
-        off_src, off_dst, on_src, on_dst, host_scrubs = transfers[g]
-        out, back = device[off_src].copy(), hosts[g][on_src].copy()
-        device[dst] = device[src]
-        device[on_dst] = back
-        device[pages] = -1
-        hosts[g][host_scrubs] = -1
-        hosts[g][off_dst] = out
+def run_work(devices, hosts, work):
+    """A plan's `DeviceWork` on simulated pages, in the runner's order: offloads read the device,
+    copies, onloads, scrubs, host scrubs, the offloads land in the host, then the host pages the
+    transfers left unreferenced are zeroed. The host tier's part is its `TierWork` (``"host"``);
+    a manager without one hands over no tier work."""
+    host = work.tier("host")
+    assert [t.name for t in work.tiers] == (["host"] if host is not None else [])
+    assert host is None or hosts  # host work only where there is a host tier
+    for g, (device, part) in enumerate(zip(devices, work.groups, strict=True)):
+        moves = host.groups[g] if host is not None else None
+        out = device[moves.offload_src].copy() if moves is not None else None
+        back = hosts[g][moves.onload_src].copy() if moves is not None else None
+        device[part.copy_dst] = device[part.copy_src]
+        if moves is not None:
+            device[moves.onload_dst] = back
+        device[part.scrubs] = -1
+        if moves is not None:
+            hosts[g][moves.scrubs] = -1
+            hosts[g][moves.offload_dst] = out
+            hosts[g][moves.scrubs_after] = -1
 
 
 class DataParallelMachine(ManagerMachine):

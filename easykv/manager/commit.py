@@ -70,13 +70,13 @@ def commit_tokens(seqs: SequenceTable, groups: GroupCoordinator, tiers: LowerTie
             for table in groups:
                 commit_page = table.pool.commit
                 for page, digest, tag in zip(table.table[f_rows, cols].tolist(), digests, tags):
-                    commit_page(page, digest, tag)
+                    commit_page(page, digest, tag, written=True)
     elif caching:
         for i in np.flatnonzero(hashes.hashable[rows] & (counts > 0)).tolist():
             row = int(rows[i])
             for col, digest in hashes.record_tokens(row, int(lens[i]), tokens[i]):
                 for table in groups:
-                    table.pool.commit(int(table.table[row, col]), digest, version[row])
+                    table.pool.commit(int(table.table[row, col]), digest, version[row], written=True)
     seqs.advance(rows, counts)
     groups.release_out_of_window(seqs, rows, current)
 

@@ -287,6 +287,51 @@ class HostTierLayer(LowerTier):
             raise ValueError(f"a manager state does not hold the host-memory tier, and {what}; swap_in (or release) "
                              "them and easykv.apply_pending(manager, cache, host=...) first")
 
+    # ---- a shared prefix store above (`PageManager.adopt_host_prefixes`) --------------------------------
+    def adopt(self, groups: GroupCoordinator, replica: int, digests: Sequence[bytes],
+              tag: bytes | None) -> tuple[list[int], ...]:
+        """Host pages of ``replica`` for the pages of a prefix chain a shared store holds: per group, for the
+        longest run ``digests[:k]`` that fits in every group's host pool, a fresh host page entered in the host
+        prefix map under its digest and ``tag`` (cached: its data is written by the caller before any work reads
+        it), or -1 where the device or host pool of ``replica`` holds that digest already. The host pages of the
+        chain the pool holds are kept from eviction while the fresh ones are taken; the chain is released tail
+        first, so its tail is evicted before its head."""
+        plans = []
+        k = len(digests)
+        for table, part in zip(groups, self.parts):
+            host = part.pool
+            held = [host.lookup(replica, d) for d in digests]
+            need = np.array([h < 0 and table.pool.lookup(replica, d) < 0 for h, d in zip(held, digests)], bool)
+            pinned = sum(1 for h in set(held) if h >= 0 and host.refcount[h] == 0)
+            room = host.num_available(replica) - pinned
+            k = min(k, int(np.searchsorted(np.cumsum(need), room, side="right")))
+            plans.append((held, need))
+        # Checked: nothing below fails.
+        out = []
+        for part, (held, need) in zip(self.parts, plans):
+            host = part.pool
+            kept = [h for h in held[:k] if h >= 0]
+            host.share(kept)  # first: no allocation below may evict them
+            fresh = iter(host.allocate(replica, int(need[:k].sum()), overwritten=True))
+            pages = [next(fresh) if need[i] else -1 for i in range(k)]
+            for page, digest in zip(pages, digests):
+                if page >= 0:
+                    host.commit(page, digest, tag)
+            chain = [p if p >= 0 else h for p, h in zip(pages, held[:k])]
+            host.release([p for p in reversed(chain) if p >= 0])
+            out.append(pages)
+        return tuple(out)
+
+    def watch_evictions(self, on: bool) -> None:
+        """Whether the host pages evicted from now on are kept for `take_evicted` (a store writes them back)."""
+        for part in self.parts:
+            part.pool.set_keep_evicted(on)
+
+    def take_evicted(self) -> tuple[list[tuple[int, bytes, bytes | None]], ...]:
+        """Per group, ``(host page, digest, tag)`` of every host page evicted since the last call (while
+        `watch_evictions`): their data stay in the `HostTier` until the next work lands there."""
+        return tuple(part.pool.take_evicted() for part in self.parts)
+
     # ---- the HostTier -------------------------------------------------------------------------------
     def forget(self) -> int:
         """`PageManager.forget_host_tier`: the host prefix cache emptied (the pages it held become

@@ -109,6 +109,9 @@ CHANGES: dict[str, Changes] = {
     "tier_names": READS, "forget_host_tier": NO_SEQUENCE, "attach_host_tier": NO_SEQUENCE, "is_swapped": READS,
     "swapped_ids": READS, "swap_out": _ONE, "swap_in": _ONE, "has_pending_transfers": READS,
     "pending_transfers": READS, "take_transfers": NO_SEQUENCE,
+    # a shared prefix store above
+    "prompt_digests": READS, "adopt_host_prefixes": NO_SEQUENCE, "watch_prefixes": NO_SEQUENCE,
+    "take_prefix_events": NO_SEQUENCE,
     # pending device work
     "take_work": NO_SEQUENCE, "pending_copies": READS, "has_pending_work": READS, "take_copies": NO_SEQUENCE,
     "pending_scrubs": READS, "take_scrubs": NO_SEQUENCE,

@@ -32,6 +32,8 @@ import numpy as np
 
 from easykv.errors import InvariantError
 
+JOURNAL_LIMIT = 1 << 16  # entries a journal (`take_written`, `take_evicted`) keeps for an owner that does not take them
+
 
 class PagePool:
     """Pages ``0 .. num_pages - 1`` split into ``num_replicas`` equal slices.
@@ -64,6 +66,10 @@ class PagePool:
         self._evicted: list[tuple[int, bytes, bytes | None]] = []
         self.evictions = 0
         self.scrubs = 0
+        # (page, digest) of pages sequences filled and entered in the prefix map since the owner last
+        # took them (`take_written`); kept only while a shared store wants to write them (`set_journal`).
+        self._written: list[tuple[int, bytes]] | None = None
+        self.journal_dropped = 0  # journal entries dropped when nobody took them for `JOURNAL_LIMIT` entries
 
     def set_scrub_released(self, scrub: bool) -> None:
         """Whether pages released from now on are zeroed (a loaded state says)."""
@@ -72,6 +78,11 @@ class PagePool:
     def set_keep_evicted(self, keep: bool) -> None:
         """Whether what is evicted from now on is kept for `take_evicted` (a tier below keeps it)."""
         self.keep_evicted = bool(keep)
+
+    def set_journal(self, on: bool) -> None:
+        """Whether pages sequences fill (`commit` with ``written``) are kept for `take_written` from now on
+        (a shared store writes them); off drops what was kept."""
+        self._written = [] if on else None
 
     # ---- counts ----------------------------------------------------------------------------
     def replica_of(self, page: int) -> int:
@@ -117,6 +128,7 @@ class PagePool:
             del self._by_digest[replica][digest]
             if self.keep_evicted:
                 self._evicted.append((page, digest, self._tag[page]))
+                self._bound(self._evicted)
             self._digest[page] = self._tag[page] = None
             self.evictions += 1
             self._mark_scrub(page)
@@ -125,6 +137,22 @@ class PagePool:
         if overwritten and self._scrub:
             for page in out:
                 self._scrub.pop(page, None)
+        return out
+
+    def _bound(self, journal: list[Any]) -> None:
+        """Keep a journal nobody takes from growing without bound: past `JOURNAL_LIMIT` entries its older half
+        is dropped, counted in ``journal_dropped``."""
+        if len(journal) > JOURNAL_LIMIT:
+            half = len(journal) // 2
+            del journal[:half]
+            self.journal_dropped += half
+
+    def take_written(self) -> list[tuple[int, bytes]]:
+        """``(page, digest)`` of every page a sequence filled and entered in the prefix map since the last call, in
+        commit order (only while `set_journal` is on; else empty)."""
+        if not self._written:
+            return []
+        out, self._written = self._written, []
         return out
 
     def take_evicted(self) -> list[tuple[int, bytes, bytes | None]]:
@@ -228,17 +256,21 @@ class PagePool:
         del self._by_digest[self.replica_of(page)][digest]
         self._digest[page] = self._tag[page] = None
 
-    def commit(self, page: int, digest: bytes, tag: bytes | None = None) -> bool:
+    def commit(self, page: int, digest: bytes, tag: bytes | None = None, *, written: bool = False) -> bool:
         """Enter a used, just-filled page in the prefix map, of weight version ``tag``. When
         another page of the replica already holds that digest (two sequences filled the same
         prefix at once), this one stays private and is freed normally; returns whether it was
-        entered."""
+        entered. ``written``: a sequence filled it (not a tier's copy), so it enters the journal
+        (`take_written`) when entered and a journal is kept."""
         by_digest = self._by_digest[self.replica_of(page)]
         if digest in by_digest or self._digest[page] is not None:
             return False
         by_digest[digest] = page
         self._digest[page] = digest
         self._tag[page] = tag
+        if written and self._written is not None:
+            self._written.append((page, digest))
+            self._bound(self._written)
         return True
 
     # ---- device work to report ---------------------------------------------------------------

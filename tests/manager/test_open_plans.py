@@ -39,7 +39,7 @@ READ_ONLY = frozenset({
     "has_pending_transfers", "has_pending_work", "increment_cache_lengths", "infer_optimal_batch_size",
     "is_swapped", "length", "lockstep_state", "metrics", "num_groups", "page_table", "pages", "pending_copies",
     "pending_scrubs", "pending_transfers", "replica", "reshard", "sequence", "slots_remaining", "state_dict",
-    "swapped_ids", "tier_names", "usage", "weight_version",
+    "swapped_ids", "tier_names", "usage", "weight_version", "prompt_digests",
 })
 # Calls that change the manager but no sequence they are given: run while the plan is open.
 OTHER_CALLS = {
@@ -52,6 +52,10 @@ OTHER_CALLS = {
     "take_work": lambda env: env.m.take_work(),
     "attach_host_tier": lambda env: env.m.attach_host_tier(env.tier.token, env.tier.owner),
     "forget_host_tier": lambda env: (env.apply(), env.m.forget_host_tier()),
+    "adopt_host_prefixes": lambda env: env.m.adopt_host_prefixes(env.m.prompt_digests(list(range(40, 58)))),
+    "watch_prefixes": lambda env: env.m.watch_prefixes(written=True, host_evicted=True),
+    "take_prefix_events": lambda env: (env.m.watch_prefixes(written=True, host_evicted=False),
+                                       env.m.take_prefix_events()),
 }
 ENDS_THE_PLAN = {"commit", "abort", "commit_decode"}  # the plan's own end: every test below ends with one
 UNSTARTED = "set_weight_version"  # changes the sequences not started yet: its own tests below
@@ -59,6 +63,7 @@ READ_CALLS = {
     "active_ids": lambda env: env.m.active_ids,
     "cache_length": lambda env: env.m.cache_length(env.p),
     "cached_prefix_length": lambda env: env.m.cached_prefix_length([1, 2, 3, 4, 5, 6]),
+    "prompt_digests": lambda env: env.m.prompt_digests([1, 2, 3, 4, 5, 6]),
     "capacity": lambda env: env.m.capacity(env.p),
     "check_invariants": lambda env: env.m.check_invariants(),
     "check_plan": lambda env: env.m.check_plan(env.plan),

@@ -1,5 +1,6 @@
 """`easykv` command line: `plan` prints how a cache would be laid out and sized; `demo` runs a
-small model through the cache; `inspect` describes and verifies a checkpoint.
+small model through the cache; `inspect` describes and verifies a checkpoint; `store stats` and
+`store gc` show and trim a shared prefix store.
 
 Bad flags give one line on stderr and exit code 2. Every numeric flag is parsed by one
 `NumberFlag` (an argparse ``type=``) that knows its range, so a negative, zero or huge value is
@@ -172,7 +173,33 @@ def _build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
     insp.add_argument("directory")
     insp.add_argument("--no-verify", action="store_true", help="skip re-reading the arrays")
+    _add_store_parser(sub)
     return parser
+
+
+def _add_store_parser(sub: Any) -> None:
+    store = sub.add_parser("store", help="what a shared prefix store holds; collect its oldest entries")
+    actions = store.add_subparsers(dest="store_command", required=True, parser_class=_Parser)
+    stats = actions.add_parser("stats", help="entries, bytes and age of the values under a key prefix")
+    stats.add_argument("url", help="file:///abs/dir, memory://name, gs://..., s3://..., redis://host:port/db")
+    stats.add_argument("--prefix", default="", help="count only keys starting with this (default: every key)")
+    stats.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    gc = actions.add_parser("gc", help="delete the oldest values until at most --max-bytes are left (file:// stores)")
+    gc.add_argument("url", help="file:///abs/dir (Redis / Valkey evict by themselves: set maxmemory-policy)")
+    gc.add_argument("--max-bytes", type=_max_bytes, required=True,
+                    help="bytes to keep, e.g. 500GiB, 800MB or 1073741824 (0: delete everything)")
+    gc.add_argument("--prefix", default="", help="collect only keys starting with this (default: every key)")
+
+
+def _max_bytes(text: str) -> int:
+    """An argparse ``type=``: a size as `parse_bytes` reads it, or 0; argparse names the flag."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_bytes(text, "--max-bytes")
+    except UsageError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a size; write e.g. 500GiB, 800MB, 1073741824 "
+                                         "or 0") from None
 
 
 def _demo_number(demo: argparse.ArgumentParser, defaults: DemoOptions, flag: str, text: str) -> None:
@@ -198,6 +225,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 1
     print(report)
     return 0 if intact else 1
+
+
+def cmd_store(args: argparse.Namespace) -> int:
+    """``store stats`` / ``store gc``. Exit 0 done; 1 the store did not answer (one line on
+    stderr); 2 a bad URL, prefix or size, or gc on a store that evicts by itself."""
+    import json
+    import time
+
+    from easykv.errors import StoreUnavailableError
+    from easykv.tiers.store.url import open_backend
+
+    def when(seconds: float | None) -> str:
+        return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+    try:
+        backend = open_backend(args.url)
+        try:
+            if args.store_command == "gc":
+                result = backend.gc(args.max_bytes, prefix=args.prefix)
+                rows = [("removed", f"{result.removed_entries} entries, {_format_bytes(result.removed_bytes)}"),
+                        ("kept", f"{result.kept_entries} entries, {_format_bytes(result.kept_bytes)} "
+                                 f"(at most {_format_bytes(args.max_bytes)} asked)")]
+            else:
+                stats = backend.stats(prefix=args.prefix)
+                if args.json:
+                    print(json.dumps({"url": backend.url, "prefix": args.prefix, **dataclasses.asdict(stats)}))
+                    return 0
+                rows = [("entries", f"{stats.entries:,}"), ("bytes", f"{_format_bytes(stats.bytes)} ({stats.bytes:,})"),
+                        ("oldest", when(stats.oldest)), ("newest", when(stats.newest))]
+        finally:
+            backend.close()
+    except StoreUnavailableError as err:
+        print(f"easykv store {args.store_command}: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
+    width = max(len(key) for key, _ in rows)
+    print(f"easykv store {args.store_command} {backend.url}" + (f" (prefix {args.prefix!r})" if args.prefix else ""))
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -397,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         command = args.command
-        return {"plan": cmd_plan, "demo": cmd_demo, "inspect": cmd_inspect}[command](args)
+        return {"plan": cmd_plan, "demo": cmd_demo, "inspect": cmd_inspect, "store": cmd_store}[command](args)
     except (UsageError, ValueError) as err:
         # The CLI is the user's boundary: a bad flag or value becomes one line and exit code 2.
         message = " ".join(str(err).split())

@@ -68,7 +68,7 @@ __all__ = [
     "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
     "CheckpointMismatchError", "CheckpointWriteError", "FileRefusedError", "InvariantError", "ManagerStateError",
     "LockstepError", "MemoryUnavailableError", "MultiProcessError", "NotACheckpointError",
-    "SerializationError", "StepNotFoundError", "UnknownSequenceError",
+    "SerializationError", "StepNotFoundError", "StoreUnavailableError", "UnknownSequenceError",
 ]
 
 
@@ -119,6 +119,17 @@ class MemoryUnavailableError(RuntimeError):
 
 # ---- checkpoints: a directory that is not one, a missing step, a format that does not fit,
 # damaged data ------------------------------------------------------------------------------
+class StoreUnavailableError(ConnectionError):
+    """A shared prefix store (``easykv.tiers.store``) did not answer: its server is down or
+    unreachable, its directory is gone or read-only, its disk is full, or a call took longer than
+    its timeout. The store tier counts it, logs it once and treats lookups as misses until the
+    store answers again; a caller of a backend method sees it directly. ``url`` names the store."""
+
+    def __init__(self, message: str, *, url: str | None = None):
+        super().__init__(message)
+        self.url = url
+
+
 class CheckpointError(Exception):
     """Base class of the errors raised by easykv's checkpoint functions; ``step`` and
     ``directory`` say where, when known (None otherwise)."""

@@ -68,7 +68,7 @@ __all__ = [
     "CacheFullError", "CheckpointError", "CheckpointIntegrityError", "CheckpointLockedError",
     "CheckpointMismatchError", "CheckpointWriteError", "FileRefusedError", "InvariantError", "ManagerStateError",
     "LockstepError", "MemoryUnavailableError", "MultiProcessError", "NotACheckpointError",
-    "SerializationError", "StepNotFoundError", "StoreUnavailableError", "UnknownSequenceError",
+    "SerializationError", "StepNotFoundError", "StoreUnavailableError", "StoreValueError", "UnknownSequenceError",
 ]
 
 
@@ -128,6 +128,25 @@ class StoreUnavailableError(ConnectionError):
     def __init__(self, message: str, *, url: str | None = None):
         super().__init__(message)
         self.url = url
+
+
+class StoreValueError(ValueError):
+    """A value read from the shared prefix store is not the one asked for: damaged, of another key,
+    of another layout or format. The store tier counts it and treats it as a miss; it never reaches a
+    page.
+
+    Attributes:
+      reason: why, one of ``easykv.tiers.store.codec.REASONS``: ``"magic"`` (not an easykv store value), ``"version"``
+        (another layout version), ``"key"`` (written under another key), ``"shape"`` (other leaves:
+        count, dtypes or shapes), ``"truncated"`` (not the expected length: cut short or extended),
+        ``"checksum"`` (the bytes changed after they were written).
+      key: the key it was read under.
+    """
+
+    def __init__(self, message: str, *, reason: str, key: str):
+        super().__init__(message)
+        self.reason = reason
+        self.key = key
 
 
 class CheckpointError(Exception):

@@ -45,6 +45,7 @@ from typing import Literal
 import numpy as np
 from isal import isal_zlib
 
+from easykv.errors import StoreValueError
 from easykv.validation import show
 
 MAGIC = b"EKVS"
@@ -64,25 +65,6 @@ _MAX_NDIM = 64
 
 #: One expected leaf: its shape and its dtype (logical, e.g. bfloat16, or raw bits: compared as raw bits).
 Expected = tuple[tuple[int, ...], np.dtype]
-
-
-class StoreValueError(ValueError):
-    """A value read from the shared prefix store is not the one asked for: damaged, of another key,
-    of another layout or format. The store tier counts it and treats it as a miss; it never reaches a
-    page.
-
-    Attributes:
-      reason: why, one of ``REASONS``: ``"magic"`` (not an easykv store value), ``"version"``
-        (another layout version), ``"key"`` (written under another key), ``"shape"`` (other leaves:
-        count, dtypes or shapes), ``"truncated"`` (not the expected length: cut short or extended),
-        ``"checksum"`` (the bytes changed after they were written).
-      key: the key it was read under.
-    """
-
-    def __init__(self, message: str, *, reason: Reason, key: str):
-        super().__init__(message)
-        self.reason = reason
-        self.key = key
 
 
 def raw_bits(a: np.ndarray) -> np.ndarray:

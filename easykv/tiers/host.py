@@ -32,8 +32,12 @@ group keeps one such array per width a call used (`_GroupStore.staging`: at most
 that stages nothing allocates nothing and no staging array is made by a program of its own.
 Offloaded pages are copied to the host asynchronously (``copy_to_host_async``) and land in the
 host arrays at the start of the next `apply` (or `flush`), so the step never waits for them; host
-pages are read for onloads only after every earlier offload has landed. A call with only host
-pages to zero runs no device program and returns the cache it was given.
+pages are read for onloads only after every earlier offload has landed. On CPU devices, whose
+buffers are host memory, an offload of several chunks lands each chunk when the next one needs
+its staging width (`HostTier._land_done`): one staging array goes round instead of zeros put on
+the devices per chunk. Landing writes the staged pages straight into the host pages (one pass
+over their bytes). A call with only host pages to zero runs no device program and returns the
+cache it was given.
 
 Released host pages are zeroed when the manager scrubs released pages (``scrub_released``):
 those released since the last call at its start (after earlier offloads landed), those its own
@@ -156,6 +160,23 @@ class HostTier:
             self._groups[g].keep_staging(staged)
         self._inflight.clear()
 
+    def _land_done(self, group: int, width: int) -> None:
+        """On CPU, land the oldest offload in flight from ``group``'s staging arrays of ``width``
+        pages per replica when no free one is left, so the next call of that width reuses them
+        instead of putting zeros on the devices (an offload of many chunks would stage a fresh
+        array per chunk). There the device buffers are host memory, so landing copies in host
+        memory and waits at most for that call's program, which runs before the next call's
+        anyway; elsewhere the copy to the host may still be on its way, and it lands at `flush`."""
+        store = self._groups[group]
+        if not store.host_resident or store.spares.get(width):
+            return
+        for i, (g, staged, dst, counts) in enumerate(self._inflight):
+            if g == group and staged[0].shape[0] == width * store.replicas:
+                store.land(staged, dst, counts)
+                store.keep_staging(staged)
+                del self._inflight[i]
+                return
+
     def check(self, cache: PagedAttentionCache, manager_metadata: PagedAttentionCacheMetaData | None = None) -> None:
         """ValueError unless ``cache`` is this tier's cache (its metadata and placement) and
         ``manager_metadata`` (if given) has its pools.
@@ -241,13 +262,15 @@ class HostTier:
         meta, k, w = self.metadata, call.size, call.width
         none = np.full(k, -1, np.int32)
         staging, off_ids, on_ids, ids = [], [], [], []
-        for store, plan, (src, dst, z) in zip(self._groups, plans, device_ids):
+        for g, (store, plan, (src, dst, z)) in enumerate(zip(self._groups, plans, device_ids)):
             off, on = call.columns("off", plan.off_src.shape[1]), call.columns("on", plan.on_src.shape[1])
             real = np.arange(w)[None, :] < _counts(plan.off_counts, off)[:, None]
             # numpy (jnp.asarray would compile a program per shape); padding one past the slice: no offload
             off_ids.append(np.where(real, _window(plan.off_src, off, w, 0), store.device_local).astype(np.int32))
             on_ids.append(_window(plan.on_dst, on, w, store.device_local))
             onloads = _counts(plan.on_counts, on).any()  # else nothing crosses the host link for this group
+            if not onloads:
+                self._land_done(g, w)
             staging.append(store.gather(_window(plan.on_src, on, w, 0)) if onloads else store.staging(w))
             ids.append((padded_ids(src, k) if "copies" in call.parts else none,
                         padded_ids(dst, k) if "copies" in call.parts else none,
@@ -272,6 +295,34 @@ class HostTier:
             keys.append(k_pages)
             values.append(v_pages)
         return PagedAttentionCache(meta, tuple(keys), tuple(values), cache.layout)
+
+    def page_blocks(self, group: int) -> list[tuple[int, int, int, list[np.ndarray]]]:
+        """The host pages of layer group ``group`` this process holds, as blocks of kv heads: per distinct
+        shard, ``(replica, first head, end head, arrays)``, the arrays one per page-array leaf (the group's key
+        and value pages, then their scales, in pytree order), each page-major
+        ``(host pages of the replica, layers, heads end - first, ...)`` of the storage dtype. Views, not copies:
+        a shared prefix store reads and writes pages through them (`easykv.tiers.store`). Replicated heads
+        appear in several blocks; each holds its own copy.
+
+        Args:
+          group: the layer group, ``0 <= group < len(metadata.groups)``.
+        """
+        store = self._groups[group]
+        blocks: dict[tuple[int, int, int], list[np.ndarray]] = {}
+        for stores, shape in zip(store.shards, store.shapes):
+            for key, array in stores.items():
+                heads, pages = key[1], key[2]
+                start = heads[0]
+                stop = shape[1] if heads[1] is None else heads[1]
+                replica = pages[0] // store.device_local if store.replicas > 1 else 0
+                blocks.setdefault((replica, start, stop), []).append(array)
+        return [(replica, start, stop, arrays) for (replica, start, stop), arrays in blocks.items()]
+
+    @property
+    def host_pages_per_replica(self) -> tuple[int, ...]:
+        """Per layer group, the host pages of one data-parallel replica (global host page ``h`` is page
+        ``h % n`` of replica ``h // n``)."""
+        return tuple(store.host_local for store in self._groups)
 
 
 class _Call:
@@ -365,9 +416,13 @@ class _GroupStore:
         self.host_local = host_pages // page_shards
         self.shards: list[dict[tuple[Any, ...], np.ndarray]] = []
         self.devices: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: (device, shard key, replica)
+        self.distinct: list[list[tuple[Any, tuple[Any, ...], int]]] = []  # per leaf: `devices`, one per shard key
         self.shapes = [a.shape for a in leaves]
         self.spares: dict[int, list[list[jax.Array]]] = {}  # free staging arrays (`staging`), by width
         self.shardings = [_page_major(a.sharding) for a in leaves]
+        # CPU devices: a device buffer is host memory (`HostTier._land_done`)
+        self.host_resident = all(device.platform == "cpu" for a in leaves  # type: ignore[attr-defined]
+                                 for device in a.sharding.device_set)
         page_bytes = 0
         for a in leaves:
             stores, devices = {}, []
@@ -381,6 +436,8 @@ class _GroupStore:
                 devices.append((shard.device, key, replica))
             self.shards.append(stores)
             self.devices.append(devices)
+            firsts = {key: (device, key, r) for device, key, r in reversed(devices)}  # the first device of each
+            self.distinct.append(list(firsts.values()))
             page_bytes += a.nbytes // a.shape[2]
         self.page_bytes = page_bytes  # one page of every layer, every leaf, all heads
 
@@ -455,17 +512,19 @@ class _GroupStore:
     def land(self, staged: list[jax.Array], dst: np.ndarray, counts: np.ndarray) -> None:
         """Write offloaded pages (``staged``, laid out as `gather`'s) into the host pages ``dst``;
         a destination one past the slice (padding, or one `cancel` dropped) gets nothing."""
-        for stores, devices, a in zip(self.shards, self.devices, staged):
-            done = set()
+        for stores, distinct, a in zip(self.shards, self.distinct, staged):
             by_device = {shard.device: shard for shard in a.addressable_shards}
-            for device, key, r in devices:
-                if key in done:
-                    continue
-                done.add(key)
+            for device, key, r in distinct:
                 n = int(counts[r])
-                keep = dst[r, :n] < self.host_local
-                if keep.any():
-                    stores[key][dst[r, :n][keep]] = np.asarray(by_device[device].data)[:n][keep]
+                rows = dst[r, :n]
+                # a host view of the device buffer where the platform has one (CPU): the landing is the one copy
+                data = np.asarray(by_device[device].data)
+                keep = rows < self.host_local
+                if keep.all():  # a slice of the staged pages, no temporary: one pass over the bytes
+                    stores[key][rows] = data[:n]
+                elif keep.any():
+                    kept = np.flatnonzero(keep)
+                    stores[key][rows[kept]] = data[kept]
 
     def cancel(self, dst: np.ndarray, pages: np.ndarray) -> None:
         """Drop the landings into the global host ``pages`` from an in-flight ``dst`` (`_split`'s

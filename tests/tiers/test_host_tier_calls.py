@@ -171,3 +171,47 @@ def test_any_mix_of_work_lands_exactly_where_the_model_says(mesh, chunk, request
     cache = tier.apply(cache, ((empty, empty, every, every, empty),))  # each host page onto its device page
     for got, want in zip(leaves_of(cache), model.host):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_offload_of_many_chunks_goes_round_one_staging_array_on_cpu(tp8, monkeypatch):
+    """On CPU devices (their buffers are host memory) an offload split into chunks lands each
+    chunk when the next one needs its width: the chunks go through one staging array (each call
+    takes the one the call before returned), not zeros put on the devices per chunk, and every
+    page lands where it was sent. Fails on a tier that stages a fresh array for each chunk while
+    the earlier ones are in flight."""
+    monkeypatch.setattr(host_module, "TRANSFER_CHUNK", 4)
+    cache, tier = tiered(tp8)
+    spy = Spy(monkeypatch)
+    empty = np.zeros(0, np.int32)
+    src = np.arange(12, dtype=np.int32) * 2  # twelve pages: three calls of four
+    dst = np.arange(12, dtype=np.int32) + 6
+    before = leaves_of(cache)
+    cache = tier.apply(cache, ((src, dst, empty, empty, empty),))
+    first, second, third = spy.calls
+    assert second["inputs"] == first["outputs"] and third["inputs"] == second["outputs"]
+    back = np.arange(12, dtype=np.int32)
+    cache = tier.apply(cache, ((empty, empty, dst, back, empty),))  # every offloaded page onto device pages 0..11
+    for got, want in zip(leaves_of(cache), before):
+        np.testing.assert_array_equal(got[:, :, back], want[:, :, src])
+
+
+def test_elsewhere_an_offload_of_many_chunks_lands_only_at_flush(tp8, monkeypatch):
+    """Where device buffers are not host memory (an accelerator, faked here), no chunk lands
+    inside `apply`: landing there could wait for its copy to the host, and the step never waits
+    for offloads. Each chunk stages its own array and every page lands at `flush`."""
+    monkeypatch.setattr(host_module, "TRANSFER_CHUNK", 4)
+    cache, tier = tiered(tp8)
+    tier._groups[0].host_resident = False
+    spy = Spy(monkeypatch)
+    empty = np.zeros(0, np.int32)
+    src = np.arange(12, dtype=np.int32) * 2
+    dst = np.arange(12, dtype=np.int32) + 6
+    before = leaves_of(cache)
+    cache = tier.apply(cache, ((src, dst, empty, empty, empty),))
+    first, second, third = spy.calls
+    assert len({tuple(call["inputs"]) for call in (first, second, third)}) == 3
+    assert not any(a.any() for shards in tier._groups[0].shards for a in shards.values())  # nothing landed yet
+    back = np.arange(12, dtype=np.int32)
+    cache = tier.apply(cache, ((empty, empty, dst, back, empty),))  # its flush lands them first
+    for got, want in zip(leaves_of(cache), before):
+        np.testing.assert_array_equal(got[:, :, back], want[:, :, src])

@@ -33,6 +33,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
+
 from easykv.manager.device_work import DeviceWork
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan
@@ -40,6 +42,7 @@ from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.pool_match import check_cache_of
 from easykv.tiers.host import HostTier
+from easykv.tiers.store.prefix_store import PrefixStore
 
 Out = TypeVar("Out")
 # The engine's step: the cache (donate it) and the plan in; the new cache and anything of its own out.
@@ -55,15 +58,23 @@ class Runner:
         (`cache` gives the current one after each call; buffers are donated).
       host: the cache's `HostTier`, required when the manager has a host-memory tier and refused
         otherwise.
+      store: a `PrefixStore` below the host tier (it needs ``host``), serving this runner's cache from now
+        on; None: no shared store.
     """
 
-    def __init__(self, manager: PageManager, cache: PagedAttentionCache, *, host: HostTier | None = None):
+    def __init__(self, manager: PageManager, cache: PagedAttentionCache, *, host: HostTier | None = None,
+                 store: PrefixStore | None = None):
         if not isinstance(manager, PageManager):
             raise TypeError(f"manager must be a PageManager, got {type(manager).__name__}")
+        if store is not None and not isinstance(store, PrefixStore):
+            raise TypeError(f"store must be an easykv.tiers.store.PrefixStore, got {type(store).__name__}")
         self._manager = manager
         self._cache = cache
         self._host = host
         self._check(cache, host)
+        if store is not None:
+            store.attach(manager, host)
+        self._store = store
         self._copies = 0  # device pages copied (copy-on-write) by this runner's work
         self._applied: weakref.WeakSet[StepPlan] = weakref.WeakSet()  # plans whose work this runner ran
 
@@ -81,6 +92,11 @@ class Runner:
     def copies(self) -> int:
         """Device pages this runner's work copied (copy-on-write), since it was made."""
         return self._copies
+
+    @property
+    def store(self) -> PrefixStore | None:
+        """The shared prefix store below the host tier (None without one)."""
+        return self._store
 
     @property
     def host(self) -> HostTier | None:
@@ -125,6 +141,38 @@ class Runner:
         any work that touches it is handed over or run."""
         if host is not None:
             host.bind(self._manager.attach_host_tier(host.token, host.owner))
+
+    # ---- admission: the prefix caches, the shared store's included -------------------------------
+    def prefetch(self, token_ids: Sequence[int] | np.ndarray, *, salt: object = None) -> None:
+        """Start reading the prompt's pages that only the shared store holds (in the background), so that
+        `match_prefix` finds them arrived: call it when a request arrives. Without a store: nothing.
+
+        Args:
+          token_ids: the prompt, ``(prompt_len,)`` ints.
+          salt: the prefix namespace, as `PageManager.match_prefix`'s."""
+        if self._store is not None:
+            self._store.prefetch(self._manager, token_ids, salt)
+
+    def match_prefix(self, seq_id: int, token_ids: Sequence[int] | np.ndarray, *, salt: object = None) -> int:
+        """`PageManager.match_prefix`, after the pages the shared store delivered (by its read policy) entered the
+        host tier: the device, the host tier and the store, nearest first, the longest hit taken. Call it between
+        steps (not between `PageManager.schedule` and `run` of that plan). Returns the prompt tokens found.
+
+        Args:
+          seq_id: a freshly claimed sequence id.
+          token_ids: the prompt, ``(prompt_len,)`` ints.
+          salt: the prefix namespace."""
+        store = self._store
+        if store is None:
+            return self._manager.match_prefix(seq_id, token_ids, salt=salt)
+        self._check(self._cache, self._host)
+        self._manager.sequence(seq_id)  # a claimed id, before the store reads anything
+        before = self._manager.cached_prefix_length(token_ids, salt=salt)
+        if self._host is not None:
+            store.bring_in(self._manager, self._host, self._cache, token_ids, salt)
+        found = self._manager.match_prefix(seq_id, token_ids, salt=salt)
+        store.tokens_served += max(found - before, 0)
+        return found
 
     # ---- the loop --------------------------------------------------------------------------------
     def schedule(self, seq_ids: Sequence[int], num_new_tokens: int | Sequence[int], *,
@@ -199,6 +247,8 @@ class Runner:
             if plan.ended is None:  # a refused commit leaves it open: nothing it wrote counts
                 self._manager.abort(plan)
             raise
+        if self._store is not None:  # the pages this step filled, queued (write_through)
+            self._store.sync(self._manager, self._cache, self._host)
         return out
 
     def apply_pending(self) -> int:
@@ -222,6 +272,8 @@ class Runner:
     def _apply(self, work: DeviceWork) -> int:
         """Run ``work`` on the cache and the tier (transfers, copies, scrubs, in one program); returns the
         device pages copied."""
+        if self._store is not None:  # the host pages evicted are read before this work overwrites them
+            self._store.sync(self._manager, self._cache, self._host)
         if work.empty:
             return 0
         host = self._host

@@ -536,11 +536,18 @@ class PageManager(DeprecatedMethods):
                 raise ValueError(f"digests[{i}]={d!r} is not a 32-byte page digest; pass what prompt_digests returns")
         n = self._groups.num_replicas
         if replica is None:
-            replica = int(np.argmax(self._groups.available_per_replica()))
+            replica = self.admission_replica
         replica = non_negative_int("replica", replica)
         if replica >= n:
             raise ValueError(f"replica={replica} is not a data-parallel replica of this pool (0 .. {n - 1})")
         return host.adopt(self._groups, replica, chain, self._versions.current)
+
+    @property
+    def admission_replica(self) -> int:
+        """The data-parallel replica whose slice a prefix hit of a new sequence lands in when no replica holds more of
+        it: the one with the most available device pages (its tightest group's; the lowest index on a tie), where
+        `adopt_host_prefixes` places a chain by default. The same on every host."""
+        return int(np.argmax(self._groups.available_per_replica()))
 
     def watch_prefixes(self, *, written: bool, host_evicted: bool) -> None:
         """Keep, for `take_prefix_events`, the prefix pages sequences fill (``written``) and the host pages the host

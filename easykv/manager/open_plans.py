@@ -110,8 +110,8 @@ CHANGES: dict[str, Changes] = {
     "swapped_ids": READS, "swap_out": _ONE, "swap_in": _ONE, "has_pending_transfers": READS,
     "pending_transfers": READS, "take_transfers": NO_SEQUENCE,
     # a shared prefix store above
-    "prompt_digests": READS, "adopt_host_prefixes": NO_SEQUENCE, "watch_prefixes": NO_SEQUENCE,
-    "take_prefix_events": NO_SEQUENCE,
+    "prompt_digests": READS, "admission_replica": READS, "adopt_host_prefixes": NO_SEQUENCE,
+    "watch_prefixes": NO_SEQUENCE, "take_prefix_events": NO_SEQUENCE,
     # pending device work
     "take_work": NO_SEQUENCE, "pending_copies": READS, "has_pending_work": READS, "take_copies": NO_SEQUENCE,
     "pending_scrubs": READS, "take_scrubs": NO_SEQUENCE,

@@ -39,7 +39,7 @@ READ_ONLY = frozenset({
     "has_pending_transfers", "has_pending_work", "increment_cache_lengths", "infer_optimal_batch_size",
     "is_swapped", "length", "lockstep_state", "metrics", "num_groups", "page_table", "pages", "pending_copies",
     "pending_scrubs", "pending_transfers", "replica", "reshard", "sequence", "slots_remaining", "state_dict",
-    "swapped_ids", "tier_names", "usage", "weight_version", "prompt_digests",
+    "swapped_ids", "tier_names", "usage", "weight_version", "prompt_digests", "admission_replica",
 })
 # Calls that change the manager but no sequence they are given: run while the plan is open.
 OTHER_CALLS = {
@@ -64,6 +64,7 @@ READ_CALLS = {
     "cache_length": lambda env: env.m.cache_length(env.p),
     "cached_prefix_length": lambda env: env.m.cached_prefix_length([1, 2, 3, 4, 5, 6]),
     "prompt_digests": lambda env: env.m.prompt_digests([1, 2, 3, 4, 5, 6]),
+    "admission_replica": lambda env: env.m.admission_replica,
     "capacity": lambda env: env.m.capacity(env.p),
     "check_invariants": lambda env: env.m.check_invariants(),
     "check_plan": lambda env: env.m.check_plan(env.plan),

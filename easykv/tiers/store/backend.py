@@ -119,6 +119,9 @@ class StoreBackend(abc.ABC):
     def delete_many(self, keys: Sequence[str]) -> int:
         """Delete these keys (missing ones are ignored).
 
+        Args:
+          keys: the keys deleted, any number.
+
         Returns:
           how many held a value.
 
@@ -130,6 +133,9 @@ class StoreBackend(abc.ABC):
     def list_keys(self, prefix: str = "") -> list[str]:
         """Every key starting with ``prefix``, sorted.
 
+        Args:
+          prefix: the keys listed start with it ("": every key).
+
         Raises:
           StoreUnavailableError: the engine did not answer.
         """
@@ -137,6 +143,9 @@ class StoreBackend(abc.ABC):
     @abc.abstractmethod
     def stats(self, prefix: str = "") -> StoreStats:
         """Entries and bytes stored under ``prefix`` (``easykv store stats``).
+
+        Args:
+          prefix: the keys counted start with it ("": every key).
 
         Raises:
           StoreUnavailableError: the engine did not answer.

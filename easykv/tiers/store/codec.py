@@ -31,7 +31,9 @@ CRC pass and one join, 26 GB/s cache-warm against 80 GB/s for ``bytes(k) + bytes
 as that floor on cold memory (2.0 GB/s for both: allocating the result dominates); `decode` one
 CRC pass and no copy, 24 GB/s warm and 15 GB/s cold; `decode_into` one CRC pass and one copy, 16
 GB/s warm and 10 GB/s cold against 62 / 19 GB/s for a plain ``np.frombuffer`` copy. The CRC
-(ISA-L, ~65 GB/s) is cheap; the rest is about 6 us of fixed cost per call.
+(ISA-L, ~65 GB/s) is cheap; the rest is about 6 us of fixed cost per call. A reader of many values builds a
+`ValueLayout` once and pays only each value's own checks: a 64 KiB value (8 layers x 16 x 128 bf16, K and V)
+decodes in 4.4 us against 8-11 us through `decode` (header rebuilt and ``expected`` checked per call).
 """
 
 from __future__ import annotations
@@ -228,27 +230,67 @@ def _diagnose(key: str, kb: bytes, view: memoryview, want: list[tuple[tuple[int,
     raise AssertionError("a header that differs from the expected one differs in some field: a bug in easykv")
 
 
-def _checked(key: str, value: bytes, expected: Sequence[Expected]) -> tuple[memoryview, int, list[Expected]]:
-    """``value`` checked against ``(key, expected)``: header, exact length, then checksum; returns
-    its bytes, the payload's offset and the expected leaves (raw dtypes)."""
-    kb = _key_bytes(key)
-    want = _expected(expected)
-    if not isinstance(value, (bytes, bytearray, memoryview)):
-        raise TypeError(f"a store value must be bytes, got {type(value).__name__}; pass what the backend's "
-                        "get_many returned")
-    view = memoryview(value).cast("B")
-    header = _header(kb, want)
-    if bytes(view[:len(header)]) != header:
-        raise _diagnose(key, kb, view, want)
-    size = len(header) + sum(math.prod(s) * d.itemsize for s, d in want) + _CRC_BYTES
-    if len(view) != size:
-        raise _refuse(key, "truncated", f"{len(view)} bytes, the header's leaves make {size} "
-                      f"({'cut short' if len(view) < size else 'extended'})")
-    (stored,) = _U32.unpack_from(view, size - _CRC_BYTES)
-    actual = isal_zlib.crc32(view[:size - _CRC_BYTES])
-    if stored != actual:
-        raise _refuse(key, "checksum", f"CRC-32 {actual:08x} of its bytes, {stored:08x} stored")
-    return view, len(header), want
+class ValueLayout:
+    """The leaves every value of one kind holds (``expected``: each leaf's ``(shape, dtype)``), checked once: a
+    reader of many values of one layer group builds it once and pays only each value's own checks (its key, the
+    header bytes, the length, the checksum) in `ValueLayout.decode` -- no header is rebuilt per value.
+
+    Args:
+      expected: each leaf's ``(shape, dtype)``, in order (as `decode`'s).
+
+    Raises:
+      TypeError, ValueError: a bad ``expected`` (as `decode`).
+    """
+
+    def __init__(self, expected: Sequence[Expected]):
+        self.leaves = _expected(expected)
+        self.dtypes = [np.dtype(dtype) for _, dtype in expected]  # what each leaf is viewed as
+        self._leaf_headers = _leaf_headers(tuple(self.leaves))
+        self._counts = [math.prod(shape) for shape, _ in self.leaves]
+        self._payload = sum(n * raw.itemsize for n, (_, raw) in zip(self._counts, self.leaves))
+
+    def checked(self, key: str, value: bytes) -> tuple[memoryview, int]:
+        """``value`` checked against ``(key, this layout)``: header, exact length, then checksum; returns its
+        bytes and the payload's offset. StoreValueError (its ``reason``) when it is not that value."""
+        kb = _key_bytes(key)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"a store value must be bytes, got {type(value).__name__}; pass what the backend's "
+                            "get_many returned")
+        view = memoryview(value).cast("B")
+        start = _FIXED + len(kb)
+        pos = start + len(self._leaf_headers)
+        size = pos + self._payload + _CRC_BYTES
+        # The common case in three slice compares (no header built); any difference takes the exact diagnosis.
+        if len(view) < pos or view[:_FIXED] != _fixed(len(kb)) or view[_FIXED:start] != kb \
+                or view[start:pos] != self._leaf_headers:
+            raise _diagnose(key, kb, view, self.leaves)
+        if len(view) != size:
+            raise _refuse(key, "truncated", f"{len(view)} bytes, the header's leaves make {size} "
+                          f"({'cut short' if len(view) < size else 'extended'})")
+        (stored,) = _U32.unpack_from(view, size - _CRC_BYTES)
+        actual = isal_zlib.crc32(view[:size - _CRC_BYTES])
+        if stored != actual:
+            raise _refuse(key, "checksum", f"CRC-32 {actual:08x} of its bytes, {stored:08x} stored")
+        return view, pos
+
+    def decode(self, key: str, value: bytes) -> list[np.ndarray]:
+        """`decode` of ``value`` against this layout: read-only views into ``value``."""
+        view, pos = self.checked(key, value)
+        out = []
+        for count, (shape, raw), asked in zip(self._counts, self.leaves, self.dtypes):
+            leaf = np.frombuffer(view, raw, count, pos).reshape(shape).view(asked)
+            leaf.flags.writeable = False  # a bytearray's views would be writable: one rule for every value
+            out.append(leaf)
+            pos += count * raw.itemsize
+        return out
+
+
+_FIXED = len(MAGIC) + 4  # magic, version, key length
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed(key_length: int) -> bytes:
+    return MAGIC + _U16.pack(FORMAT_VERSION) + _U16.pack(key_length)
 
 
 def decode(key: str, value: bytes, expected: Sequence[Expected]) -> list[np.ndarray]:
@@ -265,15 +307,7 @@ def decode(key: str, value: bytes, expected: Sequence[Expected]) -> list[np.ndar
       StoreValueError: ``value`` is not ``key``'s value of these leaves, or is damaged (``reason``).
       TypeError, ValueError: a bad argument (a caller's bug, never counted as damage).
     """
-    view, pos, want = _checked(key, value, expected)
-    out = []
-    for (shape, raw), (_, asked) in zip(want, expected):
-        count = math.prod(shape)
-        leaf = np.frombuffer(view, raw, count, pos).reshape(shape).view(np.dtype(asked))
-        leaf.flags.writeable = False  # a bytearray's views would be writable: one rule for every value
-        out.append(leaf)
-        pos += count * raw.itemsize
-    return out
+    return ValueLayout(expected).decode(key, value)
 
 
 def decode_into(key: str, value: bytes, outs: Sequence[np.ndarray]) -> None:
@@ -299,5 +333,5 @@ def decode_into(key: str, value: bytes, outs: Sequence[np.ndarray]) -> None:
         np.copyto(raw, leaf)
 
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "REASONS", "StoreValueError", "decode", "decode_into", "encode", "raw_bits",
-           "raw_dtype"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "REASONS", "StoreValueError", "ValueLayout", "decode", "decode_into", "encode",
+           "raw_bits", "raw_dtype"]

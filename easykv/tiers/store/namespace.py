@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -219,6 +220,19 @@ class StoreNamespace:
           ValueError: ``group`` or ``head`` is no int in its range, or ``digest`` no 32 bytes.
           TypeError: ``digest`` is no bytes.
         """
+        return self.keys(group, digest, (head,))[0]
+
+    def keys(self, group: int, digest: bytes, heads: Sequence[int]) -> list[str]:
+        """`key` of each of ``heads`` of one page (checked once for the page, then each head).
+
+        Args:
+          group: a layer group index.
+          digest: the page's 32-byte digest.
+          heads: global kv-head indices of the group.
+
+        Raises:
+          ValueError, TypeError: as `key`'s.
+        """
         g = self._group(group)
         if not isinstance(digest, bytes):
             raise TypeError(f"digest must be the page's {DIGEST_BYTES}-byte digest (bytes), got "
@@ -227,8 +241,9 @@ class StoreNamespace:
             raise ValueError(f"digest must be {DIGEST_BYTES} bytes (a page's sha256), got {len(digest)}: "
                              f"{show(digest)}; pass the manager's page digest")
         last = self.group_heads[g] - 1
-        h = integer("head", head, lo=0, hi=last, hint=f"a kv head of layer group {g} (0..{last})")
-        return f"{self.group_prefix(g)}{digest.hex()}/{h}"
+        stem = f"{self.group_prefix(g)}{digest.hex()}/"
+        return [stem + str(integer("head", h, lo=0, hi=last, hint=f"a kv head of layer group {g} (0..{last})"))
+                for h in heads]
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description (docs, metrics, ``easykv store stats``): the model, the prefix

@@ -104,7 +104,10 @@ class TensorstoreBackend(StoreBackend):
         rest and raises StoreUnavailableError."""
         deadline = time.monotonic() + self._timeout_s
         try:
-            return [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+            # A future already done is read without a timeout: result(timeout=...) off the main thread costs about
+            # as much as the read itself.
+            return [f.result() if f.done() else f.result(timeout=max(0.0, deadline - time.monotonic()))
+                    for f in futures]
         except (ValueError, OSError) as err:  # tensorstore's I/O errors are ValueErrors (a status code, the OS error)
             for f in futures:
                 f.cancel()

@@ -169,6 +169,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "reads as English); random: seeded random weights; or the path of an .npz written by "
                            "tools/train_demo_model.py")
     _demo_number(demo, defaults, "--seed", "seed of the requests' generation lengths")
+    demo.add_argument("--store", default=None, help="a shared prefix store's URL (file:///dir, redis://host:port/0): "
+                      "prompt pages are read from it and written to it; a second run serves the shared opening there")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     insp = sub.add_parser("inspect", help="describe a checkpoint directory and verify its data")
     insp.add_argument("directory")
@@ -290,7 +292,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                           dtype=args.dtype, mesh=mesh, restore_mesh=restore, seed=args.seed,
                           checkpoint_dir=args.checkpoint_dir,
                           progress=not args.no_progress, model=args.model, decode_steps=args.decode_steps,
-                          weights=args.weights)  # fmt: skip
+                          weights=args.weights, store=args.store)  # fmt: skip
     from easykv.errors import CheckpointError
 
     try:

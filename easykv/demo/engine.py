@@ -16,6 +16,9 @@ With ``decode_steps=k > 1``, a step that schedules only decodes runs up to ``k``
 device loop (`PageManager.schedule_decode` plans them at once, sampling happens on the device)
 and returns to the host once; a request stops inside the loop at its ``max_new_tokens``.
 
+With a shared prefix store (``store=``, an `easykv.tiers.store.PrefixStore`, over the host tier), a request's
+prompt pages are read from the store when it arrives and the pages each step fills are written to it.
+
 With a host-memory tier (``host=``, an `easykv.HostTier`), a step whose pages do not fit
 preempts: the running request that arrived last is swapped out to host memory and swapped back
 in, ahead of new requests, once its pages fit again; it continues where it stopped (no prefill
@@ -46,6 +49,7 @@ from easykv.step.loop import DecodeOutput
 from easykv.step.metadata import PAD_POSITION
 from easykv.storage.cache import PagedAttentionCache
 from easykv.tiers.host import HostTier
+from easykv.tiers.store.prefix_store import PrefixStore
 
 
 @dataclasses.dataclass
@@ -193,7 +197,11 @@ class BatchingEngine:
             if len(self.manager.slots_remaining) <= pending_forks:
                 return
             r.seq = self.manager.claim(1)[0]
-            r.cached = r.fed = self.manager.match_prefix(r.seq, r.prompt)
+            r.cached = r.fed = self._match_prefix(r.seq, r.prompt)
+
+    def _match_prefix(self, seq: int, prompt: list[int]) -> int:
+        """The prompt tokens of the freshly claimed ``seq`` found cached (`PageManager.match_prefix`)."""
+        return self.manager.match_prefix(seq, prompt)
 
     def _schedule(self, requests: list[Request]) -> Batch:
         """(request, token ids to write this step): decodes first, then prefill chunks."""
@@ -267,14 +275,17 @@ class Engine(BatchingEngine):
         (``engine.cache`` gives the current one).
       host: the cache's `HostTier` when the manager has a host-memory tier (the engine preempts to
         it), else None.
+      store: a shared `PrefixStore` below the host tier (needs ``host``): a request's prompt pages are
+        read from it when the request arrives, and the pages its steps fill are written to it.
     """
 
     def __init__(self, model: CompiledModel, cache: PagedAttentionCache, manager: PageManager, *,
                  token_budget: int, max_seqs: int, prefill_chunk: int, host: HostTier | None = None,
-                 decode_steps: int = 1) -> None:  # fmt: skip
+                 decode_steps: int = 1, store: PrefixStore | None = None) -> None:  # fmt: skip
         super().__init__(model, manager, token_budget=token_budget, max_seqs=max_seqs, prefill_chunk=prefill_chunk,
                          decode_steps=decode_steps)
-        self.runner = Runner(manager, cache, host=host)
+        self.runner = Runner(manager, cache, host=host, store=store)
+        self._prefetched: set[int] = set()  # requests whose prompt pages the store began reading
         self.preemptions = 0
         self._earlier_copies = 0  # pages copied by the runners `restore` replaced
 
@@ -301,9 +312,32 @@ class Engine(BatchingEngine):
           cache: a live cache of ``manager``'s pool.
           manager: the restored `PageManager`.
           host: the cache's `HostTier` when ``manager`` has a host-memory tier, else None."""
-        runner = Runner(manager, cache, host=host)
+        store = self.runner.store
+        if store is not None:  # it serves the restored manager from now on
+            store.detach()
+        try:
+            runner = Runner(manager, cache, host=host, store=store)
+        except BaseException:
+            if store is not None:
+                store.attach(self.runner.manager, self.runner.host)
+            raise
         self._earlier_copies += self.runner.copies
         self.runner, self._manager = runner, manager
+
+    # ---- admission --------------------------------------------------------------------------
+    def _admit(self, requests: list[Request]) -> None:
+        """`BatchingEngine._admit`, each arrived request's prompt pages first asked of the shared store (read in
+        the background while the steps before its admission run)."""
+        if self.runner.store is not None:
+            for r in requests:
+                if r.arrival <= self.step_index and r.rid not in self._prefetched and r.fork_of is None:
+                    self._prefetched.add(r.rid)
+                    self.runner.prefetch(r.prompt)
+        super()._admit(requests)
+
+    def _match_prefix(self, seq: int, prompt: list[int]) -> int:
+        """The prompt tokens found cached on the device, in the host tier or in the shared store."""
+        return self.runner.match_prefix(seq, prompt)
 
     # ---- one step ---------------------------------------------------------------------------
     def _forward(self, batch: Batch) -> tuple[Batch, np.ndarray]:

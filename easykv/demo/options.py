@@ -149,6 +149,9 @@ class DemoOptions:
     # "trained": the model's shipped weights; "random": seeded random ones; or the path of an
     # .npz that tools/train_demo_model.py wrote for this model.
     weights: str = "trained"
+    # A shared prefix store's URL (file:///dir, redis://host:port/db, ...; None: no store): the cache gets a
+    # host-memory tier and reads and writes prompt pages there (easykv.tiers.store.PrefixStore).
+    store: str | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass: the checked values (exact Python ints, copied meshes) replace the
@@ -163,6 +166,8 @@ class DemoOptions:
         if self.checkpoint_dir is not None:
             _path_field("checkpoint_dir", self.checkpoint_dir, "a directory, or None for a temporary one")
         _path_field("weights", self.weights, "'trained', 'random' or the path of an .npz", kinds=(str,))
+        if self.store is not None:
+            _store_field(self.store)
         if not isinstance(self.progress, bool):
             raise TypeError(f"DemoOptions.progress must be True or False, got {show(self.progress)} "
                             f"of type {type(self.progress).__name__}")
@@ -194,6 +199,19 @@ class DemoOptions:
                              "demo's last request is a parallel sample (a fork) of its first and runs beside it, in a "
                              "second sequence slot, which the engine would wait for forever; use max_seqs >= 2 (or "
                              "requests=1)")
+
+
+def _store_field(value: Any) -> None:
+    """TypeError unless ``value`` is a str, ValueError unless it is a store URL (`parse_store_url`'s message)."""
+    from easykv.tiers.store.url import parse_store_url
+
+    if not isinstance(value, str):
+        raise TypeError(f"DemoOptions.store must be a store URL (str) or None, got {show(value)} of type "
+                        f"{type(value).__name__}")
+    try:
+        parse_store_url(value)
+    except ValueError as err:
+        raise ValueError(f"DemoOptions.store: {err}") from None
 
 
 def _int_field(name: str, value: Any, low: int, high: int) -> int:

@@ -22,10 +22,12 @@ one table of allowed values that the CLI's flags read too.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import string
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -45,6 +47,10 @@ from easykv.sharding import PartitionAxis, PartitionManager, create_mesh
 from easykv.spec.groups import known_size
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.storage.cache import PagedAttentionCache
+from easykv.tiers.host import HostTier
+from easykv.tiers.store.prefix_store import PrefixStore, StoreMetrics
+
+STORE_HOST_BYTES = 32 << 20  # the host tier a demo with a store gets: the store's pages land there
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -74,6 +80,7 @@ class DemoReport:
     text: str
     sample: str  # request 1's generated text
     readable: float  # the fraction of the sample's characters that are letters, spaces or punctuation
+    store: StoreMetrics | None = None  # what the shared prefix store did (None: no store)
 
 
 _READABLE = frozenset(string.ascii_letters + string.punctuation + " \n")
@@ -139,13 +146,16 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     meta = _metadata(options, cfg, mesh, pm, dtype, quantizer, max_len)
     cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
     manager = PageManager(meta)
+    host = HostTier(cache) if options.store is not None else None
+    store = None if options.store is None else PrefixStore(options.store, model_id=_model_id(options))
     requests = make_requests(options.requests, options.max_new_tokens, seed=options.seed)
     for r in requests:
         if len(r.prompt) + r.max_new_tokens > max_len:
             raise ValueError(f"request {r.rid} needs {len(r.prompt) + r.max_new_tokens} tokens > max length {max_len}")
     total = sum(r.max_new_tokens for r in requests)
     engine = Engine(model, cache, manager, token_budget=options.token_budget, max_seqs=options.max_seqs,
-                    prefill_chunk=options.token_budget // 2, decode_steps=options.decode_steps)  # fmt: skip
+                    prefill_chunk=options.token_budget // 2, decode_steps=options.decode_steps, host=host,
+                    store=store)  # fmt: skip
 
     def on_step(eng: Engine, reqs: list[Request]) -> None:
         if options.progress:
@@ -160,12 +170,19 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
     engine.run(requests, until_step=halfway, on_step=on_step)
     # Checkpoint cache + manager, restore onto another mesh, finish there.
     directory = tempfile.mkdtemp(prefix="easykv-demo-") if options.checkpoint_dir is None else options.checkpoint_dir
-    step = save_cache(directory, engine.cache, engine.manager, step=engine.step_index)
+    with warnings.catch_warnings():
+        if host is not None:  # a checkpoint holds no host tier: its pending transfers land first, its cached
+            engine.runner.apply_pending()  # pages are left out (the store holds them: no warning for that)
+            warnings.filterwarnings("ignore", "the checkpoint leaves out the host-memory tier", UserWarning)
+        step = save_cache(directory, engine.cache, engine.manager, step=engine.step_index)
     restored = restore_cache(directory, mesh=mesh2, partition_manager=pm)
     if restored.manager is None:  # saved with the manager above: restore_cache returns it
         raise InvariantError(f"the checkpoint at {directory} came back without its manager", where="demo")
-    engine.restore(restored.cache, restored.manager)
+    engine.restore(restored.cache, restored.manager,
+                   host=None if host is None else HostTier(restored.cache))
     engine.run(requests, on_step=on_step)
+    if store is not None:  # every queued page written before the report counts them
+        store.close()
     seconds = time.perf_counter() - t0
     if options.progress:
         err.write("\n")
@@ -197,6 +214,9 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         f"({restored.metadata.kv_heads_per_device} kv heads per device), generation finished there",
         f"  sample (request 1): {sample!r} ({readable:.0%} letters, spaces, punctuation)",
     ]
+    store_metrics = None if store is None else store.metrics()
+    if store_metrics is not None:
+        lines.insert(-1, _store_line(store_metrics))
     if mismatches:
         lines.append(f"  CHECK FAILED: requests {list(mismatches)} differ from the dense-cache reference")
     else:
@@ -208,7 +228,22 @@ def run_demo(options: DemoOptions, *, out: TextIO | None = None, err: TextIO | N
         requests=len(requests), generated=generated, seconds=seconds, tokens_per_second=generated / seconds,
         steps=engine.step_index, checkpoint_step=step, matched=not mismatches, mismatches=mismatches,
         prefix_hit_rate=m.token_hit_rate, copies=engine.copies, text=text, sample=sample, readable=readable,
+        store=store_metrics,
     )  # fmt: skip
+
+
+def _model_id(options: DemoOptions) -> str:
+    """The store's model id of the demo's weights: the model and 'trained', 'random', or the weights file's sha256."""
+    weights = options.weights
+    if weights not in ("trained", "random"):
+        weights = "sha256:" + hashlib.sha256(Path(weights).read_bytes()).hexdigest()[:32]
+    return f"easykv-demo/{options.model}/{weights}"
+
+
+def _store_line(m: StoreMetrics) -> str:
+    return (f"  store: {m.pages_read} pages read, {m.values_written} values written ({m.values_present} already "
+            f"there), {m.tokens_served} prompt tokens served from the store, {m.refused} entries refused, "
+            f"{m.dropped} pages dropped, {m.failures} failed calls ({m.url})")
 
 
 def _mesh(options: DemoOptions, name: str) -> Any:
@@ -232,6 +267,7 @@ def _metadata(options: DemoOptions, cfg: DemoConfig, mesh: Any, pm: PartitionMan
         mesh, options.max_seqs, cfg.layers, max_len, options.page_size, cfg.kv_heads, cfg.head_dim, 0.9, dtype,
         partition_manager=pm, quantizer=quantizer, layer_groups=groups,
         num_pages_per_layer=options.pages if groups is None else None,
+        host_memory_bytes=None if options.store is None else STORE_HOST_BYTES,
     )  # fmt: skip
 
 

@@ -312,3 +312,22 @@ def test_the_training_script_runs_quick(tmp_path):
     assert training["quick"] and training["steps"] == 3
     refused = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "give --out" in refused.stderr  # never overwrites the shipped file
+
+
+@SLOW
+def test_a_second_demo_serves_the_shared_opening_from_the_store(tmp_path, capsys):
+    """Two demo runs on one file store (issue 44): the first writes every page it fills, the second (a new cache,
+    its host tier empty) reads the shared opening from the store, and its tokens still equal the dense reference's."""
+    url = f"file://{tmp_path / 'store'}"
+    options = DemoOptions(requests=5, max_new_tokens=6, progress=False, store=url)
+    first = run_demo(dataclasses.replace(options, checkpoint_dir=str(tmp_path / "ck1")))
+    assert first.matched and first.store is not None
+    assert first.store.values_written > 0 and first.store.pages_read == 0 and first.store.tokens_served == 0
+    second = run_demo(dataclasses.replace(options, checkpoint_dir=str(tmp_path / "ck2")))
+    out = capsys.readouterr().out
+    assert second.matched and second.store is not None
+    assert second.store.pages_read > 0 and second.store.tokens_served >= 8 * second.store.pages_read // 2
+    assert second.store.refused == second.store.failures == second.store.dropped == 0
+    assert second.prefix_hit_rate > first.prefix_hit_rate
+    assert second.sample == first.sample  # the same tokens with pages from the store
+    assert "prompt tokens served from the store, 0 entries refused" in out and url in out

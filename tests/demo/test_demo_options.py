@@ -64,6 +64,11 @@ BAD = {
     "weights": [("", ValueError, ["''", "'trained', 'random' or the path of an .npz"]),
                 ("w\x00.npz", ValueError, ["NUL byte"]), (None, TypeError, ["'trained', 'random'"]),
                 (Path("w.npz"), TypeError, ["'trained', 'random'", "Path"])],
+    "store": [(3, TypeError, ["DemoOptions.store must be a store URL", "int"]),
+              (Path("/tmp/s"), TypeError, ["store URL (str) or None", "PosixPath"]),
+              ("ftp://x/y", ValueError, ["DemoOptions.store", "ftp"]),
+              ("file://relative/dir", ValueError, ["DemoOptions.store", "relative"]),
+              ("", ValueError, ["DemoOptions.store"])],
 }  # fmt: skip
 
 

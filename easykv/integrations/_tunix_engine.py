@@ -3,8 +3,10 @@ up in the prefix cache, the rest prefilled in chunks, the samples of one prompt 
 its one prefill (GRPO's groups), then decode ``decode_steps`` tokens at a time in one device loop
 (`PageManager.schedule_decode`, `easykv.step.loop.decode_loop`), sampling on the device. Every step
 is a plan the manager schedules and the engine's `easykv.Runner` carries out (its device work, the
-jitted step, the commit; the abort when anything fails). Private to the Tunix integration; imports
-tunix (through ``_tunix_model``), flax and easykv's public parts.
+jitted step, the commit; the abort when anything fails). With a shared prefix store (``store=``) the
+prompts' pages are read from the store (all of a call's prompts asked for at its start, taken at
+admission) and the pages its steps fill are written there (``_tunix_store``). Private to the Tunix
+integration; imports tunix (through ``_tunix_model``), flax and easykv's public parts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax.typing import DTypeLike
 
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
+from easykv.integrations._tunix_store import check_store_arg, open_store, weights_version, with_store_host_tier
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan
 from easykv.quantization import Quantizer
@@ -33,7 +36,9 @@ from easykv.spec.groups import AttentionKind, LayerGroup
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 from easykv.step.loop import DecodeOutput, decode_loop, greedy, log_prob
 from easykv.storage.cache import PagedAttentionCache
+from easykv.tiers.host import HostTier
 from easykv.tiers.sleep import SleepingCache, sleep, wake
+from easykv.tiers.store.prefix_store import PrefixStore, StoreMetrics
 from easykv.validation import integer, integer_array, is_scalar, positive_int
 
 
@@ -160,12 +165,29 @@ class TunixPagedEngine:
       quantizer: an easykv quantizer (name or object) for the pages; None (default): unquantized.
       decode_steps: decode steps per device loop, ``1 .. max_length`` (default 16).
       prefill_tokens: tokens per prefill step, ``1 .. 2**20`` (default 256).
+      store: a shared prefix store below the cache: a URL (``file:///dir``, ``redis://host:6379/0``,
+        ``gs://bucket/dir``, ...; the engine opens it and `close` closes it) with ``model_id``, or an
+        `easykv.tiers.store.PrefixStore` (its policies chosen by the caller, who closes it); None
+        (default): no store. Keys carry the weights' content (`weight_version`), so engines share pages
+        exactly while their weights agree.
+      model_id: with a store URL, the model's name and revision (e.g. ``"Qwen/Qwen3-0.6B@main"``): its
+        architecture and tokenizer, the same in every engine that may share pages; required there,
+        refused otherwise.
+      host_memory_bytes: bytes of host memory per host for a host-memory tier (evicted prefix pages;
+        the store's pages land there); None (default): none without a store, and with one a tier of
+        ``batch_size * max_length`` tokens' pages (at most the device pool's).
+
+    Raises:
+      TypeError, ValueError: a bad argument (a bad store URL, a missing ``model_id``, ...), before
+        anything is made or opened.
     """
 
     def __init__(self, model: Any, *, mesh: Mesh | None = None, max_length: int = 1024, batch_size: int = 64,
                  page_size: int = 16, num_pages: int | None = None, hbm_utilization: float = 0.5,
                  dtype: DTypeLike | None = None, quantizer: str | Quantizer | None = None, decode_steps: int = 16,
-                 prefill_tokens: int = 256) -> None:  # fmt: skip
+                 prefill_tokens: int = 256, store: str | PrefixStore | None = None, model_id: str | None = None,
+                 host_memory_bytes: int | None = None) -> None:  # fmt: skip
+        check_store_arg(store, model_id)
         self.family: Family
         self.family, self.model = paged_copy(model)
         self.decode_steps = positive_int("decode_steps", decode_steps, hi=integer("max_length", max_length, lo=1),
@@ -177,13 +199,26 @@ class TunixPagedEngine:
             dtype = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0].dtype
         pm = PartitionManager(PartitionAxis(kv_head_axis="tp" if "tp" in mesh.axis_names else None))
         meta = self._metadata(mesh, pm, max_length=max_length, batch_size=batch_size, page_size=page_size,
-                              num_pages=num_pages, hbm_utilization=hbm_utilization, dtype=dtype, quantizer=quantizer)
+                              num_pages=num_pages, hbm_utilization=hbm_utilization, dtype=dtype, quantizer=quantizer,
+                              host_memory_bytes=host_memory_bytes)
+        if store is not None:
+            meta = with_store_host_tier(meta)
         self.manager = PageManager(meta)
-        # Holds the live cache; None while asleep, so no reference keeps the slept pages' buffers alive.
-        self._runner: Runner | None = Runner(self.manager, PagedAttentionCache.init_cache(mesh, dtype, meta, pm,
-                                                                                          quantizer=quantizer))
+        cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
+        self._host = HostTier(cache) if meta.has_host_tier else None  # the cache's for its life, across sleeps
         self.version = 0
-        self.manager.set_weight_version(self.version)
+        self.weight_version: int | str = weights_version(self.model) if store is not None else 0
+        self.manager.set_weight_version(self.weight_version)
+        self._store: PrefixStore | None = None
+        self._owns_store = False
+        if store is not None:
+            self._store, self._owns_store = open_store(store, model_id)
+        try:
+            # Holds the live cache; None while asleep, so no reference keeps the slept pages' buffers alive.
+            self._runner: Runner | None = Runner(self.manager, cache, host=self._host, store=self._store)
+        except BaseException:
+            self.close()
+            raise
         graphdef, self._state = nnx.split(self.model)
         self._prefill_step, self._decode_loop = _compiled(graphdef)
         self._seen = self._param_refs()
@@ -191,8 +226,8 @@ class TunixPagedEngine:
         self.peak_pages = 0  # the most pages (every group) the last generate held at once
 
     def _metadata(self, mesh: Mesh, pm: PartitionManager, *, max_length: int, batch_size: int, page_size: int,
-                  num_pages: int | None, hbm_utilization: float, dtype: DTypeLike, quantizer: str | Quantizer | None
-                  ) -> PagedAttentionCacheMetaData:  # fmt: skip
+                  num_pages: int | None, hbm_utilization: float, dtype: DTypeLike, quantizer: str | Quantizer | None,
+                  host_memory_bytes: int | None) -> PagedAttentionCacheMetaData:  # fmt: skip
         """The cache's metadata: one layer group per distinct window (Gemma 3's local layers slide)."""
         attn = self.model.layers[0].attn
         windows = self.family.windows(self.model)
@@ -204,12 +239,12 @@ class TunixPagedEngine:
         return PagedAttentionCacheMetaData.create(
             mesh, batch_size, len(windows), max_length, page_size, int(attn.num_kv_heads), int(attn.head_dim),
             hbm_utilization, dtype, partition_manager=pm, quantizer=quantizer, layer_groups=groups,
-            num_pages_per_layer=num_pages if groups is None else None)
+            num_pages_per_layer=num_pages if groups is None else None, host_memory_bytes=host_memory_bytes)
 
     # ---- weights and memory ------------------------------------------------------------------------
     def update_params(self, params: nnx.State[Any, Any]) -> None:
         """New weights; the cache's next weight version, so no prefix cached under the old weights
-        is found again.
+        is found again (in the cache or in the store).
 
         Args:
           params: an ``nnx.State`` of the model's parameters, whole or in part, as Tunix's trainer
@@ -224,8 +259,10 @@ class TunixPagedEngine:
     def _new_version(self) -> None:
         self._state, self._seen = nnx.state(self.model), self._param_refs()
         self.version += 1
+        # With a store the weights' content (`_tunix_store`): the same in every engine and after a restart.
+        self.weight_version = self.version if self._store is None else weights_version(self.model)
         if self._sleeping is None:
-            self.manager.set_weight_version(self.version)
+            self.manager.set_weight_version(self.weight_version)
 
     def _check_weights(self) -> None:
         """The paged copy shares the caller's parameters (no second copy of the weights), so a
@@ -243,15 +280,40 @@ class TunixPagedEngine:
           level: 1 (default) keeps its pages in host memory, 2 discards them.
         """
         if self._sleeping is None:
-            self._sleeping, self._runner = sleep(self._awake().cache, self.manager, level=level), None
+            runner = self._awake()
+            if self._host is not None:  # the host tier's transfers and scrubs land before the pages leave
+                runner.apply_pending()
+            self._sleeping = sleep(runner.cache, self.manager, level=level)
+            self._runner = None
+            if self._store is not None:  # the woken manager's runner attaches it again
+                self._store.detach()
 
     def wake(self) -> None:
-        """Put the cache back in device memory (`easykv.wake`); a no-op while awake."""
+        """Put the cache back in device memory (`easykv.wake`); a no-op while awake. The host tier (kept
+        in host memory meanwhile) and the store serve the woken cache."""
         if self._sleeping is not None:
             cache, self.manager = wake(self._sleeping)
-            self._runner = Runner(self.manager, cache)  # the woken cache (and manager) from now on
+            # the woken cache (and manager) from now on
+            self._runner = Runner(self.manager, cache, host=self._host, store=self._store)
             self._sleeping = None
-            self.manager.set_weight_version(self.version)
+            self.manager.set_weight_version(self.weight_version)
+
+    @property
+    def store(self) -> PrefixStore | None:
+        """The shared prefix store (None without one)."""
+        return self._store
+
+    def store_metrics(self) -> StoreMetrics | None:
+        """What the store did so far (`easykv.tiers.store.StoreMetrics`: pages read, prompt tokens served,
+        values written, refused, dropped); None without a store."""
+        return None if self._store is None else self._store.metrics()
+
+    def close(self) -> None:
+        """Write what is queued for a store the engine opened from a URL and close it (a `PrefixStore`
+        passed in stays open: its owner closes it). Without one: nothing."""
+        if self._store is not None and self._owns_store:
+            self._owns_store = False
+            self._store.close()
 
     @property
     def cache(self) -> PagedAttentionCache | None:
@@ -296,6 +358,9 @@ class TunixPagedEngine:
         self.wake()
         self._check_weights()
         self.peak_pages = 0
+        runner = self._awake()
+        for prompt in {row.prompt.tobytes(): row.prompt for row in rows}.values():  # read in the background
+            runner.prefetch(prompt.tolist())
         try:
             leaders = self._admit(rows)
             last = self._prefill(rows, leaders)
@@ -349,10 +414,11 @@ class TunixPagedEngine:
         for i, row in enumerate(rows):
             groups.setdefault(row.prompt.tobytes(), []).append(i)
         leaders = {members[0]: members for members in groups.values()}
+        runner = self._awake()
         for i in leaders:
             row = rows[i]
             row.seq = self.manager.claim(1)[0]
-            row.fed = self.manager.match_prefix(row.seq, row.prompt)
+            row.fed = runner.match_prefix(row.seq, row.prompt.tolist())  # the device, the host tier, then the store
         return leaders
 
     def _prefill(self, rows: list[_Row], leaders: dict[int, list[int]]) -> dict[int, jax.Array]:

@@ -25,7 +25,11 @@ wrong. The rollout (`EasyKVRollout`, a Tunix ``BaseRollout``):
   with the actor) starts a new weight version of the cache, so no prefix computed with the old
   weights is ever found again;
 - with ``sleep_level`` (1 or 2) frees the cache's device memory between calls (the trainer's phase)
-  and wakes it at the next ``generate``.
+  and wakes it at the next ``generate``;
+- with ``store=`` (a store URL and ``model_id=``, or an `easykv.tiers.store.PrefixStore`) shares
+  prompt pages with every other engine of the model through a shared prefix store: each call's
+  prompts are read from it, the pages it fills written to it; its keys carry a fingerprint of the
+  weights, so engines share pages exactly while their weights agree (`TunixPagedEngine`).
 
 Tunix's ``Sampler`` masks every token equal to the tokenizer's pad id, generated ones included;
 easykv attends to every generated token, as the model without a cache does. Both give the same
@@ -62,7 +66,8 @@ class EasyKVRollout(base_rollout.BaseRollout):
       sleep_level: free the cache's device memory after each `generate` (`TunixPagedEngine.sleep`):
         1 keeps the pages in host memory, 2 discards them; None (default): stay awake.
       **engine_options: `TunixPagedEngine`'s keywords (``num_pages``, ``page_size``,
-        ``batch_size``, ``decode_steps``, ``dtype``, ``quantizer``, ``max_length``, ...).
+        ``batch_size``, ``decode_steps``, ``dtype``, ``quantizer``, ``max_length``, ``store``,
+        ``model_id``, ``host_memory_bytes``, ...).
     """
 
     def __init__(self, rollout_actor: Any = None, tokenizer: Any = None, mesh: Mesh | None = None,

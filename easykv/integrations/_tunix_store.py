@@ -1,0 +1,134 @@
+"""The Tunix engine's shared prefix store: the ``store=`` argument it takes (a `PrefixStore`, or a URL with the
+model's id), the host-memory tier the store's pages land in, and the weight version the store's keys carry.
+
+Why the weight version is the weights' content: the page digest (the store's key) holds the manager's weight
+version, and a store outlives every engine that writes it. An engine's own count of weight changes would make a
+rollout worker restarted with the weights of RL step 40 (its version 0) read the pages another worker wrote
+with the initial weights (also its version 0), and two training runs of one model name would share pages at
+equal step counts: wrong tokens, silently. A fingerprint of the parameters' bits (computed on the devices, one
+pass over the weights, no copy to the host) is the same for the same weights in every process and across
+restarts, and differs when any parameter changes, so pages of old weights are never served and a restarted
+worker with the pushed weights reads what the others wrote under them.
+
+Private to the Tunix integration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from easykv.spec.metadata import PagedAttentionCacheMetaData
+from easykv.tiers.store.prefix_store import PrefixStore
+from easykv.tiers.store.url import parse_store_url
+
+
+def check_store_arg(store: object, model_id: object) -> None:
+    """TypeError / ValueError, before the engine makes anything, unless ``store`` is None, a `PrefixStore` or a
+    store URL, with ``model_id`` given exactly with a URL (a `PrefixStore` carries its own).
+
+    Args:
+      store: the engine's ``store=``.
+      model_id: the engine's ``model_id=``."""
+    if store is None:
+        if model_id is not None:
+            raise ValueError(f"model_id={model_id!r} was given without a store; it names the model in a shared prefix "
+                             "store: pass store='file:///dir' (or another store URL) with it, or leave it out")
+        return
+    if isinstance(store, PrefixStore):
+        if model_id is not None:
+            raise ValueError(f"model_id={model_id!r} was given with a PrefixStore, which carries its own "
+                             f"(model_id={store.model_id!r}); leave model_id out, or pass the store's URL instead")
+        return
+    if not isinstance(store, str):
+        raise TypeError(f"store must be a store URL (str, e.g. 'file:///dir' or 'redis://host:6379/0'), an "
+                        f"easykv.tiers.store.PrefixStore or None, got {type(store).__name__}")
+    parse_store_url(store)  # ValueError naming the URL and the fix
+    if model_id is None:
+        raise ValueError(f"store={store!r} needs model_id=: the name and revision of the model (e.g. "
+                         "'Qwen/Qwen3-0.6B@main'), the same in every engine that may share its pages; easykv never "
+                         "guesses it (the weights' own changes are told apart by the engine)")
+
+
+def open_store(store: str | PrefixStore, model_id: str | None) -> tuple[PrefixStore, bool]:
+    """The engine's `PrefixStore` and whether the engine opened it (then it closes it too).
+
+    Args:
+      store: a URL or a `PrefixStore` (`check_store_arg` passed).
+      model_id: with a URL, the model's id."""
+    if isinstance(store, PrefixStore):
+        return store, False
+    return PrefixStore(store, model_id=model_id), True  # type: ignore[arg-type]  # checked: a str with a URL
+
+
+def with_store_host_tier(meta: PagedAttentionCacheMetaData) -> PagedAttentionCacheMetaData:
+    """``meta`` with the host tier a store's pages land in, when it has none: as many host pages per layer as one
+    `generate` can hold (``batch_size`` sequences of ``max_sequences`` tokens), at most the device pool, rounded
+    up to the data-parallel replicas. Every prompt page a call reads from the store fits, and pages the device
+    evicts stay in host memory until then.
+
+    Args:
+      meta: the engine's metadata."""
+    if meta.has_host_tier:
+        return meta
+    per_sequence = -(-meta.max_sequences // meta.page_size)
+    pages = min(meta.num_pages_per_layer, meta.batch_size * per_sequence)
+    shards = meta.page_shards
+    return meta.replace(host_pages_per_layer=-(-pages // shards) * shards)
+
+
+def weights_version(model: Any) -> str:
+    """The weight version of ``model``'s parameters (see the module doc): ``"params-sha256:<hex>"`` of every
+    parameter's path, shape, dtype and a 64-bit fingerprint of its bits, equal on every process."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
+    paths = [jax.tree_util.keystr(path) for path, _ in flat]
+    leaves = [a for _, a in flat]
+    sums = np.asarray(jax.device_get(_fingerprints(leaves)), np.uint32)  # (leaves, 2), replicated
+    h = hashlib.sha256()
+    for path, a, lanes in zip(paths, leaves, sums):
+        h.update(f"{path}|{tuple(a.shape)}|{jnp.dtype(a.dtype).name}|".encode())
+        h.update(lanes.tobytes())
+    return "params-sha256:" + h.hexdigest()
+
+
+@jax.jit
+def _fingerprints(leaves: list[jax.Array]) -> jax.Array:
+    """Two 32-bit sums of mixed (bits, position) per leaf, ``(leaves, 2)``: any changed bit or moved value changes
+    them (collisions by chance ~2**-64). Elementwise in each leaf's own shape, so a sharded leaf stays sharded."""
+    out = []
+    for a in leaves:
+        bits = _bits(a)
+        position = jnp.zeros(bits.shape, jnp.uint32)
+        for axis in range(bits.ndim):  # the row-major position, wrapping at 2**32 like the sums
+            stride = int(np.prod(bits.shape[axis + 1:], dtype=np.uint64) % (1 << 32))
+            position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride)
+        first = _mix(bits ^ (position * jnp.uint32(0x9E3779B9)))
+        second = _mix(bits + position * jnp.uint32(0x85EBCA6B) + jnp.uint32(0x27D4EB2F))
+        out.append(jnp.stack([jnp.sum(first, dtype=jnp.uint32), jnp.sum(second, dtype=jnp.uint32)]))
+    return jnp.stack(out)
+
+
+def _bits(a: jax.Array) -> jax.Array:
+    """``a``'s raw bits as uint32 (8-byte items as two words; sub-byte and bool items widened exactly)."""
+    dtype = jnp.dtype(a.dtype)
+    if dtype == jnp.bool_ or dtype.itemsize not in (1, 2, 4, 8) or dtype.name in ("int4", "uint4", "int2", "uint2"):
+        return jax.lax.bitcast_convert_type(a.astype(jnp.int32), jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[dtype.itemsize]
+    return jax.lax.bitcast_convert_type(a, unsigned).astype(jnp.uint32)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: every input bit moves every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+__all__ = ["check_store_arg", "open_store", "weights_version", "with_store_host_tier"]

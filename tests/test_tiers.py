@@ -48,4 +48,5 @@ def test_the_fast_tier_leaves_out_the_slow_tests_and_everything_runs_them():
          if "::" in line}
         for args in ((), ("-m", "")))  # fmt: skip
     assert fast == {"tests/multihost/test_launch_arguments.py", "tests/multihost/test_package.py"}
-    assert everything == fast | {"tests/multihost/test_fail_fast.py", "tests/multihost/test_multihost.py"}
+    assert everything == fast | {"tests/multihost/test_fail_fast.py", "tests/multihost/test_multihost.py",
+                                 "tests/multihost/test_store_multiprocess.py"}

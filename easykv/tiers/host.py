@@ -542,7 +542,7 @@ class _GroupStore:
                 stores[key][mine] = 0
 
 
-def _page_major_spec(spec: PartitionSpec) -> PartitionSpec:
+def page_major_spec(spec: PartitionSpec) -> PartitionSpec:
     """The spec of a pool array's pages moved to the front: ``(pages, layers, heads, ...)``."""
     entries = tuple(spec) + (None,) * max(0, 3 - len(spec))
     return PartitionSpec(entries[2], *entries[:2], *entries[3:])
@@ -552,7 +552,7 @@ def _page_major(sharding: Any) -> Any:
     """``sharding`` of a pool array for its page-major transfer arrays (one that splits nothing,
     or a single device's, serves as it is)."""
     if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, _page_major_spec(sharding.spec), memory_kind=sharding.memory_kind)
+        return NamedSharding(sharding.mesh, page_major_spec(sharding.spec), memory_kind=sharding.memory_kind)
     return sharding
 
 
@@ -610,7 +610,7 @@ def _local_move(layout: PageLayout | None, leaves: list[jax.Array], off: jax.Arr
     if layout is None or layout.mesh.size == 1:
         return local(leaves, stage, off, on, *ids)
     specs = [layout.spec_for(a.ndim) for a in leaves]
-    moved = [_page_major_spec(s) for s in specs]
+    moved = [page_major_spec(s) for s in specs]
     replicated = (PartitionSpec(),) * 5
     mapped = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, moved, *replicated), out_specs=(specs, moved))
     result: tuple[list[jax.Array], list[jax.Array]] = mapped(leaves, stage, off, on, *ids)  # shard_map: typed here
@@ -630,4 +630,4 @@ class _TierToken:
         return f"<HostTier token {id(self):#x}>"
 
 
-__all__ = ["HostTier"]
+__all__ = ["HostTier", "page_major_spec"]

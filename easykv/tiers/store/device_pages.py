@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.page_work import work_bucket
 from easykv.storage.pages import PageLayout
+from easykv.tiers.host import page_major_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +109,10 @@ def _gather(leaves: list[jax.Array], ids: jax.Array, *, layout: PageLayout | Non
     if layout is None or layout.mesh.size == 1:
         return local(leaves, ids)
     specs = [layout.spec_for(a.ndim) for a in leaves]
-    moved = [_page_major_spec(s) for s in specs]
+    moved = [page_major_spec(s) for s in specs]
     mapped: Any = jax.shard_map(local, mesh=layout.mesh, in_specs=(specs, PartitionSpec()), out_specs=moved)
     result: list[jax.Array] = mapped(leaves, ids)
     return result
-
-
-def _page_major_spec(spec: PartitionSpec) -> PartitionSpec:
-    """The spec of a pool array's pages moved to the front: ``(pages, layers, heads, ...)``."""
-    entries = tuple(spec) + (None,) * max(0, 3 - len(spec))
-    return PartitionSpec(entries[2], *entries[:2], *entries[3:])
 
 
 __all__ = ["GatheredPages", "gather_pages", "gathered_blocks"]

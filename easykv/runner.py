@@ -230,6 +230,8 @@ class Runner:
           num_tokens: likewise (a decode loop's counts), or None.
         """
         self._manager.check_plan(plan, "run")
+        if self._store is not None and self._store.closed:  # before anything moves: its writes would fail after commit
+            raise RuntimeError("the runner's PrefixStore was closed; make the runner with an open store (or none)")
         if plan not in self._applied:  # the cache alive and the tier still this manager's: else the plan stays open,
             self._check(self._cache, self._host)  # its work kept for a runner that can apply it
         try:

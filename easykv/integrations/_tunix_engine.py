@@ -26,7 +26,7 @@ from jax.typing import DTypeLike
 
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
-from easykv.integrations._tunix_store import check_store_arg, open_store, weights_version, with_store_host_tier
+from easykv.integrations._tunix_store import weights_version, with_store_host_tier
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan
 from easykv.quantization import Quantizer
@@ -38,6 +38,7 @@ from easykv.step.loop import DecodeOutput, decode_loop, greedy, log_prob
 from easykv.storage.cache import PagedAttentionCache
 from easykv.tiers.host import HostTier
 from easykv.tiers.sleep import SleepingCache, sleep, wake
+from easykv.tiers.store.arguments import check_store_arg, open_store
 from easykv.tiers.store.prefix_store import PrefixStore, StoreMetrics
 from easykv.validation import integer, integer_array, is_scalar, positive_int
 

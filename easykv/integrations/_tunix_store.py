@@ -1,5 +1,6 @@
-"""The Tunix engine's shared prefix store: the ``store=`` argument it takes (a `PrefixStore`, or a URL with the
-model's id), the host-memory tier the store's pages land in, and the weight version the store's keys carry.
+"""The Tunix engine's shared prefix store: the host-memory tier the store's pages land in, and the weight version
+the store's keys carry (the ``store=`` argument itself, a `PrefixStore` or a URL with the model's id, is checked by
+`easykv.tiers.store.arguments`).
 
 Why the weight version is the weights' content: the page digest (the store's key) holds the manager's weight
 version, and a store outlives every engine that writes it. An engine's own count of weight changes would make a
@@ -24,46 +25,6 @@ import numpy as np
 from flax import nnx
 
 from easykv.spec.metadata import PagedAttentionCacheMetaData
-from easykv.tiers.store.prefix_store import PrefixStore
-from easykv.tiers.store.url import parse_store_url
-
-
-def check_store_arg(store: object, model_id: object) -> None:
-    """TypeError / ValueError, before the engine makes anything, unless ``store`` is None, a `PrefixStore` or a
-    store URL, with ``model_id`` given exactly with a URL (a `PrefixStore` carries its own).
-
-    Args:
-      store: the engine's ``store=``.
-      model_id: the engine's ``model_id=``."""
-    if store is None:
-        if model_id is not None:
-            raise ValueError(f"model_id={model_id!r} was given without a store; it names the model in a shared prefix "
-                             "store: pass store='file:///dir' (or another store URL) with it, or leave it out")
-        return
-    if isinstance(store, PrefixStore):
-        if model_id is not None:
-            raise ValueError(f"model_id={model_id!r} was given with a PrefixStore, which carries its own "
-                             f"(model_id={store.model_id!r}); leave model_id out, or pass the store's URL instead")
-        return
-    if not isinstance(store, str):
-        raise TypeError(f"store must be a store URL (str, e.g. 'file:///dir' or 'redis://host:6379/0'), an "
-                        f"easykv.tiers.store.PrefixStore or None, got {type(store).__name__}")
-    parse_store_url(store)  # ValueError naming the URL and the fix
-    if model_id is None:
-        raise ValueError(f"store={store!r} needs model_id=: the name and revision of the model (e.g. "
-                         "'Qwen/Qwen3-0.6B@main'), the same in every engine that may share its pages; easykv never "
-                         "guesses it (the weights' own changes are told apart by the engine)")
-
-
-def open_store(store: str | PrefixStore, model_id: str | None) -> tuple[PrefixStore, bool]:
-    """The engine's `PrefixStore` and whether the engine opened it (then it closes it too).
-
-    Args:
-      store: a URL or a `PrefixStore` (`check_store_arg` passed).
-      model_id: with a URL, the model's id."""
-    if isinstance(store, PrefixStore):
-        return store, False
-    return PrefixStore(store, model_id=model_id), True  # type: ignore[arg-type]  # checked: a str with a URL
 
 
 def with_store_host_tier(meta: PagedAttentionCacheMetaData) -> PagedAttentionCacheMetaData:
@@ -131,4 +92,4 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-__all__ = ["check_store_arg", "open_store", "weights_version", "with_store_host_tier"]
+__all__ = ["weights_version", "with_store_host_tier"]

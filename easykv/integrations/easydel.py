@@ -51,6 +51,10 @@ computes attention in bfloat16 whatever the model dtype, so greedy tokens on Eas
 cache can drift from easykv's (and from its own v3) on near ties; in bfloat16 models a
 different float32 summation order can, rarely, round an exact bfloat16 tie the other way.
 
+:func:`attach_store` extends an eSurge engine's prefix cache to a shared prefix store (``store=`` a URL with
+``model_id=``, or a ``PrefixStore``): prompt pages eSurge's cache misses are read from it, every full page eSurge
+caches is written to it in the background (``easykv.integrations._easydel_store`` says how and what it wraps).
+
 Conversions (pure functions; JSON works without EasyDeL installed):
 
 * :func:`metadata_from_easydel_config` / :func:`easydel_config_json` /
@@ -204,6 +208,41 @@ def use_easykv(model: Any, *, num_pages_per_layer: int | None = None, memory_byt
     return model
 
 
+def attach_store(engine: Any, store: Any, *, model_id: str | None = None) -> Any:
+    """Extend an eSurge engine's prefix cache to a shared prefix store: a prompt's full pages eSurge's own cache
+    misses are read from the store into its pages, and every full page it caches is written there in the
+    background (the step never waits). Engines of the same model id and cache format share the pages, in any
+    process, across restarts; an ``easykv.Runner`` of the same metadata and model id shares them too.
+
+    Called on the engine, not in `use_easykv`: the store serves an engine's scheduler and page pool (one model may
+    back several engines, each with its own), eSurge gives the model no handle on them, and
+    ``eSurge.update_model_weights`` builds a new scheduler for new weights, which must be attached anew under the
+    new weights' model id (the old id's pages hold the old weights' K/V).
+
+    Args:
+      engine: an ``easydel.eSurge`` built on a `use_easykv` model, single process, data-parallel size 1, prefix
+        caching on (its default).
+      store: a store URL (``file:///dir``, ``memory://name``, ``gs://...``, ``redis://host:6379/0``; opened here and
+        closed by ``detach()``) or an ``easykv.tiers.store.PrefixStore`` (its read policy and queue apply).
+      model_id: with a URL, the name and revision of the weights (e.g. ``'meta-llama/Llama-3.2-1B@main'``), the same
+        in every engine that may share pages; easykv never guesses it. Not with a `PrefixStore` (it carries one).
+
+    Returns:
+      the attached store: ``.store.metrics()`` (pages read, values written, refused, dropped), ``.pages_read``,
+      ``.flush()``, ``.detach()``.
+
+    Raises:
+      TypeError: ``engine`` is no eSurge engine, or ``store`` no URL or `PrefixStore`.
+      ValueError: a bad URL, a missing or superfluous ``model_id``, a `PrefixStore` serving another engine or
+        runner, or an engine the store cannot serve (not on easykv pages, without prefix caching, data parallel,
+        several kv-cache groups or processes); nothing is changed.
+    """
+    _model_module()
+    from easykv.integrations import _easydel_store
+
+    return _easydel_store.attach(engine, store, model_id)
+
+
 def _attention_modules(model: Any) -> Iterator[tuple[str, Any]]:
     from easydel.layers.attention import AttentionModule
     from easydel.utils.traversals import iter_module_search
@@ -310,6 +349,7 @@ __all__ = [
     "EasyKVCacheView",  # loaded on first use (__getattr__): needs EasyDeL
     "EasyKVRaggedPageAttnV2",  # loaded on first use (__getattr__): needs EasyDeL
     "EasyKVRaggedPageAttnV3",  # loaded on first use (__getattr__): needs EasyDeL
+    "attach_store",
     "easydel_config_dict",
     "easydel_config_from_metadata",
     "easydel_config_json",

@@ -126,12 +126,13 @@ class PrefixStore:
         self._writer = StoreWriter(self.backend, self.health, queue_pages)
         self._fetcher = StoreFetcher(self.backend, self.health)
         self._namespace: StoreNamespace | None = None
-        self._owner: PageManager | None = None
+        self._owner: object | None = None  # the attached runner's PageManager, or an integration's engine (`hold`)
         self._layouts: list[codec.ValueLayout] = []  # per group: the leaves of its values
         self._heads: list[dict[int, list[int]]] = []  # per group, per replica: the heads this process holds
         self._known: OrderedDict[tuple[int, bytes], None] = OrderedDict()  # (group, digest) in the store
         self.pages_read = 0
         self.tokens_served = 0
+        self._closed = False
         # Queued writes land at interpreter exit (bounded); a weak reference: the store may be collected before.
         self._at_exit = functools.partial(_flush_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
@@ -145,8 +146,17 @@ class PrefixStore:
         Args:
           manager: the runner's `PageManager`.
           host: its cache's `HostTier` (required)."""
+        self._refuse_closed("attach")
         if self._owner is manager:
             return
+        if not manager.enable_prefix_caching:
+            raise ValueError("the manager runs without prefix caching (enable_prefix_caching=False): the store serves "
+                             "prefix pages, and none would be found or written; make the PageManager with prefix "
+                             "caching, or leave the store out")
+        if manager.scrub_released:
+            raise ValueError("the manager scrubs released pages (scrub_released=True: no tenant's K/V outlives its "
+                             "sequence); a shared store keeps pages beyond their sequences, for any cache of the same "
+                             "model: use one or the other")
         if self._owner is not None:
             raise ValueError("this PrefixStore serves another runner's manager already; open one PrefixStore per "
                              "cache (they share the store's values through its URL)")
@@ -165,17 +175,22 @@ class PrefixStore:
                 per_replica.setdefault(replica, set()).update(range(start, stop))
             heads.append({r: sorted(h) for r, h in per_replica.items()})
         manager.watch_prefixes(written=self.write == "write_through", host_evicted=self.write == "write_back")
-        if namespace != self._namespace:  # what was known or fetched under another namespace (a detach) is not
+        self._bind_namespace(namespace)
+        self._layouts, self._heads, self._owner = layouts, heads, manager
+
+    def _bind_namespace(self, namespace: StoreNamespace) -> None:
+        """Keys from now on under ``namespace``: what was known or fetched under another one (a detach) is forgotten."""
+        if namespace != self._namespace:
             self._known.clear()
             self._fetcher.forget()
-        self._namespace, self._layouts, self._heads, self._owner = namespace, layouts, heads, manager
+        self._namespace = namespace
 
     def detach(self) -> None:
         """Stop serving the manager `attach` bound (its runner is done: an engine restored a checkpoint and goes on
         with another manager); the queued writes still land. The manager stops keeping pages for the store."""
-        if self._owner is not None:
+        if isinstance(self._owner, PageManager):
             self._owner.watch_prefixes(written=False, host_evicted=False)
-        self._owner = None
+            self._owner = None
 
     def _expected_of(self, key: str) -> list[tuple[tuple[int, ...], np.dtype]]:
         """The leaves the value under ``key`` (a key of this store's namespace) must hold."""
@@ -197,6 +212,7 @@ class PrefixStore:
           manager: the runner's `PageManager`.
           token_ids: the prompt, ``(prompt_len,)`` ints.
           salt: the prefix namespace, as `PageManager.match_prefix`'s."""
+        self._refuse_closed("prefetch")
         digests = manager.prompt_digests(token_ids, salt=salt)
         start = manager.cached_prefix_length(token_ids, salt=salt) // manager.page_size
         if start < len(digests):
@@ -213,6 +229,7 @@ class PrefixStore:
           cache: the live cache (pages the adoption evicts are written back from it first).
           token_ids: the prompt, ``(prompt_len,)`` ints.
           salt: the prefix namespace."""
+        self._refuse_closed("match_prefix")
         digests = manager.prompt_digests(token_ids, salt=salt)
         start = manager.cached_prefix_length(token_ids, salt=salt) // manager.page_size
         fetch = self._fetcher.pop(digests)
@@ -226,9 +243,10 @@ class PrefixStore:
                 fetch = self._fetch(manager, digests, start)
                 self._fetcher.start(fetch)
                 self._fetcher.pop(digests)
-            if self.read == "wait":
+            stalled = self._fetcher.queued_behind_stall(fetch, self.timeout_s)  # cannot arrive in time: no wait
+            if self.read == "wait" and not stalled:
                 fetch.done.wait()
-            elif self.read == "timeout":
+            elif self.read == "timeout" and not stalled:
                 fetch.done.wait(self.timeout_s)
             skip = start - fetch.start  # pages the cache holds now that the fetch read too
             arrived = max(fetch.arrived - skip, 0)
@@ -274,21 +292,14 @@ class PrefixStore:
           manager: the runner's `PageManager` (its prefix events are taken).
           cache: the live cache the filled pages are gathered from.
           host: its `HostTier` (None: no host pages to write back)."""
-        for key in self._writer.take_lost():  # not written after all: written again when a page holds it again
-            self._known.pop(key, None)
+        self._refuse_closed("a step's writes")
+        self._forget_lost()
         events = manager.take_prefix_events()
         if events.empty:
             return
         ns = self.namespace
         for g, written in enumerate(events.written):
-            fresh = self._unknown(g, written)
-            if fresh and self._writer.room(len(fresh)):
-                self._remember(g, fresh)
-                gathered = gather_pages(cache, g, np.array([p for p, _ in fresh]))
-                per_replica = manager.metadata.groups[g].num_pages // gathered.pages.shape[0]
-                digests = [[d for p, d in fresh if p // per_replica == r] for r in range(gathered.pages.shape[0])]
-                self._writer.submit(WriteJob(len(fresh), _device_items(gathered, digests, g, ns),
-                                             [(g, d) for _, d in fresh]))
+            self.queue_device_pages(cache, g, written)
         if host is None:
             return
         per_replica = host.host_pages_per_replica
@@ -303,6 +314,66 @@ class PrefixStore:
                          for page, digest in fresh
                          for head, leaves in _page_heads(blocks, page // per_replica[g], page % per_replica[g])]
                 self._writer.submit(WriteJob(len(fresh), functools.partial(list, items), [(g, d) for _, d in fresh]))
+
+    def queue_device_pages(self, cache: PagedAttentionCache, group: int, pages: Sequence[tuple[int, bytes]]) -> None:
+        """Queue device pages to be written: those whose digest this store has not written or read yet are gathered
+        from ``cache`` (their copy to host memory started, the step never waits) and encoded and written by the writer
+        thread; when the queue has no room they are dropped (counted). `sync` calls it for the pages sequences filled;
+        an integration whose engine keeps its own page bookkeeping (EasyDeL's eSurge) calls it for the pages its
+        engine filled.
+
+        Args:
+          cache: the live cache holding the pages (of the attached namespace's metadata).
+          group: the layer group.
+          pages: ``(device page, digest)`` of each page, its digest the page's chained digest."""
+        self._refuse_closed("queue_device_pages")
+        self._forget_lost()
+        fresh = self._unknown(group, pages)
+        if not fresh or not self._writer.room(len(fresh)):
+            return
+        self._remember(group, fresh)
+        gathered = gather_pages(cache, group, np.array([p for p, _ in fresh]))
+        replicas = gathered.pages.shape[0]
+        per_replica = int(cache.metadata.groups[group].num_pages or cache.metadata.num_pages_per_layer) // replicas
+        digests = [[d for p, d in fresh if p // per_replica == r] for r in range(replicas)]
+        self._writer.submit(WriteJob(len(fresh), _device_items(gathered, digests, group, self.namespace),
+                                     [(group, d) for _, d in fresh]))
+
+    def _forget_lost(self) -> None:
+        """Pages the writer did not write after all (dropped, failed) are written again when a page holds them again."""
+        for key in self._writer.take_lost():
+            self._known.pop(key, None)
+
+    @property
+    def serving(self) -> bool:
+        """Whether a runner's manager is attached (`attach`), or an integration holds the store (`hold`)."""
+        return self._owner is not None
+
+    def hold(self, holder: object, namespace: StoreNamespace) -> None:
+        """Serve ``holder``, an integration's engine that keeps its own page bookkeeping (EasyDeL's eSurge), under
+        ``namespace`` (its cache's): no runner may attach until `release`. ValueError, nothing changed, when the store
+        serves already.
+
+        Args:
+          holder: the engine (any object; `release` takes the same one).
+          namespace: the `StoreNamespace` of its cache's metadata and the store's ``model_id``."""
+        self._refuse_closed("hold")
+        if self._owner is not None:
+            raise ValueError("this PrefixStore serves another engine or runner already; open one PrefixStore per "
+                             "cache (they share the store's values through its URL)")
+        self._bind_namespace(namespace)
+        self._owner = holder
+
+    def release(self, holder: object) -> None:
+        """Stop serving ``holder`` (`hold`); the queued writes still land. Nothing when it is not the holder."""
+        if self._owner is holder:
+            self._owner = None
+
+    @property
+    def fetcher(self) -> StoreFetcher:
+        """The background reader: an integration that looks prompts up outside a runner begins a `Fetch` on it, waits
+        by the read policy and takes the values that arrived (as `bring_in` does)."""
+        return self._fetcher
 
     def _unknown(self, group: int, pages: Sequence[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         """The pages whose digest this store has not written or read yet (each once)."""
@@ -325,12 +396,28 @@ class PrefixStore:
         """Wait until every queued page is written (or dropped); False when ``timeout_s`` passed first.
 
         Args:
-          timeout_s: seconds to wait at most; None: until the queue is empty."""
+          timeout_s: seconds to wait at most, ``0 .. 86400``; None: until the queue is empty."""
+        if timeout_s is not None:
+            timeout_s = real("timeout_s", timeout_s, lo=0, hi=86400, hint="seconds, or None to wait until written")
         return self._writer.flush(timeout_s)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (every call but `metrics` and `close` is refused then)."""
+        return self._closed
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a PrefixStore that was closed ({self.backend.url}); open a new one")
+
     def close(self) -> None:
-        """Write what is queued, stop the workers and close the backend."""
+        """Write what is queued, stop the workers, let go of the manager and close the backend. A second call does
+        nothing."""
+        if self._closed:
+            return
         atexit.unregister(self._at_exit)
+        self.detach()
+        self._closed = True
         self._writer.flush()
         self._writer.close()
         self._fetcher.close()

@@ -73,10 +73,14 @@ class WriteJob:
     pages: int
     items: Callable[[], list[tuple[str, bytes]]]
     keys: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
+    ready: list[tuple[str, bytes]] | None = None  # `items()`, once the stager made them
 
 
 class StoreWriter:
-    """One thread writing `WriteJob`s in order (`StoreBackend.put_if_absent`); at most ``max_pages`` pages wait."""
+    """Two threads: a stager that turns each `WriteJob` into its values as soon as it is queued (a job of pages
+    gathered on the device waits for their copy to host memory, then encodes: the device buffers are let go at the
+    pace of that copy, never of the store), and a writer writing them in order (`StoreBackend.put_if_absent`); at
+    most ``max_pages`` pages wait in all, so a slow store holds at most that many encoded pages of host memory."""
 
     def __init__(self, backend: StoreBackend, health: StoreHealth, max_pages: int):
         self._backend = backend
@@ -87,9 +91,13 @@ class StoreWriter:
         self.present = 0  # values another writer had written first
         self.dropped = 0  # pages dropped: the queue was full or the store down
         self._lost: list[tuple[int, bytes]] = []  # pages of jobs dropped on the writer thread (`take_lost`)
+        self.closed = False
         self._lock = threading.Condition()
+        self._staging: queue.Queue[WriteJob | None] = queue.Queue()
         self._queue: queue.Queue[WriteJob | None] = queue.Queue()
+        self._stager = threading.Thread(target=self._stage_loop, name="easykv-store-stager", daemon=True)
         self._thread = threading.Thread(target=self._loop, name="easykv-store-writer", daemon=True)
+        self._stager.start()
         self._thread.start()
 
     def room(self, pages: int) -> bool:
@@ -101,10 +109,12 @@ class StoreWriter:
             return True
 
     def submit(self, job: WriteJob) -> None:
-        """Queue ``job`` (after `room` said yes)."""
+        """Queue ``job`` (after `room` said yes). RuntimeError once `close` ran."""
         with self._lock:
+            if self.closed:
+                raise RuntimeError("this store's writer was closed; open a new PrefixStore")
             self.waiting += job.pages
-        self._queue.put(job)
+        self._staging.put(job)
 
     def take_lost(self) -> list[tuple[int, bytes]]:
         """The ``keys`` of the jobs dropped since the last call (the store did not answer): not in the store."""
@@ -124,8 +134,30 @@ class StoreWriter:
         return True
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop both threads once what is queued was written or dropped; `submit` refuses from now on."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        self._staging.put(None)
+        self._stager.join()
         self._thread.join()
+
+    def _stage_loop(self) -> None:
+        while (job := self._staging.get()) is not None:
+            try:
+                job.ready = job.items()
+            except Exception as err:  # the gathered pages could not be read: dropped, counted, written again later
+                log.error("easykv store %s: staging %d pages failed", self._health.url, job.pages, exc_info=True)
+                self._health.failed(err)
+                self._drop(job)
+                with self._lock:
+                    self.waiting -= job.pages
+                    self._lock.notify_all()
+                continue
+            job.items = _staged  # the device arrays the closure held are let go now
+            self._queue.put(job)
+        self._queue.put(None)
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -144,7 +176,8 @@ class StoreWriter:
         if not self._health.usable():
             self._drop(job)
             return
-        items = job.items()
+        items = job.ready if job.ready is not None else job.items()
+        job.ready = None
         try:
             done = self._backend.put_if_absent(items) if items else []
         except StoreUnavailableError as err:
@@ -160,6 +193,11 @@ class StoreWriter:
         with self._lock:
             self.dropped += job.pages
             self._lost.extend(job.keys)
+
+
+def _staged() -> list[tuple[str, bytes]]:
+    """A staged job's ``items`` (its values are in ``ready``)."""
+    return []
 
 
 class Fetch:
@@ -218,6 +256,7 @@ class StoreFetcher:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Fetch | None] = queue.Queue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="easykv-store-reader")  # the batch read ahead
+        self._current: tuple[Fetch, float] | None = None  # the fetch being answered, since when
         self._thread = threading.Thread(target=self._loop, name="easykv-store-fetcher", daemon=True)
         self._thread.start()
 
@@ -249,14 +288,23 @@ class StoreFetcher:
         self._thread.join()
         self._reader.shutdown()
 
+    def queued_behind_stall(self, fetch: Fetch, limit_s: float) -> bool:
+        """Whether ``fetch`` waits behind another fetch whose answer has taken longer than ``limit_s`` (a store that
+        stopped answering: the wait would end at the backend's own timeout, so waiting ``limit_s`` for ``fetch`` is
+        wasted)."""
+        current = self._current
+        return current is not None and current[0] is not fetch and time.monotonic() - current[1] > limit_s
+
     def _loop(self) -> None:
         while (fetch := self._queue.get()) is not None:
+            self._current = (fetch, time.monotonic())
             try:
                 self._answer(fetch)
             except Exception as err:  # a backend's unexpected error: a miss, and the thread lives on (no reader hangs)
                 log.error("easykv store %s: a lookup failed", self._health.url, exc_info=True)
                 self._health.failed(err)
             finally:
+                self._current = None
                 fetch.done.set()
 
     def _answer(self, fetch: Fetch) -> None:

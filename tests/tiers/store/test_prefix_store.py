@@ -12,7 +12,7 @@ import uuid
 import numpy as np
 import pytest
 
-from easykv.tiers.store import PrefixStore, open_backend
+from easykv.tiers.store import PrefixStore, StoreNamespace, open_backend
 from tests.support.redis_server import redis_server_fixture
 from tests.tiers.store.harness import PS, TWO_GROUPS, GatedBackend, Replica, same_reads
 
@@ -302,3 +302,38 @@ def test_a_store_detached_and_attached_to_another_format_forgets_the_old_one():
     assert found == 0
     reference = Replica("one", dtype="bfloat16")
     same_reads(second.read(seq), reference.read(reference.prefill(PROMPT)[0]))
+
+
+def test_an_engine_that_holds_the_store_queues_its_own_pages_and_no_runner_attaches_meanwhile():
+    """`PrefixStore.hold` / `queue_device_pages` / `release`: the surface an engine with its own page bookkeeping
+    (EasyDeL's eSurge) writes through. Its pages land under the namespace it holds, exactly once each; a runner is
+    refused while it holds the store, and attaches after `release`."""
+    backend = memory_backend()
+    filler = Replica("tp8")  # computes the pages, without a store
+    seq, _ = filler.prefill(PROMPT)
+    store = store_of(backend)
+    holder = object()
+    store.hold(holder, StoreNamespace.of(filler.manager.metadata, "test/model"))
+    assert store.serving
+    with pytest.raises(ValueError, match="serves another engine or runner already"):
+        store.hold(object(), store.namespace)
+    other = Replica("one")
+    with pytest.raises(ValueError, match="one PrefixStore per cache"):
+        store.attach(other.manager, other.host)
+    digests = filler.manager.prompt_digests(PROMPT)
+    pages = list(zip(filler.manager.pages(seq)[:4], digests, strict=True))
+    store.queue_device_pages(filler.cache, 0, pages)
+    store.queue_device_pages(filler.cache, 0, pages)  # known now: not gathered or written again
+    assert store.flush(10) and store.metrics().values_written == 4 * 8 and store.metrics().values_present == 0
+    assert backend.list_keys() == sorted(store.namespace.keys(0, d, range(8))[h] for d in digests[:4] for h in range(8))
+    store.release(object())  # not the holder: nothing
+    assert store.serving
+    store.release(holder)
+    store.read = "wait"
+    reader = Replica("dp2tp4", store)  # attaches now, and reads what the holder wrote
+    r, found = reader.prefill(PROMPT)
+    assert found == 16 and store.metrics().pages_read == 4
+    for got, want in zip(reader.page_leaves(r), filler.page_leaves(seq)):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    reader.check_own_tokens(r)

@@ -310,10 +310,12 @@ class PrefixStore:
             if fresh and self._writer.room(len(fresh)):
                 self._remember(g, fresh)
                 blocks = host.page_blocks(g)
-                items = [(ns.key(g, digest, head), codec.encode(ns.key(g, digest, head), leaves))
-                         for page, digest in fresh
-                         for head, leaves in _page_heads(blocks, page // per_replica[g], page % per_replica[g])]
-                self._writer.submit(WriteJob(len(fresh), functools.partial(list, items), [(g, d) for _, d in fresh]))
+                # Copied now (the next work may overwrite the host pages), encoded by the writer's stager.
+                copies = [(ns.key(g, digest, head), [leaf.copy() for leaf in leaves])
+                          for page, digest in fresh
+                          for head, leaves in _page_heads(blocks, page // per_replica[g], page % per_replica[g])]
+                self._writer.submit(WriteJob(len(fresh), functools.partial(_encoded, copies),
+                                             [(g, d) for _, d in fresh]))
 
     def queue_device_pages(self, cache: PagedAttentionCache, group: int, pages: Sequence[tuple[int, bytes]]) -> None:
         """Queue device pages to be written: those whose digest this store has not written or read yet are gathered
@@ -365,7 +367,10 @@ class PrefixStore:
         self._owner = holder
 
     def release(self, holder: object) -> None:
-        """Stop serving ``holder`` (`hold`); the queued writes still land. Nothing when it is not the holder."""
+        """Stop serving ``holder`` (`hold`); the queued writes still land. Nothing when it is not the holder.
+
+        Args:
+          holder: the engine `hold` took."""
         if self._owner is holder:
             self._owner = None
 
@@ -437,6 +442,11 @@ def adoption_replica(manager: PageManager) -> int:
     """The data-parallel replica `PageManager.adopt_host_prefixes` places a chain in, and a new sequence is admitted
     to: the one with the most available device pages (the same on every process: the manager is deterministic)."""
     return manager.admission_replica
+
+
+def _encoded(copies: list[tuple[str, list[np.ndarray]]]) -> list[tuple[str, bytes]]:
+    """Each ``(key, leaves)`` as ``(key, value)`` (`codec.encode`)."""
+    return [(key, codec.encode(key, leaves)) for key, leaves in copies]
 
 
 def _page_heads(blocks: Blocks, replica: int, local: int) -> list[tuple[int, list[np.ndarray]]]:

@@ -129,3 +129,40 @@ def test_an_admission_queued_behind_a_stalled_lookup_does_not_wait_for_it():
     finally:
         gated.gate.set()
     assert found == 0 and took < 0.25
+
+
+FULL_DISK = r'''
+import resource, signal, sys, tempfile, time
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+from easykv.tiers.store import PrefixStore
+from tests.tiers.store.harness import Replica
+root = tempfile.mkdtemp()
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+store = PrefixStore("file://" + root, model_id="test/model", retry_s=0)
+writer = Replica("one", store)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))  # no value fits: the disk is full
+seq, _ = writer.prefill(list(range(1, 18)))  # the step runs
+writer.check_own_tokens(seq)
+assert store.flush(10)
+m = store.metrics()
+assert m.values_written == 0 and m.dropped == 4 and m.failures >= 1 and not m.available, m
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again: the same pages are written when filled again
+seq2, found = writer.prefill(list(range(101, 118)))
+assert store.flush(10) and store.metrics().values_written == 4 * 8 and store.metrics().available, store.metrics()
+print("ok")
+'''
+
+
+def test_a_full_disk_drops_writes_counted_and_the_store_is_used_again_when_there_is_room(tmp_path):
+    """A file store on a full disk (every write fails: a file size limit makes each value's write fail with EFBIG,
+    as ENOSPC would): the step runs, its pages are dropped and counted, the failure marks the store unavailable;
+    once there is room, the next pages are written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", FULL_DISK], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -70,6 +70,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import easykv  # noqa: E402
 from easykv import PageManager, Runner  # noqa: E402
 from easykv.demo.model import VOCAB, CompiledModel, DemoConfig, DemoModel  # noqa: E402
+from easykv.demo.run import MODELS  # noqa: E402
 from easykv.sharding import PartitionAxis, PartitionManager, create_mesh  # noqa: E402
 from easykv.tiers.store import PrefixStore  # noqa: E402
 
@@ -89,10 +90,10 @@ class Pool:
     """A cache on tp=8 with a host tier and its runner (with ``store``, or none)."""
 
     def __init__(self, layers: int, pages: int, host_pages: int, max_len: int, store: PrefixStore | None,
-                 dtype: Any = jnp.bfloat16, max_seqs: int = 4):
+                 dtype: Any = jnp.bfloat16, max_seqs: int = 4, heads: int = HEADS, dim: int = DIM):
         mesh = create_mesh({"dp": 1, "tp": 8})
         pm = PartitionManager(PartitionAxis(kv_head_axis="tp"))
-        meta = easykv.PagedAttentionCacheMetaData.create(mesh, max_seqs, layers, max_len, PAGE, HEADS, DIM, 0.9,
+        meta = easykv.PagedAttentionCacheMetaData.create(mesh, max_seqs, layers, max_len, PAGE, heads, dim, 0.9,
                                                          dtype, partition_manager=pm, num_pages_per_layer=pages)
         meta = meta.replace(host_pages_per_layer=host_pages)
         cache = easykv.PagedAttentionCache.init_cache(mesh, dtype, meta, pm)
@@ -251,15 +252,16 @@ def decode_case(steps: int, store_dir: str) -> dict[str, list[float]]:
     return times
 
 
-def ttft_case(prefix: int, hidden: int, repeats: int, store_dir: str) -> dict[str, float]:
-    """Part 3: median seconds to the first token's logits, the prefix from the store against recomputed."""
-    cfg = DemoConfig(layers=28, hidden=hidden, q_heads=16, kv_heads=HEADS, head_dim=DIM, mlp=2 * hidden, scan=True)
+def ttft_case(prefix: int, cfg: DemoConfig, repeats: int, store_dir: str) -> dict[str, float]:
+    """Part 3: median seconds to the first token's logits, the prefix from the store against recomputed, for a
+    model of ``cfg`` with random weights."""
     model = CompiledModel(DemoModel(cfg))
-    url = f"file://{store_dir}/ttft"
+    url = f"file://{store_dir}/ttft-{cfg.layers}-{cfg.head_dim}"
     writer_store, reader_store = PrefixStore(url, model_id=MODEL_ID), PrefixStore(url, model_id=MODEL_ID, read="wait")
     pages = (prefix + PAGE) // PAGE + 4
-    writer = Pool(cfg.layers, 2 * pages, 8, prefix + 2 * PAGE, writer_store)
-    reader = Pool(cfg.layers, 2 * pages, 2 * pages, prefix + 2 * PAGE, reader_store)
+    shape = {"heads": cfg.kv_heads, "dim": cfg.head_dim}
+    writer = Pool(cfg.layers, 2 * pages, 8, prefix + 2 * PAGE, writer_store, **shape)
+    reader = Pool(cfg.layers, 2 * pages, 2 * pages, prefix + 2 * PAGE, reader_store, **shape)
     times: dict[str, list[float]] = {"store": [], "recompute": []}
     for i, prompt in enumerate(prompts(repeats + 1, prefix + 1, seed=11)):
         seconds, found = first_token(model, writer, prompt)
@@ -273,7 +275,7 @@ def ttft_case(prefix: int, hidden: int, repeats: int, store_dir: str) -> dict[st
         if i:
             times["recompute"].append(seconds)
             times["store"].append(served)
-    page_mib = writer_store.metrics().values_written and _value_bytes(writer_store) * HEADS / 2**20
+    page_mib = writer_store.metrics().values_written and _value_bytes(writer_store) * cfg.kv_heads / 2**20
     writer_store.close()
     reader_store.close()
     return {**{k: statistics.median(v) for k, v in times.items()}, "mib": page_mib * (prefix // PAGE)}
@@ -340,14 +342,16 @@ def report_decode(steps: int, store_dir: str) -> None:
 
 
 def report_ttft(prefix: int, hidden: int, repeats: int, store_dir: str) -> None:
-    r = ttft_case(prefix, hidden, repeats, store_dir)
-    print(f"\n3. time to first token, demo model with random weights (28 layers, 8 kv heads, head_dim 128, hidden "
-          f"{hidden}), a shared prefix of {prefix} tokens ({r['mib']:.0f} MiB of pages), median of {repeats}")
-    print("| prefix | first token ms |")
-    print("|---|---|")
-    print(f"| served from the file:// store, one token computed | {r['store'] * 1e3:.0f} |")
-    print(f"| recomputed (prefill of {prefix + 1} tokens) | {r['recompute'] * 1e3:.0f} |")
-    print(f"from the store: {r['recompute'] / r['store']:.2f}x faster")
+    shapes = {"the demo model (uniform: 4 layers, 8 kv heads, head_dim 16, hidden 128)": MODELS["uniform"],
+              f"28 layers, 8 kv heads, head_dim 128, hidden {hidden}": DemoConfig(
+                  layers=28, hidden=hidden, q_heads=16, kv_heads=HEADS, head_dim=DIM, mlp=2 * hidden, scan=True)}
+    print(f"\n3. time to first token of a shared prefix of {prefix} tokens, random weights, median of {repeats}")
+    print("| model | MiB of pages | served from the file:// store, one token computed, ms | recomputed, ms | ratio |")
+    print("|---|---|---|---|---|")
+    for name, cfg in shapes.items():
+        r = ttft_case(prefix, cfg, repeats, store_dir)
+        print(f"| {name} | {r['mib']:.0f} | {r['store'] * 1e3:.0f} | {r['recompute'] * 1e3:.0f} | "
+              f"{r['recompute'] / r['store']:.2f}x |")
 
 
 REPLICA_WORKER = os.path.join(os.path.dirname(__file__), "..", "tests", "multihost", "store_worker.py")

@@ -184,13 +184,15 @@ def _add_store_parser(sub: Any) -> None:
     actions = store.add_subparsers(dest="store_command", required=True, parser_class=_Parser)
     stats = actions.add_parser("stats", help="entries, bytes and age of the values under a key prefix")
     stats.add_argument("url", help="file:///abs/dir, memory://name, gs://..., s3://..., redis://host:port/db")
-    stats.add_argument("--prefix", default="", help="count only keys starting with this (default: every key)")
+    stats.add_argument("--prefix", default=None, help="count only keys starting with this, inside the store's key "
+                       "scheme easykv-v1/ (default: every easykv key)")
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     gc = actions.add_parser("gc", help="delete the oldest values until at most --max-bytes are left (file:// stores)")
     gc.add_argument("url", help="file:///abs/dir (Redis / Valkey evict by themselves: set maxmemory-policy)")
     gc.add_argument("--max-bytes", type=_max_bytes, required=True,
                     help="bytes to keep, e.g. 500GiB, 800MB or 1073741824 (0: delete everything)")
-    gc.add_argument("--prefix", default="", help="collect only keys starting with this (default: every key)")
+    gc.add_argument("--prefix", default=None, help="collect only keys starting with this, inside the store's key "
+                    "scheme easykv-v1/ (default: every easykv key)")
 
 
 def _max_bytes(text: str) -> int:
@@ -236,26 +238,39 @@ def cmd_store(args: argparse.Namespace) -> int:
     import time
 
     from easykv.errors import StoreUnavailableError
+    from easykv.tiers.store.namespace import KEY_SCHEME
     from easykv.tiers.store.url import open_backend
+
+    # Only easykv's own keys: a prefix outside the scheme (or "") would reach whatever else a
+    # directory or a database holds.
+    scheme = f"{KEY_SCHEME}/"
+    prefix = scheme if args.prefix is None else args.prefix
+    if not prefix.startswith(scheme):
+        raise UsageError(f"--prefix {prefix[:80]!r} is outside the store's keys: every easykv key starts with "
+                         f"{scheme!r}; write e.g. --prefix {scheme}<model slug>/ or leave --prefix out")
 
     def when(seconds: float | None) -> str:
         return "-" if seconds is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
     try:
-        backend = open_backend(args.url)
+        backend = open_backend(args.url, create=False)  # a mistyped path is an error, never a new directory
         try:
             if args.store_command == "gc":
-                result = backend.gc(args.max_bytes, prefix=args.prefix)
+                result = backend.gc(args.max_bytes, prefix=prefix)
+                foreign = result.foreign_entries
                 rows = [("removed", f"{result.removed_entries} entries, {_format_bytes(result.removed_bytes)}"),
                         ("kept", f"{result.kept_entries} entries, {_format_bytes(result.kept_bytes)} "
                                  f"(at most {_format_bytes(args.max_bytes)} asked)")]
             else:
-                stats = backend.stats(prefix=args.prefix)
+                stats = backend.stats(prefix=prefix)
+                foreign = stats.foreign_entries
                 if args.json:
-                    print(json.dumps({"url": backend.url, "prefix": args.prefix, **dataclasses.asdict(stats)}))
+                    print(json.dumps({"url": backend.url, "prefix": prefix, **dataclasses.asdict(stats)}))
                     return 0
                 rows = [("entries", f"{stats.entries:,}"), ("bytes", f"{_format_bytes(stats.bytes)} ({stats.bytes:,})"),
                         ("oldest", when(stats.oldest)), ("newest", when(stats.newest))]
+            if foreign:
+                rows.append(("left alone", f"{foreign:,} entries that are no easykv value (other files, links)"))
         finally:
             backend.close()
     except StoreUnavailableError as err:

@@ -30,12 +30,15 @@ class StoreStats:
       oldest: the modification time of the oldest value, seconds since the epoch (None: empty, or
         the engine keeps no times).
       newest: likewise, the newest.
+      foreign_entries: names under the prefix that are no easykv value (not a store key; a link, a FIFO, a
+        directory where a value would be), left alone and never counted as values.
     """
 
     entries: int
     bytes: int
     oldest: float | None = None
     newest: float | None = None
+    foreign_entries: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,12 +50,14 @@ class GcResult:
       removed_bytes: their size in bytes.
       kept_entries: values left.
       kept_bytes: their size in bytes (``<= max_bytes`` asked).
+      foreign_entries: names under the prefix that are no easykv value, left alone (never deleted).
     """
 
     removed_entries: int
     removed_bytes: int
     kept_entries: int
     kept_bytes: int
+    foreign_entries: int = 0
 
 
 class StoreBackend(abc.ABC):

@@ -1,11 +1,13 @@
 """The syntax of store keys, checked in one place by every backend before anything is sent
 (`check_keys`, `check_prefix`, `check_distinct`) and by `easykv.tiers.store.url` for memory
-names and bucket paths (`key_problem`).
+names and bucket paths (`key_problem`), and the shape of the keys easykv writes (`is_store_key`),
+by which a backend's ``stats`` and ``gc`` tell easykv's values from anything else under its root.
 
 A key is ASCII ``[A-Za-z0-9._/-]``, 1 to 512 characters, of ``/``-separated components none of
 which is empty, ``.`` or holds ``..``: a file store maps a key to a path under its root, so no key
 may leave the root or name a directory; a Redis ``SCAN MATCH`` pattern built from a prefix holds
-no glob character. Imports nothing of easykv.
+no glob character. Imports only the key scheme and the digest width of the keys
+`easykv.tiers.store.namespace` builds.
 """
 
 from __future__ import annotations
@@ -13,8 +15,15 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from easykv.manager.prefix_hash import DIGEST_BYTES
+from easykv.tiers.store.namespace import GROUP_HEX, KEY_SCHEME
+
 MAX_KEY_LENGTH = 512
 _KEY_CHARS = re.compile(r"[A-Za-z0-9._/-]*")
+# ``<scheme>/<model slug>/<group namespace hex>/<page digest hex>/<kv head>``, as
+# StoreNamespace.key builds it (tests/tiers/store/test_backends.py checks the two agree).
+_STORE_KEY = re.compile(rf"{re.escape(KEY_SCHEME)}/[A-Za-z0-9_.-]+/[0-9a-f]{{{GROUP_HEX}}}/"
+                        rf"[0-9a-f]{{{2 * DIGEST_BYTES}}}/(0|[1-9][0-9]*)")
 
 
 def key_problem(text: object, *, prefix: bool) -> str | None:
@@ -36,6 +45,12 @@ def key_problem(text: object, *, prefix: bool) -> str | None:
     if any(p == "." or ".." in p for p in parts):
         return "has a '.' component or holds '..' (keys map to paths under a file store's root)"
     return None
+
+
+def is_store_key(key: str) -> bool:
+    """Whether ``key`` has the shape of a key easykv writes (a value of some cache's page): what
+    ``stats`` and ``gc`` count and delete; anything else under a store's root is left alone."""
+    return len(key) <= MAX_KEY_LENGTH and _STORE_KEY.fullmatch(key) is not None
 
 
 def check_keys(keys: Sequence[str]) -> None:
@@ -66,4 +81,4 @@ def check_distinct(keys: Sequence[str]) -> None:
         seen.add(key)
 
 
-__all__ = ["MAX_KEY_LENGTH", "check_distinct", "check_keys", "check_prefix", "key_problem"]
+__all__ = ["MAX_KEY_LENGTH", "check_distinct", "check_keys", "check_prefix", "is_store_key", "key_problem"]

@@ -55,7 +55,7 @@ _MODEL_ID_FIX = ("pass model_id=, the name and revision of the weights, e.g. 'Qw
                  "guesses it")
 _SLUG_MAX = 48
 _SLUG_HASH_HEX = 16
-_GROUP_HEX = 32
+GROUP_HEX = 32  # hex digits of a group's namespace digest in its keys
 _NAMESPACE_TAG = b"easykv.store.namespace.v1|"
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
@@ -206,7 +206,7 @@ class StoreNamespace:
         Raises:
           ValueError: ``group`` is no int in that range.
         """
-        return f"{self.prefix()}{self.group_namespaces[self._group(group)][:_GROUP_HEX]}/"
+        return f"{self.prefix()}{self.group_namespaces[self._group(group)][:GROUP_HEX]}/"
 
     def key(self, group: int, digest: bytes, head: int) -> str:
         """The key of kv head ``head`` of the page ``digest`` of layer group ``group``.
@@ -255,4 +255,4 @@ class StoreNamespace:
                                                                      self.group_heads))]}
 
 
-__all__ = ["KEY_SCHEME", "MODEL_ID_MAX", "StoreNamespace", "model_slug"]
+__all__ = ["GROUP_HEX", "KEY_SCHEME", "MODEL_ID_MAX", "StoreNamespace", "model_slug"]

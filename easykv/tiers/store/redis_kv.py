@@ -31,7 +31,7 @@ from redis.retry import Retry
 
 from easykv.errors import StoreUnavailableError
 from easykv.tiers.store.backend import GcResult, StoreBackend, StoreStats
-from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix
+from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix, is_store_key
 
 _SCAN_COUNT = 1000  # keys the server looks at per SCAN step
 _STRLEN_CHUNK = 1000  # STRLEN commands per pipeline in stats
@@ -120,13 +120,14 @@ class RedisBackend(StoreBackend):
         return sorted({key.decode("ascii", "replace") for key in self._scan(prefix)})
 
     def stats(self, prefix: str = "") -> StoreStats:
-        keys = [key.encode("ascii") for key in self.list_keys(prefix)]
+        listed = self.list_keys(prefix)
+        keys = [key.encode("ascii") for key in listed if is_store_key(key)]  # other keys: another user's, left alone
         entries = total = 0
         for start in range(0, len(keys), _STRLEN_CHUNK):
             lengths = self._pipeline([("STRLEN", key) for key in keys[start:start + _STRLEN_CHUNK]])
             entries += sum(1 for n in lengths if n)  # 0: deleted or evicted since the SCAN
             total += sum(int(n) for n in lengths)
-        return StoreStats(entries=entries, bytes=total)
+        return StoreStats(entries=entries, bytes=total, foreign_entries=len(listed) - len(keys))
 
     def gc(self, max_bytes: int, prefix: str = "") -> GcResult:
         raise ValueError(f"store {self.url}: Redis / Valkey keep no modification times to collect by and evict by "

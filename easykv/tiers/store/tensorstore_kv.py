@@ -11,14 +11,24 @@ How each call maps onto tensorstore:
   driver takes a lock file and renames the value in place, so a reader sees the whole value or
   none); a write that lost the race comes back with an empty generation and counts as False.
 - ``list_keys``: ``list()`` over the key range of the prefix; ``delete_many``: writes of None.
-- ``stats`` / ``gc``: a ``file`` store reads sizes and modification times with ``os.stat`` under
-  its root; other drivers read every value's size through the kvstore (times None) and refuse
-  ``gc`` (no times to order by).
+- ``stats`` / ``gc``: count and delete only keys of the shape easykv writes
+  (`key_syntax.is_store_key`); any other name under the root (a project's files, notes, a name
+  that is not ASCII) is left alone and counted in ``foreign_entries``. A ``file`` store reads
+  sizes and modification times with ``os.lstat`` under its root (a link is never followed, nor
+  counted as a value); other drivers read every value's size through the kvstore (times None)
+  and refuse ``gc`` (no times to order by).
+
+A ``file`` store reads only regular files: before a read, each key's path is ``lstat``-ed and
+anything else there (a FIFO, a device, a directory, a link) reads as missing, is never opened and
+is counted in ``refused_paths`` (tensorstore would block one of its I/O threads for good in
+``open()`` on a FIFO). Each store also has its own tensorstore context, so its I/O threads are its
+own: a store stuck on its file system never starves another store or a checkpoint.
 
 Faults: every tensorstore failure (its errors are ValueErrors carrying a status such as
 ``FAILED_PRECONDITION`` or ``UNAVAILABLE``) and every wait past ``timeout_s`` raise
 `StoreUnavailableError` naming the URL. A ``file`` store's root is created when the backend opens
-and checked before every call: tensorstore would recreate a removed directory on the next write
+(unless ``create=False``: an operator's command must not create a mistyped path) and checked
+before every call: tensorstore would recreate a removed directory on the next write
 and read a missing or replaced one as empty, so a shared directory that went away (unmounted,
 deleted, replaced by a file) would look like an empty store; it is reported as unavailable
 instead, until a directory is there again.
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +50,7 @@ import tensorstore as ts
 
 from easykv.errors import StoreUnavailableError
 from easykv.tiers.store.backend import GcResult, StoreBackend, StoreStats
-from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix
+from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix, is_store_key, key_problem
 
 NO_VALUE_GENERATION = b"\x02"
 """The storage generation tensorstore reports for a missing key (``StorageGeneration::NoValue``
@@ -51,6 +62,8 @@ _STATS_CHUNK = 256  # values read at once when a driver keeps no sizes outside t
 # One context for every memory:// store of the process: tensorstore gives each context its own
 # memory store, so two opens of memory://name share data only through a shared context.
 _MEMORY_CONTEXT = ts.Context()
+# Each other store opens in a context of its own with this many file I/O threads (see the module).
+_FILE_IO_CONCURRENCY = 8
 
 
 class TensorstoreBackend(StoreBackend):
@@ -61,23 +74,37 @@ class TensorstoreBackend(StoreBackend):
       kvstore_spec: tensorstore's kvstore JSON spec the URL names.
       root: a ``file`` store's directory (None for other drivers).
       timeout_s: how long one call waits on tensorstore before StoreUnavailableError.
+      create: create a missing ``file`` root (a store a cache writes into); False: a missing root
+        is an error (an operator's command on an existing store).
+
+    Attributes:
+      refused_paths: key paths of a ``file`` store found to be no regular file when read (read as
+        missing, never opened), counted since the backend opened.
 
     Raises:
-      StoreUnavailableError: the kvstore cannot be opened (a file root that cannot be created).
+      StoreUnavailableError: the kvstore cannot be opened (a file root that cannot be created, or
+        with ``create=False`` one that is no directory).
     """
 
-    def __init__(self, url: str, kvstore_spec: dict[str, Any], *, root: str | None, timeout_s: float):
+    def __init__(self, url: str, kvstore_spec: dict[str, Any], *, root: str | None, timeout_s: float,
+                 create: bool = True):
         self.url = url
         self._root = root
         self._timeout_s = timeout_s
         self._has_file_times = kvstore_spec["driver"] == "file"
-        if self._root is not None:
+        self.refused_paths = 0
+        self._refused_lock = threading.Lock()
+        if self._root is not None and create:
             try:
                 os.makedirs(self._root, exist_ok=True)
             except OSError as err:
                 raise self._unavailable("cannot create its directory", err) from err
+        elif self._root is not None and not os.path.isdir(self._root):
+            raise self._unavailable(f"its directory {self._root} does not exist or is not a directory",
+                                    "check the path; this command never creates a store")
         uses_memory = "memory" in (kvstore_spec["driver"], kvstore_spec.get("base", {}).get("driver"))
-        context = _MEMORY_CONTEXT if uses_memory else None
+        own_context = {"file_io_concurrency": {"limit": _FILE_IO_CONCURRENCY}}
+        context = _MEMORY_CONTEXT if uses_memory else ts.Context(own_context)
         self._kv: Any = self._wait([ts.KvStore.open(kvstore_spec, context=context)], "open")[0]
 
     # ---- failures ---------------------------------------------------------------------------
@@ -116,20 +143,42 @@ class TensorstoreBackend(StoreBackend):
             raise self._unavailable(f"{what} failed", cause) from err
 
     def _batched_reads(self, keys: Sequence[str], what: str, **read_options: Any) -> list[Any]:
+        """tensorstore's read result per key, None for a path refused (`_readable`)."""
         self._check_root()
+        readable = self._readable(keys)
         with ts.Batch() as batch:
-            futures = [self._kv.read(key, batch=batch, **read_options) for key in keys]
-        return self._wait(futures, what)
+            futures = [self._kv.read(key, batch=batch, **read_options) for key, ok in zip(keys, readable) if ok]
+        results = iter(self._wait(futures, what))
+        return [next(results) if ok else None for ok in readable]
+
+    def _readable(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, False where a ``file`` store's path is there but no regular file (see the module)."""
+        if self._root is None:
+            return [True] * len(keys)
+        readable = []
+        for key in keys:
+            try:
+                mode: int | None = os.lstat(os.path.join(self._root, key)).st_mode
+            except (FileNotFoundError, NotADirectoryError):  # missing: tensorstore answers that itself
+                mode = None
+            except OSError as err:
+                raise self._unavailable(f"cannot inspect the path of {key}", err) from err
+            readable.append(mode is None or stat.S_ISREG(mode))
+        refused = readable.count(False)
+        if refused:
+            with self._refused_lock:
+                self.refused_paths += refused
+        return readable
 
     # ---- the backend ------------------------------------------------------------------------
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
         results = self._batched_reads(keys, "exists", byte_range=slice(0, 0))
-        return [r.state == "value" for r in results]
+        return [r is not None and r.state == "value" for r in results]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         check_keys(keys)
-        return [r.value if r.state == "value" else None for r in self._batched_reads(keys, "get")]
+        return [r.value if r is not None and r.state == "value" else None for r in self._batched_reads(keys, "get")]
 
     def put_if_absent(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         keys = [key for key, _ in items]
@@ -152,42 +201,55 @@ class TensorstoreBackend(StoreBackend):
     def list_keys(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
         self._check_root()
-        return self._list(prefix)
+        return self._list(prefix)[0]
 
-    def _list(self, prefix: str) -> list[str]:
+    def _list(self, prefix: str) -> tuple[list[str], int]:
+        """The keys under ``prefix``, sorted, and how many names there are no key (not ASCII, or
+        not of the key syntax: files a file store's root holds that easykv never wrote)."""
         key_range = ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=_prefix_end(prefix))
         (names,) = self._wait([self._kv.list(key_range)], "list")
-        return sorted(name.decode("ascii") for name in names)
+        keys = [name.decode("ascii") for name in names if name.isascii()]
+        keys = [key for key in keys if key_problem(key, prefix=False) is None]
+        return sorted(keys), len(names) - len(keys)
 
     def stats(self, prefix: str = "") -> StoreStats:
-        entries = self._entries(prefix)
+        check_prefix(prefix)
+        entries, foreign = self._entries(prefix)
         times = [t for _, _, t in entries if t is not None]
         return StoreStats(entries=len(entries), bytes=sum(size for _, size, _ in entries),
-                          oldest=min(times) if times else None, newest=max(times) if times else None)
+                            oldest=min(times) if times else None, newest=max(times) if times else None,
+                            foreign_entries=foreign)
 
-    def _entries(self, prefix: str) -> list[tuple[str, int, float | None]]:
-        """``(key, bytes, modification time or None)`` of every key under ``prefix``."""
-        keys = self.list_keys(prefix)
+    def _entries(self, prefix: str) -> tuple[list[tuple[str, int, float | None]], int]:
+        """``(key, bytes, modification time or None)`` of every easykv value under ``prefix``, and
+        how many other names are there (`StoreStats.foreign_entries`)."""
+        self._check_root()
+        names, foreign = self._list(prefix)
+        keys = [key for key in names if is_store_key(key)]
+        foreign += len(names) - len(keys)
         if self._has_file_times:
-            return self._file_entries(keys)
+            entries = self._file_entries(keys)
+            return entries, foreign + len(keys) - len(entries)
         out: list[tuple[str, int, float | None]] = []
         for start in range(0, len(keys), _STATS_CHUNK):  # bounded memory: a chunk of values at a time
             chunk = keys[start:start + _STATS_CHUNK]
             values = self.get_many(chunk)
             out += [(key, len(value), None) for key, value in zip(chunk, values) if value is not None]
-        return out
+        return out, foreign
 
     def _file_entries(self, keys: Sequence[str]) -> list[tuple[str, int, float | None]]:
+        """The regular files among ``keys``; a link, directory or FIFO is no value (never followed)."""
         assert self._root is not None  # a file store has a root (parse_store_url)
         out: list[tuple[str, int, float | None]] = []
         for key in keys:
             try:
-                info = os.stat(os.path.join(self._root, key))
+                info = os.lstat(os.path.join(self._root, key))
             except FileNotFoundError:  # deleted since the listing (another gc, a wipe): not there
                 continue
             except OSError as err:
                 raise self._unavailable(f"cannot read the size of {key}", err) from err
-            out.append((key, info.st_size, info.st_mtime))
+            if stat.S_ISREG(info.st_mode):
+                out.append((key, info.st_size, info.st_mtime))
         return out
 
     def gc(self, max_bytes: int, prefix: str = "") -> GcResult:
@@ -197,7 +259,8 @@ class TensorstoreBackend(StoreBackend):
         if not self._has_file_times:
             raise ValueError(f"store {self.url}: gc orders values by modification time, which only a file:// store "
                              "keeps; delete keys with delete_many, or use a file:///abs/dir store")
-        entries = sorted(self._entries(prefix), key=lambda e: (e[2] or 0.0, e[0]))
+        found, foreign = self._entries(prefix)
+        entries = sorted(found, key=lambda e: (e[2] or 0.0, e[0]))
         kept_bytes = sum(size for _, size, _ in entries)
         doomed: list[tuple[str, int]] = []
         for key, size, _ in entries:  # oldest first
@@ -208,7 +271,7 @@ class TensorstoreBackend(StoreBackend):
         self._wait([self._kv.write(key, None) for key, _ in doomed], "gc delete")
         removed_bytes = sum(size for _, size in doomed)
         return GcResult(removed_entries=len(doomed), removed_bytes=removed_bytes,
-                        kept_entries=len(entries) - len(doomed), kept_bytes=kept_bytes)
+                               kept_entries=len(entries) - len(doomed), kept_bytes=kept_bytes, foreign_entries=foreign)
 
     def close(self) -> None:
         self._kv = _Closed(self.url)

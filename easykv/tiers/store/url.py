@@ -163,18 +163,21 @@ def _redis_url(url: str, scheme: str, parts: urllib.parse.SplitResult) -> str:
     return urllib.parse.urlunsplit(parts._replace(scheme=client_scheme))
 
 
-def open_backend(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> StoreBackend:
+def open_backend(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, create: bool = True) -> StoreBackend:
     """Open the store ``url`` names (see the module docstring).
 
     Args:
       url: a store URL.
       timeout_s: how long one call may wait on the engine (Redis: its socket and connect
         timeouts; tensorstore: the wait on each batch), ``> 0``.
+      create: create a ``file`` store's missing directory (a store a cache writes into); False
+        for an operator's command, which must not create a mistyped path.
 
     Raises:
       ValueError: a bad URL or timeout (the message names it and the fix).
       ModuleNotFoundError: a Redis URL without the ``redis`` client installed (names the fix).
-      StoreUnavailableError: the engine cannot be reached or its directory cannot be created.
+      StoreUnavailableError: the engine cannot be reached or its directory cannot be created
+        (with ``create=False``: is not there).
     """
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 < timeout_s < 86400:
         raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds in (0, 86400); e.g. 5.0")
@@ -190,7 +193,8 @@ def open_backend(url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> StoreBack
     from easykv.tiers.store.tensorstore_kv import TensorstoreBackend
 
     assert parsed.kvstore_spec is not None  # and the spec for every tensorstore URL
-    return TensorstoreBackend(parsed.url, parsed.kvstore_spec, root=parsed.root, timeout_s=float(timeout_s))
+    return TensorstoreBackend(parsed.url, parsed.kvstore_spec, root=parsed.root, timeout_s=float(timeout_s),
+                             create=create)
 
 
 __all__ = ["DEFAULT_TIMEOUT_S", "StoreUrl", "open_backend", "parse_store_url", "redact"]

@@ -8,15 +8,18 @@ import itertools
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 
+import numpy as np
 import pytest
 import redis
 import tensorstore as ts
 
 from easykv.errors import StoreUnavailableError
 from easykv.tiers.store.backend import GcResult, StoreStats
+from easykv.tiers.store.key_syntax import is_store_key
 from easykv.tiers.store.tensorstore_kv import NO_VALUE_GENERATION
 from easykv.tiers.store.url import open_backend
 from tests.support.redis_server import redis_server, redis_server_fixture
@@ -44,6 +47,11 @@ def _key(i: int) -> str:
     return f"easykv-v1/ns/00/{i:064x}/0"
 
 
+def _store_key(i: int, model: str = "m-0", head: int = 0) -> str:
+    """A key of the shape easykv writes (key_syntax.is_store_key): what stats and gc count."""
+    return f"easykv-v1/{model}/{'ab' * 16}/{i:064x}/{head}"
+
+
 def test_batched_answers_come_in_the_order_asked_with_misses(backend):
     values = {_key(i): bytes([i]) * (i + 1) for i in range(0, 20, 2)}
     assert backend.put_if_absent(list(values.items())) == [True] * 10
@@ -69,8 +77,9 @@ def test_delete_counts_what_was_there_and_list_is_sorted_by_prefix(backend):
 
 
 def test_stats_count_entries_and_bytes_under_a_prefix(backend, request):
-    backend.put_if_absent([("p/a", b"1" * 10), ("p/b", b"2" * 30), ("q/c", b"3" * 5)])
-    stats = backend.stats("p/")
+    backend.put_if_absent([(_store_key(1, "p"), b"1" * 10), (_store_key(2, "p"), b"2" * 30),
+                           (_store_key(3, "q"), b"3" * 5)])
+    stats = backend.stats("easykv-v1/p/")
     assert (stats.entries, stats.bytes) == (2, 40)
     total = backend.stats()
     assert (total.entries, total.bytes) == (3, 45)
@@ -78,7 +87,22 @@ def test_stats_count_entries_and_bytes_under_a_prefix(backend, request):
         assert stats.oldest is not None and stats.oldest <= stats.newest <= time.time() + 1
     else:  # memory and Redis keep no times
         assert stats.oldest is None and stats.newest is None
-    assert backend.stats("none/") == StoreStats(entries=0, bytes=0)
+    none = backend.stats("none/")
+    assert (none.entries, none.bytes, none.oldest, none.newest) == (0, 0, None, None)
+
+
+def test_the_store_key_shape_is_the_one_namespace_builds():
+    from easykv.spec.metadata import PagedAttentionCacheMetaData
+    from easykv.tiers.store.namespace import StoreNamespace
+
+    meta = PagedAttentionCacheMetaData(batch_size=2, num_hidden_layers=2, num_pages_per_layer=8,
+                                       num_pages_per_sequence=4, max_sequences=16, page_size=4, num_kv_heads=2,
+                                       kv_head_dim_size=8, hbm_utilization=0.5, dtype="bfloat16")
+    key = StoreNamespace.of(meta, "Qwen/Qwen3-8B@main").key(0, bytes(range(32)), 1)
+    assert is_store_key(key) and is_store_key(_store_key(7, head=12))
+    for foreign in (key + "x", key.replace("easykv-v1", "easykv-v2"), key.rpartition("/")[0] + "/01",
+                    key.rpartition("/")[0], "easykv-v1/linkdir", "notes.txt", _key(1)):
+        assert not is_store_key(foreign), foreign
 
 
 @pytest.mark.parametrize("bad", [["a/../b"], ["ok", "/abs"], ["sp ace"]])
@@ -149,7 +173,9 @@ def test_ocdbt_store_round_trip(tmp_path):
     assert store.put_if_absent([("a/1", b"z")]) == [False]
     again = open_backend(f"file+ocdbt://{tmp_path}/o")  # a second process's view: the same files
     assert again.get_many(["a/2", "a/1", "a/3"]) == [b"y", b"x", None]
-    assert again.stats() == StoreStats(entries=2, bytes=2)
+    assert again.stats() == StoreStats(entries=0, bytes=0, foreign_entries=2)  # a/1, a/2: no easykv values
+    again.put_if_absent([(_store_key(1), b"v")])
+    assert again.stats() == StoreStats(entries=1, bytes=1, foreign_entries=2)
     with pytest.raises(ValueError, match="only a file:// store"):
         again.gc(0)
 
@@ -157,9 +183,9 @@ def test_ocdbt_store_round_trip(tmp_path):
 def _aged_file_store(tmp_path):
     """A file store of 5 values of 100 bytes, k0 the newest ... k4 the oldest (mtimes set)."""
     store = open_backend(f"file://{tmp_path}/aged")
-    store.put_if_absent([(f"g/k{i}", bytes([i]) * 100) for i in range(5)])
+    store.put_if_absent([(_store_key(i), bytes([i]) * 100) for i in range(5)])
     for i in range(5):
-        os.utime(tmp_path / "aged" / "g" / f"k{i}", (1_000_000 - i * 1000,) * 2)
+        os.utime(tmp_path / "aged" / _store_key(i), (1_000_000 - i * 1000,) * 2)
     return store
 
 
@@ -167,10 +193,87 @@ def test_gc_deletes_the_oldest_first_until_at_most_max_bytes_are_left(tmp_path):
     store = _aged_file_store(tmp_path)
     assert store.stats() == StoreStats(entries=5, bytes=500, oldest=996_000.0, newest=1_000_000.0)
     assert store.gc(250) == GcResult(removed_entries=3, removed_bytes=300, kept_entries=2, kept_bytes=200)
-    assert store.list_keys() == ["g/k0", "g/k1"]
+    assert store.list_keys() == [_store_key(0), _store_key(1)]
     assert store.gc(200) == GcResult(0, 0, 2, 200)  # already small enough: nothing removed
-    assert store.gc(0, prefix="g/k1") == GcResult(1, 100, 0, 0)
-    assert store.list_keys() == ["g/k0"]
+    assert store.gc(0, prefix=_store_key(1)) == GcResult(1, 100, 0, 0)
+    assert store.list_keys() == [_store_key(0)]
+
+
+def _plant_foreign_entries(root, outside):
+    """Under ``root``'s easykv-v1/: a project directory, a file with a non-ASCII name, a name of the
+    key syntax that no cache writes, a directory link, and, under store-key names, a link to a file
+    outside, a FIFO and a directory. Returns the paths planted."""
+    (outside / "precious.txt").write_bytes(b"x" * 5000)
+    scheme = root / "easykv-v1"
+    (scheme / "project" / "src").mkdir(parents=True)
+    (scheme / "project" / "src" / "main.py").write_bytes(b"print()\n" * 100)
+    (scheme / "r\u00e9sum\u00e9.txt").write_bytes(b"x" * 70)
+    (scheme / "notes.txt").write_bytes(b"n" * 300)
+    os.symlink(outside, scheme / "linkdir")
+    for i, make in ((90, lambda p: os.symlink(outside / "precious.txt", p)), (91, os.mkfifo), (92, os.mkdir)):
+        (root / _store_key(i)).parent.mkdir(parents=True, exist_ok=True)
+        make(root / _store_key(i))
+    return [scheme / "project" / "src" / "main.py", scheme / "r\u00e9sum\u00e9.txt", scheme / "notes.txt",
+            scheme / "linkdir"] + [root / _store_key(i) for i in (90, 91, 92)]
+
+
+def test_stats_and_gc_count_and_delete_only_easykv_values(tmp_path):
+    (tmp_path / "outside").mkdir()
+    store = open_backend(f"file://{tmp_path}/s", timeout_s=2.0)
+    store.put_if_absent([(_store_key(1), b"a" * 10), (_store_key(2), b"b" * 20)])
+    planted = _plant_foreign_entries(tmp_path / "s", tmp_path / "outside")
+    stats = store.stats()
+    assert (stats.entries, stats.bytes) == (2, 30)
+    # main.py, résumé.txt, notes.txt, linkdir (listed, not entered), and the link and the FIFO under store-key
+    # names (an empty directory is not listed)
+    assert stats.foreign_entries == 6
+    result = store.gc(0)
+    assert (result.removed_entries, result.removed_bytes, result.kept_entries) == (2, 30, 0)
+    assert result.foreign_entries == stats.foreign_entries
+    assert all(os.path.lexists(path) for path in planted)
+    assert (tmp_path / "outside" / "precious.txt").read_bytes() == b"x" * 5000
+    assert not (tmp_path / "s" / _store_key(1)).exists() and os.path.islink(tmp_path / "s" / _store_key(90))
+
+
+def test_a_store_opened_without_create_refuses_a_missing_directory_and_creates_nothing(tmp_path):
+    missing = tmp_path / "typo" / "never" / "made"
+    with pytest.raises(StoreUnavailableError, match=f"its directory {missing} does not exist .*never creates") as info:
+        open_backend(f"file://{missing}", create=False)
+    assert info.value.url == f"file://{missing}" and not (tmp_path / "typo").exists()
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(StoreUnavailableError, match="does not exist or is not a directory"):
+        open_backend(f"file://{tmp_path}/file", create=False)
+    assert open_backend(f"file://{missing}").stats().entries == 0 and missing.is_dir()  # a cache's store: created
+
+
+def test_a_fifo_under_a_key_reads_as_missing_at_once_and_starves_nothing(tmp_path):
+    # tensorstore's file I/O thread blocks in open() on a FIFO for good; a few such reads used to
+    # exhaust the process-wide pool and hang every file read, checkpoints included.
+    store = open_backend(f"file://{tmp_path}/s", timeout_s=0.5)
+    store.put_if_absent([(_key(1), b"good")])
+    fifo = tmp_path / "s" / _key(2)
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    for _ in range(12):  # more reads than the I/O pool has threads
+        assert store.get_many([_key(2), _key(1)]) == [None, b"good"]
+        assert store.exists_many([_key(2)]) == [False]
+    assert time.monotonic() - started < 2.0 and store.refused_paths == 24
+    assert store.delete_many([_key(2)]) == 0 and stat.S_ISFIFO(os.lstat(fifo).st_mode)  # never opened nor removed
+    other = open_backend(f"file://{tmp_path}/other", timeout_s=2.0)
+    assert other.put_if_absent([(_key(3), b"v")]) == [True] and other.refused_paths == 0
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": f"{tmp_path}/zarr"}}, create=True,
+                    dtype=ts.int32, shape=[4]).result(timeout=5)
+    array.write(np.arange(4, dtype=np.int32)).result(timeout=5)
+    assert array.read().result(timeout=5).tolist() == [0, 1, 2, 3]
+
+
+def test_each_file_store_has_its_own_io_pool(tmp_path):
+    # Its own context: a store stuck on its file system (a FIFO that appeared after the check, a hung
+    # mount) holds only its own threads, never the default context's that checkpoints use.
+    first = open_backend(f"file://{tmp_path}/a")._kv.spec(retain_context=True).to_json()
+    second = open_backend(f"file://{tmp_path}/b")._kv.spec(retain_context=True).to_json()
+    assert first["context"]["file_io_concurrency"] == {"limit": 8} == second["context"]["file_io_concurrency"]
 
 
 @pytest.mark.parametrize("max_bytes", [-1, 1.5, True, "10"])

@@ -48,7 +48,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from easykv.errors import CacheFullError, InvariantError, ManagerStateError, UnknownSequenceError
-from easykv.manager import admit, growth, rollback, step_plan, store_feed
+from easykv.manager import admit, growth, rollback, step_plan
 from easykv.manager.allocators import allocator_for
 from easykv.manager.broken import Broken
 from easykv.manager.commit import commit_tokens, parse_tokens
@@ -66,7 +66,7 @@ from easykv.manager.reshard import reshard_state
 from easykv.manager.sequences import SequenceTable
 from easykv.manager.state import STATE_KEYS, read_state, write_state
 from easykv.manager.step_plan import StepPlan
-from easykv.manager.store_feed import PrefixEvents
+from easykv.manager.store_feed import SharedStoreMethods  # the first: re-exported
 from easykv.manager.tier_set import LowerTiers, build_tiers
 from easykv.manager.versions import VersionLog, VersionMetrics, WeightVersion
 from easykv.spec import sizing
@@ -84,7 +84,7 @@ StepMetadata: TypeAlias = PerGroup[RaggedStep]
 
 
 @freeze_planned  # an open plan's sequences change only through its commit or abort (`open_plans` declares each member)
-class PageManager(DeprecatedMethods):
+class PageManager(SharedStoreMethods, DeprecatedMethods):
     """Sequences, their pages and the prefix cache of one paged pool (see the module doc).
 
     Sequence ids are the rows of the block table, ``0 .. metadata.batch_size - 1``. While a plan is open
@@ -507,64 +507,6 @@ class PageManager(DeprecatedMethods):
           token: the tier's identity, ``HostTier.token``.
           owner: the key the tier is bound to, ``HostTier.owner`` (None: unbound)."""
         return require_host(self._host, "attach_host_tier").attach(token, owner)
-
-    # ---- a shared prefix store above (`easykv.tiers.store`) ---------------------------------------------
-    def prompt_digests(self, token_ids: Sequence[int] | np.ndarray, *, salt: Any = None) -> tuple[bytes, ...]:
-        """The 32-byte digests of the full pages of ``token_ids`` that `match_prefix` looks up (all but a page
-        holding the last token), under the current weight version: the keys a shared prefix store uses.
-
-        Args:
-          token_ids: the prompt, ``(prompt_len,)`` ints in ``0 .. 2**31 - 1``.
-          salt: the prefix namespace, as `match_prefix`'s."""
-        return store_feed.prompt_digests(self._groups, self._versions, as_token_ids(token_ids), salt)
-
-    def adopt_host_prefixes(self, digests: Sequence[bytes], *, replica: int | None = None) -> tuple[list[int], ...]:
-        """Host pages for the pages of a prefix chain a shared store holds, entered in the host tier's prefix map
-        (so `match_prefix` finds them there and onloads them): per layer group, for the longest run
-        ``digests[:k]`` that fits in every group, a host page, or -1 where ``replica``'s device or host pool holds
-        that digest already. The caller writes each page's data into the `HostTier` before any work reads it (the
-        runner's store does). ValueError without a host tier or for a digest that is not 32 bytes.
-
-        Args:
-          digests: consecutive page digests of one chain (`prompt_digests`), in order.
-          replica: the data-parallel replica whose host pool takes them (None: the one with the most available
-            device pages, where a new sequence goes)."""
-        host = require_host(self._host, "adopt_host_prefixes")
-        chain = [bytes(d) if isinstance(d, (bytes, bytearray)) else d for d in digests]
-        for i, d in enumerate(chain):
-            if not isinstance(d, bytes) or len(d) != 32:
-                raise ValueError(f"digests[{i}]={d!r} is not a 32-byte page digest; pass what prompt_digests returns")
-        n = self._groups.num_replicas
-        if replica is None:
-            replica = self.admission_replica
-        replica = non_negative_int("replica", replica)
-        if replica >= n:
-            raise ValueError(f"replica={replica} is not a data-parallel replica of this pool (0 .. {n - 1})")
-        return host.adopt(self._groups, replica, chain, self._versions.current)
-
-    @property
-    def admission_replica(self) -> int:
-        """The data-parallel replica whose slice a prefix hit of a new sequence lands in when no replica holds more of
-        it: the one with the most available device pages (its tightest group's; the lowest index on a tie), where
-        `adopt_host_prefixes` places a chain by default. The same on every host."""
-        return int(np.argmax(self._groups.available_per_replica()))
-
-    def watch_prefixes(self, *, written: bool, host_evicted: bool) -> None:
-        """Keep, for `take_prefix_events`, the prefix pages sequences fill (``written``) and the host pages the host
-        tier evicts (``host_evicted``), from now on; False stops keeping them (and drops what was kept).
-
-        Args:
-          written: keep the filled pages (a store's ``write_through``).
-          host_evicted: keep the host tier's evictions (a store's ``write_back``; needs a host tier)."""
-        written, host_evicted = boolean("written", written), boolean("host_evicted", host_evicted)
-        if host_evicted:
-            require_host(self._host, "watch_prefixes(host_evicted=True)")
-        store_feed.watch(self._groups, self._host, written=written, host_evicted=host_evicted)
-
-    def take_prefix_events(self) -> PrefixEvents:
-        """The prefix pages filled and the host pages evicted since the last call (`PrefixEvents`), as
-        `watch_prefixes` asked."""
-        return store_feed.take_events(self._groups, self._host)
 
     @property
     def swapped_ids(self) -> list[int]:

@@ -172,6 +172,8 @@ class StoreBackend(abc.ABC):
           StoreUnavailableError: the engine did not answer.
         """
 
+    refused_paths: int = 0  # keys whose stored object was no value and was never read (a file store's FIFO, say)
+
     def close(self) -> None:  # noqa: B027 (a backend holding nothing to close)
         """Let go of connections and handles; the backend is not used afterwards."""
 

@@ -70,6 +70,8 @@ class StoreMetrics:
       values_present: values another writer had written first (not written again).
       refused: values refused by their header or checksum (treated as misses).
       deleted: refused values deleted from the store, so that a writer can put a good value under the key again.
+      refused_paths: keys of a ``file`` store whose path was no regular file (a FIFO, a directory, a link), read
+        as missing without being opened (0 for other backends).
       dropped: pages not written: the queue was full or the store down.
       failures: calls to the store that failed (it did not answer).
       available: whether the store answered its last call.
@@ -88,6 +90,7 @@ class StoreMetrics:
     available: bool
     queued: int
     deleted: int = 0
+    refused_paths: int = 0
 
 
 class PrefixStore:
@@ -435,7 +438,8 @@ class PrefixStore:
                             values_present=self._writer.present, refused=self._fetcher.refused,
                             dropped=self._writer.dropped, failures=self.health.failures,
                             available=not self.health.down, queued=self._writer.waiting,
-                            deleted=self._fetcher.deleted)
+                            deleted=self._fetcher.deleted,
+                            refused_paths=self.backend.refused_paths)
 
 
 def adoption_replica(manager: PageManager) -> int:

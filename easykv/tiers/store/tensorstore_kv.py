@@ -188,9 +188,14 @@ class TensorstoreBackend(StoreBackend):
             if not isinstance(value, bytes):
                 raise TypeError(f"the value of store key {key!r} is a {type(value).__name__}; give bytes")
         self._check_root()
-        futures = [self._kv.write(key, value, if_equal=NO_VALUE_GENERATION) for key, value in items]
+        # A path that is there but no regular file (a FIFO, a directory) is never written through: the key is
+        # taken (False), counted in refused_paths, and the other items are written as usual.
+        writable = self._readable(keys)
+        futures = [self._kv.write(key, value, if_equal=NO_VALUE_GENERATION)
+                   for (key, value), ok in zip(items, writable) if ok]
         # A conditional write that found a value returns the empty ("unknown") generation.
-        return [bool(stamp.generation) for stamp in self._wait(futures, "put")]
+        stamps = iter(self._wait(futures, "put"))
+        return [bool(next(stamps).generation) if ok else False for ok in writable]
 
     def delete_many(self, keys: Sequence[str]) -> int:
         held = self.exists_many(keys)

@@ -166,3 +166,25 @@ def test_a_full_disk_drops_writes_counted_and_the_store_is_used_again_when_there
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run([sys.executable, "-c", FULL_DISK], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_fifo_under_a_key_is_a_miss_counted_in_the_store_metrics(tmp_path):
+    import os
+
+    root = tmp_path / "store"
+    writer = Replica("one", store_of(open_backend(f"file://{root}")))
+    writer.prefill(PROMPT)
+    assert writer.store.flush(10)
+    first_page = writer.manager.prompt_digests(PROMPT)[0].hex()
+    value = next(p for p in root.rglob("*") if p.is_file() and p.parent.name == first_page)
+    value.unlink()
+    os.mkfifo(value)  # one head's value of the first page
+    reader = Replica("one", store_of(open_backend(f"file://{root}"), read="wait"))
+    started = time.monotonic()
+    seq, found = reader.prefill(PROMPT)  # its write_through puts the same pages: the FIFO is not written either
+    assert reader.store.flush(10)
+    assert time.monotonic() - started < 5 and found == 0  # the first page's chain ends: nothing from the store
+    reader.check_own_tokens(seq)
+    m = reader.store.metrics()
+    assert m.refused_paths >= 2 and m.failures == 0 and m.values_present == 4 * 8  # the rest were there already
+    assert writer.store.metrics().refused_paths == 0

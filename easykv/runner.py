@@ -171,7 +171,7 @@ class Runner:
         if self._host is not None:
             store.bring_in(self._manager, self._host, self._cache, token_ids, salt)
         found = self._manager.match_prefix(seq_id, token_ids, salt=salt)
-        store.tokens_served += max(found - before, 0)
+        store.count_served(0, max(found - before, 0))
         return found
 
     # ---- the loop --------------------------------------------------------------------------------

@@ -151,8 +151,7 @@ class ESurgeStore:
             return found, hit
         pages = self._adopt(found.pages[0], values, request, start)
         self.pages_read += len(pages)
-        self.store.pages_read += len(pages)
-        self.store.tokens_served += len(pages) * self.page_size
+        self.store.count_served(len(pages), len(pages) * self.page_size)
         return type(found)((found.pages[0] + pages,)), hit + len(pages) * self.page_size
 
     def _read(self, digests: tuple[bytes, ...], start: int) -> list[list[list[np.ndarray]]]:

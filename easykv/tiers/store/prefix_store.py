@@ -344,6 +344,16 @@ class PrefixStore:
         self._writer.submit(WriteJob(len(fresh), _device_items(gathered, digests, group, self.namespace),
                                      [(group, d) for _, d in fresh]))
 
+    def count_served(self, pages: int, tokens: int) -> None:
+        """Count what an admission took from the store: ``pages`` placed (a caller that places pages itself, as
+        EasyDeL's eSurge hook does; 0 when `bring_in` counted them) and ``tokens`` of a prompt found in them.
+
+        Args:
+          pages: pages of the store placed by the caller, ``>= 0``.
+          tokens: prompt tokens served from the store's pages, ``>= 0``."""
+        self.pages_read += pages
+        self.tokens_served += tokens
+
     def _forget_lost(self) -> None:
         """Pages the writer did not write after all (dropped, failed) are written again when a page holds them again."""
         for key in self._writer.take_lost():

@@ -81,4 +81,20 @@ def check_distinct(keys: Sequence[str]) -> None:
         seen.add(key)
 
 
-__all__ = ["MAX_KEY_LENGTH", "check_distinct", "check_keys", "check_prefix", "is_store_key", "key_problem"]
+def check_items(items: Sequence[tuple[str, bytes]]) -> list[str]:
+    """The keys of ``put_if_absent``'s ``items``, each checked (`check_keys`, `check_distinct`) and each value bytes.
+
+    Raises:
+      ValueError: a bad or repeated key.
+      TypeError: a value that is not bytes."""
+    keys = [key for key, _ in items]
+    check_keys(keys)
+    check_distinct(keys)
+    for key, value in items:
+        if not isinstance(value, bytes):
+            raise TypeError(f"the value of store key {key!r} is a {type(value).__name__}; give bytes")
+    return keys
+
+
+__all__ = ["MAX_KEY_LENGTH", "check_distinct", "check_items", "check_keys", "check_prefix", "is_store_key",
+           "key_problem"]

@@ -31,7 +31,7 @@ from redis.retry import Retry
 
 from easykv.errors import StoreUnavailableError
 from easykv.tiers.store.backend import GcResult, StoreBackend, StoreStats
-from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix, is_store_key
+from easykv.tiers.store.key_syntax import check_items, check_keys, check_prefix, is_store_key
 
 _SCAN_COUNT = 1000  # keys the server looks at per SCAN step
 _STRLEN_CHUNK = 1000  # STRLEN commands per pipeline in stats
@@ -88,12 +88,7 @@ class RedisBackend(StoreBackend):
         return cast("list[bytes | None]", values)  # bytes: the client does not decode (decode_responses=False)
 
     def put_if_absent(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        keys = [key for key, _ in items]
-        check_keys(keys)
-        check_distinct(keys)
-        for key, value in items:
-            if not isinstance(value, bytes):
-                raise TypeError(f"the value of store key {key!r} is a {type(value).__name__}; give bytes")
+        check_items(items)
         # SET NX replies OK when it wrote and None when the key held a value.
         return [reply is not None and reply is not False for reply in
                 self._pipeline([("SET", key, value, "NX") for key, value in items])]

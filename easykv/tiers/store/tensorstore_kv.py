@@ -50,7 +50,13 @@ import tensorstore as ts
 
 from easykv.errors import StoreUnavailableError
 from easykv.tiers.store.backend import GcResult, StoreBackend, StoreStats
-from easykv.tiers.store.key_syntax import check_distinct, check_keys, check_prefix, is_store_key, key_problem
+from easykv.tiers.store.key_syntax import (
+    check_items,
+    check_keys,
+    check_prefix,
+    is_store_key,
+    key_problem,
+)
 
 NO_VALUE_GENERATION = b"\x02"
 """The storage generation tensorstore reports for a missing key (``StorageGeneration::NoValue``
@@ -181,12 +187,7 @@ class TensorstoreBackend(StoreBackend):
         return [r.value if r is not None and r.state == "value" else None for r in self._batched_reads(keys, "get")]
 
     def put_if_absent(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        keys = [key for key, _ in items]
-        check_keys(keys)
-        check_distinct(keys)
-        for key, value in items:
-            if not isinstance(value, bytes):
-                raise TypeError(f"the value of store key {key!r} is a {type(value).__name__}; give bytes")
+        keys = check_items(items)
         self._check_root()
         # A path that is there but no regular file (a FIFO, a directory) is never written through: the key is
         # taken (False), counted in refused_paths, and the other items are written as usual.

@@ -300,6 +300,7 @@ def _every_call_is_unavailable(store, match):
         with pytest.raises(StoreUnavailableError, match=match) as info:
             call()
         assert info.value.url == store.url
+    return len(calls)
 
 
 def test_a_removed_file_store_directory_is_unavailable_until_it_returns(tmp_path):
@@ -309,7 +310,7 @@ def test_a_removed_file_store_directory_is_unavailable_until_it_returns(tmp_path
     store = open_backend(f"file://{root}")
     store.put_if_absent([("a/k", b"v")])
     shutil.rmtree(root)
-    _every_call_is_unavailable(store, "is gone or is not a directory")
+    assert _every_call_is_unavailable(store, "is gone or is not a directory") == 6
     assert not root.exists()  # nothing recreated it
     root.mkdir()
     assert store.get_many(["a/k"]) == [None] and store.put_if_absent([("a/k", b"w")]) == [True]
@@ -321,7 +322,7 @@ def test_a_file_store_root_replaced_by_a_file_is_unavailable(tmp_path):
     store = open_backend(f"file://{root}")
     shutil.rmtree(root)
     root.write_bytes(b"not a directory")
-    _every_call_is_unavailable(store, "is gone or is not a directory")
+    assert _every_call_is_unavailable(store, "is gone or is not a directory") == 6
 
 
 def test_a_write_tensorstore_refuses_is_unavailable_not_a_crash(tmp_path):
@@ -377,7 +378,7 @@ def test_a_killed_redis_is_unavailable_quickly_then_used_again_after_restart():
         store.put_if_absent([("a/k", b"v")])
         server.kill()
         start = time.monotonic()
-        _every_call_is_unavailable(store, f"store {server.url} did not answer: ConnectionError")
+        assert _every_call_is_unavailable(store, f"store {server.url} did not answer: ConnectionError") == 6
         assert time.monotonic() - start < 6 * (1.0 + 1.0)  # six calls, each under timeout + 1 s
         server.restart()  # empty: the server persists nothing
         assert store.get_many(["a/k"]) == [None]

@@ -4,12 +4,12 @@ engine evicts by itself; exit 1: a store that does not answer)."""
 
 import json
 import os
-import re
 
 import pytest
 
 from easykv.cli import main
 from easykv.tiers.store.url import open_backend
+from tests.cli.test_cli import _row
 from tests.support.redis_server import redis_server
 
 
@@ -17,12 +17,6 @@ def _run(capsys, *argv):
     code = main(["store", *argv])
     out = capsys.readouterr()
     return code, out.out, out.err
-
-
-def _row(out: str, key: str) -> str:
-    m = re.search(rf"^  {re.escape(key)}\s+(.*)$", out, re.M)
-    assert m, f"row {key!r} missing from:\n{out}"
-    return m.group(1)
 
 
 G = "easykv-v1/g-0/"

@@ -26,15 +26,19 @@ def tiered(mesh):
     meta = easykv.PagedAttentionCacheMetaData.create(
         mesh, 4, 2, 16, 4, 8, 8, 0.5, jnp.bfloat16, partition_manager=pm, num_pages_per_layer=PAGES,
     ).replace(host_pages_per_layer=PAGES)
-    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
+    cache = numbered(easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm))
+    return cache, easykv.HostTier(cache)
+
+
+def numbered(cache):
+    """``cache`` with every page element numbered (distinct within a leaf, non-zero), made on the devices."""
 
     def number(a, seed):
         return jax.jit(lambda: (jnp.arange(a.size).reshape(a.shape) % 60000 + 1 + seed).astype(a.dtype),
                        out_shardings=a.sharding)()
 
-    cache = cache.replace(key_pages=tuple(number(a, 0) for a in cache.key_pages),
-                          value_pages=tuple(number(a, 7) for a in cache.value_pages))
-    return cache, easykv.HostTier(cache)
+    return cache.replace(key_pages=tuple(number(a, 0) for a in cache.key_pages),
+                         value_pages=tuple(number(a, 7) for a in cache.value_pages))
 
 
 def leaves_of(cache) -> list[np.ndarray]:

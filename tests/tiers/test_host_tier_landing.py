@@ -12,6 +12,7 @@ import numpy as np
 
 import easykv
 from easykv.sharding import PartitionAxis, PartitionManager
+from tests.tiers.test_host_tier_calls import numbered
 
 PAGES = 32  # device and host pages per layer
 
@@ -23,14 +24,7 @@ def tiered(mesh):
     meta = easykv.PagedAttentionCacheMetaData.create(
         mesh, 4, 4, 64, 16, 8, 128, 0.5, jnp.bfloat16, partition_manager=pm, num_pages_per_layer=PAGES,
     ).replace(host_pages_per_layer=PAGES)
-    cache = easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm)
-
-    def number(a, seed):
-        return jax.jit(lambda: (jnp.arange(a.size).reshape(a.shape) % 60000 + 1 + seed).astype(a.dtype),
-                       out_shardings=a.sharding)()
-
-    cache = cache.replace(key_pages=tuple(number(a, 0) for a in cache.key_pages),
-                          value_pages=tuple(number(a, 7) for a in cache.value_pages))
+    cache = numbered(easykv.PagedAttentionCache.init_cache(mesh, jnp.bfloat16, meta, pm))
     return cache, easykv.HostTier(cache)
 
 

@@ -26,7 +26,8 @@ from jax.typing import DTypeLike
 
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
-from easykv.integrations._tunix_store import weights_version, with_store_host_tier
+from easykv.integrations._tunix_scoring import Scorer, check_request, compiled_score
+from easykv.integrations._tunix_store import WeightsFingerprint, with_store_host_tier
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan
 from easykv.quantization import Quantizer
@@ -165,7 +166,10 @@ class TunixPagedEngine:
       dtype: the cache's dtype; None (default): the model parameters'.
       quantizer: an easykv quantizer (name or object) for the pages; None (default): unquantized.
       decode_steps: decode steps per device loop, ``1 .. max_length`` (default 16).
-      prefill_tokens: tokens per prefill step, ``1 .. 2**20`` (default 256).
+      prefill_tokens: tokens per prefill step, ``1 .. 2**20`` (default 256); at most what one step of the
+        cache holds (``batch_size`` sequences of ``max_length`` tokens, in whole pages).
+      score_tokens: tokens per `score` step, ``1 .. 2**20`` (default 1024; a step holds this many rows of
+        logits, ``score_tokens x vocab`` floats), bounded as ``prefill_tokens`` is.
       store: a shared prefix store below the cache: a URL (``file:///dir``, ``redis://host:6379/0``,
         ``gs://bucket/dir``, ...; the engine opens it and `close` closes it) with ``model_id``, or an
         `easykv.tiers.store.PrefixStore` (its policies chosen by the caller, who closes it); None
@@ -186,18 +190,20 @@ class TunixPagedEngine:
     def __init__(self, model: Any, *, mesh: Mesh | None = None, max_length: int = 1024, batch_size: int = 64,
                  page_size: int = 16, num_pages: int | None = None, hbm_utilization: float = 0.5,
                  dtype: DTypeLike | None = None, quantizer: str | Quantizer | None = None, decode_steps: int = 16,
-                 prefill_tokens: int = 256, store: str | PrefixStore | None = None, model_id: str | None = None,
-                 host_memory_bytes: int | None = None) -> None:  # fmt: skip
+                 prefill_tokens: int = 256, score_tokens: int = 1024, store: str | PrefixStore | None = None,
+                 model_id: str | None = None, host_memory_bytes: int | None = None) -> None:  # fmt: skip
         check_store_arg(store, model_id)
         self.family: Family
         self.family, self.model = paged_copy(model)
         self.decode_steps = positive_int("decode_steps", decode_steps, hi=integer("max_length", max_length, lo=1),
                                          hint="decode steps per device loop, at most max_length")
         self.prefill_tokens = positive_int("prefill_tokens", prefill_tokens, hi=1 << 20)
+        self.score_tokens = positive_int("score_tokens", score_tokens, hi=1 << 20)
         if mesh is None:
             mesh = create_mesh({"tp": 1}, devices=jax.devices()[:1])
-        if dtype is None:
-            dtype = jax.tree.leaves(nnx.state(self.model, nnx.Param))[0].dtype
+        if dtype is None:  # the parameters' float dtype (a quantized weight's values are integers)
+            dtype = next(a.dtype for a in jax.tree.leaves(nnx.state(self.model, nnx.Param))
+                         if jnp.issubdtype(a.dtype, jnp.floating))
         pm = PartitionManager(PartitionAxis(kv_head_axis="tp" if "tp" in mesh.axis_names else None))
         meta = self._metadata(mesh, pm, max_length=max_length, batch_size=batch_size, page_size=page_size,
                               num_pages=num_pages, hbm_utilization=hbm_utilization, dtype=dtype, quantizer=quantizer,
@@ -205,10 +211,14 @@ class TunixPagedEngine:
         if store is not None:
             meta = with_store_host_tier(meta)
         self.manager = PageManager(meta)
+        # a step's token rows: at most what one step of the cache holds (batch_size full sequences)
+        step_most = meta.batch_size * meta.num_pages_per_sequence * meta.page_size
+        self.prefill_tokens, self.score_tokens = min(self.prefill_tokens, step_most), min(self.score_tokens, step_most)
         cache = PagedAttentionCache.init_cache(mesh, dtype, meta, pm, quantizer=quantizer)
         self._host = HostTier(cache) if meta.has_host_tier else None  # the cache's for its life, across sleeps
         self.version = 0
-        self.weight_version: int | str = weights_version(self.model) if store is not None else 0
+        self._fingerprint = WeightsFingerprint()  # a frozen base is fingerprinted once, adapters at each change
+        self.weight_version: int | str = self._fingerprint(self.model) if store is not None else 0
         self.manager.set_weight_version(self.weight_version)
         self._store: PrefixStore | None = None
         self._owns_store = False
@@ -222,6 +232,7 @@ class TunixPagedEngine:
             raise
         graphdef, self._state = nnx.split(self.model)
         self._prefill_step, self._decode_loop = _compiled(graphdef)
+        self._score_step = compiled_score(graphdef)
         self._seen = self._param_refs()
         self._sleeping: SleepingCache | None = None
         self.peak_pages = 0  # the most pages (every group) the last generate held at once
@@ -244,15 +255,16 @@ class TunixPagedEngine:
 
     # ---- weights and memory ------------------------------------------------------------------------
     def update_params(self, params: nnx.State[Any, Any]) -> None:
-        """New weights; the cache's next weight version, so no prefix cached under the old weights
-        is found again (in the cache or in the store).
+        """New weights: when any parameter array changed (a LoRA run's adapters each step), the cache's next
+        weight version, so no prefix cached under the old weights is found again (in the cache or in the
+        store); parameters set to the arrays they already hold (a frozen base pushed again) change nothing.
 
         Args:
           params: an ``nnx.State`` of the model's parameters, whole or in part, as Tunix's trainer
             hands them.
         """
         nnx.update(self.model, params)
-        self._new_version()
+        self._check_weights()
 
     def _param_refs(self) -> list[weakref.ref[Any]]:
         return [weakref.ref(a) for a in jax.tree.leaves(nnx.state(self.model, nnx.Param))]
@@ -261,7 +273,7 @@ class TunixPagedEngine:
         self._state, self._seen = nnx.state(self.model), self._param_refs()
         self.version += 1
         # With a store the weights' content (`_tunix_store`): the same in every engine and after a restart.
-        self.weight_version = self.version if self._store is None else weights_version(self.model)
+        self.weight_version = self.version if self._store is None else self._fingerprint(self.model)
         if self._sleeping is None:
             self.manager.set_weight_version(self.weight_version)
 
@@ -377,6 +389,44 @@ class TunixPagedEngine:
                     self.manager.release(row.seq)
         tokens = [np.asarray(r.out[: len(r.out) - r.ended_by_eos], np.int32) for r in rows]
         return tokens, [np.asarray(r.logp[: len(t)], np.float32) for r, t in zip(rows, tokens)]
+
+    # ---- scoring -----------------------------------------------------------------------------------
+    def score(self, prompt_tokens: Any, completion_tokens: Any, *, pad_id: int, eos_id: int,
+              temperature: float = 1.0) -> jax.Array:  # fmt: skip
+        """The log-probability of each completion token under the model, as Tunix's ``compute_per_token_logps``
+        gives it (its shape, masking and padding; ``_tunix_scoring``), with each distinct prompt computed once
+        (or found in the prefix cache, the host tier or the store) and its completions run as forks of it, in
+        chunks of ``score_tokens``. Every sequence is released at the end; their full pages stay findable.
+
+        Args:
+          prompt_tokens: ``(batch, prompt_len)`` token ids, left-padded with ``pad_id`` (any pad id is padding).
+          completion_tokens: ``(batch, completion_len)`` token ids; each row's completion ends before its first
+            ``pad_id``.
+          pad_id: the padding id, in the vocabulary.
+          eos_id: the end id, in the vocabulary (checked; Tunix's scoring takes it too and does not use it).
+          temperature: divides the logits, >= 0 (default 1.0; 0 and 1: not at all), as Tunix's does.
+
+        Returns:
+          ``(batch, completion_len)`` float32 log-probabilities, 0 past each completion's end.
+
+        Raises:
+          ValueError: a bad argument; CacheFullError: a row whose prompt and completion no sequence of the cache
+            can hold (its pages named); both before anything changes.
+        """
+        batch = check_request(prompt_tokens, completion_tokens, pad_id=pad_id, eos_id=eos_id,
+                              temperature=temperature, vocab=self.family.vocab(self.model), manager=self.manager)
+        self.wake()
+        self._check_weights()
+        runner = self._awake()
+        for group in batch.groups:  # read in the background
+            runner.prefetch(group.prompt.tolist())
+        return Scorer(self.manager, runner, self._score_plan, self.score_tokens).run(batch)
+
+    def _score_plan(self, tokens: jax.Array, targets: jax.Array, temperature: jax.Array, cache: PagedAttentionCache,
+                    plan: StepPlan) -> tuple[PagedAttentionCache, jax.Array]:  # fmt: skip
+        """The runner's step of a scoring plan: each fed token's target log-probability, ``(score_tokens,)``."""
+        logp, cache = self._score_step(self._state, cache, tokens, targets, plan.metadata, temperature)
+        return cache, logp
 
     def _rows(self, prompts: Sequence[Sequence[int] | np.ndarray], max_new_tokens: int | Sequence[int]) -> list[_Row]:
         meta = self.manager.metadata

@@ -6,7 +6,9 @@ A paged copy is the caller's model merged anew (the same parameter arrays, new m
 whose attention and decoder-layer classes are same-named subclasses: when a layer's cache is a
 `PagedLayer` the attention writes the layer's new K/V into its easykv pages and reads them with
 easykv's paged attention (the layer's window from its layer group); given anything else (no
-cache, as in Tunix's log-prob forward) the module runs Tunix's own code unchanged. A paged
+cache, as in Tunix's log-prob forward) the module runs Tunix's own code unchanged. A qwix LoRA or
+weight-quantized model keeps qwix's wrapper class, so its adapters apply in the paged forward as in
+Tunix's (``_tunix_qwix``). A paged
 forward skips Tunix's remat wrappers: it computes no gradient, and the pages a layer writes must
 reach the next layer's read, which a remat trace would keep to itself. Private to the Tunix
 integration; imports tunix, flax and easykv's attention, storage and step.
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from easykv.attention.api import view_attention
+from easykv.integrations._tunix_qwix import qwix_base, qwix_refusal
 from easykv.step.ragged import RaggedStep
 from easykv.storage.cache import PagedAttentionCache
 from easykv.storage.view import PagedAttentionCacheView
@@ -83,6 +86,7 @@ class Family:
     windows: Callable[[Any], list[int | None]]
     refuse: Callable[[Any], str | None]
     vocab_field: str
+    runs_quantized: str | None = None  # None: Tunix's module runs qwix-quantized weights; else why it cannot
 
     def tunix(self) -> ModuleType:
         return importlib.import_module(self.module)
@@ -128,7 +132,9 @@ def _gemma3_refuse(model: Any) -> str | None:
 
 FAMILIES = (
     Family("qwen3", "tunix.models.qwen3.model", "Qwen3", _qwen3_qkv, lambda a: float(a.scale),
-           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None, "vocab_size"),
+           lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None, "vocab_size",
+           runs_quantized="Tunix's Qwen3 Einsum casts its weight with jnp.astype, which refuses qwix's quantized "
+                          "arrays (Tunix's own forward fails too); use a LoRA without weight_qtype"),
     Family("llama3", "tunix.models.llama3.model", "Llama3", _llama3_qkv, lambda a: float(a.scale),
            lambda a, o: a.o_proj(o), lambda m: [None] * len(m.layers), lambda m: None, "vocab_size"),
     Family("gemma3", "tunix.models.gemma3.model", "Gemma3", _gemma3_qkv, lambda a: 1.0,
@@ -148,9 +154,14 @@ def family_of(model: object) -> Family:
         served = getattr(tunix, family.model_class)
         if type(model) is served:
             break
+        if qwix_base(type(model)) is served:  # a qwix LoRA or quantized model: Tunix's modules, intercepted
+            reason = qwix_refusal(model, family.name, family.runs_quantized)
+            if reason is not None:
+                raise ValueError(f"easykv.integrations.tunix cannot serve {reason}")
+            break
         if isinstance(model, served):
             raise ValueError(f"{type(model).__module__}.{type(model).__qualname__} is a changed Tunix "
-                             f"{family.model_class} (a subclass, as qwix's LoRA or quantization wrappers make): "
+                             f"{family.model_class} (a subclass other than qwix's LoRA and quantization wrappers): "
                              "easykv reuses Tunix's own modules and cannot vouch for a changed one")
     else:
         raise ValueError(f"{type(model).__module__}.{type(model).__qualname__} is not a Tunix model family easykv "

@@ -17,6 +17,7 @@ Private to the Tunix integration.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any
 
 import jax
@@ -43,18 +44,41 @@ def with_store_host_tier(meta: PagedAttentionCacheMetaData) -> PagedAttentionCac
     return meta.replace(host_pages_per_layer=-(-pages // shards) * shards)
 
 
-def weights_version(model: Any) -> str:
-    """The weight version of ``model``'s parameters (see the module doc): ``"params-sha256:<hex>"`` of every
-    parameter's path, shape, dtype and a 64-bit fingerprint of its bits, equal on every process."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
-    paths = [jax.tree_util.keystr(path) for path, _ in flat]
-    leaves = [a for _, a in flat]
-    sums = np.asarray(jax.device_get(_fingerprints(leaves)), np.uint32)  # (leaves, 2), replicated
-    h = hashlib.sha256()
-    for path, a, lanes in zip(paths, leaves, sums):
-        h.update(f"{path}|{tuple(a.shape)}|{jnp.dtype(a.dtype).name}|".encode())
-        h.update(lanes.tobytes())
-    return "params-sha256:" + h.hexdigest()
+class WeightsFingerprint:
+    """The weight version of a model's parameters (see the module doc): ``"params-sha256:<hex>"`` of every
+    parameter's path, shape, dtype and a 64-bit fingerprint of its bits, equal on every process. Each array's
+    fingerprint is kept while the array lives, so a new version costs a pass over the arrays that changed only
+    (a LoRA run's adapters, not its frozen base)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref[Any], bytes]] = {}  # id(array) -> (the array, its two lanes)
+
+    def __call__(self, model: Any) -> str:
+        flat, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
+        leaves = [a for _, a in flat]
+        new = [a for a in leaves if self._lanes(a) is None]
+        if new:
+            sums = np.asarray(jax.device_get(_fingerprints(new)), np.uint32)  # (new leaves, 2), replicated
+            for a, lanes in zip(new, sums):
+                self._known[id(a)] = (weakref.ref(a, self._forget(id(a))), lanes.tobytes())
+        h = hashlib.sha256()
+        for (path, a) in flat:
+            h.update(f"{jax.tree_util.keystr(path)}|{tuple(a.shape)}|{jnp.dtype(a.dtype).name}|".encode())
+            h.update(self._lanes(a) or b"")
+        return "params-sha256:" + h.hexdigest()
+
+    def _lanes(self, a: Any) -> bytes | None:
+        known = self._known.get(id(a))
+        return known[1] if known is not None and known[0]() is a else None
+
+    def _forget(self, key: int) -> Any:
+        known = self._known
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if key in known and known[key][0] is ref:
+                del known[key]
+
+        return forget
 
 
 @jax.jit
@@ -92,4 +116,4 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-__all__ = ["weights_version", "with_store_host_tier"]
+__all__ = ["WeightsFingerprint", "with_store_host_tier"]

@@ -13,17 +13,27 @@ over a paged cache, and RL rollouts run through Tunix's own RL cluster on them.
 What it serves: Tunix's Qwen3, Llama3 and Gemma3 modules, each layer computing what Tunix's own
 attention computes before the cache (its projections, q/k norms, RoPE and Gemma's query scaling,
 reused, not rewritten) and reading its keys and values from easykv pages (Gemma 3's local layers
-as a sliding layer group, whose pages leave as the window moves). Any other model class, a changed
-attention module, or a Gemma 3 with a vision tower is refused by name (ValueError), never run
-wrong. The rollout (`EasyKVRollout`, a Tunix ``BaseRollout``):
+as a sliding layer group, whose pages leave as the window moves). qwix LoRA models
+(``qwix.apply_lora_to_model`` with a ``LoraProvider``, as Tunix's GRPO recipes make the policy) and
+qwix weight-quantized ones (QLoRA, ``PtqProvider``) run too: their adapters apply on exactly the
+projections they wrap, through qwix's own interception of Tunix's modules. Any other model class, a
+changed attention module, a Gemma 3 with a vision tower, and each qwix option easykv cannot run
+right (activation quantization, LoRA dropout, other providers, quantized weights in Tunix's Qwen3)
+are refused by name (ValueError), never run wrong. The rollout (`EasyKVRollout`, a Tunix
+``BaseRollout``):
 
 - prefills each distinct prompt once, in chunks, after looking its prefix up in the cache's prefix
   cache; GRPO's ``num_generations`` samples of a prompt are forks of it (copy-on-write pages);
 - decodes ``decode_steps`` tokens per device loop, sampling on the device as Tunix's ``Sampler``
   does (greedy while ``top_p`` is None; else temperature, ``top_k`` and ``top_p``);
 - on new weights (``update_params``, or the trainer's update of the parameters the rollout shares
-  with the actor) starts a new weight version of the cache, so no prefix computed with the old
-  weights is ever found again;
+  with the actor; with LoRA, Tunix pushes the adapters each step) starts a new weight version of the
+  cache, so no prefix computed with the old weights or adapters is ever found again; parameters set
+  to the arrays they already hold (the frozen base) start none;
+- scores completions (``get_per_token_logps``, Tunix's old-policy log-probabilities) over its pages:
+  each distinct prompt computed once (often found in the cache its generation just filled) and
+  forked per completion (`TunixPagedEngine.score`); `use_easykv_scoring` does the same for the
+  reference model in Tunix's RL cluster;
 - with ``sleep_level`` (1 or 2) frees the cache's device memory between calls (the trainer's phase)
   and wakes it at the next ``generate``;
 - with ``store=`` (a store URL and ``model_id=``, or an `easykv.tiers.store.PrefixStore`) shares
@@ -45,7 +55,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from tunix.generate.tokenizer_adapter import TokenizerAdapter
-from tunix.rl import common, reshard
+from tunix.rl import reshard, rl_cluster
+from tunix.rl.inference import inference_worker
 from tunix.rl.rollout import base_rollout
 
 from easykv.integrations._tunix_engine import Sampling, TunixPagedEngine
@@ -134,22 +145,25 @@ class EasyKVRollout(base_rollout.BaseRollout):
         return np.asarray(tok.dedup_bos_ids(bos + list(tok.encode(text))), np.int32)
 
     def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array,
-                            **kwargs: object) -> jax.Array:
-        """Tunix's log-probabilities of the completion tokens under the current weights (Tunix's
-        own forward, no cache).
+                            **kwargs: object) -> jax.Array:  # fmt: skip
+        """Tunix's log-probabilities of the completion tokens under the current weights, scored over
+        the engine's pages (`TunixPagedEngine.score`: each distinct prompt computed once, or found in
+        the cache the rollout just filled), in place of Tunix's dense ``compute_per_token_logps``.
 
         Args:
-          prompt_tokens: ``(batch, prompt_len)`` int token ids, padding the pad id.
-          completion_tokens: ``(batch, completion_len)`` int token ids.
-          **kwargs: accepted for Tunix's interface; unused.
+          prompt_tokens: ``(batch, prompt_len)`` int token ids, left-padded with the pad id.
+          completion_tokens: ``(batch, completion_len)`` int token ids, right-padded with the pad id.
+          **kwargs: ``temperature`` (default 1.0, as Tunix's rollouts score); others accepted for
+            Tunix's interface and unused.
 
         Returns:
-          ``(batch, completion_len)`` log-probabilities (gradient stopped).
+          ``(batch, completion_len)`` float32 log-probabilities, 0 at padding.
         """
-        graphdef, state = nnx.split(self._engine.model)
-        logps: jax.Array = common.compute_per_token_logps(graphdef, state, prompt_tokens=prompt_tokens,
-                                                          completion_tokens=completion_tokens, pad_id=self.pad_id(),
-                                                          eos_id=self.eos_id(), stop_gradient=True, return_logits=False)
+        temperature = kwargs.get("temperature", 1.0)
+        logps = self._engine.score(prompt_tokens, completion_tokens, pad_id=self.pad_id(), eos_id=self.eos_id(),
+                                   temperature=temperature)  # type: ignore[arg-type]  # checked by score
+        if self._sleep_level is not None:
+            self._engine.sleep(self._sleep_level)
         return logps
 
     def update_params(self, params: nnx.State[Any, Any], filter_types: tuple[type, ...] | None = None) -> None:
@@ -180,6 +194,76 @@ class EasyKVRollout(base_rollout.BaseRollout):
         return self._engine.model
 
 
+class EasyKVInferenceWorker(inference_worker.InferenceWorker):
+    """Tunix's ``InferenceWorker`` whose reference-model scoring (``get_ref_per_token_logps``, which
+    Tunix's GRPO and PPO learners call through ``RLCluster.get_ref_per_token_logps``) runs over easykv
+    pages (`TunixPagedEngine.score`) instead of Tunix's dense ``compute_per_token_logps``; critic and
+    reward models are served as Tunix serves them. Install it in a cluster with `use_easykv_scoring`.
+
+    Args:
+      models: Tunix's role -> model map (``"reference"`` required; ``"critic"``, ``"reward"``).
+      mesh: the reference cache's mesh (None: one device).
+      **engine_options: `TunixPagedEngine`'s keywords (``num_pages``, ``max_length``, ``batch_size``,
+        ``score_tokens``, ...).
+    """
+
+    def __init__(self, models: dict[str, nnx.Module], *, mesh: Mesh | None = None, **engine_options: Any) -> None:
+        if models.get("reference") is None:
+            raise ValueError("EasyKVInferenceWorker scores with the reference model, and models has none; give the "
+                             "RLCluster a reference model (GRPO with beta != 0 needs one)")
+        super().__init__(models)
+        self._engine = TunixPagedEngine(models["reference"], mesh=mesh, **engine_options)
+
+    @property
+    def engine(self) -> TunixPagedEngine:
+        """The `TunixPagedEngine` over the reference model that scores."""
+        return self._engine
+
+    def get_ref_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array, pad_id: int,
+                                eos_id: int, temperature: float = 1.0) -> jax.Array:  # fmt: skip
+        """Tunix's reference log-probabilities, scored over pages (`TunixPagedEngine.score`).
+
+        Args:
+          prompt_tokens: ``(batch, prompt_len)`` token ids, left-padded with ``pad_id``.
+          completion_tokens: ``(batch, completion_len)`` token ids, right-padded with ``pad_id``.
+          pad_id: the padding id.
+          eos_id: the end id.
+          temperature: divides the logits (0 and 1: not at all), as Tunix's does.
+
+        Returns:
+          ``(batch, completion_len)`` float32 log-probabilities, 0 at padding.
+        """
+        return self._engine.score(prompt_tokens, completion_tokens, pad_id=pad_id, eos_id=eos_id,
+                                  temperature=temperature)
+
+
+def use_easykv_scoring(cluster: rl_cluster.RLCluster, **engine_options: Any) -> EasyKVInferenceWorker:
+    """Make ``cluster`` (Tunix's ``RLCluster``) score its reference model over easykv pages: its
+    inference worker becomes an `EasyKVInferenceWorker` over the same models, its cache on the
+    cluster's reference mesh. Tunix 0.1.7 builds the worker inside ``RLCluster`` with no option to pass
+    one, so this replaces it after the cluster is made (before the learner's first step). The policy's
+    own log-probabilities (``get_old_per_token_logps``) already run over pages when the rollout engine
+    is `EasyKVRollout`.
+
+    Args:
+      cluster: the RL cluster, with a reference model.
+      **engine_options: `TunixPagedEngine`'s keywords for the reference engine.
+
+    Returns:
+      The installed worker.
+    """
+    worker = cluster.inference_worker
+    models = {}
+    for role in ("critic", "reference", "reward"):
+        try:
+            models[role] = worker.get_model(role)
+        except ValueError:  # Tunix's answer for a role the cluster has no model for
+            continue
+    scorer = EasyKVInferenceWorker(models, mesh=cluster.r2m[rl_cluster.Role.REFERENCE], **engine_options)
+    cluster._inference_worker = scorer  # noqa: SLF001  the one place Tunix 0.1.7 keeps it (see the doc)
+    return scorer
+
+
 def _left_padded(ids: list[np.ndarray], length: int | None, pad: int) -> np.ndarray:
     longest = max(p.size for p in ids)
     if length is None or length < longest:
@@ -190,4 +274,5 @@ def _left_padded(ids: list[np.ndarray], length: int | None, pad: int) -> np.ndar
     return out
 
 
-__all__ = ["FAMILIES", "EasyKVRollout", "Sampling", "TunixPagedEngine", "family_of"]
+__all__ = ["FAMILIES", "EasyKVInferenceWorker", "EasyKVRollout", "Sampling", "TunixPagedEngine", "family_of",
+           "use_easykv_scoring"]

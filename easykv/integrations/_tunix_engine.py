@@ -218,10 +218,11 @@ class TunixPagedEngine:
         self._host = HostTier(cache) if meta.has_host_tier else None  # the cache's for its life, across sleeps
         self.version = 0
         self._fingerprint = WeightsFingerprint()  # a frozen base is fingerprinted once, adapters at each change
-        self.weight_version: int | str = self._fingerprint(self.model) if store is not None else 0
-        self.manager.set_weight_version(self.weight_version)
         self._store: PrefixStore | None = None
         self._owns_store = False
+        self._weight_version: int | str = self._fingerprint(self.model) if store is not None else 0
+        self._fingerprint_due = self._manager_behind = False
+        self.manager.set_weight_version(self._weight_version)
         if store is not None:
             self._store, self._owns_store = open_store(store, model_id)
         try:
@@ -269,13 +270,26 @@ class TunixPagedEngine:
     def _param_refs(self) -> list[weakref.ref[Any]]:
         return [weakref.ref(a) for a in jax.tree.leaves(nnx.state(self.model, nnx.Param))]
 
+    @property
+    def weight_version(self) -> int | str:
+        """The cache's weight version: the count of weight changes (`version`), or with a store a fingerprint of
+        the weights (`_tunix_store`: the same in every engine and after a restart), computed when first asked
+        after a change (`update_params` may run where no device transfer is allowed, as in Tunix's sync)."""
+        if self._fingerprint_due:
+            self._weight_version = self.version if self._store is None else self._fingerprint(self.model)
+            self._fingerprint_due = False
+        return self._weight_version
+
     def _new_version(self) -> None:
         self._state, self._seen = nnx.state(self.model), self._param_refs()
         self.version += 1
-        # With a store the weights' content (`_tunix_store`): the same in every engine and after a restart.
-        self.weight_version = self.version if self._store is None else self._fingerprint(self.model)
-        if self._sleeping is None:
+        self._fingerprint_due = self._manager_behind = True  # the manager learns it at the next call or wake
+
+    def _sync_version(self) -> None:
+        """Tell the (awake) manager the weight version, once per change, before a call looks up any prefix."""
+        if self._manager_behind:
             self.manager.set_weight_version(self.weight_version)
+            self._manager_behind = False
 
     def _check_weights(self) -> None:
         """The paged copy shares the caller's parameters (no second copy of the weights), so a
@@ -310,6 +324,7 @@ class TunixPagedEngine:
             self._runner = Runner(self.manager, cache, host=self._host, store=self._store)
             self._sleeping = None
             self.manager.set_weight_version(self.weight_version)
+            self._manager_behind = False
 
     @property
     def store(self) -> PrefixStore | None:
@@ -370,6 +385,7 @@ class TunixPagedEngine:
         key = seed if isinstance(seed, jax.Array) else jax.random.key(integer("seed", seed, lo=0, hi=2**63 - 1))
         self.wake()
         self._check_weights()
+        self._sync_version()
         self.peak_pages = 0
         runner = self._awake()
         for prompt in {row.prompt.tobytes(): row.prompt for row in rows}.values():  # read in the background
@@ -417,6 +433,7 @@ class TunixPagedEngine:
                               temperature=temperature, vocab=self.family.vocab(self.model), manager=self.manager)
         self.wake()
         self._check_weights()
+        self._sync_version()
         runner = self._awake()
         for group in batch.groups:  # read in the background
             runner.prefetch(group.prompt.tolist())

@@ -101,8 +101,8 @@ def check_request(prompt_tokens: Any, completion_tokens: Any, *, pad_id: Any, eo
         prompt = row[row != pad]
         if prompt.size == 0:
             raise ValueError(f"prompt_tokens[{i}] holds only the pad id {pad}; every completion needs a prompt")
-        _check_room(manager, i, prompt.size - 1 + n)
         if n:
+            _check_room(manager, i, prompt.size - 1 + n)
             group = groups.setdefault(prompt.tobytes(), _Group(prompt, deque()))
             group.forks.append((i, np.concatenate([prompt[-1:], completions[i, : n - 1]]), completions[i, :n]))
     return ScoreBatch(list(groups.values()), prompts.shape[0], completions.shape[1], float(temperature) or 1.0)
@@ -116,7 +116,9 @@ def _check_room(manager: PageManager, row: int, tokens: int) -> None:
     meta = manager.metadata
     pages = -(-tokens // meta.page_size)
     per_sequence = -(-meta.max_sequences // meta.page_size)
-    pool = min(int(g.num_pages or 0) for g in meta.groups) // meta.page_shards  # sized groups: never None here
+    # a sliding group holds a window's pages, whatever the length: the full-attention groups bound a sequence
+    full = [int(g.num_pages or 0) for g in meta.groups if g.window is None]  # sized groups: never None here
+    pool = min(full) // meta.page_shards if full else pages
     if tokens > meta.max_sequences or pages > pool:
         limit, what = (per_sequence, f"a sequence holds at most max_length={meta.max_sequences} tokens") if (
             tokens > meta.max_sequences) else (pool, f"the pool holds {pool} pages")

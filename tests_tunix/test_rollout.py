@@ -49,6 +49,26 @@ def test_the_output_is_what_tunix_s_learners_read():
     assert [len(lp) for lp in with_logp.logprobs] == [len(t) for t in with_logp.tokens]
 
 
+def test_a_generated_pad_id_ends_the_sample_as_an_end_token_does():
+    """Tunix masks a pad id wherever it sits (its scoring and losses too), so a sample that attended to one it
+    generated would be scored on a context it was not drawn from: the rollout ends the sample there."""
+    model = make("qwen3", seed=6)
+    ids = [1] + ByteTokenizer().encode(LONG[0])
+    greedy = uncached_greedy(model, ids, 12)
+    cut = next(k for k in range(2, len(greedy)) if greedy[k] not in greedy[:k])
+    pad = greedy[cut]  # a token the model generates, first at position cut, named the pad id
+
+    class PadIsGenerated(ByteTokenizer):
+        def pad_id(self):
+            return pad
+
+    ro = EasyKVRollout(rollout_actor=model, tokenizer=PadIsGenerated(), rollout_config=greedy_config(), **OPTS)
+    out = ro.generate(LONG[:1], greedy_config())
+    assert out.tokens[0].tolist() == greedy[:cut]  # ended at the pad id, which is not returned
+    # the engine itself stops only at its eos_ids: it carries on through the same token
+    assert ro.engine.generate([ids], 12)[0][0].tolist() == greedy
+
+
 def test_new_weights_start_a_new_version_and_no_stale_prefix_is_served():
     model = make("llama3", seed=2)
     ro = rollout(model)

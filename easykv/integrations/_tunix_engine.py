@@ -415,15 +415,16 @@ class TunixPagedEngine:
         chunks of ``score_tokens``. Every sequence is released at the end; their full pages stay findable.
 
         Args:
-          prompt_tokens: ``(batch, prompt_len)`` token ids, left-padded with ``pad_id`` (any pad id is padding).
-          completion_tokens: ``(batch, completion_len)`` token ids; each row's completion ends before its first
-            ``pad_id``.
+          prompt_tokens: ``(batch, prompt_len)`` token ids, left-padded with ``pad_id``.
+          completion_tokens: ``(batch, completion_len)`` token ids, right-padded with ``pad_id`` (a pad id is
+            padding wherever it sits, as in Tunix; the token after a pad inside a completion is scored given
+            the real tokens before it, where Tunix reads the pad's own query).
           pad_id: the padding id, in the vocabulary.
           eos_id: the end id, in the vocabulary (checked; Tunix's scoring takes it too and does not use it).
           temperature: divides the logits, >= 0 (default 1.0; 0 and 1: not at all), as Tunix's does.
 
         Returns:
-          ``(batch, completion_len)`` float32 log-probabilities, 0 past each completion's end.
+          ``(batch, completion_len)`` float32 log-probabilities, 0 at padding.
 
         Raises:
           ValueError: a bad argument; CacheFullError: a row whose prompt and completion no sequence of the cache

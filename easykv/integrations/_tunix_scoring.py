@@ -12,11 +12,13 @@ finished fork is released at once (its full pages stay findable as any prefix), 
 fork exists. One jitted program per step shape; the log-probabilities stay on the device until one
 gather at the end, so no step waits on the host.
 
-Tunix's conventions: a token equal to ``pad_id`` is padding wherever it sits in the prompt (Tunix masks
-it from attention and positions); a completion is its tokens before its first ``pad_id`` (the
-right padding Tunix's rollouts add), and its row's log-probabilities are 0 from there on (Tunix's
-values there are masked by every loss). ``temperature`` divides the logits as Tunix's does (0 and 1:
-not at all).
+Tunix's conventions: a token equal to ``pad_id`` is padding wherever it sits, in the prompt or the
+completion: Tunix masks it from attention and positions, and so does easykv, which never feeds it.
+Each other completion token gets its log-probability given the real tokens before it, and a padding
+position gets 0 (Tunix's loss masks exactly those: ``completion != pad_id``). This is Tunix's value for
+every token but one after a pad inside a completion (not the right padding rollouts add): Tunix reads
+that token's logits off the pad's own query, a value of the padding, not of the model's distribution.
+``temperature`` divides the logits as Tunix's does (0 and 1: not at all).
 
 Private to the Tunix integration; imports flax, jax and easykv's manager, runner and step.
 """
@@ -48,6 +50,7 @@ class _Feed:
 
     tokens: np.ndarray
     targets: np.ndarray | None = None  # a fork's completion: what each fed token predicts; None: a leader
+    columns: np.ndarray | None = None  # a fork's output columns of its targets (its completion's non-pad ones)
     row: int = -1  # the output row of a fork; -1: a leader
     seq: int = -1
     fed: int = 0
@@ -59,10 +62,10 @@ class _Feed:
 
 @dataclasses.dataclass
 class _Group:
-    """The rows of one distinct prompt: its leader, and the forks still to make (row, fed tokens, targets)."""
+    """The rows of one distinct prompt: its leader, and the forks still to make."""
 
     prompt: np.ndarray
-    forks: deque[tuple[int, np.ndarray, np.ndarray]]
+    forks: deque[_Feed]
     leader: _Feed = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -94,17 +97,17 @@ def check_request(prompt_tokens: Any, completion_tokens: Any, *, pad_id: Any, eo
     if prompts.shape[0] != completions.shape[0] or prompts.shape[0] == 0:
         raise ValueError(f"prompt_tokens {prompts.shape} and completion_tokens {completions.shape} must have the same "
                          "number of rows, at least one: row i of each is one prompt and its completion")
-    is_pad = completions == pad
-    lengths = np.where(is_pad.any(axis=1), is_pad.argmax(axis=1), completions.shape[1])
     groups: dict[bytes, _Group] = {}
-    for i, (row, n) in enumerate(zip(prompts, lengths.tolist())):
+    for i, (row, completion) in enumerate(zip(prompts, completions)):
         prompt = row[row != pad]
         if prompt.size == 0:
             raise ValueError(f"prompt_tokens[{i}] holds only the pad id {pad}; every completion needs a prompt")
-        if n:
-            _check_room(manager, i, prompt.size - 1 + n)
-            group = groups.setdefault(prompt.tobytes(), _Group(prompt, deque()))
-            group.forks.append((i, np.concatenate([prompt[-1:], completions[i, : n - 1]]), completions[i, :n]))
+        columns = np.flatnonzero(completion != pad)
+        if columns.size:
+            _check_room(manager, i, prompt.size - 1 + columns.size)
+            real = completion[columns]
+            fork = _Feed(np.concatenate([prompt[-1:], real[:-1]]), real, columns, row=i)
+            groups.setdefault(prompt.tobytes(), _Group(prompt, deque())).forks.append(fork)
     return ScoreBatch(list(groups.values()), prompts.shape[0], completions.shape[1], float(temperature) or 1.0)
 
 
@@ -157,7 +160,7 @@ class Scorer:
                  budget: int) -> None:  # fmt: skip
         self.manager, self.runner, self.step, self.budget = manager, runner, step, budget
         self.outputs: list[jax.Array] = []  # each step's (budget,) log-probabilities, on the device
-        self.where: list[tuple[int, int, int, int, int]] = []  # (row, first column, tokens, step, offset) per run
+        self.where: list[tuple[int, np.ndarray, int, int]] = []  # (row, columns, step, offset) of each fed run
 
     def run(self, batch: ScoreBatch) -> jax.Array:
         pending, ready = deque(batch.groups), deque[_Group]()
@@ -200,11 +203,10 @@ class Scorer:
         while budget > 0 and len(mgr.active_ids) < mgr.batch_size:
             if ready:
                 group = ready[0]
-                row, tokens, targets = group.forks[0]
-                if held and held + self._need(tokens.size) > room:
+                if held and held + self._need(group.forks[0].tokens.size) > room:
                     return
-                group.forks.popleft()
-                feed = _Feed(tokens, targets, row, seq=self._fork(group.leader))
+                feed = group.forks.popleft()
+                feed.seq = self._fork(group.leader)
                 forks.append(feed)
                 if not group.forks:
                     ready.popleft()
@@ -245,9 +247,9 @@ class Scorer:
         for feed, n in feeds:
             chunk = feed.tokens[feed.fed : feed.fed + n]
             tokens[offset : offset + n] = chunk
-            if feed.targets is not None:  # a fork: fed token t predicts completion token t
+            if feed.targets is not None and feed.columns is not None:  # a fork: fed token t predicts target t
                 targets[offset : offset + n] = feed.targets[feed.fed : feed.fed + n]
-                self.where.append((feed.row, feed.fed, n, len(self.outputs), offset))
+                self.where.append((feed.row, feed.columns[feed.fed : feed.fed + n], len(self.outputs), offset))
             chunks.append(chunk)
             offset += n
         pad_seqs = min(max(4, 1 << (len(feeds) - 1).bit_length()), mgr.batch_size)
@@ -270,11 +272,10 @@ class Scorer:
         feed.seq = -1
 
     def _gather(self, batch: ScoreBatch) -> jax.Array:
-        """The ``(rows, width)`` float32 output: one gather from every step's log-probabilities (0 past each
-        completion)."""
+        """The ``(rows, width)`` float32 output: one gather from every step's log-probabilities (0 at padding)."""
         index = np.full((batch.rows, batch.width), -1, np.int64)
-        for row, first, n, step, offset in self.where:
-            index[row, first : first + n] = step * self.budget + offset + np.arange(n)
+        for row, columns, step, offset in self.where:
+            index[row, columns] = step * self.budget + offset + np.arange(columns.size)
         if not self.outputs:
             return jnp.zeros((batch.rows, batch.width), jnp.float32)
         flat = jnp.concatenate(self.outputs)

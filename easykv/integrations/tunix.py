@@ -41,9 +41,11 @@ are refused by name (ValueError), never run wrong. The rollout (`EasyKVRollout`,
   prompts are read from it, the pages it fills written to it; its keys carry a fingerprint of the
   weights, so engines share pages exactly while their weights agree (`TunixPagedEngine`).
 
-Tunix's ``Sampler`` masks every token equal to the tokenizer's pad id, generated ones included;
-easykv attends to every generated token, as the model without a cache does. Both give the same
-tokens unless a sample generates the pad id.
+A sample ends at a generated pad id, as at an end token (not returned): Tunix masks a pad id wherever
+it sits, in its ``Sampler`` (which carries on without attending to it) and in its scoring and losses,
+so a sample that carried on after attending to it would be scored on a context it was not drawn from.
+Both give the same tokens unless a sample generates the pad id. `TunixPagedEngine.generate` itself
+stops only at its ``eos_ids`` and attends to every generated token, as the model without a cache does.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ class EasyKVRollout(base_rollout.BaseRollout):
     def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
                  **kwargs: object) -> base_rollout.RolloutOutput:  # fmt: skip
         """Tunix's ``generate``: ``prompts`` as strings (tokenized as Tunix's ``Sampler`` does),
-        up to ``max_tokens_to_generate`` tokens each; the output as ``VanillaRollout`` gives it
-        (completion tokens without the end token, prompts left-padded to ``max_prompt_length``
-        or the next power of two of the longest).
+        up to ``max_tokens_to_generate`` tokens each, a sample ending at an end token or a generated
+        pad id (module doc); the output as ``VanillaRollout`` gives it (completion tokens without the
+        end token, prompts left-padded to ``max_prompt_length`` or the next power of two of the
+        longest).
 
         Args:
           prompts: the prompts, ``batch`` strings (at most the engine's ``batch_size``).
@@ -125,7 +128,7 @@ class EasyKVRollout(base_rollout.BaseRollout):
         """
         tok = self._tokenizer
         ids = [self._tokenize(p) for p in prompts]
-        eos = tuple(rollout_config.eos_tokens or [tok.eos_id()])
+        eos = tuple(dict.fromkeys([*(rollout_config.eos_tokens or [tok.eos_id()]), tok.pad_id()]))  # module doc
         sampling = Sampling(temperature=rollout_config.temperature, top_p=rollout_config.top_p,
                             top_k=rollout_config.top_k)
         self._calls += 1

@@ -97,3 +97,35 @@ def uncached_greedy(model, ids, new_tokens):
         out.append(token)
         seq.append(token)
     return out
+
+
+# The projections Tunix's GRPO scripts give LoRA adapters (Gemma 3 names its attention projections einsums).
+LORA_MODULES = ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj"
+GEMMA3_LORA_MODULES = ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj|.*attn_vec_einsum"
+
+
+def apply_lora(base, family, *, module_path=None, skip_nnx_init=False, **provider_options):
+    """``base`` with qwix LoRA adapters (rank 4, alpha 8) applied as Tunix's GRPO scripts apply them; the
+    LoRA model holds ``base``'s parameter arrays in variables of its own, so its updates leave ``base`` as
+    it was. ``provider_options`` add to or override the ``qwix.LoraProvider`` options
+    (``weight_qtype="int8"``: QLoRA). qwix starts every B matrix at zero, so the model computes what ``base``
+    does until `randomize_adapters`."""
+    import qwix
+
+    if module_path is None:
+        module_path = GEMMA3_LORA_MODULES if family == "gemma3" else LORA_MODULES
+    provider = qwix.LoraProvider(module_path=module_path, **{"rank": 4, "alpha": 8.0, **provider_options})
+    extra = {"skip_nnx_init": True} if skip_nnx_init else {}
+    return qwix.apply_lora_to_model(base, provider, rngs=nnx.Rngs(3), **base.get_model_input(), **extra)
+
+
+def randomize_adapters(model, seed, scale=0.2):
+    """Sets every ``nnx.LoRAParam`` of ``model`` to new random values (A and B alike) and returns them as the
+    ``nnx.State`` it set."""
+    state = nnx.state(model, nnx.LoRAParam)
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = jax.tree.unflatten(tree, [(scale * jax.random.normal(k, a.shape)).astype(a.dtype)
+                                    for a, k in zip(leaves, keys)])  # fmt: skip
+    nnx.update(model, new)
+    return new

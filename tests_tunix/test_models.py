@@ -133,13 +133,16 @@ def test_models_and_options_it_cannot_serve_are_refused_by_name():
     class Changed(qwen3.Attention):
         pass
 
-    class Wrapped(qwen3.Qwen3):  # as qwix's LoRA and quantization wrappers make
+    # A plain subclass is refused; qwix's LoRA and quantization wrappers, which record the Tunix class they
+    # wrap, are served (test_lora.py).
+    class Subclassed(qwen3.Qwen3):
         pass
 
-    wrapped = make("qwen3")
-    wrapped.__class__ = Wrapped
-    with pytest.raises(ValueError, match="is a changed Tunix Qwen3 .* cannot vouch for a changed one"):
-        family_of(wrapped)
+    subclassed = make("qwen3")
+    subclassed.__class__ = Subclassed
+    with pytest.raises(ValueError, match=r"Subclassed is a changed Tunix Qwen3 \(a subclass other than qwix's LoRA "
+                                         r"and quantization wrappers\): .* cannot vouch for a changed one"):
+        family_of(subclassed)
     model.layers[1].attn.__class__ = Changed
     with pytest.raises(ValueError, match="layer 1 of the qwen3 model is a .*Changed, not Tunix's Attention"):
         TunixPagedEngine(model)

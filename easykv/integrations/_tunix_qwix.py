@@ -65,7 +65,7 @@ def qwix_refusal(model: Any, family_name: str, runs_quantized: str | None) -> st
         return (f"a qwix {type(provider).__name__} model: easykv serves qwix.LoraProvider (LoRA, QLoRA) and "
                 "qwix.PtqProvider (weight quantization) models, whose forward it has checked against Tunix's")
     if getattr(provider, "disable_jit", False):
-        return "a qwix provider with disable_jit=True: easykv's steps run jitted"
+        return "a qwix provider with disable_jit=True: easykv's steps run jitted; make it with disable_jit=False"
     quantized = False
     for rule in getattr(provider, "_rules", ()):
         if getattr(rule, "act_qtype", None) is not None:
@@ -79,9 +79,10 @@ def qwix_refusal(model: Any, family_name: str, runs_quantized: str | None) -> st
     if quantized and runs_quantized is not None:
         return f"qwix-quantized weights in a {family_name} model: {runs_quantized}"
     if isinstance(provider, qwix.LoraProvider) and not jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
-        return ("a qwix LoRA model without adapters: none of its rules matched a projection, or it was made with "
-                "skip_nnx_init=True (qwix creates adapters at the model's first call); call "
-                "qwix.apply_lora_to_model with the model's inputs (model.get_model_input())")
+        paths = [getattr(rule, "module_path", None) for rule in getattr(provider, "_rules", ())]
+        return (f"a qwix LoRA model without adapters: none of its rules (module paths {paths}) matched a "
+                "projection, or it was made with skip_nnx_init=True (qwix creates adapters at the model's first "
+                "call); call qwix.apply_lora_to_model with the model's inputs (model.get_model_input())")
     return _attention_parameters(model)
 
 

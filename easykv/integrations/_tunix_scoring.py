@@ -43,7 +43,7 @@ from easykv.runner import Runner
 from easykv.validation import integer, integer_array
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one object per sequence: compared by identity
 class _Feed:
     """One sequence the scorer feeds: a group's leader (the prompt but its last token) or a completion's
     fork (the prompt's last token, then the completion but its last token)."""
@@ -60,7 +60,7 @@ class _Feed:
         return self.tokens.size - self.fed
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Group:
     """The rows of one distinct prompt: its leader, and the forks still to make."""
 

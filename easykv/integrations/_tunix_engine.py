@@ -26,7 +26,8 @@ from jax.typing import DTypeLike
 
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
-from easykv.integrations._tunix_scoring import Scorer, check_request, compiled_score
+from easykv.integrations._tunix_scorer import Scorer
+from easykv.integrations._tunix_scoring import check_request, compiled_score
 from easykv.integrations._tunix_store import WeightsFingerprint, with_store_host_tier
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan

@@ -149,7 +149,7 @@ def grpo_memory(model, group: int, prompt: int, new: int, quantizer: str | None 
 
     engine = TunixPagedEngine(model, max_length=1024, batch_size=group, page_size=16, num_pages=256, decode_steps=64,
                               prefill_tokens=prompt, quantizer=quantizer)
-    engine.generate([list(range(3, 3 + prompt))] * group, new)
+    engine.generate([[3 + i % (VOCAB - 3) for i in range(prompt)]] * group, new)
     meta = engine.manager.metadata
     c = model.config
     dense_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # Tunix's K and V, float32

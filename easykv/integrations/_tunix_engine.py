@@ -100,8 +100,10 @@ def _sample(logits: jax.Array, key: jax.Array, *, sample: Sampling) -> tuple[jax
 
 
 def _decode(graphdef: Any, state: Any, cache: Any, tokens: jax.Array, metadata: Any, limits: jax.Array,
-            key: jax.Array, *, num_steps: int, page_size: int, num_pages: tuple[int, ...],
+            key: jax.Array, round_: jax.Array, *, num_steps: int, page_size: int, num_pages: tuple[int, ...],
             eos_id: tuple[int, ...], sample: Sampling) -> DecodeOutput:  # fmt: skip
+    """The device loop of one decode round; its key is ``key`` folded with the round's number here, not on the
+    host (a fold outside jit is a dispatch of its own each round)."""
     # The model is merged inside the loop's body from fresh leaves: Tunix's remat (an nnx transform)
     # refuses Variables made at an outer trace level.
     def step(c: Any, t: jax.Array, m: Any) -> tuple[jax.Array, Any]:
@@ -110,7 +112,7 @@ def _decode(graphdef: Any, state: Any, cache: Any, tokens: jax.Array, metadata: 
     return decode_loop(step, cache, tokens, metadata,
                        num_steps=num_steps,
                        page_size=page_size, num_pages=num_pages, limits=limits, eos_id=eos_id or None,
-                       sample=sample, key=key)
+                       sample=sample, key=jax.random.fold_in(key, round_))
 
 
 def _compiled(graphdef: Any) -> tuple[Any, Any]:
@@ -269,7 +271,15 @@ class TunixPagedEngine:
         self._check_weights()
 
     def _param_refs(self) -> list[weakref.ref[Any]]:
-        return [weakref.ref(a) for a in jax.tree.leaves(nnx.state(self.model, nnx.Param))]
+        """Weak references to the parameter arrays now, and the parameter variables kept to read them: the paged
+        copy shares the caller's variables, and a trainer's update (``nnx.update``) sets their values in place,
+        so reading the values of these variables finds every change without walking the model's graph."""
+        self._variables = jax.tree.leaves(nnx.state(self.model, nnx.Param),
+                                          is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return [weakref.ref(a) for a in self._param_arrays()]
+
+    def _param_arrays(self) -> list[Any]:
+        return [a for v in self._variables for a in jax.tree.leaves(v.get_value())]
 
     @property
     def weight_version(self) -> int | str:
@@ -296,7 +306,7 @@ class TunixPagedEngine:
         """The paged copy shares the caller's parameters (no second copy of the weights), so a
         trainer that updates them in place changes it too: a parameter array that is not the one
         last seen starts a new weight version."""
-        now = jax.tree.leaves(nnx.state(self.model, nnx.Param))
+        now = self._param_arrays()
         if len(now) != len(self._seen) or any(ref() is not a for ref, a in zip(self._seen, now)):
             self._new_version()
 
@@ -399,7 +409,7 @@ class TunixPagedEngine:
             round_ = 0
             while live := self._release_done(rows):
                 round_ += 1
-                self._decode_round(live, jax.random.fold_in(key, round_), sampling, eos)
+                self._decode_round(live, key, round_, sampling, eos)
         finally:
             for row in rows:
                 if row.seq >= 0 and self.manager.contains(row.seq):
@@ -540,7 +550,8 @@ class TunixPagedEngine:
         for row, t, lp in zip(rows, tokens.tolist(), logp.tolist()):
             row.take([t], [lp], eos)
 
-    def _decode_round(self, live: list[_Row], key: jax.Array, sampling: Sampling, eos: tuple[int, ...]) -> None:
+    def _decode_round(self, live: list[_Row], key: jax.Array, round_: int, sampling: Sampling,
+                      eos: tuple[int, ...]) -> None:  # fmt: skip
         mgr, runner, k = self.manager, self._awake(), self.decode_steps
         seqs, pad = [r.seq for r in live], min(_bucket(len(live)), mgr.batch_size)
         try:
@@ -548,14 +559,14 @@ class TunixPagedEngine:
                                        pad_seqs_to=pad)
         except CacheFullError:  # room for one more token each may still be there (same loop, one step)
             plan = mgr.schedule_decode(seqs, k, max_tokens=1, pad_seqs_to=pad)
-        loop = partial(self._decode_plan, [r.out[-1] for r in live], key, eos=eos, sampling=sampling)
+        loop = partial(self._decode_plan, [r.out[-1] for r in live], key, round_, eos=eos, sampling=sampling)
         written, sampled, logp, counts = runner.run(plan, loop, token_ids=lambda out: out[0],
                                                     num_tokens=lambda out: out[3])
         for i, row in enumerate(live):
             row.take(sampled[i, : counts[i]].tolist(), logp[i, : counts[i]].tolist(), eos)
 
-    def _decode_plan(self, last: list[int], key: jax.Array, cache: PagedAttentionCache, plan: StepPlan, *,
-                     eos: tuple[int, ...], sampling: Sampling
+    def _decode_plan(self, last: list[int], key: jax.Array, round_: int, cache: PagedAttentionCache,
+                     plan: StepPlan, *, eos: tuple[int, ...], sampling: Sampling
                      ) -> tuple[PagedAttentionCache, tuple[np.ndarray, ...]]:  # fmt: skip
         """The runner's step of a decode plan: its device loop from ``last`` (each sequence's last token); on
         the host, ``(written, sampled, logprobs, num_written)``, one row per padded row."""
@@ -563,8 +574,8 @@ class TunixPagedEngine:
         tokens = np.zeros(plan.padded_rows, np.int32)
         tokens[: len(last)] = last
         out = self._decode_loop(self._state, cache, jnp.asarray(tokens), plan.metadata, jnp.asarray(plan.limits), key,
-                                num_steps=plan.num_steps, page_size=plan.page_size, num_pages=plan.num_pages,
-                                eos_id=eos, sample=sampling)
+                                np.int32(round_), num_steps=plan.num_steps, page_size=plan.page_size,
+                                num_pages=plan.num_pages, eos_id=eos, sample=sampling)
         return out.state, tuple(jax.device_get((out.written, out.sampled, out.logprobs, out.num_written)))
 
     def _release_done(self, rows: list[_Row]) -> list[_Row]:

@@ -218,13 +218,12 @@ def scoring(model, quick: bool, rounds: int) -> None:
             print(f"{group:>3} {name:<30} {rate:9.0f} {rate / base:8.2f} {diff:11.2e}")
 
 
-def lora_rollouts(model, quick: bool, rounds: int) -> None:
-    adapted = lora(model)
-    print("\nLoRA rollouts (qwix LoRA, rank 8, on every projection):")
+def rollout_table(model, shapes: list[tuple[int, int]], steps: tuple[int, ...], rounds: int) -> None:
+    """Tunix's ``Sampler`` against easykv's engine at each decode-loop length of ``steps``, on ``model``."""
     print(f"{'B x N':>9} {'engine':<18} {'tokens/s':>9} {'x Tunix':>8} {'same tokens':>12}")
-    for batch, new in [(4, 32)] if quick else [(4, 160), (16, 160)]:
-        cases = {"Tunix Sampler": tunix_runner(adapted, batch, new)}
-        cases |= {f"easykv k={k}": easykv_runner(adapted, batch, new, k) for k in ((16,) if quick else (16, 64))}
+    for batch, new in shapes:
+        cases = {"Tunix Sampler": tunix_runner(model, batch, new)}
+        cases |= {f"easykv k={k}": easykv_runner(model, batch, new, k) for k in steps}
         rates, outputs = throughput(cases, batch, new, rounds)
         base = rates["Tunix Sampler"]
         ref = [t.tolist() for t in outputs["Tunix Sampler"]]
@@ -249,18 +248,9 @@ def main() -> int:
     shapes = [(4, 32)] if args.quick else [(4, 160), (16, 160)]
     steps = (1, 16) if args.quick else (1, 4, 16, 64)
     rounds = 2 if args.quick else args.rounds
-    print(f"{'B x N':>9} {'engine':<18} {'tokens/s':>9} {'x Tunix':>8} {'same tokens':>12}")
-    for batch, new in shapes:
-        cases = {"Tunix Sampler": tunix_runner(model, batch, new)}
-        cases |= {f"easykv k={k}": easykv_runner(model, batch, new, k) for k in steps}
-        rates, outputs = throughput(cases, batch, new, rounds)
-        base = rates["Tunix Sampler"]
-        ref = [t.tolist() for t in outputs["Tunix Sampler"]]
-        for name, rate in rates.items():
-            same, after_pad = agreement(outputs[name], ref)
-            note = f" (+{after_pad} after a pad id)" if after_pad else ""
-            print(f"{batch:>4} x {new:<3} {name:<18} {rate:9.0f} {rate / base:8.2f} {same:>6}/{batch}{note}")
-    lora_rollouts(model, args.quick, rounds)
+    rollout_table(model, shapes, steps, rounds)
+    print("\nLoRA rollouts (qwix LoRA, rank 8, on every projection):")
+    rollout_table(lora(model), shapes, (16,) if args.quick else (16, 64), rounds)
     scoring(model, args.quick, rounds)
     group, prompt, new = (8, 64, 32) if args.quick else (8, 256, 256)
     print(f"\nGRPO group of {group} samples, {prompt}-token prompt, {new} generated each:")

@@ -154,9 +154,10 @@ class TunixPagedEngine:
     """A Tunix model generating over an easykv cache it owns (see the module doc).
 
     Args:
-      model: a Tunix Qwen3, Llama3 or Gemma3 (it is not changed: the engine runs a paged copy,
-        `model`, whose parameters are the caller's own; new parameters, set by `update_params` or
-        by a trainer in the shared model, start a new weight version of the cache).
+      model: a Tunix Qwen3, Llama3 or Gemma3, or a qwix LoRA or weight-quantized one (its classes are
+        not changed: the engine runs a paged copy, `model`, sharing its parameter variables, so a
+        trainer's update of the caller's model reaches the engine and `update_params` sets the caller's
+        parameters too; new parameters start a new weight version of the cache).
       mesh: the cache's mesh, kv heads over its ``tp`` axis when it has one; None (default): one
         device.
       max_length: tokens a sequence may hold, prompt included (default 1024).

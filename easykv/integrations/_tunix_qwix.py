@@ -22,6 +22,7 @@ Private to the Tunix integration; imports qwix only when a model is a qwix model
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Iterator
@@ -86,6 +87,34 @@ def qwix_refusal(model: Any, family_name: str, runs_quantized: str | None) -> st
     return _attention_parameters(model)
 
 
+def qwix_signature(model: Any) -> str:
+    """What a qwix model's forward depends on besides its parameter arrays: the provider's class and each
+    rule's options (``alpha``, ``rank``, module paths, quantized types, ...), as text equal in every process
+    ("" for a model qwix did not wrap). Two LoRA models with equal arrays and another ``alpha`` compute other
+    keys and values, so a shared store's weight version must tell them apart. Initializers are left out: they
+    shape only the first arrays, which the version holds anyway, and their text names memory addresses."""
+    if qwix_base(type(model)) is None:
+        return ""
+    provider = _provider(type(model))
+    rules = [",".join(f"{f.name}={_plain(getattr(rule, f.name))}" for f in dataclasses.fields(rule)
+                      if not callable(getattr(rule, f.name)))
+             for rule in getattr(provider, "_rules", ())]
+    return f"qwix:{type(provider).__qualname__}[{';'.join(rules)}]"
+
+
+def _plain(value: Any) -> str:
+    """A rule option as process-independent text (dtypes by name, collections element by element)."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(map(_plain, value)) if isinstance(value, (set, frozenset)) else map(_plain, value)
+        return "(" + ",".join(items) + ")"
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return repr(value)
+    try:
+        return str(jax.numpy.dtype(value).name)
+    except TypeError:
+        return f"{type(value).__qualname__}:{value}"
+
+
 def _attention_parameters(model: Any) -> str | None:
     """Why qwix parameters sit on a module whose code easykv does not run, or None: easykv runs every module
     of the model through Tunix's own code but for each attention module's own core."""
@@ -105,4 +134,4 @@ def _qwix_attributes(module: nnx.Module) -> Iterator[str]:
             yield name
 
 
-__all__ = ["qwix_base", "qwix_refusal"]
+__all__ = ["qwix_base", "qwix_refusal", "qwix_signature"]

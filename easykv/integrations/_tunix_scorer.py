@@ -101,6 +101,8 @@ class Scorer:
                 if (held or self.open) and held + need + self._reserve() > room:
                     break
                 feed = self._open(self.pending.popleft())
+                # the prompt's cached pages it took (and host pages brought back) are no longer free or cached
+                room = min(g.free_pages + g.cached_pages for g in mgr.metrics.groups)
             else:
                 break
             started += 1

@@ -92,9 +92,7 @@ def check_request(prompt_tokens: Any, completion_tokens: Any, *, pad_id: Any, eo
     row no sequence of the cache can hold), as a `ScoreBatch`."""
     pad = integer("pad_id", pad_id, lo=0, hi=vocab - 1, hint="a token id of the model's vocabulary")
     integer("eos_id", eos_id, lo=0, hi=vocab - 1, hint="a token id of the model's vocabulary")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) or not (
-            np.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature={temperature!r} must be a float >= 0 (0 and 1: the logits as they are)")
+    scale = _temperature(temperature)
     hint = f"token ids of the model's vocabulary of {vocab}"
     prompts = integer_array("prompt_tokens", _host(prompt_tokens), ndim=2, lo=0, hi=vocab - 1, hint=hint)
     completions = integer_array("completion_tokens", _host(completion_tokens), ndim=2, lo=0, hi=vocab - 1, hint=hint)
@@ -119,7 +117,22 @@ def check_request(prompt_tokens: Any, completion_tokens: Any, *, pad_id: Any, eo
         if key not in groups:
             groups[key] = Group(prompt, Feed(prompt[:cut], real[:0], columns[:0]), deque())
         groups[key].rows.append(feed)
-    return ScoreBatch(list(groups.values()), prompts.shape[0], completions.shape[1], float(temperature) or 1.0)
+    return ScoreBatch(list(groups.values()), prompts.shape[0], completions.shape[1], scale or 1.0)
+
+
+def _temperature(value: Any) -> float:
+    """``value`` as a finite float >= 0 (ints of any size, numpy scalars), else ValueError naming it."""
+    number = None
+    if not isinstance(value, (bool, np.bool_)) and isinstance(value, (int, float, np.integer, np.floating)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float
+            number = None
+    if number is None or not (np.isfinite(number) and number >= 0):
+        big = isinstance(value, int) and value.bit_length() >= 64
+        shown = f"an int of {value.bit_length()} bits" if big else repr(value)
+        raise ValueError(f"temperature={shown} must be a finite float >= 0 (0 and 1: the logits as they are)")
+    return number
 
 
 def _host(tokens: Any) -> Any:

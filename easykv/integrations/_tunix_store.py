@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from easykv.integrations._tunix_qwix import qwix_signature
 from easykv.spec.metadata import PagedAttentionCacheMetaData
 
 
@@ -46,7 +47,8 @@ def with_store_host_tier(meta: PagedAttentionCacheMetaData) -> PagedAttentionCac
 
 class WeightsFingerprint:
     """The weight version of a model's parameters (see the module doc): ``"params-sha256:<hex>"`` of every
-    parameter's path, shape, dtype and a 64-bit fingerprint of its bits, equal on every process. Each array's
+    parameter's path, shape, dtype and a 64-bit fingerprint of its bits, and of a qwix model's LoRA or
+    quantization options (`qwix_signature`), equal on every process. Each array's
     fingerprint is kept while the array lives, so a new version costs a pass over the arrays that changed only
     (a LoRA run's adapters, not its frozen base)."""
 
@@ -61,7 +63,7 @@ class WeightsFingerprint:
             sums = np.asarray(jax.device_get(_fingerprints(new)), np.uint32)  # (new leaves, 2), replicated
             for a, lanes in zip(new, sums):
                 self._known[id(a)] = (weakref.ref(a, self._forget(id(a))), lanes.tobytes())
-        h = hashlib.sha256()
+        h = hashlib.sha256(qwix_signature(model).encode())  # a LoRA's alpha, rank, ...: not in the arrays
         for (path, a) in flat:
             h.update(f"{jax.tree_util.keystr(path)}|{tuple(a.shape)}|{jnp.dtype(a.dtype).name}|".encode())
             h.update(self._lanes(a) or b"")

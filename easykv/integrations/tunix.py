@@ -262,7 +262,8 @@ def use_easykv_scoring(cluster: rl_cluster.RLCluster, **engine_options: Any) -> 
             models[role] = worker.get_model(role)
         except ValueError:  # Tunix's answer for a role the cluster has no model for
             continue
-    scorer = EasyKVInferenceWorker(models, mesh=cluster.r2m[rl_cluster.Role.REFERENCE], **engine_options)
+    # a cluster without a reference (GRPO with beta = 0) may have no reference mesh: the worker names what is missing
+    scorer = EasyKVInferenceWorker(models, mesh=cluster.r2m.get(rl_cluster.Role.REFERENCE), **engine_options)
     cluster._inference_worker = scorer  # noqa: SLF001  the one place Tunix 0.1.7 keeps it (see the doc)
     return scorer
 

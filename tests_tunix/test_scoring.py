@@ -391,6 +391,22 @@ def test_the_inference_worker_scores_the_reference_as_tunix_s_does(zoo):
             EasyKVInferenceWorker(models, **OPTS)
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_inference_worker_sleeps_between_calls_and_finds_prompts_after_level_1(level, zoo):
+    mdl = zoo.model("llama3")
+    worker = EasyKVInferenceWorker({"reference": mdl}, sleep_level=level, **OPTS)
+    prompts, completions = scoring_batch(np.random.default_rng(91), [9, 11], [2, 2])
+    ref = np.asarray(InferenceWorker({"reference": mdl}).get_ref_per_token_logps(prompts, completions, PAD, EOS))
+    for _ in range(2):
+        assert_tunix_s(worker.get_ref_per_token_logps(prompts, completions, PAD, EOS), ref, completions)
+        assert worker.engine.asleep  # its device memory is the trainer's until the next call
+    hits = worker.engine.manager.metrics.prefix_hits
+    assert hits == (2 if level == 1 else 0)  # level 1 kept the prompts' pages in host memory; level 2 did not
+    for bad in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match=rf"sleep_level={re.escape(repr(bad))} must be None"):
+            EasyKVInferenceWorker({"reference": mdl}, sleep_level=bad, **OPTS)
+
+
 def test_use_easykv_scoring_serves_a_tunix_cluster_s_reference():
     import optax
     from tunix.rl import rl_cluster as rl

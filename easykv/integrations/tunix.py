@@ -89,9 +89,7 @@ class EasyKVRollout(base_rollout.BaseRollout):
         if rollout_actor is None or tokenizer is None:
             raise ValueError("EasyKVRollout needs rollout_actor (a Tunix model) and tokenizer, as Tunix's RL cluster "
                              "passes them")
-        if sleep_level not in (None, 1, 2):
-            raise ValueError(f"sleep_level={sleep_level!r} must be None (stay awake), 1 (pages kept in host memory "
-                             "between calls) or 2 (pages discarded between calls)")
+        _check_sleep_level(sleep_level)
         self._tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
         engine_options.setdefault("max_length", getattr(rollout_config, "kv_cache_size", 1024))
         self._engine = TunixPagedEngine(rollout_actor, mesh=mesh, **engine_options)
@@ -206,16 +204,22 @@ class EasyKVInferenceWorker(inference_worker.InferenceWorker):
     Args:
       models: Tunix's role -> model map (``"reference"`` required; ``"critic"``, ``"reward"``).
       mesh: the reference cache's mesh (None: one device).
+      sleep_level: free the reference cache's device memory after each scoring call (the trainer's
+        phase; `TunixPagedEngine.sleep`): 1 keeps its pages in host memory, so later steps still find
+        the prompts, 2 discards them; None (default): stay awake.
       **engine_options: `TunixPagedEngine`'s keywords (``num_pages``, ``max_length``, ``batch_size``,
         ``score_tokens``, ...).
     """
 
-    def __init__(self, models: dict[str, nnx.Module], *, mesh: Mesh | None = None, **engine_options: Any) -> None:
+    def __init__(self, models: dict[str, nnx.Module], *, mesh: Mesh | None = None, sleep_level: int | None = None,
+                 **engine_options: Any) -> None:  # fmt: skip
         if models.get("reference") is None:
             raise ValueError("EasyKVInferenceWorker scores with the reference model, and models has none; give the "
                              "RLCluster a reference model (GRPO with beta != 0 needs one)")
+        _check_sleep_level(sleep_level)
         super().__init__(models)
         self._engine = TunixPagedEngine(models["reference"], mesh=mesh, **engine_options)
+        self._sleep_level = sleep_level
 
     @property
     def engine(self) -> TunixPagedEngine:
@@ -236,8 +240,11 @@ class EasyKVInferenceWorker(inference_worker.InferenceWorker):
         Returns:
           ``(batch, completion_len)`` float32 log-probabilities, 0 at padding.
         """
-        return self._engine.score(prompt_tokens, completion_tokens, pad_id=pad_id, eos_id=eos_id,
-                                  temperature=temperature)
+        logps = self._engine.score(prompt_tokens, completion_tokens, pad_id=pad_id, eos_id=eos_id,
+                                   temperature=temperature)
+        if self._sleep_level is not None:
+            self._engine.sleep(self._sleep_level)
+        return logps
 
 
 def use_easykv_scoring(cluster: rl_cluster.RLCluster, **engine_options: Any) -> EasyKVInferenceWorker:
@@ -266,6 +273,12 @@ def use_easykv_scoring(cluster: rl_cluster.RLCluster, **engine_options: Any) -> 
     scorer = EasyKVInferenceWorker(models, mesh=cluster.r2m.get(rl_cluster.Role.REFERENCE), **engine_options)
     cluster._inference_worker = scorer  # noqa: SLF001  the one place Tunix 0.1.7 keeps it (see the doc)
     return scorer
+
+
+def _check_sleep_level(sleep_level: object) -> None:
+    if isinstance(sleep_level, bool) or sleep_level not in (None, 1, 2):
+        raise ValueError(f"sleep_level={sleep_level!r} must be None (stay awake), 1 (pages kept in host memory "
+                         "between calls) or 2 (pages discarded between calls)")
 
 
 def _left_padded(ids: list[np.ndarray], length: int | None, pad: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 from easykv.errors import CacheFullError
 from easykv.integrations._tunix_model import Family, forward, paged_copy
 from easykv.integrations._tunix_scorer import Scorer
-from easykv.integrations._tunix_scoring import check_request, compiled_score
+from easykv.integrations._tunix_scoring import check_request, compiled_score, padded_rows
 from easykv.integrations._tunix_store import WeightsFingerprint, with_store_host_tier
 from easykv.manager.manager import PageManager
 from easykv.manager.step_plan import StepPlan
@@ -121,11 +121,6 @@ def _compiled(graphdef: Any) -> tuple[Any, Any]:
     decode = jax.jit(partial(_decode, graphdef), donate_argnums=1,
                      static_argnames=("num_steps", "page_size", "num_pages", "eos_id", "sample"))
     return prefill, decode
-
-
-def _bucket(n: int) -> int:
-    """Rows padded to a power of two (at least 4): few shapes, so few compilations."""
-    return max(4, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass
@@ -519,7 +514,7 @@ class TunixPagedEngine:
             flat = np.concatenate(chunks)
             tokens[: flat.size] = flat
             plan = mgr.schedule([rows[i].seq for i, _ in batch], [c.size for c in chunks], pad_tokens_to=budget_each,
-                                pad_seqs_to=min(_bucket(len(batch)), mgr.batch_size))
+                                pad_seqs_to=padded_rows(len(batch), mgr.batch_size))
             logits = runner.run(plan, partial(self._prefill_plan, jnp.asarray(tokens)), token_ids=chunks)
             self._note_pages()
             for j, (i, chunk) in enumerate(batch):
@@ -554,7 +549,7 @@ class TunixPagedEngine:
     def _decode_round(self, live: list[_Row], key: jax.Array, round_: int, sampling: Sampling,
                       eos: tuple[int, ...]) -> None:  # fmt: skip
         mgr, runner, k = self.manager, self._awake(), self.decode_steps
-        seqs, pad = [r.seq for r in live], min(_bucket(len(live)), mgr.batch_size)
+        seqs, pad = [r.seq for r in live], padded_rows(len(live), mgr.batch_size)
         try:
             plan = mgr.schedule_decode(seqs, k, max_tokens=[min(k, r.limit - len(r.out)) for r in live],
                                        pad_seqs_to=pad)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from easykv.integrations._tunix_scoring import Feed, Group, ScoreBatch
+from easykv.integrations._tunix_scoring import Feed, Group, ScoreBatch, padded_rows
 from easykv.manager.manager import PageManager
 from easykv.runner import Runner
 
@@ -164,9 +164,8 @@ class Scorer:
                 self.where.append((feed.row, feed.columns[first - skip : last - skip], len(self.outputs), at))
             chunks.append(chunk)
             offset += n
-        pad_seqs = min(max(4, 1 << (len(feeds) - 1).bit_length()), mgr.batch_size)
         plan = mgr.schedule([f.seq for f, _ in feeds], [n for _, n in feeds], pad_tokens_to=budget,
-                            pad_seqs_to=pad_seqs)
+                            pad_seqs_to=padded_rows(len(feeds), mgr.batch_size))
         step = partial(self.step, jnp.asarray(tokens), jnp.asarray(targets), jnp.float32(temperature))
         self.outputs.append(self.runner.run(plan, step, token_ids=chunks))
         for feed, n in feeds:

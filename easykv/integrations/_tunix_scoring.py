@@ -165,9 +165,15 @@ def _score(graphdef: Any, state: Any, cache: Any, tokens: jax.Array, targets: ja
     return picked - jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1), cache
 
 
+def padded_rows(n: int, batch_size: int) -> int:
+    """A step's ``n`` sequence rows padded to a power of two (at least 4, at most ``batch_size``): few shapes, so
+    few compilations (the engine's prefill and decode steps and the scorer's)."""
+    return min(max(4, 1 << (n - 1).bit_length()), batch_size)
+
+
 def compiled_score(graphdef: Any) -> Callable[..., tuple[jax.Array, Any]]:
     """The scoring step of one model structure, jitted (the cache donated)."""
     return jax.jit(partial(_score, graphdef), donate_argnums=1)
 
 
-__all__ = ["Feed", "Group", "ScoreBatch", "check_request", "compiled_score"]
+__all__ = ["Feed", "Group", "ScoreBatch", "check_request", "compiled_score", "padded_rows"]
